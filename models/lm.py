@@ -1,0 +1,68 @@
+"""TinyLM: the seed project's byte-level language model around NSA (or dense) attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig, preset
+from .nsa import DenseAttention, NSAAttention, rope_tables
+
+__all__ = ["TinyLM", "build_model"]
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, ratio: int):
+        super().__init__()
+        self.up = nn.Linear(dim, ratio * dim, bias=False)
+        self.down = nn.Linear(ratio * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.up(x)))
+
+
+class Block(nn.Module):
+    """RMSNorm -> attention -> residual -> RMSNorm -> MLP(SiLU) -> residual."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.dim, eps=1e-6)
+        self.attn = NSAAttention(cfg) if cfg.attention == "nsa" else DenseAttention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.dim, eps=1e-6)
+        self.mlp = MLP(cfg.dim, cfg.mlp_ratio)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TinyLM(nn.Module):
+    """tokens [B, S] int64 -> logits [B, S, vocab]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=1e-6)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        S = tokens.shape[1]
+        cos, sin = rope_tables(S, self.cfg.rot_dim, self.cfg.rope_base, tokens.device)
+        x = self.embed(tokens)  # [B, S, dim]
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.head(self.norm(x))
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy over tokens [B, S + 1]."""
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def build_model(name_or_config: str | ModelConfig = "tiny", **changes) -> TinyLM:
+    """A TinyLM from a preset name ('tiny', 'seed', 'paper', '<preset>-dense') or a config."""
+    cfg = preset(name_or_config, **changes) if isinstance(name_or_config, str) else name_or_config
+    return TinyLM(cfg)

@@ -1,0 +1,67 @@
+"""The public entry points: optimize(model, config) and report(model)."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from .backend import make_backend
+from .config import OptimizeConfig
+from .pass_manager import OptimizeState
+
+__all__ = ["optimize", "report", "state_of"]
+
+_STATE_ATTR = "_nsa_compile_state"
+
+
+def optimize(model: nn.Module, config: OptimizeConfig | None = None) -> nn.Module:
+    """Compile `model` in place with the NSA rewrite passes and return it.
+
+    The returned module is `model` itself (compiled through `nn.Module.compile`), so its
+    parameters are the original's, `state_dict()` keys are unchanged (no `_orig_mod.` prefix)
+    and an optimizer built before or after trains it. Calling optimize again recompiles with
+    the new config. Rewrites happen at the first forward; `report(model)` lists them.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize() takes an nn.Module, not {type(model).__name__}")
+    config = OptimizeConfig() if config is None else config
+    if not isinstance(config, OptimizeConfig):
+        raise TypeError(f"config must be an OptimizeConfig, not {type(config).__name__}")
+    state = OptimizeState.for_config(config)
+    model.compile(backend=make_backend(state), dynamic=config.dynamic, fullgraph=config.fullgraph)
+    object.__setattr__(model, _STATE_ATTR, state)
+    return model
+
+
+def state_of(model: nn.Module) -> OptimizeState:
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError("this model was not passed through nsa_compile.optimize()")
+    return state
+
+
+def report(model: nn.Module) -> list[dict]:
+    """What the passes did so far: one row per enabled pass, in registry order.
+
+    Each row: name, matches (count over all graphs compiled so far), where (module paths of the
+    matches, in order, without repeats), kernels (what the matches became), refused (count),
+    reasons (distinct refusal reasons), graphs (how many graphs the pass ran on), time_ms.
+    """
+    state = state_of(model)
+    rows = []
+    for p in state.passes:
+        logs = [log for g in state.graphs for log in g.logs if log.pass_name == p.name]
+        matches = [m for log in logs for m in log.matches]
+        refusals = [r for log in logs for r in log.refusals]
+        rows.append(
+            {
+                "name": p.name,
+                "matches": len(matches),
+                "where": list(dict.fromkeys(m.where for m in matches)),
+                "kernels": list(dict.fromkeys(m.kernel for m in matches)),
+                "refused": len(refusals),
+                "reasons": list(dict.fromkeys(r.reason for r in refusals)),
+                "graphs": len(logs),
+                "time_ms": round(1000 * sum(log.seconds for log in logs), 3),
+            }
+        )
+    return rows

@@ -1,0 +1,55 @@
+"""OptimizeConfig: the one configuration object of nsa_compile.
+
+Every switch lives here and is passed explicitly to `optimize(model, config)`. The project
+reads no environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["OptimizeConfig", "COMPILERS"]
+
+# How the rewritten graph is turned into code:
+#   inductor   torch.compile's default compiler; the passes run inside it (pre_grad hook).
+#   aot_eager  the passes, then AOTAutograd tracing and eager execution of the ATen graphs:
+#              the same graphs Inductor would see, without codegen (fast CPU tests).
+#   eager      the passes, then eager execution of the rewritten Dynamo graph.
+COMPILERS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class OptimizeConfig:
+    """How `nsa_compile.optimize` compiles a model.
+
+    compiler:        one of COMPILERS.
+    disabled_passes: names of registered passes to skip (see `nsa_compile.pass_names()`).
+    dynamic:         passed to torch.compile (None: static first, dynamic after a change).
+    fullgraph:       passed to torch.compile (True: a graph break is an error).
+    """
+
+    compiler: str = "inductor"
+    disabled_passes: tuple[str, ...] = ()
+    dynamic: bool | None = None
+    fullgraph: bool = False
+
+    def __post_init__(self) -> None:
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"unknown compiler {self.compiler!r}; valid: {', '.join(COMPILERS)}")
+        if isinstance(self.disabled_passes, str):
+            raise TypeError("disabled_passes is a tuple of pass names, not one string")
+        object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))
+        from .registry import pass_names
+
+        valid = pass_names()
+        unknown = [name for name in self.disabled_passes if name not in valid]
+        if unknown:
+            raise ValueError(f"unknown pass name(s) {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+
+    def replace(self, **changes) -> "OptimizeConfig":
+        return dataclasses.replace(self, **changes)
+
+    def cache_key(self) -> str:
+        """What of this config changes the rewritten graph (part of each pass's uuid)."""
+        return repr(sorted(dataclasses.asdict(self).items()))

@@ -1,0 +1,78 @@
+"""Helpers for reading and editing Dynamo (torch IR) FX graphs.
+
+Torch IR is not normalized: the same op can be a function (`torch.matmul`), an operator
+(`a @ b`) or a method (`a.matmul(b)`), with arguments positional or keyword. These helpers
+give passes one way to ask.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["op_name", "arg", "value", "module_path", "call", "MATMULS"]
+
+# op_name() of every node that computes a (batched) matrix product.
+MATMULS = ("matmul", "bmm")
+
+_FUNCTION_NAMES = {operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "bmm"}
+
+
+def op_name(node: fx.Node) -> str | None:
+    """A canonical name for call_function / call_method nodes ('matmul', 'transpose', ...)."""
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        if node.target in _FUNCTION_NAMES:
+            return _FUNCTION_NAMES[node.target]
+        return getattr(node.target, "__name__", None)
+    return None
+
+
+def arg(node: fx.Node, index: int, name: str, default=None):
+    """Argument `name` of a call, given positionally at `index` (method: self is index 0)."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def value(node) -> torch.Tensor | None:
+    """The fake tensor Dynamo recorded for a node (None for non-tensors and constants)."""
+    if not isinstance(node, fx.Node):
+        return None
+    val = node.meta.get("example_value", node.meta.get("val"))
+    return val if isinstance(val, torch.Tensor) else None
+
+
+_PREFIX = re.compile(r"^(L\[['\"](self|fn|mod)['\"]\]|L__self__|self)\.?")
+
+
+def module_path(node: fx.Node) -> str:
+    """The user's module path of a node ('blocks.0.attn'), from Dynamo's nn_module_stack."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "<top>"
+    path = list(stack.values())[-1][0]
+    path = _PREFIX.sub("", str(path))
+    path = re.sub(r"\[['\"]?([\w.]+)['\"]?\]", r".\1", path).strip(".")
+    return path or "<top>"
+
+
+def call(graph: fx.Graph, target, *args, anchor: fx.Node, **kwargs) -> fx.Node:
+    """Insert `target(*args, **kwargs)` before `anchor`, with its fake value and anchor's metadata."""
+    with graph.inserting_before(anchor):
+        node = graph.call_function(target, args, kwargs)
+    fakes = fx.node.map_arg((args, kwargs), lambda n: n.meta.get("example_value", n.meta.get("val")))
+    modes = [x.fake_mode for x in tree_leaves(fakes) if hasattr(x, "fake_mode")]
+    mode = modes[0] if modes else None
+    if mode is not None:
+        with mode:
+            node.meta["example_value"] = target(*fakes[0], **fakes[1])
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in anchor.meta:
+            node.meta[key] = anchor.meta[key]
+    return node

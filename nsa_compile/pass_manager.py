@@ -1,0 +1,99 @@
+"""Runs the registered passes over each graph Dynamo captures, and keeps the record.
+
+`NSAGraphPass` is the composite pass: one object per hook that runs every enabled pass in
+registry order (timed, counted, logged), then any pass that was already installed on the hook.
+It is a `CustomGraphPass` whose uuid covers the pass sources and the config, so Inductor's
+caches never serve code compiled by other passes or options.
+"""
+
+from __future__ import annotations
+
+import difflib
+import time
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .config import OptimizeConfig
+from .registry import registered_passes
+from .rewrite import PassLog, RewritePass
+
+__all__ = ["NSAGraphPass", "OptimizeState", "GraphRecord"]
+
+
+@dataclass
+class GraphRecord:
+    """One captured graph: its code before and after the passes, and each pass's log."""
+
+    graph_id: int
+    code_before: str = ""
+    code_after: str = ""
+    logs: list[PassLog] = field(default_factory=list)
+
+    def diff(self) -> str:
+        return "".join(
+            difflib.unified_diff(
+                self.code_before.splitlines(True), self.code_after.splitlines(True),
+                f"graph {self.graph_id} before", f"graph {self.graph_id} after",
+            )
+        )
+
+
+@dataclass
+class OptimizeState:
+    """Everything `optimize` learned about one model: config, passes, and each graph's record."""
+
+    config: OptimizeConfig
+    passes: tuple[RewritePass, ...]
+    graphs: list[GraphRecord] = field(default_factory=list)
+
+    @classmethod
+    def for_config(cls, config: OptimizeConfig) -> "OptimizeState":
+        enabled = tuple(p for p in registered_passes() if p.name not in config.disabled_passes)
+        return cls(config, enabled)
+
+    def new_graph(self) -> GraphRecord:
+        record = GraphRecord(len(self.graphs))
+        self.graphs.append(record)
+        return record
+
+
+def _graph_code(graph: fx.Graph) -> str:
+    return graph.python_code("self").src
+
+
+class NSAGraphPass(CustomGraphPass):
+    """The composite pass installed on one hook (Inductor's pre_grad_custom_pass)."""
+
+    def __init__(self, state: OptimizeState, chained=None):
+        self.state = state
+        self.chained = chained  # whatever was installed on the hook before us
+
+    def __call__(self, graph: fx.Graph) -> None:
+        record = self.state.new_graph()
+        record.code_before = _graph_code(graph)
+        for p in self.state.passes:
+            log = PassLog(p.name, record.graph_id, nodes_before=len(graph.nodes))
+            start = time.perf_counter()
+            p.apply(graph, log)  # a pass erases what it replaced
+            graph.lint()
+            log.seconds = time.perf_counter() - start
+            log.nodes_after = len(graph.nodes)
+            record.logs.append(log)
+        record.code_after = _graph_code(graph)
+        if graph.owning_module is not None:
+            graph.owning_module.recompile()
+        if self.chained is not None:
+            self.chained(graph)
+
+    def uuid(self):
+        files = sorted({f for p in self.state.passes for f in p.source_files()} | {__file__})
+        parts = [get_hash_for_files(tuple(files)).hex(), self.state.config.cache_key()]
+        parts += [p.name for p in self.state.passes]
+        if self.chained is not None:
+            chained_uuid = self.chained.uuid() if hasattr(self.chained, "uuid") else None
+            if chained_uuid is None:
+                return None  # an uncacheable pass was installed before us: no caching
+            parts.append(str(chained_uuid))
+        return "|".join(parts)
