@@ -22,6 +22,23 @@ from .pass_manager import NSAGraphPass, OptimizeState
 __all__ = ["make_backend"]
 
 
+def _aot_eager(gm: fx.GraphModule, example_inputs, keep: dict):
+    """AOTAutograd with eager execution, keeping each ATen graph it makes in `keep`."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keeper(kind):
+        def compiler(aten_gm, _inputs):
+            keep[kind] = aten_gm
+            return make_boxed_func(aten_gm.forward)
+
+        return compiler
+
+    return aot_autograd(
+        fw_compiler=keeper("forward"), bw_compiler=keeper("backward"), inference_compiler=keeper("inference")
+    )(gm, example_inputs)
+
+
 def make_backend(state: OptimizeState):
     compiler = state.config.compiler
 
@@ -34,7 +51,7 @@ def make_backend(state: OptimizeState):
             return compile_fx(gm, example_inputs, config_patches={"pre_grad_custom_pass": composite})
         NSAGraphPass(state)(gm.graph)
         if compiler == "aot_eager":
-            return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+            return _aot_eager(gm, example_inputs, state.graphs[-1].aten)
         return gm.forward
 
     return nsa_backend

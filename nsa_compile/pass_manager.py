@@ -30,6 +30,9 @@ class GraphRecord:
     code_before: str = ""
     code_after: str = ""
     logs: list[PassLog] = field(default_factory=list)
+    # The ATen graphs AOTAutograd made of the rewritten graph ('forward', 'backward',
+    # 'inference'), kept by compiler='aot_eager' for tests and `explain`.
+    aten: dict[str, fx.GraphModule] = field(default_factory=dict)
 
     def diff(self) -> str:
         return "".join(

@@ -1,0 +1,107 @@
+"""Parity of an optimized model against its eager original, the way ARCHITECTURE.md judges it.
+
+Oracle: the eager model in float64. Metric: relative RMS error ||x - ref|| / ||ref|| of the
+output and of every parameter gradient. Bar: err(optimized) <= max(2 * err(eager), floor) where
+err(eager) is the eager model's own error in the same dtype against the same oracle (in bf16/fp16
+eager NSA flips near-tied block choices itself; the factor absorbs that), floors below.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["FLOORS", "ParityRow", "ParityReport", "check_parity", "relative_error", "training_loss"]
+
+FLOORS = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float64: 1e-12}
+
+
+def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64 (absolute norm of x - ref when ref is all zero)."""
+    x, ref = x.detach().double(), ref.detach().double()
+    diff = torch.linalg.vector_norm(x - ref).item()
+    scale = torch.linalg.vector_norm(ref).item()
+    return diff / scale if scale > 0 else diff
+
+
+def training_loss(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy of a language model over tokens [B, S + 1]: (logits, loss)."""
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    return logits, loss
+
+
+@dataclass(frozen=True)
+class ParityRow:
+    name: str  # 'output', 'loss' or a parameter name
+    err_eager: float
+    err_optimized: float
+    bar: float
+
+    @property
+    def ok(self) -> bool:
+        return self.err_optimized <= self.bar
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "err_eager": self.err_eager, "err_optimized": self.err_optimized,
+                "bar": self.bar, "ok": self.ok}
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    dtype: torch.dtype
+    rows: tuple[ParityRow, ...]  # worst first (err_optimized / bar)
+
+    @property
+    def ok(self) -> bool:
+        return all(row.ok for row in self.rows)
+
+    def failures(self) -> list[ParityRow]:
+        return [row for row in self.rows if not row.ok]
+
+
+def _step(model: nn.Module, tokens: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    logits, loss = training_loss(model, tokens)
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return logits.detach(), loss.detach(), grads
+
+
+def check_parity(
+    eager: nn.Module,
+    optimize_fn,
+    tokens: torch.Tensor,
+    dtype: torch.dtype,
+    floors: dict | None = None,
+) -> ParityReport:
+    """Compare `optimize_fn(copy of eager in dtype)` with eager in dtype, both against float64.
+
+    `eager` is left untouched; every model runs one forward and backward on `tokens` [B, S + 1].
+    A gradient that is None in the oracle must be None in the optimized model and vice versa.
+    """
+    floor = (floors or FLOORS)[dtype]
+    oracle = _step(copy.deepcopy(eager).to(torch.float64), tokens)
+    same_dtype = _step(copy.deepcopy(eager).to(dtype), tokens)
+    optimized = _step(optimize_fn(copy.deepcopy(eager).to(dtype)), tokens)
+
+    rows = []
+
+    def add(name, ref, base, opt):
+        if ref is None or opt is None:
+            if (ref is None) != (opt is None) or (ref is None) != (base is None):
+                rows.append(ParityRow(f"{name} (grad None mismatch)", 0.0, float("inf"), 0.0))
+            return
+        err_eager = relative_error(base, ref)
+        rows.append(ParityRow(name, err_eager, relative_error(opt, ref), max(2 * err_eager, floor)))
+
+    add("output", oracle[0], same_dtype[0], optimized[0])
+    add("loss", oracle[1], same_dtype[1], optimized[1])
+    for name in oracle[2]:
+        add(f"grad {name}", oracle[2][name], same_dtype[2][name], optimized[2].get(name))
+    rows.sort(key=lambda r: r.err_optimized / r.bar if r.bar > 0 else float("inf"), reverse=True)
+    return ParityReport(dtype, tuple(rows))

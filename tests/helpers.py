@@ -1,0 +1,45 @@
+"""Shared test helpers: fresh optimization, token batches, graph queries."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+import nsa_compile
+from nsa_compile.api import state_of
+
+FAST = nsa_compile.OptimizeConfig(compiler="aot_eager")
+
+
+def optimize_fresh(model, config=FAST):
+    """optimize() after a Dynamo reset, so each test compiles from scratch."""
+    torch._dynamo.reset()
+    return nsa_compile.optimize(model, config)
+
+
+def tokens(batch: int, seq: int, seed: int = 0, vocab: int = 256) -> torch.Tensor:
+    """Random token ids [batch, seq + 1] (inputs and next-token targets)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq + 1), generator=g)
+
+
+def only_graph(model):
+    graphs = state_of(model).graphs
+    assert len(graphs) == 1, f"expected one compiled graph, got {len(graphs)}"
+    return graphs[0]
+
+
+def row(model, name: str) -> dict:
+    (found,) = [r for r in nsa_compile.report(model) if r["name"] == name]
+    return found
+
+
+def growing_float_expands(gm: fx.GraphModule) -> list[tuple]:
+    """(input shape, output shape) of every aten.expand that copies a float tensor to more elements."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.expand.default:
+            src, dst = node.args[0].meta["val"], node.meta["val"]
+            if src.is_floating_point() and dst.numel() > src.numel():
+                out.append((tuple(src.shape), tuple(dst.shape)))
+    return out
