@@ -8,6 +8,8 @@ backward pattern has to be matched (see docs/DESIGN.md).
 - compiler='inductor': the composite pass goes into Inductor's `pre_grad_custom_pass` hook
   through `config_patches` for this compile only (never a global assignment), chained after
   any pass already installed there.
+  Since PyTorch 2.12 the hook runs after Inductor's cache lookup; on a hit the passes run on a
+  copy of the graph only to keep `report()` true.
 - compiler='aot_eager' / 'eager': the same composite pass runs here, then the rewritten graph
   goes through AOTAutograd with eager execution, or runs as it is.
 """
@@ -20,6 +22,16 @@ import torch.fx as fx
 from .pass_manager import NSAGraphPass, OptimizeState
 
 __all__ = ["make_backend"]
+
+
+def _record_cache_hit(gm: fx.GraphModule, state: OptimizeState) -> None:
+    """Inductor served this graph from its cache (keyed by our pass's uuid), so our hook did not
+    run (PyTorch >= 2.12 runs pre-grad passes after the cache lookup). Run the passes on a copy
+    of the untouched graph, only to record what the cached code contains."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    NSAGraphPass(state)(graph)
+    state.graphs[-1].from_cache = True
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs, keep: dict):
@@ -48,7 +60,11 @@ def make_backend(state: OptimizeState):
             from torch._inductor.compile_fx import compile_fx
 
             composite = NSAGraphPass(state, chained=inductor_config.pre_grad_custom_pass)
-            return compile_fx(gm, example_inputs, config_patches={"pre_grad_custom_pass": composite})
+            seen = len(state.graphs)
+            compiled = compile_fx(gm, example_inputs, config_patches={"pre_grad_custom_pass": composite})
+            if len(state.graphs) == seen:
+                _record_cache_hit(gm, state)
+            return compiled
         NSAGraphPass(state)(gm.graph)
         if compiler == "aot_eager":
             return _aot_eager(gm, example_inputs, state.graphs[-1].aten)

@@ -33,6 +33,7 @@ class GraphRecord:
     # The ATen graphs AOTAutograd made of the rewritten graph ('forward', 'backward',
     # 'inference'), kept by compiler='aot_eager' for tests and `explain`.
     aten: dict[str, fx.GraphModule] = field(default_factory=dict)
+    from_cache: bool = False  # Inductor served the compiled code from its cache
 
     def diff(self) -> str:
         return "".join(

@@ -1,0 +1,183 @@
+"""The pass framework and the public API: config, registry, composite pass, optimize(), report()."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+import torch.fx as fx
+from helpers import FAST, optimize_fresh, row, tokens
+
+import nsa_compile
+from nsa_compile.config import OptimizeConfig
+from nsa_compile.models import build_model
+from nsa_compile.pass_manager import NSAGraphPass, OptimizeState
+
+
+def test_public_surface():
+    assert sorted(nsa_compile.__all__) == sorted(
+        ["optimize", "report", "OptimizeConfig", "pass_names", "register_pass", "unregister_pass",
+         "RewritePass", "PassLog"]
+    )
+    assert nsa_compile.pass_names() == ("gqa_grouped_matmul",)
+
+
+def test_config_is_frozen_and_validates_names():
+    config = OptimizeConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.compiler = "eager"
+    with pytest.raises(ValueError, match="unknown pass name.*'nope'.*valid: gqa_grouped_matmul"):
+        OptimizeConfig(disabled_passes=("nope",))
+    with pytest.raises(ValueError, match="unknown compiler 'tvm'; valid: inductor, aot_eager, eager"):
+        OptimizeConfig(compiler="tvm")
+    with pytest.raises(TypeError, match="tuple of pass names"):
+        OptimizeConfig(disabled_passes="gqa_grouped_matmul")
+    assert OptimizeConfig(disabled_passes=["gqa_grouped_matmul"]).disabled_passes == ("gqa_grouped_matmul",)
+
+
+def test_optimize_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="nn.Module"):
+        nsa_compile.optimize(lambda x: x)
+    with pytest.raises(TypeError, match="OptimizeConfig"):
+        nsa_compile.optimize(torch.nn.Linear(2, 2), {"compiler": "eager"})
+    with pytest.raises(ValueError, match="not passed through nsa_compile.optimize"):
+        nsa_compile.report(torch.nn.Linear(2, 2))
+
+
+def test_state_dict_and_parameters_are_the_originals():
+    model = build_model("tiny")
+    keys = list(model.state_dict())
+    params = list(model.parameters())
+    optimized = optimize_fresh(model)
+    assert optimized is model
+    assert list(optimized.state_dict()) == keys
+    assert all(a is b for a, b in zip(optimized.parameters(), params))
+    # an optimizer built on the original parameters trains the optimized model
+    opt = torch.optim.SGD(params, lr=0.5)
+    batch = tokens(1, 40)
+    before = optimized.loss(batch)
+    before.backward()
+    opt.step()
+    after = optimized.loss(batch)
+    assert after.item() < before.item()
+
+
+def test_report_before_and_after_the_first_forward():
+    model = optimize_fresh(build_model("tiny"))
+    (first,) = nsa_compile.report(model)
+    assert first["name"] == "gqa_grouped_matmul" and first["matches"] == 0 and first["graphs"] == 0
+    model.loss(tokens(1, 40)).backward()
+    r = row(model, "gqa_grouped_matmul")
+    assert set(r) >= {"name", "matches", "where", "time_ms"}
+    assert r["matches"] == 12 and r["time_ms"] > 0
+
+
+def test_reoptimize_replaces_the_record():
+    model = optimize_fresh(build_model("tiny"))
+    model(tokens(1, 20)[:, :-1])
+    nsa_compile.optimize(model, FAST.replace(disabled_passes=("gqa_grouped_matmul",)))
+    assert nsa_compile.report(model) == []
+
+
+def _tiny_graph() -> fx.Graph:
+    return fx.symbolic_trace(lambda x: x + 1).graph
+
+
+def test_composite_pass_chains_the_installed_pass_and_keys_the_cache():
+    calls = []
+
+    class Installed:
+        def __call__(self, graph):
+            calls.append(graph)
+
+        def uuid(self):
+            return "installed-v1"
+
+    state = OptimizeState.for_config(FAST)
+    composite = NSAGraphPass(state, chained=Installed())
+    graph = _tiny_graph()
+    composite(graph)
+    assert calls == [graph]
+    assert len(state.graphs) == 1 and [log.pass_name for log in state.graphs[0].logs] == ["gqa_grouped_matmul"]
+
+    uuid = composite.uuid()
+    assert "installed-v1" in uuid
+    assert NSAGraphPass(state, chained=Installed()).uuid() == uuid  # stable
+    other = OptimizeState.for_config(FAST.replace(compiler="inductor"))
+    assert NSAGraphPass(other, chained=Installed()).uuid() != uuid  # options enter the key
+    fewer = OptimizeState.for_config(FAST.replace(disabled_passes=("gqa_grouped_matmul",)))
+    assert NSAGraphPass(fewer).uuid() != NSAGraphPass(state).uuid()  # enabled passes enter the key
+    # a plain function installed before us cannot be keyed: no caching rather than stale code
+    assert NSAGraphPass(state, chained=lambda g: None).uuid() is None
+
+
+def test_uuid_covers_pass_sources(tmp_path, monkeypatch):
+    state = OptimizeState.for_config(FAST)
+    before = NSAGraphPass(state).uuid()
+    (p,) = state.passes
+    copy = tmp_path / "gqa_copy.py"
+    copy.write_text(open(p.source_files()[0]).read() + "\n# changed\n")
+    monkeypatch.setattr(type(p), "source_files", lambda self: (str(copy),))
+    assert NSAGraphPass(state).uuid() != before
+
+
+def test_inductor_hook_is_set_per_compile_not_globally():
+    from torch._inductor import config as inductor_config
+
+    assert inductor_config.pre_grad_custom_pass is None
+    model = optimize_fresh(build_model("tiny"), OptimizeConfig(compiler="eager"))
+    model(tokens(1, 20)[:, :-1])
+    assert inductor_config.pre_grad_custom_pass is None
+
+
+class AddOne(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+def test_user_pass_registration_round_trip():
+    class CountAdds(nsa_compile.RewritePass):
+        name = "user_count_adds"
+        summary = "counts additions, rewrites nothing"
+
+        def apply(self, graph, log):
+            for node in graph.nodes:
+                if node.op == "call_function" and getattr(node.target, "__name__", "") == "add":
+                    log.refused(node, "an add is not attention")
+
+    p = nsa_compile.register_pass(CountAdds())
+    try:
+        assert nsa_compile.pass_names()[-1] == "user_count_adds"
+        with pytest.raises(ValueError, match="already registered"):
+            nsa_compile.register_pass(CountAdds())
+        model = optimize_fresh(AddOne())
+        assert torch.equal(model(torch.ones(2)), torch.full((2,), 2.0))
+        r = row(model, "user_count_adds")
+        assert (r["matches"], r["refused"], r["reasons"]) == (0, 1, ["an add is not attention"])
+    finally:
+        nsa_compile.unregister_pass(p.name)
+    assert "user_count_adds" not in nsa_compile.pass_names()
+    with pytest.raises(ValueError, match="family word"):
+        bad = CountAdds()
+        bad.name = "count_adds"
+        nsa_compile.register_pass(bad)
+
+
+def test_wheel_installs_namespaced_packages_only(tmp_path):
+    """pip install . (non-editable) ships nsa_compile.passes / nsa_compile.models, no bare ones."""
+    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(repo)],
+        check=True,
+    )
+    (wheel,) = tmp_path.glob("nsa_compile-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.startswith("nsa_compile-")}
+    assert tops == {"nsa_compile"}
+    assert "nsa_compile/passes/gqa_grouped_matmul.py" in names
+    assert "nsa_compile/models/nsa.py" in names
+    assert "nsa_compile/cli.py" in names
