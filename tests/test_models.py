@@ -27,6 +27,16 @@ from nsa_compile.models import (
 TINY = preset("tiny")  # l=8, d=4, l'=16, n=3, w=32, H=4, G=2, h=2, D=16
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: one intra-op thread is fastest, and on a loaded 2-core machine
+    two OpenMP threads spinning against other processes made this file 20x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _tokens(B: int, S: int, vocab: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (B, S), generator=g)
@@ -52,14 +62,20 @@ NSA_VARIANTS = [
     dict(compression=c, gate=g, rope=r, shared_kv=s)
     for c, g, r, s in itertools.product(("mean", "mlp"), ("group", "head"), ("half", "interleaved"), (False, True))
 ]
-CAUSAL_CASES = [("tiny", v) for v in NSA_VARIANTS] + [("tiny-dense", {})]
+CAUSAL_CASES = (
+    [("tiny", v) for v in NSA_VARIANTS]
+    + [("tiny", dict(head_dim_v=8, rotary_dim=8, compression="mlp")), ("tiny-dense", {})]
+)
 
 
 def _case_id(case):
     name, changes = case
     if not changes:
         return name
-    return "-".join(f"{v}" if not isinstance(v, bool) else ("shared" if v else "sep") for v in changes.values())
+    return "-".join(
+        f"{k}={v}" if k in ("head_dim_v", "rotary_dim") else (("shared" if v else "sep") if isinstance(v, bool) else v)
+        for k, v in changes.items()
+    )
 
 
 @pytest.mark.parametrize("case", CAUSAL_CASES, ids=[_case_id(c) for c in CAUSAL_CASES])
@@ -96,7 +112,7 @@ def test_causality(case):
 @pytest.mark.parametrize("name,changes", [
     ("tiny", {}),
     ("tiny", dict(compression="mlp", gate="head", rope="interleaved", shared_kv=True)),
-    ("tiny", dict(head_dim_v=8, rotary_dim=8)),
+    ("tiny", dict(head_dim_v=8, rotary_dim=8, compression="mlp", rope="interleaved")),
     ("tiny-dense", {}),
 ])
 @pytest.mark.parametrize("S", [1, 7, 8, 13, 16, 37, 48, 49, 100])
@@ -621,3 +637,54 @@ def test_gates_sum_and_range():
             torch.testing.assert_close(g.sum(-1), torch.ones(B, S, cfg.n_heads, dtype=torch.float64))
             assert torch.equal(g[:, :, 0], g[:, :, 1]) and torch.equal(g[:, :, 2], g[:, :, 3])
             assert not torch.equal(g[:, :, 1], g[:, :, 2])
+
+
+def test_branch_dtypes_bfloat16():
+    # Scores and p_cmp in float32, branch outputs back in the input dtype (sections 2 and 7).
+    cfg = preset("tiny")
+    attn = NSAAttention(cfg)
+    B, S = 1, 37
+    q, k, v = (x.bfloat16() for x in _qkv(cfg, B, S, seed=1, dtype=torch.float32))
+    o_cmp, p_cmp = attn.compressed_attention(q, k, v)
+    assert o_cmp.dtype == torch.bfloat16 and p_cmp.dtype == torch.float32
+    idx = attn.select_blocks(p_cmp, S)
+    assert idx.dtype == torch.int64
+    assert attn.selected_attention(q, k, v, idx).dtype == torch.bfloat16
+    assert attn.window_attention(q, k, v).dtype == torch.bfloat16
+    model = _model("tiny", dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = model(_tokens(2, S, cfg.vocab_size))
+    assert logits.dtype == torch.bfloat16 and logits.shape == (2, S, cfg.vocab_size)
+    assert torch.isfinite(logits.float()).all()
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_rope_pairs_and_relative_position(style):
+    from nsa_compile.models.nsa import apply_rope, rope_tables
+
+    D, r, S = 16, 8, 40
+    cos, sin = rope_tables(S, r, 10000.0, "cpu")
+    assert cos.shape == (S, r // 2) and cos.dtype == torch.float32
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, S, 2, D, dtype=torch.float64, generator=g)
+    y = apply_rope(x, cos, sin, style)
+    assert torch.equal(y[..., r:], x[..., r:])  # dims past rotary_dim pass through
+    assert torch.equal(y[:, 0], x[:, 0])  # position 0: no rotation
+    # Each pair keeps its norm: (i, i + r/2) for 'half', (2i, 2i + 1) for 'interleaved'.
+    if style == "half":
+        a, b = slice(0, r // 2), slice(r // 2, r)
+    else:
+        a, b = slice(0, r, 2), slice(1, r, 2)
+    torch.testing.assert_close(y[..., a] ** 2 + y[..., b] ** 2, x[..., a] ** 2 + x[..., b] ** 2)
+    # Position t rotates pair i by the angle t * 10000^(-2i/r).
+    t, i = 5, 1
+    ang = t * 10000.0 ** (-2 * i / r)
+    xa, xb = x[0, t, 0, a][i], x[0, t, 0, b][i]
+    expected = torch.stack([xa * math.cos(ang) - xb * math.sin(ang), xa * math.sin(ang) + xb * math.cos(ang)])
+    torch.testing.assert_close(torch.stack([y[0, t, 0, a][i], y[0, t, 0, b][i]]), expected, rtol=1e-6, atol=1e-6)
+    # Scores depend only on the relative position: the same q, k at (t, s) and (t + c, s + c).
+    q = torch.randn(D, dtype=torch.float64, generator=g)
+    k = torch.randn(D, dtype=torch.float64, generator=g)
+    qs = apply_rope(q.expand(1, S, 1, D), cos, sin, style)[0, :, 0]
+    ks = apply_rope(k.expand(1, S, 1, D), cos, sin, style)[0, :, 0]
+    torch.testing.assert_close(qs[12] @ ks[3], qs[30] @ ks[21], rtol=1e-5, atol=1e-5)
