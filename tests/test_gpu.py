@@ -20,8 +20,10 @@ def with_inductor(model):
     return nsa_compile.optimize(model)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("preset_name", ["tiny", "seed"])
+@pytest.mark.parametrize(
+    "preset_name, dtype",
+    [("tiny", torch.float32), ("tiny", torch.bfloat16), ("tiny", torch.float16), ("seed", torch.bfloat16)],
+)
 def test_gqa_rewrite_parity_on_cuda(preset_name, dtype):
     torch.manual_seed(0)
     eager = build_model(preset_name).cuda()

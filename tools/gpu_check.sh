@@ -9,8 +9,13 @@ out=${OUT:-/tmp/nsa_gpu_check}
 mkdir -p "$out"
 pip install -q --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1 || { cat "$out/pip.log"; exit 1; }
 python - <<'PY'
-import torch, triton
+import inspect, torch, triton
 print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+try:
+    from torch.nn.attention.varlen import varlen_attn
+    print("varlen_attn", inspect.signature(varlen_attn))
+except ImportError as err:
+    print("no varlen_attn:", err)
 PY
 status=0
 pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/pytest.log" | tail -15 || status=1
