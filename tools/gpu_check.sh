@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The whole test suite (GPU-marked tests included) and the parity checks, on the H100 with the
 # GPU image's PyTorch (2.11): run it whenever kernel or pass code changes.
-# On the device machine: bash tools/gpu_check.sh   (installs the checkout without dependencies:
+# On the device machine: bash tools/gpu_check.sh   (python3 there is the interpreter with torch;
+# it installs the checkout without dependencies:
 # the GPU image already has torch, triton, click, networkx, tabulate and pytest).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/nsa_gpu_check}
 mkdir -p "$out"
-pip install -q --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1 || { cat "$out/pip.log"; exit 1; }
-python - <<'PY'
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1 || { cat "$out/pip.log"; exit 1; }
+python3 - <<'PY'
 import inspect, torch, triton
 print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
 try:
@@ -18,11 +19,11 @@ except ImportError as err:
     print("no varlen_attn:", err)
 PY
 status=0
-pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/pytest.log" | tail -15 || status=1
+python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/pytest.log" | tail -15 || status=1
 for dtype in fp32,bf16,fp16; do
-  nsa-compile parity --device cuda --model tiny --dtypes "$dtype" >"$out/parity_tiny.log" 2>&1 || status=1
+  python3 -m nsa_compile parity --device cuda --model tiny --dtypes "$dtype" >"$out/parity_tiny.log" 2>&1 || status=1
   tail -4 "$out/parity_tiny.log"
 done
-nsa-compile explain --device cuda --model seed --seq-len 256 >"$out/explain_seed.log" 2>&1 || status=1
+python3 -m nsa_compile explain --device cuda --model seed --seq-len 256 >"$out/explain_seed.log" 2>&1 || status=1
 head -8 "$out/explain_seed.log"
 exit $status

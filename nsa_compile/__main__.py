@@ -1,0 +1,5 @@
+"""`python -m nsa_compile ...` is the `nsa-compile` command."""
+
+from .cli import main
+
+main()
