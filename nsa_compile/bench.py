@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from dataclasses import dataclass
 
@@ -33,8 +34,22 @@ def time_training(
     steps: int = 5,
     warmup: int = 1,
     autocast_dtype: torch.dtype | None = None,
-) -> StepTiming:
-    """Time `steps` training steps (forward, backward, AdamW) on token batch [B, S + 1]."""
+) -> StepTiming | None:
+    """Time `steps` training steps (forward, backward, AdamW) on token batch [B, S + 1].
+
+    Returns None when the GPU runs out of memory (a result, not an error: eager NSA does).
+    """
+    try:
+        return _time_training(model, batch, steps, warmup, autocast_dtype)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        gc.collect()
+        if batch.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _time_training(model, batch, steps, warmup, autocast_dtype) -> StepTiming:
     device = batch.device
     fused = device.type == "cuda" and all(p.is_floating_point() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused or None)

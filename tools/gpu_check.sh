@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite (GPU-marked tests included) and the parity checks, on the H100 with the
-# GPU image's PyTorch (2.11): run it whenever kernel or pass code changes.
+# The GPU-marked and Inductor tests and the parity checks, on the H100 with the GPU image's
+# PyTorch (2.11): run it whenever kernel or pass code changes (a few minutes).
 # On the device machine: bash tools/gpu_check.sh   (python3 there is the interpreter with torch;
 # it installs the checkout without dependencies:
 # the GPU image already has torch, triton, click, networkx, tabulate and pytest).
@@ -18,8 +18,11 @@ try:
 except ImportError as err:
     print("no varlen_attn:", err)
 PY
+# --all: the whole suite (checks the CPU tests on the image's PyTorch too; about 7 minutes)
+selection=(-m "gpu or inductor")
+[ "${1:-}" = "--all" ] && selection=()
 status=0
-python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/pytest.log" | tail -15 || status=1
+python3 -m pytest -q -p no:cacheprovider "${selection[@]}" tests 2>&1 | tee "$out/pytest.log" | tail -15 || status=1
 for dtype in fp32,bf16,fp16; do
   python3 -m nsa_compile parity --device cuda --model tiny --dtypes "$dtype" >"$out/parity_tiny.log" 2>&1 || status=1
   tail -4 "$out/parity_tiny.log"
