@@ -21,6 +21,8 @@ def optimize(model: nn.Module, config: OptimizeConfig | None = None) -> nn.Modul
     and an optimizer built before or after trains it. Calling optimize again recompiles with
     the new config. Rewrites happen at the first forward; `report(model)` lists them.
     """
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        raise TypeError(f"optimize() takes an nn.Module instance, not the class {model.__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, not {type(model).__name__}")
     config = OptimizeConfig() if config is None else config
@@ -33,6 +35,8 @@ def optimize(model: nn.Module, config: OptimizeConfig | None = None) -> nn.Modul
 
 
 def state_of(model: nn.Module) -> OptimizeState:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected the nn.Module passed to nsa_compile.optimize(), not {type(model).__name__}")
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise ValueError("this model was not passed through nsa_compile.optimize()")

@@ -16,6 +16,8 @@ backward pattern has to be matched (see docs/DESIGN.md).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -24,14 +26,46 @@ from .pass_manager import NSAGraphPass, OptimizeState
 __all__ = ["make_backend"]
 
 
+def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of gm whose graph and subgraphs (higher-order ops' bodies, recursively) are new
+    objects, so that passes run on it leave gm as it is; other attributes are shared."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    attrs = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            attr = operator.attrgetter(node.target)(gm)
+            attrs[node.target] = _graph_copy(attr) if isinstance(attr, fx.GraphModule) else attr
+    return fx.GraphModule(attrs, graph)
+
+
+def _subgraphs_first(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The bodies of gm's higher-order ops (activation checkpointing, torch.cond, ...: GraphModule
+    attributes reached through get_attr), depth first, then gm: the order in which Inductor's
+    pre-grad stage runs the hook on each (`_recursive_pre_grad_passes`). The user's attention
+    code can sit in such a body."""
+    found = []
+    for target in dict.fromkeys(node.target for node in gm.graph.find_nodes(op="get_attr")):
+        sub = operator.attrgetter(target)(gm)
+        if isinstance(sub, fx.GraphModule):
+            found += _subgraphs_first(sub)
+    return found + [gm]
+
+
+def _run_passes(gm: fx.GraphModule, state: OptimizeState) -> None:
+    """One record per graph: each subgraph's, then gm's (the last record)."""
+    for module in _subgraphs_first(gm):
+        NSAGraphPass(state)(module.graph)
+
+
 def _record_cache_hit(gm: fx.GraphModule, state: OptimizeState) -> None:
     """Inductor served this graph from its cache (keyed by our pass's uuid), so our hook did not
     run (PyTorch >= 2.12 runs pre-grad passes after the cache lookup). Run the passes on a copy
-    of the untouched graph, only to record what the cached code contains."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    NSAGraphPass(state)(graph)
-    state.graphs[-1].from_cache = True
+    of the untouched graph and its subgraphs, only to record what the cached code contains."""
+    seen = len(state.graphs)
+    _run_passes(_graph_copy(gm), state)
+    for record in state.graphs[seen:]:
+        record.from_cache = True
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs, keep: dict):
@@ -65,7 +99,7 @@ def make_backend(state: OptimizeState):
             if len(state.graphs) == seen:
                 _record_cache_hit(gm, state)
             return compiled
-        NSAGraphPass(state)(gm.graph)
+        _run_passes(gm, state)  # as Inductor's pre-grad stage would: subgraphs too
         if compiler == "aot_eager":
             return _aot_eager(gm, example_inputs, state.graphs[-1].aten)
         return gm.forward

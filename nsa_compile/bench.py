@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .parity import training_loss
+from .workload import loss_of
 
 __all__ = ["StepTiming", "time_training"]
 
@@ -30,27 +30,31 @@ def _sync(device: torch.device) -> None:
 
 def time_training(
     model: nn.Module,
-    batch: torch.Tensor,
+    batch: torch.Tensor | tuple,
     steps: int = 5,
     warmup: int = 1,
     autocast_dtype: torch.dtype | None = None,
+    is_lm: bool = True,
+    progress=None,
 ) -> StepTiming | None:
-    """Time `steps` training steps (forward, backward, AdamW) on token batch [B, S + 1].
+    """Time `steps` training steps (forward, backward, AdamW) on token batch [B, S + 1] (or, with
+    is_lm=False, the model's inputs and a mean-square loss). `progress(n)` is told of each step.
 
     Returns None when the GPU runs out of memory (a result, not an error: eager NSA does).
     """
     try:
-        return _time_training(model, batch, steps, warmup, autocast_dtype)
+        inputs = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+        return _time_training(model, inputs, steps, warmup, autocast_dtype, is_lm, progress or (lambda n: None))
     except torch.OutOfMemoryError:
         return None
     finally:
         gc.collect()
-        if batch.device.type == "cuda":
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def _time_training(model, batch, steps, warmup, autocast_dtype) -> StepTiming:
-    device = batch.device
+def _time_training(model, inputs, steps, warmup, autocast_dtype, is_lm, progress) -> StepTiming:
+    device = inputs[0].device
     fused = device.type == "cuda" and all(p.is_floating_point() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused or None)
     autocast = (
@@ -59,7 +63,7 @@ def _time_training(model, batch, steps, warmup, autocast_dtype) -> StepTiming:
 
     def step():
         with autocast:
-            _, loss = training_loss(model, batch)
+            _, loss = loss_of(model, inputs, is_lm)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -71,8 +75,10 @@ def _time_training(model, batch, steps, warmup, autocast_dtype) -> StepTiming:
     step()
     _sync(device)
     first = time.perf_counter() - start
+    progress(1)
     for _ in range(warmup):
         step()
+        progress(1)
     times = []
     for _ in range(steps):
         _sync(device)
@@ -80,7 +86,9 @@ def _time_training(model, batch, steps, warmup, autocast_dtype) -> StepTiming:
         step()
         _sync(device)
         times.append(time.perf_counter() - start)
+        progress(1)
     median = sorted(times)[len(times) // 2]
-    tokens = batch.shape[0] * (batch.shape[1] - 1)
+    lead = inputs[0]
+    tokens = lead.shape[0] * (lead.shape[1] - 1) if is_lm else lead.shape[0]
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return StepTiming(tokens / median, 1000 * median, first, peak)

@@ -37,8 +37,13 @@ class OptimizeConfig:
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
             raise ValueError(f"unknown compiler {self.compiler!r}; valid: {', '.join(COMPILERS)}")
-        if isinstance(self.disabled_passes, str):
-            raise TypeError("disabled_passes is a tuple of pass names, not one string")
+        # torch.compile reads these as truthy (fullgraph='no' is True) or fails at the first call
+        if not isinstance(self.fullgraph, bool):
+            raise TypeError(f"fullgraph must be a bool, not {type(self.fullgraph).__name__}")
+        if self.dynamic is not None and not isinstance(self.dynamic, bool):
+            raise TypeError(f"dynamic must be None, True or False, not {type(self.dynamic).__name__}")
+        if isinstance(self.disabled_passes, str) or not hasattr(self.disabled_passes, "__iter__"):
+            raise TypeError("disabled_passes is a tuple of pass names")
         object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))
         from .registry import pass_names
 

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-__all__ = ["FLOORS", "ParityRow", "ParityReport", "check_parity", "relative_error", "training_loss"]
+from .workload import cast_inputs, loss_of
+
+__all__ = ["FLOORS", "ParityRow", "ParityReport", "check_parity", "relative_error"]
 
 FLOORS = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float64: 1e-12}
 
@@ -26,13 +27,6 @@ def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     diff = torch.linalg.vector_norm(x - ref).item()
     scale = torch.linalg.vector_norm(ref).item()
     return diff / scale if scale > 0 else diff
-
-
-def training_loss(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token cross-entropy of a language model over tokens [B, S + 1]: (logits, loss)."""
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-    return logits, loss
 
 
 @dataclass(frozen=True)
@@ -64,30 +58,35 @@ class ParityReport:
         return [row for row in self.rows if not row.ok]
 
 
-def _step(model: nn.Module, tokens: torch.Tensor):
+def _step(model: nn.Module, inputs: tuple, is_lm: bool, dtype: torch.dtype):
     model.zero_grad(set_to_none=True)
-    logits, loss = training_loss(model, tokens)
+    out, loss = loss_of(model, cast_inputs(inputs, dtype), is_lm)
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
-    return logits.detach(), loss.detach(), grads
+    return out.detach(), loss.detach(), grads
 
 
 def check_parity(
     eager: nn.Module,
     optimize_fn,
-    tokens: torch.Tensor,
+    inputs: torch.Tensor | tuple,
     dtype: torch.dtype,
+    is_lm: bool = True,
     floors: dict | None = None,
 ) -> ParityReport:
     """Compare `optimize_fn(copy of eager in dtype)` with eager in dtype, both against float64.
 
-    `eager` is left untouched; every model runs one forward and backward on `tokens` [B, S + 1].
-    A gradient that is None in the oracle must be None in the optimized model and vice versa.
+    `eager` is left untouched; every model runs one forward and backward. With is_lm (the
+    default) `inputs` are tokens [B, S + 1] and the loss is next-token cross-entropy; otherwise
+    `inputs` are the model's positional inputs (floating ones cast to each model's dtype) and
+    the loss is the mean square of the first floating output. A gradient that is None in the
+    oracle must be None in the optimized model and vice versa.
     """
     floor = (floors or FLOORS)[dtype]
-    oracle = _step(copy.deepcopy(eager).to(torch.float64), tokens)
-    same_dtype = _step(copy.deepcopy(eager).to(dtype), tokens)
-    optimized = _step(optimize_fn(copy.deepcopy(eager).to(dtype)), tokens)
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    oracle = _step(copy.deepcopy(eager).to(torch.float64), inputs, is_lm, torch.float64)
+    same_dtype = _step(copy.deepcopy(eager).to(dtype), inputs, is_lm, dtype)
+    optimized = _step(optimize_fn(copy.deepcopy(eager).to(dtype)), inputs, is_lm, dtype)
 
     rows = []
 

@@ -35,13 +35,22 @@ class GraphRecord:
     aten: dict[str, fx.GraphModule] = field(default_factory=dict)
     from_cache: bool = False  # Inductor served the compiled code from its cache
 
-    def diff(self) -> str:
-        return "".join(
-            difflib.unified_diff(
-                self.code_before.splitlines(True), self.code_after.splitlines(True),
-                f"graph {self.graph_id} before", f"graph {self.graph_id} after",
-            )
-        )
+    # The rewritten graph as (name, op, target, input names), for networkx exports.
+    nodes_after: list[tuple[str, str, str, tuple[str, ...]]] = field(default_factory=list)
+    new_nodes: set[str] = field(default_factory=set)  # nodes the passes created
+
+    def diffs(self) -> list[tuple[str, str]]:
+        """(pass name, unified diff of the graph code before -> after that pass), changed ones only."""
+        out, before = [], self.code_before
+        for log in self.logs:
+            if log.code_after != before:
+                text = "".join(difflib.unified_diff(
+                    before.splitlines(True), log.code_after.splitlines(True),
+                    f"graph {self.graph_id} before {log.pass_name}", f"graph {self.graph_id} after {log.pass_name}",
+                ))
+                out.append((log.pass_name, text))
+            before = log.code_after
+        return out
 
 
 @dataclass
@@ -67,6 +76,12 @@ def _graph_code(graph: fx.Graph) -> str:
     return graph.python_code("self").src
 
 
+def _target_name(node: fx.Node) -> str:
+    if node.op in ("call_function", "call_method"):
+        return getattr(node.target, "__qualname__", None) or str(node.target)
+    return str(node.target)
+
+
 class NSAGraphPass(CustomGraphPass):
     """The composite pass installed on one hook (Inductor's pre_grad_custom_pass)."""
 
@@ -77,6 +92,7 @@ class NSAGraphPass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         record = self.state.new_graph()
         record.code_before = _graph_code(graph)
+        before_names = {n.name for n in graph.nodes}
         for p in self.state.passes:
             log = PassLog(p.name, record.graph_id, nodes_before=len(graph.nodes))
             start = time.perf_counter()
@@ -84,8 +100,13 @@ class NSAGraphPass(CustomGraphPass):
             graph.lint()
             log.seconds = time.perf_counter() - start
             log.nodes_after = len(graph.nodes)
+            log.code_after = _graph_code(graph)
             record.logs.append(log)
         record.code_after = _graph_code(graph)
+        record.nodes_after = [
+            (n.name, n.op, _target_name(n), tuple(a.name for a in n.all_input_nodes)) for n in graph.nodes
+        ]
+        record.new_nodes = {name for name, *_ in record.nodes_after} - before_names
         if graph.owning_module is not None:
             graph.owning_module.recompile()
         if self.chained is not None:

@@ -45,7 +45,7 @@ class PassLog:
     nodes_before: int = 0
     nodes_after: int = 0
     seconds: float = 0.0
-    error: str | None = None
+    code_after: str = ""  # the graph's code after this pass (for per-pass diffs)
 
     def matched(self, node: fx.Node, kernel: str) -> None:
         self.matches.append(Match(node.name, module_path(node), kernel))

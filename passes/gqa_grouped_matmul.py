@@ -14,16 +14,19 @@ Becomes, per matmul (no copy of K/V; the h query heads of a group ride in the ro
 Every element of `out` is the same dot product as before, in the same dtype.
 
 Refuses (graph unchanged), with the reason shown by `explain`:
-- repeats that are a tensor, or no `dim` (the input is flattened);
+- repeats that are a tensor, or no `dim` (the input is flattened); symbolic (SymInt) repeats,
+  as under dynamic shapes, are fine;
 - a repeat over a matrix dim of the matmul (not a head dim);
 - kv_rep used by anything but such a matmul (the copy must stay for that use), or on the left;
-- a matmul that broadcasts over batch dims, or whose operands differ in rank.
+- a matmul that broadcasts over batch dims, or whose operands differ in rank;
+- an operand with a dim of size 0 (nothing to compute; unflatten could not infer its sizes).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.rewrite import PassLog, RewritePass
@@ -40,6 +43,11 @@ def is_last_two_transpose(node: fx.Node) -> bool:
     if not all(isinstance(d, int) for d in dims):
         return False
     return {d % rank for d in dims} == {rank - 2, rank - 1}
+
+
+def is_symint(node: fx.Node) -> bool:
+    """node computes a symbolic int (a size under dynamic shapes), not a tensor."""
+    return isinstance(node.meta.get("example_value", node.meta.get("val")), torch.SymInt)
 
 
 def matmul_uses(rep: fx.Node) -> tuple[list[tuple[fx.Node, fx.Node | None]], str | None]:
@@ -74,8 +82,10 @@ def check_matmul(mm: fx.Node, dim: int) -> str | None:
         return f"matmul operands of rank {lhs.dim()} and {rhs.dim()} (need equal ranks >= 3)"
     if dim >= rank - 2:
         return f"repeat_interleave over dim {dim}, a matrix dim of the matmul, not a head dim"
-    if tuple(lhs.shape[:-2]) != tuple(rhs.shape[:-2]):
+    if not all(statically_known_true(a == b) for a, b in zip(lhs.shape[:-2], rhs.shape[:-2])):
         return f"the matmul broadcasts over batch dims {tuple(lhs.shape[:-2])} vs {tuple(rhs.shape[:-2])}"
+    if any(statically_known_true(size == 0) for size in (*lhs.shape, *rhs.shape)):
+        return "a matmul operand is empty (a dim of size 0)"
     return None
 
 
@@ -118,8 +128,8 @@ class GQAGroupedMatmul(RewritePass):
 
     def check(self, rep: fx.Node):
         kv, repeats, dim = arg(rep, 0, "input"), arg(rep, 1, "repeats"), arg(rep, 2, "dim")
-        if not isinstance(repeats, int):
-            return "repeats is not a Python int (tensor repeats are data-dependent)", None
+        if not (isinstance(repeats, int) or isinstance(repeats, fx.Node) and is_symint(repeats)):
+            return "repeats is not an int or SymInt (tensor repeats are data-dependent)", None
         if dim is None:
             return "repeat_interleave without dim flattens its input", None
         if arg(rep, 3, "output_size") is not None:

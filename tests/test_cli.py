@@ -1,32 +1,48 @@
-"""The nsa-compile command line: every command, its JSON, and the errors a user can hit."""
+"""The nsa-compile command line: every command, its outputs, and the errors a user can hit."""
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
+import networkx as nx
 import pytest
 import torch
 from click.testing import CliRunner
 
-from nsa_compile.cli import cli, main
+import nsa_compile
+from nsa_compile.cli import cli, main, resolve_dtype
 from nsa_compile.models import build_model
+
+HERE = Path(__file__).parent
+USER_FILE = str(HERE / "user_models" / "gqa_block.py")
 
 
 def invoke(*args):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
-def test_explain_table_lists_the_pass_and_near_misses():
+def run_main(args, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    return done.value.code, capsys.readouterr()
+
+
+def without_timings(text: str) -> str:
+    """The explain output without the pass table's last (time) column, the only part that varies."""
+    lines = [ln.rsplit("|", 2)[0] + "|" if ln.count("|") == 8 else ln for ln in text.splitlines()]
+    return "\n".join(lines) + "\n"
+
+
+def test_explain_table_matches_the_golden_file():
     result = invoke("explain", "--model", "tiny", "--device", "cpu", "--seq-len", "40")
     assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
-    (pass_line,) = [ln for ln in lines if ln.startswith("| gqa_grouped_matmul |") and "grouped matmul (" in ln]
-    assert pass_line.split("|")[2].strip() == "12"
-    assert "near misses" in result.output
-    assert "the repeated tensor is also used by getitem: the copy must stay" in result.output
+    golden = (HERE / "golden" / "explain_tiny.txt").read_text()
+    assert without_timings(result.output) == golden
 
 
-def test_explain_json_has_passes_and_near_misses():
+def test_explain_json_has_passes_near_misses_and_breaks():
     result = invoke("explain", "--model", "tiny", "--device", "cpu", "--seq-len", "40", "--format", "json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
@@ -35,6 +51,7 @@ def test_explain_json_has_passes_and_near_misses():
     assert gqa["where"] == ["blocks.0.attn", "blocks.1.attn"]
     assert len(data["near_misses"]) == 4
     assert {m["where"] for m in data["near_misses"]} == {"blocks.0.attn", "blocks.1.attn"}
+    assert data["graph_breaks"] == []
 
 
 def test_explain_dense_twin_has_nothing_to_rewrite():
@@ -44,6 +61,49 @@ def test_explain_dense_twin_has_nothing_to_rewrite():
     assert data["near_misses"] == []
 
 
+def test_explain_a_user_file_shows_its_graph_break_with_the_source_line():
+    result = invoke("explain", "--model", f"{USER_FILE}:make_breaking", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert "2 graph(s) compiled" in result.output
+    assert f"{USER_FILE}:33" in result.output and "if x.sum() > 0:" in result.output
+    data = json.loads(invoke("explain", "--model", f"{USER_FILE}:make", "--format", "json").output)
+    assert data["passes"][0]["matches"] == 2 and data["graph_breaks"] == []
+
+
+def test_explain_package_module_spec():
+    data = json.loads(invoke("explain", "--model", "user_models.gqa_block:make", "--format", "json").output)
+    assert data["passes"][0]["matches"] == 2
+
+
+def test_explain_diff_shows_source_gone_and_target_added():
+    result = invoke("explain", "--model", f"{USER_FILE}:make", "--diff")
+    assert result.exit_code == 0, result.output
+    assert "# graph_0_gqa_grouped_matmul.diff" in result.output
+    removed = [ln for ln in result.output.splitlines() if ln.startswith("-") and "repeat_interleave" in ln]
+    added = [ln for ln in result.output.splitlines() if ln.startswith("+") and "torch.matmul(" in ln]
+    assert len(removed) == 2 and len(added) == 2
+
+
+def test_explain_exports_dot_and_graphml_with_rewritten_nodes_marked(tmp_path):
+    dot = invoke("explain", "--model", f"{USER_FILE}:make", "--format", "dot").output
+    assert dot.startswith('digraph "graph_0"') and 'fillcolor="#ffd27f"' in dot
+    result = invoke("explain", "--model", f"{USER_FILE}:make", "--out", str(tmp_path))
+    assert "wrote 4 file(s)" in result.output
+    g = nx.read_graphml(tmp_path / "graph_0.graphml")
+    rewritten = [n for n, d in g.nodes(data=True) if d["rewritten"]]
+    # q @ k^T: transpose, unflatten, flatten, matmul, unflatten, flatten; p @ v: the same without transpose
+    assert len(rewritten) == 11
+    assert not any("repeat_interleave" in d["target"] for _, d in g.nodes(data=True))
+    assert json.loads((tmp_path / "explain.json").read_text())["passes"][0]["matches"] == 2
+    assert (tmp_path / "graph_0_gqa_grouped_matmul.diff").read_text().startswith("--- graph 0 before")
+
+
+def test_explain_single_pass():
+    data = json.loads(invoke("explain", "--model", f"{USER_FILE}:make", "--pass", "gqa_grouped_matmul",
+                             "--format", "json").output)
+    assert [p["name"] for p in data["passes"]] == ["gqa_grouped_matmul"]
+
+
 def test_parity_passes_and_prints_every_tensor():
     result = invoke("parity", "--model", "tiny", "--device", "cpu", "--dtypes", "fp32", "--seq-len", "40",
                     "--compiler", "aot_eager")
@@ -51,6 +111,56 @@ def test_parity_passes_and_prints_every_tensor():
     assert "tiny fp32 on cpu: PASS" in result.output
     n_params = len(list(build_model("tiny").parameters()))
     assert result.output.count("| ok |") == 2 + n_params  # output, loss, every parameter
+
+
+def test_parity_of_a_user_model():
+    result = invoke("parity", "--model", f"{USER_FILE}:make", "--dtypes", "fp32,bf16", "--compiler", "aot_eager")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("PASS") == 2
+
+
+class BreaksNumbers(nsa_compile.RewritePass):
+    """A wrong rewrite: scales every softmax input by 1.1."""
+
+    name = "user_breaks_numbers"
+    summary = "a deliberately wrong rewrite, to prove parity catches it"
+
+    def apply(self, graph, log):
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target is torch.softmax:
+                with graph.inserting_before(node):
+                    scaled = graph.call_function(torch.mul, (node.args[0], 1.1))
+                node.replace_input_with(node.args[0], scaled)
+                log.matched(node, "wrong")
+
+
+@pytest.fixture
+def wrong_pass():
+    nsa_compile.register_pass(BreaksNumbers())
+    yield
+    nsa_compile.unregister_pass("user_breaks_numbers")
+
+
+def test_parity_fails_with_exit_1_on_a_wrong_rewrite(wrong_pass):
+    result = invoke("parity", "--model", f"{USER_FILE}:make", "--dtypes", "fp32", "--compiler", "aot_eager")
+    assert result.exit_code == 1
+    assert "FAIL" in result.output
+
+
+def test_bench_runs_side_by_side():
+    result = invoke("bench", "--model", "tiny", "--seq-len", "40", "--steps", "1", "--variants", "eager,optimize",
+                    "--compiler", "aot_eager")
+    assert result.exit_code == 0, result.output
+    assert "parity (float32, seq-len 40) PASS" in result.output
+    assert re.search(r"\| optimize \|\s+[\d,]+ \|.*\|\s+[\d.]+x\s+\|", result.output), result.output
+
+
+def test_bench_refuses_speedups_when_parity_fails(wrong_pass):
+    result = invoke("bench", "--model", f"{USER_FILE}:make", "--steps", "1", "--variants", "eager,optimize",
+                    "--compiler", "aot_eager")
+    assert "parity (float32, seq-len 256) FAIL" in result.output
+    assert result.output.count("n/a (parity failed)") == 2
+    assert not re.search(r"\d\.\d\dx", result.output)
 
 
 def test_demo_runs_end_to_end_on_cpu():
@@ -66,23 +176,50 @@ def test_demo_runs_end_to_end_on_cpu():
     "args, message",
     [
         (["explain", "--model", "huge"], "error: unknown model preset 'huge'; valid:"),
+        (["explain", "--model", "missing.py:make"], "error: missing.py:make: no such file missing.py"),
+        (["explain", "--model", "no_such_package_xyz:make"], "error: no_such_package_xyz:make: cannot import"),
+        (["explain", "--model", f"{USER_FILE}:nothing"], f"error: {USER_FILE}:nothing: "),
+        (["explain", "--model", f"{USER_FILE}:not_a_module"], "error: "),
+        (["explain", "--model", f"{USER_FILE}:raises"], "error: "),
+        (["explain", "--model", f"{USER_FILE}:module_only"], "error: "),
+        (["explain", "--pass", "bogus"], "error: unknown pass 'bogus'; valid: gqa_grouped_matmul"),
         (["parity", "--dtypes", "fp8", "--device", "cpu"], "error: unknown dtype(s) fp8; valid: fp32, bf16, fp16"),
+        (["bench", "--variants", "eager,jit"], "error: unknown variant(s) jit; valid:"),
+        (["explain", "--seq-len", "0"], "error: --batch and --seq-len must be positive"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(args, message, capsys):
-    with pytest.raises(SystemExit) as done:
-        main(args)
-    assert done.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err
+    code, captured = run_main(args, capsys)
+    assert code == 2
+    assert captured.err.startswith(message), captured.err
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize(
+    "factory, says",
+    [("nothing", "has no callable named 'nothing'"), ("not_a_module", "returned str, not an nn.Module"),
+     ("raises", "the factory raised RuntimeError: weights not found"),
+     ("module_only", "returned no example inputs; return (module, inputs)")],
+)
+def test_model_spec_errors_say_what_is_wrong(factory, says, capsys):
+    code, captured = run_main(["explain", "--model", f"{USER_FILE}:{factory}"], capsys)
+    assert code == 2 and says in captured.err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def test_cuda_without_a_gpu_is_a_clear_error(capsys):
-    with pytest.raises(SystemExit) as done:
-        main(["explain", "--device", "cuda"])
-    assert done.value.code == 2
-    assert capsys.readouterr().err == "error: --device cuda was asked for, but no CUDA GPU is available\n"
+    code, captured = run_main(["explain", "--device", "cuda"], capsys)
+    assert code == 2
+    assert captured.err == "error: --device cuda was asked for, but no CUDA GPU is available\n"
+
+
+def test_a_dtype_the_device_cannot_run_is_a_clear_error(monkeypatch):
+    def no_half(x, dim):
+        raise RuntimeError('"softmax_lastdim_kernel_impl" not implemented for \'Half\'')
+
+    monkeypatch.setattr(torch, "softmax", no_half)
+    with pytest.raises(Exception, match="cpu cannot run fp16: .*not implemented for 'Half'"):
+        resolve_dtype("fp16", torch.device("cpu"))
 
 
 def test_debug_flag_shows_the_exception():
