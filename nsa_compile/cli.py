@@ -225,7 +225,8 @@ COMPILER = click.option("--compiler", type=click.Choice(COMPILERS), default="ind
 @click.option("--pass", "only_pass", default=None, help="Run only this pass.")
 @click.option("--diff", is_flag=True, help="Show the graph code diff of each pass that changed it.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
-              help="Also write explain.json, the diffs and the dot/graphml exports here.")
+              help="Also write explain.json, the diffs, the dot/graphml exports and the ATen forward and "
+                   "backward graphs AOTAutograd derived from each rewritten graph here.")
 def explain(model, device, seq_len, batch, dtype, fmt, only_pass, diff, out):
     """Show what each pass rewrote, where, into what, what it refused and why, and graph breaks.
 
@@ -254,11 +255,14 @@ def explain(model, device, seq_len, batch, dtype, fmt, only_pass, diff, out):
             exports[f"graph_{record.graph_id}.dot"] = to_dot(g)
             exports[f"graph_{record.graph_id}.graphml"] = to_graphml(g)
     diffs = {f"graph_{r.graph_id}_{name}.diff": text for r in state.graphs for name, text in r.diffs()}
+    # The ATen graphs AOTAutograd derived from each rewritten graph: the backward follows the rewrite.
+    aten = {f"graph_{r.graph_id}_aten_{kind}.py": gm.print_readable(print_output=False)
+            for r in state.graphs for kind, gm in r.aten.items()}
     if out:
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "explain.json").write_text(json.dumps(data, indent=2))
-        for name, text in {**exports, **diffs}.items():
+        for name, text in {**exports, **diffs, **aten}.items():
             (folder / name).write_text(text)
     if fmt == "json":
         click.echo(json.dumps(data, indent=2))
@@ -276,7 +280,7 @@ def explain(model, device, seq_len, batch, dtype, fmt, only_pass, diff, out):
             for name, text in diffs.items():
                 click.echo(f"\n# {name}\n{text}")
         if out:
-            click.echo(f"\nwrote {1 + len(exports) + len(diffs)} file(s) to {out}")
+            click.echo(f"\nwrote {1 + len(exports) + len(diffs) + len(aten)} file(s) to {out}")
 
 
 @cli.command()

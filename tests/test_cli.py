@@ -88,7 +88,9 @@ def test_explain_exports_dot_and_graphml_with_rewritten_nodes_marked(tmp_path):
     dot = invoke("explain", "--model", f"{USER_FILE}:make", "--format", "dot").output
     assert dot.startswith('digraph "graph_0"') and 'fillcolor="#ffd27f"' in dot
     result = invoke("explain", "--model", f"{USER_FILE}:make", "--out", str(tmp_path))
-    assert "wrote 4 file(s)" in result.output
+    assert "wrote 6 file(s)" in result.output
+    backward = (tmp_path / "graph_0_aten_backward.py").read_text()
+    assert "torch.ops.aten.bmm" in backward and "repeat_interleave" not in backward
     g = nx.read_graphml(tmp_path / "graph_0.graphml")
     rewritten = [n for n, d in g.nodes(data=True) if d["rewritten"]]
     # q @ k^T: transpose, unflatten, flatten, matmul, unflatten, flatten; p @ v: the same without transpose
