@@ -43,3 +43,7 @@ def growing_float_expands(gm: fx.GraphModule) -> list[tuple]:
             if src.is_floating_point() and dst.numel() > src.numel():
                 out.append((tuple(src.shape), tuple(dst.shape)))
     return out
+
+# The GQA pass alone: tests of gqa_grouped_matmul isolate it from the branch passes that run
+# before it (window_attention takes the window branch's K/V with it).
+GQA_ONLY = FAST.replace(disabled_passes=("window_attention",))

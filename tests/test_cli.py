@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 import nsa_compile
 from nsa_compile.cli import cli, main, resolve_dtype
+from nsa_compile.fx import op_name
 from nsa_compile.models import build_model
 
 HERE = Path(__file__).parent
@@ -46,10 +47,13 @@ def test_explain_json_has_passes_near_misses_and_breaks():
     result = invoke("explain", "--model", "tiny", "--device", "cpu", "--seq-len", "40", "--format", "json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    (gqa,) = [p for p in data["passes"] if p["name"] == "gqa_grouped_matmul"]
-    assert gqa["matches"] == 12
-    assert gqa["where"] == ["blocks.0.attn", "blocks.1.attn"]
-    assert len(data["near_misses"]) == 4
+    by_name = {p["name"]: p for p in data["passes"]}
+    assert [p["name"] for p in data["passes"]] == ["window_attention", "gqa_grouped_matmul"]
+    assert by_name["window_attention"]["matches"] == 2 and by_name["gqa_grouped_matmul"]["matches"] == 8
+    assert by_name["gqa_grouped_matmul"]["where"] == ["blocks.0.attn", "blocks.1.attn"]
+    # per layer: the compressed, selected and gate softmaxes (window pass); gate and mask copies (GQA)
+    misses = [m["pass"] for m in data["near_misses"]]
+    assert misses.count("window_attention") == 6 and misses.count("gqa_grouped_matmul") == 4
     assert {m["where"] for m in data["near_misses"]} == {"blocks.0.attn", "blocks.1.attn"}
     assert data["graph_breaks"] == []
 
@@ -57,7 +61,7 @@ def test_explain_json_has_passes_near_misses_and_breaks():
 def test_explain_dense_twin_has_nothing_to_rewrite():
     data = json.loads(invoke("explain", "--model", "tiny-dense", "--device", "cpu", "--seq-len", "20",
                              "--format", "json").output)
-    assert [p["matches"] for p in data["passes"]] == [0]
+    assert [p["matches"] for p in data["passes"]] == [0, 0]
     assert data["near_misses"] == []
 
 
@@ -67,21 +71,22 @@ def test_explain_a_user_file_shows_its_graph_break_with_the_source_line():
     assert "2 graph(s) compiled" in result.output
     assert f"{USER_FILE}:33" in result.output and "if x.sum() > 0:" in result.output
     data = json.loads(invoke("explain", "--model", f"{USER_FILE}:make", "--format", "json").output)
-    assert data["passes"][0]["matches"] == 2 and data["graph_breaks"] == []
+    assert data["passes"][0]["name"] == "window_attention" and data["passes"][0]["matches"] == 1
+    assert data["graph_breaks"] == []
 
 
 def test_explain_package_module_spec():
     data = json.loads(invoke("explain", "--model", "user_models.gqa_block:make", "--format", "json").output)
-    assert data["passes"][0]["matches"] == 2
+    assert data["passes"][0]["matches"] == 1
 
 
 def test_explain_diff_shows_source_gone_and_target_added():
     result = invoke("explain", "--model", f"{USER_FILE}:make", "--diff")
     assert result.exit_code == 0, result.output
-    assert "# graph_0_gqa_grouped_matmul.diff" in result.output
+    assert "# graph_0_window_attention.diff" in result.output
     removed = [ln for ln in result.output.splitlines() if ln.startswith("-") and "repeat_interleave" in ln]
-    added = [ln for ln in result.output.splitlines() if ln.startswith("+") and "torch.matmul(" in ln]
-    assert len(removed) == 2 and len(added) == 2
+    added = [ln for ln in result.output.splitlines() if ln.startswith("+") and "nsa.window_attention(" in ln]
+    assert len(removed) == 2 and len(added) == 1
 
 
 def test_explain_exports_dot_and_graphml_with_rewritten_nodes_marked(tmp_path):
@@ -90,20 +95,20 @@ def test_explain_exports_dot_and_graphml_with_rewritten_nodes_marked(tmp_path):
     result = invoke("explain", "--model", f"{USER_FILE}:make", "--out", str(tmp_path))
     assert "wrote 6 file(s)" in result.output
     backward = (tmp_path / "graph_0_aten_backward.py").read_text()
-    assert "torch.ops.aten.bmm" in backward and "repeat_interleave" not in backward
+    assert "nsa.window_attention_backward" in backward and "repeat_interleave" not in backward
     g = nx.read_graphml(tmp_path / "graph_0.graphml")
-    rewritten = [n for n, d in g.nodes(data=True) if d["rewritten"]]
-    # q @ k^T: transpose, unflatten, flatten, matmul, unflatten, flatten; p @ v: the same without transpose
-    assert len(rewritten) == 11
+    rewritten = [d["target"] for n, d in g.nodes(data=True) if d["rewritten"]]
+    assert len(rewritten) == 1 and "window_attention" in rewritten[0]
     assert not any("repeat_interleave" in d["target"] for _, d in g.nodes(data=True))
-    assert json.loads((tmp_path / "explain.json").read_text())["passes"][0]["matches"] == 2
-    assert (tmp_path / "graph_0_gqa_grouped_matmul.diff").read_text().startswith("--- graph 0 before")
+    assert json.loads((tmp_path / "explain.json").read_text())["passes"][0]["matches"] == 1
+    assert (tmp_path / "graph_0_window_attention.diff").read_text().startswith("--- graph 0 before")
 
 
 def test_explain_single_pass():
     data = json.loads(invoke("explain", "--model", f"{USER_FILE}:make", "--pass", "gqa_grouped_matmul",
                              "--format", "json").output)
     assert [p["name"] for p in data["passes"]] == ["gqa_grouped_matmul"]
+    assert data["passes"][0]["matches"] == 2  # alone, it takes both K/V copies
 
 
 def test_parity_passes_and_prints_every_tensor():
@@ -122,14 +127,14 @@ def test_parity_of_a_user_model():
 
 
 class BreaksNumbers(nsa_compile.RewritePass):
-    """A wrong rewrite: scales every softmax input by 1.1."""
+    """A wrong rewrite: scales the input of every linear layer by 1.1."""
 
     name = "user_breaks_numbers"
     summary = "a deliberately wrong rewrite, to prove parity catches it"
 
     def apply(self, graph, log):
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target is torch.softmax:
+            if op_name(node) == "linear":
                 with graph.inserting_before(node):
                     scaled = graph.call_function(torch.mul, (node.args[0], 1.1))
                 node.replace_input_with(node.args[0], scaled)
@@ -170,7 +175,8 @@ def test_demo_runs_end_to_end_on_cpu():
     assert result.exit_code == 0, result.output
     assert "nsa_compile demo: tiny on cpu" in result.output
     assert "PASS" in result.output
-    assert "| gqa_grouped_matmul |        12 |" in result.output
+    assert "| window_attention   |         2 |" in result.output
+    assert "| gqa_grouped_matmul |         8 |" in result.output
     assert "| optimize |" in result.output and "| eager    |" in result.output
 
 
@@ -184,7 +190,7 @@ def test_demo_runs_end_to_end_on_cpu():
         (["explain", "--model", f"{USER_FILE}:not_a_module"], "error: "),
         (["explain", "--model", f"{USER_FILE}:raises"], "error: "),
         (["explain", "--model", f"{USER_FILE}:module_only"], "error: "),
-        (["explain", "--pass", "bogus"], "error: unknown pass 'bogus'; valid: gqa_grouped_matmul"),
+        (["explain", "--pass", "bogus"], "error: unknown pass 'bogus'; valid: window_attention, gqa_grouped_matmul"),
         (["parity", "--dtypes", "fp8", "--device", "cpu"], "error: unknown dtype(s) fp8; valid: fp32, bf16, fp16"),
         (["bench", "--variants", "eager,jit"], "error: unknown variant(s) jit; valid:"),
         (["explain", "--seq-len", "0"], "error: --batch and --seq-len must be positive"),

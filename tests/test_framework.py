@@ -23,14 +23,14 @@ def test_public_surface():
         ["optimize", "report", "OptimizeConfig", "pass_names", "register_pass", "unregister_pass",
          "RewritePass", "PassLog"]
     )
-    assert nsa_compile.pass_names() == ("gqa_grouped_matmul",)
+    assert nsa_compile.pass_names() == ("window_attention", "gqa_grouped_matmul")
 
 
 def test_config_is_frozen_and_validates_names():
     config = OptimizeConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.compiler = "eager"
-    with pytest.raises(ValueError, match="unknown pass name.*'nope'.*valid: gqa_grouped_matmul"):
+    with pytest.raises(ValueError, match="unknown pass name.*'nope'.*valid: window_attention, gqa_grouped_matmul"):
         OptimizeConfig(disabled_passes=("nope",))
     with pytest.raises(ValueError, match="unknown compiler 'tvm'; valid: inductor, aot_eager, eager"):
         OptimizeConfig(compiler="tvm")
@@ -68,18 +68,20 @@ def test_state_dict_and_parameters_are_the_originals():
 
 def test_report_before_and_after_the_first_forward():
     model = optimize_fresh(build_model("tiny"))
-    (first,) = nsa_compile.report(model)
-    assert first["name"] == "gqa_grouped_matmul" and first["matches"] == 0 and first["graphs"] == 0
+    rows = nsa_compile.report(model)
+    assert [(r["name"], r["matches"], r["graphs"]) for r in rows] == [
+        ("window_attention", 0, 0), ("gqa_grouped_matmul", 0, 0)]
     model.loss(tokens(1, 40)).backward()
     r = row(model, "gqa_grouped_matmul")
     assert set(r) >= {"name", "matches", "where", "time_ms"}
-    assert r["matches"] == 12 and r["time_ms"] > 0
+    assert r["matches"] == 8 and r["time_ms"] > 0
+    assert row(model, "window_attention")["matches"] == 2
 
 
 def test_reoptimize_replaces_the_record():
     model = optimize_fresh(build_model("tiny"))
     model(tokens(1, 20)[:, :-1])
-    nsa_compile.optimize(model, FAST.replace(disabled_passes=("gqa_grouped_matmul",)))
+    nsa_compile.optimize(model, FAST.replace(disabled_passes=("gqa_grouped_matmul", "window_attention")))
     assert nsa_compile.report(model) == []
 
 
@@ -102,7 +104,8 @@ def test_composite_pass_chains_the_installed_pass_and_keys_the_cache():
     graph = _tiny_graph()
     composite(graph)
     assert calls == [graph]
-    assert len(state.graphs) == 1 and [log.pass_name for log in state.graphs[0].logs] == ["gqa_grouped_matmul"]
+    assert len(state.graphs) == 1 and [log.pass_name for log in state.graphs[0].logs] == [
+        "window_attention", "gqa_grouped_matmul"]
 
     uuid = composite.uuid()
     assert "installed-v1" in uuid
@@ -116,7 +119,7 @@ def test_composite_pass_chains_the_installed_pass_and_keys_the_cache():
 
 
 def test_uuid_covers_pass_sources(tmp_path, monkeypatch):
-    state = OptimizeState.for_config(FAST)
+    state = OptimizeState.for_config(FAST.replace(disabled_passes=("window_attention",)))
     before = NSAGraphPass(state).uuid()
     (p,) = state.passes
     copy = tmp_path / "gqa_copy.py"
@@ -181,3 +184,4 @@ def test_wheel_installs_namespaced_packages_only(tmp_path):
     assert "nsa_compile/passes/gqa_grouped_matmul.py" in names
     assert "nsa_compile/models/nsa.py" in names
     assert "nsa_compile/cli.py" in names
+    assert "nsa_compile/ops/window.py" in names

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import FAST, growing_float_expands, optimize_fresh, row, tokens
+from helpers import GQA_ONLY as FAST, growing_float_expands, optimize_fresh, row, tokens
 from reliability_models import NEAR_MISSES, NO_NSA, REWRITTEN, CheckpointedGQA, qkv
 from torch._dynamo.utils import counters
 from torch.utils._pytree import tree_leaves
@@ -134,7 +134,7 @@ def test_tiny_nsa_with_head_dim_320():
     """The GQA rewrite has no head-dim limit."""
     torch.manual_seed(0)
     eager = build_model(preset("tiny", head_dim=320))
-    optimized = optimize_fresh(copy.deepcopy(eager))
+    optimized = optimize_fresh(copy.deepcopy(eager), FAST)
     batch = tokens(1, 64, seed=1)
     _, loss_e = training_loss(eager, batch)
     _, loss_o = training_loss(optimized, batch)
@@ -153,7 +153,7 @@ def test_tiny_nsa_with_head_dim_320():
 def test_training_with_changing_sequence_length_compiles_twice():
     torch.manual_seed(0)
     eager = build_model("tiny")
-    optimized = optimize_fresh(copy.deepcopy(eager))
+    optimized = optimize_fresh(copy.deepcopy(eager), FAST)
     counters.clear()
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
     opt_o = torch.optim.AdamW(optimized.parameters(), lr=1e-3)
@@ -202,7 +202,7 @@ def assert_state_equal(a: dict, b: dict):
 
 def test_state_dict_round_trip_bit_for_bit(tmp_path):
     torch.manual_seed(0)
-    optimized = optimize_fresh(build_model("tiny"))
+    optimized = optimize_fresh(build_model("tiny"), FAST)
     train(optimized, torch.optim.AdamW(optimized.parameters(), lr=1e-2), [tokens(2, 40, seed=1)])
     torch.save(optimized.state_dict(), tmp_path / "optimized.pt")
 
@@ -226,7 +226,7 @@ def test_state_dict_round_trip_bit_for_bit(tmp_path):
 def test_resume_after_save_and_load_gives_the_same_losses(tmp_path):
     batches = [tokens(2, 40, seed=10 + i) for i in range(6)]
     torch.manual_seed(0)
-    straight = optimize_fresh(build_model("tiny"))
+    straight = optimize_fresh(build_model("tiny"), FAST)
     opt = torch.optim.AdamW(straight.parameters(), lr=1e-2)
     losses = train(straight, opt, batches[:3])
     torch.save({"model": straight.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
@@ -246,7 +246,7 @@ def test_resume_after_save_and_load_gives_the_same_losses(tmp_path):
     resumed = build_model("tiny")
     ckpt = torch.load(tmp_path / "ckpt.pt")
     resumed.load_state_dict(ckpt["model"])
-    resumed = optimize_fresh(resumed)
+    resumed = optimize_fresh(resumed, FAST)
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
     resumed_opt.load_state_dict(ckpt["opt"])
     for i, state in resumed_opt.state_dict()["state"].items():
@@ -298,7 +298,7 @@ def assert_loss_and_grads_match(eager, optimized, batch, bar=1e-5):
 
 def test_activation_checkpointing_keeps_the_rewrites():
     eager = checkpointed_tiny()
-    optimized = optimize_fresh(copy.deepcopy(eager))
+    optimized = optimize_fresh(copy.deepcopy(eager), FAST)
     assert_loss_and_grads_match(eager, optimized, tokens(2, 64, seed=4))
     r = row(optimized, PASS)
     assert r["matches"] == KV_COPIES
@@ -345,7 +345,7 @@ def test_inductor_activation_checkpointing_parity():
     eager = checkpointed_tiny(seed=3)
     for attempt in range(2):
         torch._dynamo.reset()
-        optimized = nsa_compile.optimize(copy.deepcopy(eager))  # default config: Inductor
+        optimized = nsa_compile.optimize(copy.deepcopy(eager), FAST.replace(compiler="inductor"))  # Inductor, GQA pass
         if attempt == 0:
             assert_loss_and_grads_match(eager, optimized, tokens(2, 64, seed=5))
         else:
@@ -361,7 +361,7 @@ def test_inductor_activation_checkpointing_parity():
 def test_out_of_range_token_ids_raise_like_eager():
     torch.manual_seed(0)
     eager = build_model("tiny")
-    optimized = optimize_fresh(copy.deepcopy(eager))
+    optimized = optimize_fresh(copy.deepcopy(eager), FAST)
     good = tokens(2, 40, seed=1)[:, :-1]
     for bad_id in (eager.cfg.vocab_size, -1):
         bad = good.clone()
@@ -382,7 +382,7 @@ def test_nan_embedding_gives_nan_like_eager():
     poisoned = next(t for t in batch[1].tolist() if t not in batch[0].tolist())  # in sequence 1 only
     with torch.no_grad():
         eager.embed.weight[poisoned] = float("nan")
-    optimized = optimize_fresh(copy.deepcopy(eager))
+    optimized = optimize_fresh(copy.deepcopy(eager), FAST)
     expected, got = eager(batch), optimized(batch)
     assert expected[0].isfinite().all() and expected[1].isnan().any()
     assert torch.equal(got.isnan(), expected.isnan())  # NaN exactly where eager has it, nowhere else

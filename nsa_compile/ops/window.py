@@ -1,0 +1,209 @@
+"""Sliding-window causal attention with GQA as a functional custom op (NSA section 4).
+
+    o = torch.ops.nsa.window_attention(q, k, v, window, scale)   # == window_attention(...)
+
+q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv] with H = G * h: query head j reads KV head
+j // h (GQA-native: K and V are never repeated). Query t attends to keys s with s <= t and
+t - s < window. Output [B, H, S, Dv] in v's dtype. The arithmetic is the eager model's
+(`NSAAttention.window_attention` in models/nsa.py) step for step:
+
+    scores = upcast(q @ k^T) * scale         # q @ k^T in q's dtype; fp16/bf16 -> fp32, fp32/fp64 stay
+    p = softmax(scores.masked_fill(~in_window, -inf), dim=-1)
+    o = p.to(v.dtype) @ v
+
+Backward is a second op, `nsa::window_attention_backward(grad_o, q, k, v, window, scale) ->
+(dq, dk, dv)`, with dk and dv summed over each group's h query heads (shapes of k and v).
+
+Backend `reference` (every device): PyTorch, chunked over query rows. A chunk of C queries
+[t0, t1) reads only the keys [t0 - window + 1, t1), so memory is O(B * H * C * (C + window))
+and no [S, S] tensor is built. The group's h heads are folded into the rows of one matmul per
+(batch, group), so K and V are read once per group. The backward recomputes each chunk's
+probabilities and applies the same formulas autograd applies to the eager graph (written out,
+see `_reference_backward`), accumulating dk and dv over the overlapping key ranges.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["window_attention", "window_attention_backward"]
+
+# Query rows per chunk of the reference backend (a module constant so tests can shrink it).
+REFERENCE_CHUNK = 128
+
+
+def _upcast_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float16/bfloat16 -> float32; float32 and float64 stay (models/nsa.py `upcast`)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float) -> None:
+    """Raise ValueError, naming the argument, unless the shapes, dtypes and window are valid."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            want = "[B, H, S, Dk]" if name == "q" else f"[B, G, S, {'Dk' if name == 'k' else 'Dv'}]"
+            raise ValueError(f"window_attention: {name} must be 4-D {want}, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"window_attention: {name} must be a floating-point tensor, got {t.dtype}")
+    if q.dtype != k.dtype:
+        raise ValueError(f"window_attention: q and k must share a dtype (q @ k^T), got {q.dtype} and {k.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"window_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, H, S, Dk = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"window_attention: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[2] != S or v.shape[2] != S:
+        raise ValueError(f"window_attention: sequence lengths differ: q {S}, k {k.shape[2]}, v {v.shape[2]}")
+    if k.shape[3] != Dk:
+        raise ValueError(f"window_attention: q and k head dims differ: {Dk} and {k.shape[3]}")
+    G = k.shape[1]
+    if v.shape[1] != G:
+        raise ValueError(f"window_attention: k and v must have the same number of KV heads, got {G} and {v.shape[1]}")
+    if G < 1:
+        raise ValueError("window_attention: k and v need at least one KV head (G >= 1)")
+    if H % G != 0:
+        raise ValueError(f"window_attention: query heads H={H} must be a multiple of KV heads G={G}")
+    if isinstance(window, bool) or not isinstance(window, (int, torch.SymInt)):
+        raise ValueError(f"window_attention: window must be an int, got {type(window).__name__}")
+    if window < 1:
+        raise ValueError(f"window_attention: window must be >= 1 (the query itself), got {window}")
+
+
+def _chunk_bounds(S: int, window: int, chunk: int):
+    """(t0, t1, s0) per chunk: queries [t0, t1) read keys [s0, t1)."""
+    for t0 in range(0, S, chunk):
+        t1 = min(S, t0 + chunk)
+        yield t0, t1, max(0, t0 - window + 1)
+
+
+def _chunk_probs(qc, kc, t0, t1, s0, window, scale):
+    """Softmax probabilities of one chunk, the eager way.
+
+    qc [B, G, h * c, Dk] (rows ordered head-major: row i*c + r is head i, query t0 + r),
+    kc [B, G, L, Dk] for keys [s0, t1). Returns p [B, G, h * c, L] in the upcast dtype and the
+    window mask [c, L] (True = attended).
+    """
+    B, G, hc, _ = qc.shape
+    c, L = t1 - t0, t1 - s0
+    t = torch.arange(t0, t1, device=qc.device)[:, None]
+    s = torch.arange(s0, t1, device=qc.device)[None, :]
+    in_window = (s <= t) & (t - s < window)  # [c, L]
+    scores = (qc @ kc.transpose(-1, -2)).to(_upcast_dtype(qc.dtype)) * scale  # [B, G, h*c, L]
+    scores = scores.view(B, G, hc // c, c, L).masked_fill(~in_window, float("-inf"))
+    p = torch.softmax(scores, dim=-1).view(B, G, hc, L)
+    return p, in_window
+
+
+def _rows(x: torch.Tensor, G: int, t0: int, t1: int) -> torch.Tensor:
+    """x [B, H, S, D] -> the chunk's rows [B, G, h * (t1 - t0), D] (a copy of c rows per head)."""
+    B, H, _, D = x.shape
+    return x.unflatten(1, (G, H // G))[:, :, :, t0:t1].reshape(B, G, (H // G) * (t1 - t0), D)
+
+
+def _reference_forward(q, k, v, window: int, scale: float, chunk: int | None = None) -> torch.Tensor:
+    B, H, S, _ = q.shape
+    G, Dv = k.shape[1], v.shape[3]
+    h = H // G
+    chunk = chunk or REFERENCE_CHUNK
+    out = torch.empty(B, H, S, Dv, dtype=v.dtype, device=q.device)
+    out_g = out.view(B, G, h, S, Dv)
+    for t0, t1, s0 in _chunk_bounds(S, window, chunk):
+        p, _ = _chunk_probs(_rows(q, G, t0, t1), k[:, :, s0:t1], t0, t1, s0, window, scale)
+        o = p.to(v.dtype) @ v[:, :, s0:t1]  # [B, G, h*c, Dv]
+        out_g[:, :, :, t0:t1] = o.view(B, G, h, t1 - t0, Dv)
+    return out
+
+
+def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int | None = None):
+    """dq, dk, dv by recomputing each chunk and applying autograd's formulas for the eager graph.
+
+    Autograd itself cannot run here: a custom op's kernel runs with the autograd dispatch keys
+    excluded, so tensors built inside it never get a grad_fn. The steps below are the backward
+    formulas of the forward's ops, in reverse, in the same dtypes:
+        o = pv @ v          ->  d_pv = g @ v^T,  dv = pv^T @ g          (v's dtype)
+        pv = p.to(v.dtype)  ->  dp = d_pv.to(p.dtype)
+        p = softmax(sm)     ->  d_sm = _softmax_backward_data(dp, p)    (upcast dtype)
+        sm = masked_fill    ->  zero outside the window
+        s = a.to(up) * scale -> da = (d_sm * scale).to(q.dtype)
+        a = q @ k^T         ->  dq = da @ k,  dk = da^T @ q              (q's dtype)
+    dk and dv of one chunk are already summed over the group's heads (the h*c rows contract in
+    one matmul); across chunks they accumulate in the upcast dtype and are cast once at the end.
+    """
+    B, H, S, Dk = q.shape
+    G, Dv = k.shape[1], v.shape[3]
+    h = H // G
+    chunk = chunk or REFERENCE_CHUNK
+    up = _upcast_dtype(q.dtype)
+    dq = torch.empty(B, H, S, Dk, dtype=q.dtype, device=q.device)
+    dq_g = dq.view(B, G, h, S, Dk)
+    dk = torch.zeros(B, G, S, Dk, dtype=_upcast_dtype(k.dtype), device=k.device)
+    dv = torch.zeros(B, G, S, Dv, dtype=_upcast_dtype(v.dtype), device=v.device)
+    for t0, t1, s0 in _chunk_bounds(S, window, chunk):
+        c, L = t1 - t0, t1 - s0
+        qc, kc, vc = _rows(q, G, t0, t1), k[:, :, s0:t1], v[:, :, s0:t1]
+        g = _rows(grad_o, G, t0, t1).to(v.dtype)  # [B, G, h*c, Dv]
+        p, in_window = _chunk_probs(qc, kc, t0, t1, s0, window, scale)  # [B, G, h*c, L]
+        pv = p.to(v.dtype)
+        dv[:, :, s0:t1] += pv.transpose(-1, -2) @ g  # [B, G, L, Dv]
+        dp = (g @ vc.transpose(-1, -2)).to(up)  # [B, G, h*c, L]
+        d_sm = torch._softmax_backward_data(dp, p, -1, up)
+        d_sm = d_sm.view(B, G, h, c, L).masked_fill(~in_window, 0).view(B, G, h * c, L)
+        da = (d_sm * scale).to(q.dtype)
+        dq_g[:, :, :, t0:t1] = (da @ kc).view(B, G, h, c, Dk)
+        dk[:, :, s0:t1] += da.transpose(-1, -2) @ qc  # [B, G, L, Dk]
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+@torch.library.custom_op("nsa::window_attention", mutates_args=())
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """Sliding-window causal GQA attention: q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv]
+    -> o [B, H, S, Dv] in v's dtype. Query t sees keys max(0, t - window + 1)..t; query head j
+    reads KV head j // (H // G)."""
+    _check(q, k, v, window, scale)
+    return _reference_forward(q, k, v, window, scale)
+
+
+@window_attention.register_fake
+def _window_attention_fake(q, k, v, window, scale):
+    _check(q, k, v, window, scale)
+    B, H, S, _ = q.shape
+    return q.new_empty((B, H, S, v.shape[3]), dtype=v.dtype)
+
+
+@torch.library.custom_op("nsa::window_attention_backward", mutates_args=())
+def window_attention_backward(
+    grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `window_attention`: grad_o [B, H, S, Dv] -> dq [B, H, S, Dk] (q's dtype),
+    dk [B, G, S, Dk] (k's dtype), dv [B, G, S, Dv] (v's dtype)."""
+    _check(q, k, v, window, scale)
+    _check_grad(grad_o, q, v)
+    return _reference_backward(grad_o, q, k, v, window, scale)
+
+
+def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
+    want = (*q.shape[:3], v.shape[3])
+    if tuple(grad_o.shape) != tuple(want):
+        raise ValueError(f"window_attention_backward: grad_o must have shape {tuple(want)}, got {tuple(grad_o.shape)}")
+
+
+@window_attention_backward.register_fake
+def _window_attention_backward_fake(grad_o, q, k, v, window, scale):
+    _check(q, k, v, window, scale)
+    _check_grad(grad_o, q, v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, window, scale = inputs
+    ctx.save_for_backward(q, k, v)
+    ctx.window, ctx.scale = window, scale
+
+
+def _backward(ctx, grad_o):
+    q, k, v = ctx.saved_tensors
+    dq, dk, dv = torch.ops.nsa.window_attention_backward(grad_o, q, k, v, ctx.window, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+window_attention.register_autograd(_backward, setup_context=_setup_context)

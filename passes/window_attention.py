@@ -1,0 +1,218 @@
+"""window_attention: masked dense sliding-window attention -> one GQA-native window-attention op.
+
+Matches (torch IR), anchored at the softmax:
+    k_rep = k.repeat_interleave(h, dim=1)            # optional (GQA); k [B, G, S, Dk]
+    scores = upcast(q @ k_rep.transpose(-1, -2)) * c  # q [B, H, S, Dk]; upcast: .float(), .to(float32), or none
+    p = softmax(scores.masked_fill(~mask, -inf), dim=-1)      # or masked_fill(not_mask, -inf), where(mask, scores, -inf)
+    o = p.to(v.dtype) @ v_rep                         # .to optional; v_rep as k_rep
+where `mask` [S, S] is computed from positions only (aranges, comparisons, arithmetic). The mask
+is evaluated once at compile time and must equal the sliding window exactly: query t sees key s
+iff s <= t and t - s < w, for some w >= 1 (w >= S is plain causal attention).
+
+Becomes `torch.ops.nsa.window_attention(q, k, v, w, c)` on the un-repeated K/V: no [S, S] scores,
+no K/V copy (nsa_compile/ops/window.py; memory-bounded PyTorch now, FlashAttention-2 with a window
+on the GPU next).
+
+Refuses (graph unchanged), with the reason shown by `explain`:
+- a mask that depends on data, is not [S, S] over the last two dims, is non-causal, or is not a
+  window (off by one, a band that does not reach the diagonal, ...), or S beyond what is verified;
+- scores, probabilities or the masked tensor used anywhere else (the dense tensor is needed);
+- q, k, v not [B, heads, S, D], or K/V heads that do not divide the query heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
+from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.rewrite import PassLog, RewritePass
+
+MAX_VERIFIED_S = 16384  # the mask is evaluated as an [S, S] bool tensor at compile time
+KERNEL = "nsa.window_attention (w={window}, GQA-native, no S x S tensor)"
+
+
+class Refused(Exception):
+    """A check failed; the message is the reason."""
+
+
+def single_user(node: fx.Node, what: str) -> fx.Node:
+    users = list(node.users)
+    if len(users) != 1:
+        names = ", ".join(op_name(u) or u.op for u in users) or "nothing"
+        raise Refused(f"the {what} is used by {len(users)} nodes ({names}); the dense tensor is needed")
+    return users[0]
+
+
+def strip_upcast(node: fx.Node) -> fx.Node:
+    """x.float() / x.to(torch.float32) -> x (the op upcasts fp16/bf16 scores itself)."""
+    name = op_name(node)
+    if name == "float" or (name == "to" and arg(node, 1, "dtype") in (torch.float32, torch.float64)):
+        return node.args[0]
+    return node
+
+
+def split_scale(node: fx.Node) -> tuple[fx.Node, float]:
+    """scores * c, c * scores, scores / c -> (scores, scale)."""
+    name, (a, b) = op_name(node), (node.args + (None, None))[:2]
+    if name == "mul" and isinstance(b, (int, float)) and isinstance(a, fx.Node):
+        return a, float(b)
+    if name == "mul" and isinstance(a, (int, float)) and isinstance(b, fx.Node):
+        return b, float(a)
+    if name in ("truediv", "div") and isinstance(b, (int, float)) and isinstance(a, fx.Node):
+        return a, 1.0 / float(b)
+    raise Refused("the scores are not scaled by a constant (q @ k^T * c)")
+
+
+def unrepeat(node: fx.Node) -> tuple[fx.Node, int]:
+    """k_rep -> (k, h) when k_rep = k.repeat_interleave(h, dim=1); else (node, 1)."""
+    if op_name(node) == "repeat_interleave":
+        dim, repeats = arg(node, 2, "dim"), arg(node, 1, "repeats")
+        kv = node.args[0]
+        if isinstance(repeats, int) and dim is not None and value(kv) is not None and dim % value(kv).dim() == 1:
+            return kv, repeats
+    return node, 1
+
+
+def keep_mask(masked: fx.Node, scores: fx.Node) -> tuple[fx.Node, bool]:
+    """(mask node, True if positions where it is True are kept) of the -inf masking."""
+    name = op_name(masked)
+    if name == "masked_fill":
+        target, fill = arg(masked, 1, "mask"), arg(masked, 2, "value")
+        if masked.args[0] is not scores or fill != float("-inf"):
+            raise Refused("masked_fill does not set -inf on the scores")
+        if op_name(target) in ("invert", "logical_not", "bitwise_not"):
+            return target.args[0], True
+        return target, False
+    if name == "where" and len(masked.args) == 3 and masked.args[1] is scores and masked.args[2] == float("-inf"):
+        return masked.args[0], True
+    raise Refused(f"the softmax input is {name}, not masked scores")
+
+
+def evaluate_mask(mask: fx.Node) -> torch.Tensor:
+    """Run the mask's position-only subgraph for real (it has no inputs)."""
+    order, seen, stack = [], set(), [mask]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op not in ("call_function", "call_method"):
+            raise Refused(f"the mask depends on {node.op} {node.name} (data, not positions)")
+        order.append(node)
+        stack.extend(node.all_input_nodes)
+    env = {}
+    for node in sorted(order, key=lambda n: list(n.graph.nodes).index(n)):
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+        if any(isinstance(x, torch.SymInt) for x in torch.utils._pytree.tree_leaves((args, kwargs))):
+            raise Refused("the mask has symbolic sizes (dynamic shapes): not verified")
+        if node.op == "call_method":
+            env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            env[node] = node.target(*args, **kwargs)
+    return env[mask]
+
+
+def window_of(keep: torch.Tensor) -> int:
+    """The w with keep == (s <= t) & (t - s < w), or Refused saying how it differs."""
+    S = keep.shape[-1]
+    t = torch.arange(S, device=keep.device)[:, None]
+    s = torch.arange(S, device=keep.device)[None, :]
+    if bool((keep & (s > t)).any()):
+        raise Refused("the mask is non-causal: a query sees a later key")
+    w = int(keep.sum(-1).max())
+    if w == 0 or not torch.equal(keep, (s <= t) & (t - s < w)):
+        raise Refused("the mask is causal but not a sliding window (s <= t and t - s < w for any w)")
+    return w
+
+
+class WindowAttention(RewritePass):
+    name = "window_attention"
+    summary = "masked dense sliding-window (or causal) attention -> nsa.window_attention, no S x S tensor"
+
+    def apply(self, graph: fx.Graph, log: PassLog) -> None:
+        for softmax in list(graph.nodes):
+            if op_name(softmax) != "softmax" or softmax.graph is not graph:
+                continue
+            try:
+                plan = self.check(softmax)
+            except Refused as why:
+                log.refused(softmax, str(why))
+                continue
+            self.rewrite(graph, softmax, plan)
+            log.matched(softmax, KERNEL.format(window=plan["window"]))
+
+    def check(self, softmax: fx.Node) -> dict:
+        probs = value(softmax)
+        dim = arg(softmax, 1, "dim")
+        if probs is None or probs.dim() != 4 or dim is None or dim % 4 != 3:
+            raise Refused("not a softmax over the last dim of [B, H, S, S] scores")
+        masked = softmax.args[0]
+        nxt = single_user(softmax, "probability tensor")
+        cast = None
+        if op_name(nxt) in ("to", "type_as"):
+            cast, nxt = nxt, single_user(nxt, "probability tensor")
+        if op_name(nxt) not in MATMULS or nxt.args[0] is not (cast or softmax):
+            raise Refused("the probabilities are not multiplied by V (p @ v)")
+        pv = nxt
+        B, H, S, S2 = probs.shape
+        if S != S2:
+            raise Refused(f"scores are {S} x {S2}: queries and keys differ (not self-attention)")
+        scaled = masked.args[0] if op_name(masked) == "masked_fill" else arg(masked, 1, "input")
+        mask, keep_where_true = keep_mask(masked, scaled)
+        single_user(masked, "masked score tensor")
+        single_user(scaled, "score tensor")
+        raw, scale = split_scale(scaled)
+        qk = strip_upcast(raw)
+        if raw is not qk:
+            single_user(raw, "score tensor")
+        # the op computes scores as the eager code does only if that code upcasts like it:
+        # fp16/bf16 -> fp32, fp32 and fp64 unchanged
+        low, high = value(qk), value(raw)
+        if low is not None and high is not None:
+            expected = torch.float32 if low.dtype in (torch.float16, torch.bfloat16) else low.dtype
+            if high.dtype != expected:
+                raise Refused(f"the softmax runs in {high.dtype} on {low.dtype} scores; the op computes it in {expected}")
+        if op_name(qk) not in MATMULS:
+            raise Refused("the scores are not q @ k^T")
+        single_user(qk, "score tensor")
+        q, kt = qk.args[0], qk.args[1]
+        if op_name(kt) not in ("transpose", "swapaxes") or {d % 4 for d in (kt.args[1], kt.args[2])} != {2, 3}:
+            raise Refused("the keys are not transposed over their last two dims (q @ k.transpose(-1, -2))")
+        k, h_k = unrepeat(kt.args[0])
+        v, h_v = unrepeat(pv.args[1])
+        shapes = [value(x) for x in (q, k, v)]
+        if any(x is None or x.dim() != 4 for x in shapes):
+            raise Refused("q, k, v are not [B, heads, S, D]")
+        (qv, kv, vv) = shapes
+        if h_k != h_v or kv.shape[1] != vv.shape[1] or qv.shape[1] != kv.shape[1] * h_k or qv.shape[1] != H:
+            raise Refused(f"K/V heads {kv.shape[1]} (x{h_k}) and {vv.shape[1]} (x{h_v}) do not serve {H} query heads")
+        if S > MAX_VERIFIED_S:
+            raise Refused(f"S = {S} > {MAX_VERIFIED_S}: the mask is not verified at this length yet")
+        keep = evaluate_mask(mask)
+        keep = keep if keep_where_true else ~keep
+        if keep.dtype != torch.bool or keep.shape[-2:] != (S, S) or keep.numel() != S * S:
+            raise Refused(f"the mask is {tuple(keep.shape)} {keep.dtype}, not one [S, S] bool pattern for all heads")
+        window = window_of(keep.reshape(S, S))
+        return {"q": q, "k": k, "v": v, "window": window, "scale": scale, "pv": pv,
+                "chain": [pv, cast, softmax, masked, scaled, raw, qk, kt], "mask": mask}
+
+    def rewrite(self, graph: fx.Graph, softmax: fx.Node, plan: dict) -> None:
+        pv = plan["pv"]
+        out = call(graph, torch.ops.nsa.window_attention, plan["q"], plan["k"], plan["v"], plan["window"],
+                   plan["scale"], anchor=pv)
+        pv.replace_all_uses_with(out)
+        # erase the dense chain, then whatever only it used (the K/V copies, the mask arithmetic)
+        dead = [n for n in dict.fromkeys(plan["chain"]) if n is not None]
+        candidates = [plan["mask"]] + [i for n in dead for i in n.all_input_nodes]
+        for node in dead:
+            graph.erase_node(node)
+        while candidates:
+            node = candidates.pop()
+            if not node._erased and node.op in ("call_function", "call_method") and not node.users:
+                candidates.extend(node.all_input_nodes)
+                graph.erase_node(node)
+
+
+PASS = WindowAttention()

@@ -1,0 +1,214 @@
+"""Graph tests of window_attention: fired (exact count), the S x S scores gone and the op present,
+parity of outputs and gradients, the accepted mask forms, and near misses refused unchanged."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import only_graph, optimize_fresh, row, tokens
+
+import nsa_compile
+from nsa_compile.models import build_model, preset
+from nsa_compile.parity import check_parity
+
+PASS = "window_attention"
+S = 100
+
+
+def square_float_tensors(gm, size):
+    """Nodes of an ATen graph whose value is a float tensor ending in [size, size]."""
+    out = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and tuple(val.shape[-2:]) == (size, size):
+            out.append(node)
+    return out
+
+
+def test_fires_once_per_layer_and_the_dense_scores_are_gone():
+    torch.manual_seed(0)
+    model = optimize_fresh(build_model("tiny"))
+    model.loss(tokens(2, S)).backward()
+    r = row(model, PASS)
+    assert (r["matches"], r["where"]) == (2, ["blocks.0.attn", "blocks.1.attn"])
+    assert r["kernels"] == ["nsa.window_attention (w=32, GQA-native, no S x S tensor)"]
+    record = only_graph(model)
+    assert record.code_after.count("torch.ops.nsa.window_attention") == 2
+    assert square_float_tensors(record.aten["forward"], S) == []
+    assert square_float_tensors(record.aten["backward"], S) == []
+    # the window branch's K/V copies went with it: the GQA pass finds the other two branches'
+    assert row(model, "gqa_grouped_matmul")["matches"] == 8
+
+
+def test_disabled_keeps_the_dense_window():
+    model = optimize_fresh(build_model("tiny"), nsa_compile.OptimizeConfig(
+        compiler="aot_eager", disabled_passes=(PASS,)))
+    model.loss(tokens(2, S)).backward()
+    assert len(square_float_tensors(only_graph(model).aten["forward"], S)) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_parity_outputs_and_every_gradient(dtype):
+    torch.manual_seed(1)
+    eager = build_model(preset("tiny", gate="head", rope="interleaved", head_dim_v=8))
+    report = check_parity(eager, optimize_fresh, tokens(2, S, seed=4), dtype)
+    assert report.ok, [r.as_dict() for r in report.failures()]
+
+
+# --- mask forms, accepted and refused -----------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Eager masked attention over q [B, H, S, D], k/v [B, G, S, D]; `mask(S, device)` keeps True."""
+
+    def __init__(self, mask, h=2, scores_also_returned=False):
+        super().__init__()
+        self.mask, self.h, self.leak = mask, h, scores_also_returned
+
+    def forward(self, q, k, v):
+        k = k.repeat_interleave(self.h, dim=1)
+        v = torch.repeat_interleave(v, self.h, dim=1)
+        scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.shape[-1])
+        keep = self.mask(q.shape[2], q.device)
+        p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+        out = p.to(v.dtype) @ v
+        return (out, scores) if self.leak else out
+
+
+def positions(S, device):
+    return torch.arange(S, device=device)[:, None], torch.arange(S, device=device)[None, :]
+
+
+def window_lt(w):
+    def mask(S, device):
+        t, s = positions(S, device)
+        return (s <= t) & (t - s < w)
+    return mask
+
+
+def window_le(w):  # the same window written with <=
+    def mask(S, device):
+        t, s = positions(S, device)
+        return (t >= s) & (t - s <= w - 1)
+    return mask
+
+
+def band_tril(w):  # ones().tril() & ~ones().tril(-w): the band form
+    def mask(S, device):
+        ones = torch.ones(S, S, dtype=torch.bool, device=device)
+        return ones.tril() & ~ones.tril(-w)
+    return mask
+
+
+def causal(S, device):
+    return torch.ones(S, S, dtype=torch.bool, device=device).tril()
+
+
+def no_diagonal(S, device):  # off by one: a query does not see itself
+    t, s = positions(S, device)
+    return (s < t) & (t - s < 4)
+
+
+def two_sided(S, device):  # non-causal band
+    t, s = positions(S, device)
+    return (t - s).abs() < 4
+
+
+def qkv(B=2, G=2, h=2, S=37, D=8, Dv=8):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(B, G * h, S, D, generator=g), torch.randn(B, G, S, D, generator=g),
+            torch.randn(B, G, S, Dv, generator=g))
+
+
+@pytest.mark.parametrize(
+    "mask, window, h",
+    [(window_lt(5), 5, 2), (window_le(5), 5, 3), (band_tril(7), 7, 1), (causal, 37, 2), (window_lt(1), 1, 2)],
+    ids=["lt", "le", "band-tril", "causal", "w1"],
+)
+def test_accepted_mask_forms(mask, window, h):
+    inputs = [x.requires_grad_() for x in qkv(h=h, Dv=6)]
+    module = Attention(mask, h=h)
+    expected = module(*inputs)
+    grads = torch.autograd.grad(expected.square().sum(), inputs)
+    optimized = optimize_fresh(Attention(mask, h=h))
+    got = optimized(*inputs)
+    got_grads = torch.autograd.grad(got.square().sum(), inputs)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    r = row(optimized, PASS)
+    assert r["matches"] == 1 and r["kernels"] == [f"nsa.window_attention (w={window}, GQA-native, no S x S tensor)"]
+
+
+@pytest.mark.parametrize(
+    "module, reason",
+    [
+        (Attention(no_diagonal), "the mask is causal but not a sliding window"),
+        (Attention(two_sided), "the mask is non-causal: a query sees a later key"),
+        (Attention(window_lt(5), scores_also_returned=True), "the score tensor is used by 2 nodes"),
+    ],
+    ids=["off-by-one", "non-causal", "scores-used-elsewhere"],
+)
+def test_near_misses_refused_with_the_graph_unchanged(module, reason):
+    inputs = qkv()
+    expected = module(*inputs)
+    optimized = optimize_fresh(copy.deepcopy(module), nsa_compile.OptimizeConfig(
+        compiler="aot_eager", disabled_passes=("gqa_grouped_matmul",)))
+    got = optimized(*inputs)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)):
+        assert torch.equal(a, b) or (a.isnan() == b.isnan()).all()
+    record = only_graph(optimized)
+    assert record.code_before == record.code_after
+    r = row(optimized, PASS)
+    assert r["matches"] == 0 and any(reason in text for text in r["reasons"]), r["reasons"]
+
+
+def test_mask_from_data_is_refused():
+    class DataMask(nn.Module):
+        def forward(self, q, k, v, keep):
+            scores = (q @ k.transpose(-1, -2)) * 0.5
+            return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+    q, k, v = qkv(h=1)
+    keep = torch.ones(37, 37, dtype=torch.bool).tril()
+    optimized = optimize_fresh(DataMask())
+    optimized(q, k, v, keep)
+    r = row(optimized, PASS)
+    assert r["matches"] == 0 and r["reasons"] == ["the mask depends on placeholder l_keep_ (data, not positions)"]
+
+
+@pytest.mark.inductor
+def test_inductor_smoke_window():
+    torch.manual_seed(3)
+    eager = build_model("tiny")
+
+    def with_inductor(m):
+        torch._dynamo.reset()
+        return nsa_compile.optimize(m)
+
+    report = check_parity(eager, with_inductor, tokens(2, S, seed=6), torch.float32)
+    assert report.ok, [r.as_dict() for r in report.failures()]
+    model = with_inductor(copy.deepcopy(eager))
+    model.loss(tokens(2, S, seed=6)).backward()
+    assert row(model, PASS)["matches"] == 2
+
+
+def test_half_precision_softmax_is_refused():
+    """Without the upcast, eager runs softmax in bf16; the op would compute it in fp32."""
+
+    class HalfSoftmax(Attention):
+        def forward(self, q, k, v):
+            scores = q @ k.transpose(-2, -1) * 0.25
+            keep = self.mask(q.shape[2], q.device)
+            return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+    inputs = [x.bfloat16() for x in qkv(h=1)]
+    optimized = optimize_fresh(HalfSoftmax(causal, h=1))
+    optimized(*inputs)
+    r = row(optimized, PASS)
+    assert r["matches"] == 0
+    assert r["reasons"] == ["the softmax runs in torch.bfloat16 on torch.bfloat16 scores; the op computes it in torch.float32"]
