@@ -296,6 +296,7 @@ def test_backward_op_validates_grad_shape():
 
 
 def test_public_surface():
-    assert nsa_compile.ops.__all__ == ["window_attention", "window_attention_backward"]
+    assert nsa_compile.ops.__all__ == [
+        "selected_attention", "selected_attention_backward", "window_attention", "window_attention_backward"]
     assert nsa_compile.ops.window_attention is window_attention
     assert torch.ops.nsa.window_attention.default._schema.arguments[3].name == "window"

@@ -1,0 +1,261 @@
+"""Selected-block attention with GQA as a functional custom op (NSA section 3).
+
+    o = torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale)   # == selected_attention(...)
+
+q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv] with H = G * h: query head j reads KV head
+j // h (GQA-native: K and V are never repeated). block_idx [B, G, S, n] int64 lists the chosen
+selection blocks of each (batch, group, token), ascending and padded with -1 (the output of
+`NSAAttention.select_blocks`); the group's h heads share them. Query t attends to the tokens of
+its chosen blocks intersected with [0, t] (the current block is partial); entries < 0 are
+ignored, and so are the tokens of blocks past the end of the sequence. Output [B, H, S, Dv] in
+v's dtype. The arithmetic is the eager model's (`NSAAttention.selected_attention` in
+models/nsa.py) step for step, over each query's gathered tokens:
+
+    scores = upcast(q @ k_sel^T) * scale     # q @ k^T in q's dtype; fp16/bf16 -> fp32, fp32/fp64 stay
+    p = softmax(scores.masked_fill(~valid, -inf), dim=-1)
+    o = p.to(v.dtype) @ v_sel
+
+A row without a single valid token (all blocks -1, or n == 0) gets output 0 and zero gradients
+(the eager formula would give NaN there; `select_blocks` never produces such a row, since the
+current block is always forced). The block ids are used as given: duplicates count twice, as in
+the eager gather.
+
+Backward is a second op, `nsa::selected_attention_backward(grad_o, q, k, v, block_idx,
+block_size, scale) -> (dq, dk, dv)`, with dk and dv summed over each group's h query heads
+(shapes of k and v); block_idx gets no gradient.
+
+Backend `reference` (every device): PyTorch, chunked over query rows. A chunk of C queries
+gathers its own selected tokens, K and V [B, G, C, n*l', D] (never for all S at once), so
+memory is O(B * G * C * n * l' * (D + h)). The group's h heads are folded into the rows of one
+matmul per (batch, group, query), so the gathered K and V are shared by the group. The backward
+recomputes each chunk's probabilities, applies the formulas autograd applies to the eager graph
+(written out, see `_reference_backward`), and scatter-adds dk and dv over the gathered token
+indices into float32 (float64 for float64) accumulators, cast once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["selected_attention", "selected_attention_backward"]
+
+# Query rows per chunk of the reference backend (a module constant so tests can shrink it).
+REFERENCE_CHUNK = 64
+
+
+def _upcast_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float16/bfloat16 -> float32; float32 and float64 stay (models/nsa.py `upcast`)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _check(q, k, v, block_idx, block_size, scale) -> None:
+    """Raise ValueError, naming the argument, unless the shapes, dtypes and block size are valid."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            want = "[B, H, S, Dk]" if name == "q" else f"[B, G, S, {'Dk' if name == 'k' else 'Dv'}]"
+            raise ValueError(f"selected_attention: {name} must be 4-D {want}, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"selected_attention: {name} must be a floating-point tensor, got {t.dtype}")
+    if q.dtype != k.dtype:
+        raise ValueError(f"selected_attention: q and k must share a dtype (q @ k^T), got {q.dtype} and {k.dtype}")
+    if not (q.device == k.device == v.device == block_idx.device):
+        raise ValueError(
+            "selected_attention: q, k, v, block_idx must be on one device, "
+            f"got {q.device}, {k.device}, {v.device}, {block_idx.device}"
+        )
+    B, H, S, Dk = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"selected_attention: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[2] != S or v.shape[2] != S:
+        raise ValueError(f"selected_attention: sequence lengths differ: q {S}, k {k.shape[2]}, v {v.shape[2]}")
+    if k.shape[3] != Dk:
+        raise ValueError(f"selected_attention: q and k head dims differ: {Dk} and {k.shape[3]}")
+    G = k.shape[1]
+    if v.shape[1] != G:
+        raise ValueError(f"selected_attention: k and v must have the same number of KV heads, got {G} and {v.shape[1]}")
+    if G < 1:
+        raise ValueError("selected_attention: k and v need at least one KV head (G >= 1)")
+    if H % G != 0:
+        raise ValueError(f"selected_attention: query heads H={H} must be a multiple of KV heads G={G}")
+    if block_idx.dtype != torch.int64:
+        raise ValueError(f"selected_attention: block_idx must be an int64 tensor, got {block_idx.dtype}")
+    if block_idx.dim() != 4 or tuple(block_idx.shape[:3]) != (B, G, S):
+        raise ValueError(
+            f"selected_attention: block_idx must have shape [B, G, S, n] = [{B}, {G}, {S}, n], "
+            f"got {tuple(block_idx.shape)}"
+        )
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, torch.SymInt)):
+        raise ValueError(f"selected_attention: block_size must be an int, got {type(block_size).__name__}")
+    if block_size < 1:
+        raise ValueError(f"selected_attention: block_size must be >= 1, got {block_size}")
+
+
+def _chunk_tokens(block_idx, t0: int, t1: int, block_size: int, S: int):
+    """Gathered token ids [B, G, c, n*l'] (clamped into [0, S)) and their validity mask, the eager way."""
+    bi = block_idx[:, :, t0:t1]  # [B, G, c, n]
+    offsets = torch.arange(block_size, device=bi.device)
+    tokens = (bi.clamp(min=0)[..., None] * block_size + offsets).flatten(-2)  # [B, G, c, T]
+    t = torch.arange(t0, t1, device=bi.device)[:, None]  # [c, 1]
+    chosen = (bi >= 0)[..., None].expand(*bi.shape, block_size).flatten(-2)
+    valid = chosen & (tokens <= t)  # [B, G, c, T]
+    return tokens.clamp(max=S - 1), valid
+
+
+def _gather(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """x [B, G, S, D], tokens [B, G, c, T] -> x at those tokens [B, G, c, T, D]."""
+    B, G, c, T = tokens.shape
+    D = x.shape[3]
+    index = tokens.reshape(B, G, c * T, 1).expand(B, G, c * T, D)
+    return torch.gather(x, 2, index).view(B, G, c, T, D)
+
+
+def _scatter_add(acc: torch.Tensor, tokens: torch.Tensor, src: torch.Tensor) -> None:
+    """acc [B, G, S, D] += src [B, G, c, T, D] at tokens [B, G, c, T] (repeats add up)."""
+    B, G, c, T = tokens.shape
+    D = acc.shape[3]
+    index = tokens.reshape(B, G, c * T, 1).expand(B, G, c * T, D)
+    acc.scatter_add_(2, index, src.reshape(B, G, c * T, D).to(acc.dtype))
+
+
+def _rows(x: torch.Tensor, G: int, t0: int, t1: int) -> torch.Tensor:
+    """x [B, H, S, D] -> the chunk's rows [B, G, c, h, D] (query-major, the group's heads inside)."""
+    B, H, _, D = x.shape
+    return x.unflatten(1, (G, H // G))[:, :, :, t0:t1].permute(0, 1, 3, 2, 4)
+
+
+def _chunk_probs(qc, k_sel, valid, scale):
+    """Softmax probabilities [B, G, c, h, T] in the upcast dtype, zero on rows without a valid token.
+
+    qc [B, G, c, h, Dk], k_sel [B, G, c, T, Dk], valid [B, G, c, T].
+    """
+    scores = (qc @ k_sel.transpose(-1, -2)).to(_upcast_dtype(qc.dtype)) * scale  # [B, G, c, h, T]
+    scores = scores.masked_fill(~valid[:, :, :, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    has_token = valid.any(dim=-1)[:, :, :, None, None]  # [B, G, c, 1, 1]
+    return torch.where(has_token, p, torch.zeros((), dtype=p.dtype, device=p.device))
+
+
+def _chunk_bounds(S: int, chunk: int):
+    for t0 in range(0, S, chunk):
+        yield t0, min(S, t0 + chunk)
+
+
+def _reference_forward(q, k, v, block_idx, block_size: int, scale: float, chunk: int | None = None):
+    B, H, S, _ = q.shape
+    G, Dv = k.shape[1], v.shape[3]
+    h = H // G
+    chunk = chunk or REFERENCE_CHUNK
+    out = torch.empty(B, H, S, Dv, dtype=v.dtype, device=q.device)
+    out_rows = out.view(B, G, h, S, Dv)
+    for t0, t1 in _chunk_bounds(S, chunk):
+        tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, S)
+        p = _chunk_probs(_rows(q, G, t0, t1), _gather(k, tokens), valid, scale)
+        o = p.to(v.dtype) @ _gather(v, tokens)  # [B, G, c, h, Dv]
+        out_rows[:, :, :, t0:t1] = o.permute(0, 1, 3, 2, 4)
+    return out
+
+
+def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: float, chunk: int | None = None):
+    """dq, dk, dv by recomputing each chunk and applying autograd's formulas for the eager graph.
+
+    Autograd itself cannot run here: a custom op's kernel runs with the autograd dispatch keys
+    excluded. The steps below are the backward formulas of the forward's ops, in reverse, in the
+    same dtypes:
+        o = pv @ v_sel          ->  d_pv = g @ v_sel^T,  dv_sel = pv^T @ g      (v's dtype)
+        pv = p.to(v.dtype)      ->  dp = d_pv.to(p.dtype)
+        p = softmax(sm)         ->  d_sm = _softmax_backward_data(dp, p)        (upcast dtype)
+        sm = masked_fill        ->  zero on invalid tokens (and p == 0 on empty rows gives 0)
+        s = a.to(up) * scale    ->  da = (d_sm * scale).to(q.dtype)
+        a = q @ k_sel^T         ->  dq = da @ k_sel,  dk_sel = da^T @ q          (q's dtype)
+        k_sel, v_sel = gather   ->  scatter-add of dk_sel, dv_sel onto the gathered tokens
+    dk_sel and dv_sel of one query are already summed over the group's heads (the h rows contract
+    in one matmul); they accumulate in the upcast dtype and are cast once at the end.
+    """
+    B, H, S, Dk = q.shape
+    G, Dv = k.shape[1], v.shape[3]
+    h = H // G
+    chunk = chunk or REFERENCE_CHUNK
+    up = _upcast_dtype(q.dtype)
+    dq = torch.empty(B, H, S, Dk, dtype=q.dtype, device=q.device)
+    dq_rows = dq.view(B, G, h, S, Dk)
+    dk = torch.zeros(B, G, S, Dk, dtype=_upcast_dtype(k.dtype), device=k.device)
+    dv = torch.zeros(B, G, S, Dv, dtype=_upcast_dtype(v.dtype), device=v.device)
+    for t0, t1 in _chunk_bounds(S, chunk):
+        tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, S)
+        qc, k_sel, v_sel = _rows(q, G, t0, t1), _gather(k, tokens), _gather(v, tokens)
+        g = _rows(grad_o, G, t0, t1).to(v.dtype)  # [B, G, c, h, Dv]
+        p = _chunk_probs(qc, k_sel, valid, scale)  # [B, G, c, h, T]
+        pv = p.to(v.dtype)
+        _scatter_add(dv, tokens, pv.transpose(-1, -2) @ g)  # [B, G, c, T, Dv]
+        dp = (g @ v_sel.transpose(-1, -2)).to(up)  # [B, G, c, h, T]
+        d_sm = torch._softmax_backward_data(dp, p, -1, up)
+        d_sm = d_sm.masked_fill(~valid[:, :, :, None, :], 0)
+        da = (d_sm * scale).to(q.dtype)
+        dq_rows[:, :, :, t0:t1] = (da @ k_sel).permute(0, 1, 3, 2, 4)
+        _scatter_add(dk, tokens, da.transpose(-1, -2) @ qc)  # [B, G, c, T, Dk]
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+@torch.library.custom_op("nsa::selected_attention", mutates_args=())
+def selected_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_size: int, scale: float
+) -> torch.Tensor:
+    """Selected-block GQA attention: q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv],
+    block_idx [B, G, S, n] int64 (ascending, -1 padded) -> o [B, H, S, Dv] in v's dtype. Query t
+    of head j sees the tokens <= t of the blocks block_idx[:, j // (H // G), t]."""
+    _check(q, k, v, block_idx, block_size, scale)
+    return _reference_forward(q, k, v, block_idx, block_size, scale)
+
+
+@selected_attention.register_fake
+def _selected_attention_fake(q, k, v, block_idx, block_size, scale):
+    _check(q, k, v, block_idx, block_size, scale)
+    B, H, S, _ = q.shape
+    return q.new_empty((B, H, S, v.shape[3]), dtype=v.dtype)
+
+
+def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
+    want = (*q.shape[:3], v.shape[3])
+    if tuple(grad_o.shape) != tuple(want):
+        raise ValueError(
+            f"selected_attention_backward: grad_o must have shape {tuple(want)}, got {tuple(grad_o.shape)}"
+        )
+
+
+@torch.library.custom_op("nsa::selected_attention_backward", mutates_args=())
+def selected_attention_backward(
+    grad_o: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_idx: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `selected_attention`: grad_o [B, H, S, Dv] -> dq [B, H, S, Dk] (q's dtype),
+    dk [B, G, S, Dk] (k's dtype), dv [B, G, S, Dv] (v's dtype)."""
+    _check(q, k, v, block_idx, block_size, scale)
+    _check_grad(grad_o, q, v)
+    return _reference_backward(grad_o, q, k, v, block_idx, block_size, scale)
+
+
+@selected_attention_backward.register_fake
+def _selected_attention_backward_fake(grad_o, q, k, v, block_idx, block_size, scale):
+    _check(q, k, v, block_idx, block_size, scale)
+    _check_grad(grad_o, q, v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, block_idx, block_size, scale = inputs
+    ctx.save_for_backward(q, k, v, block_idx)
+    ctx.block_size, ctx.scale = block_size, scale
+
+
+def _backward(ctx, grad_o):
+    q, k, v, block_idx = ctx.saved_tensors
+    dq, dk, dv = torch.ops.nsa.selected_attention_backward(grad_o, q, k, v, block_idx, ctx.block_size, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+selected_attention.register_autograd(_backward, setup_context=_setup_context)
