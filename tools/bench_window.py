@@ -1,0 +1,124 @@
+"""The sliding-window branch alone, side by side in one process: fwd and fwd+bwd times, peak extra
+memory, and parity against a float64 (small S) or float32 reference, per variant:
+
+  eager      the eager masked-dense formula of models/nsa.py (repeat_interleave, S x S scores)
+  compile    torch.compile of that formula (Inductor)
+  reference  torch.ops.nsa.window_attention, what the window_attention pass puts in place today
+  fa2        torch.nn.attention.varlen.varlen_attn with window_size=(w - 1, 0), when importable
+             (GQA through repeat: 2.11's varlen_attn has no enable_gqa; bf16/fp16 only)
+  dense      causal SDPA over all S keys (the dense-attention yardstick), default backend
+
+    python3 tools/bench_window.py --shape paper --seq-len 8192 --seq-len 65536
+A variant that fails parity prints FAIL and no time; one that runs out of memory prints OOM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+from nsa_compile.ops import window_attention
+
+SHAPES = {"paper": (64, 4, 128), "seed": (12, 2, 64)}  # H, G, D
+
+
+def eager_window(q, k, v, w, scale):
+    h = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(h, dim=1), v.repeat_interleave(h, dim=1)
+    S = q.shape[2]
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    t = torch.arange(S, device=q.device)[:, None]
+    s = torch.arange(S, device=q.device)[None, :]
+    p = torch.softmax(scores.masked_fill(~((s <= t) & (t - s < w)), float("-inf")), dim=-1)
+    return p.to(v.dtype) @ v
+
+
+def fa2_window(q, k, v, w, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    B, H, S, D = q.shape
+    h = H // k.shape[1]
+    k, v = k.repeat_interleave(h, dim=1), v.repeat_interleave(h, dim=1)
+    flat = lambda x: x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[3])  # [B*S, heads, D]
+    cu = torch.arange(0, (B + 1) * S, S, device=q.device, dtype=torch.int32)
+    out = varlen_attn(flat(q), flat(k), flat(v), cu, cu, S, S, scale=scale, window_size=(w - 1, 0))
+    return out.view(B, S, H, -1).transpose(1, 2)
+
+
+def dense_causal(q, k, v, w, scale):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+
+def time_ms(fn, reps=10) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=list(SHAPES), default="paper")
+    ap.add_argument("--seq-len", type=int, action="append")
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    ap.add_argument("--variants", default="eager,compile,reference,fa2,dense")
+    args = ap.parse_args()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    H, G, D = SHAPES[args.shape]
+    variants = {"eager": eager_window, "compile": torch.compile(eager_window), "reference": window_attention,
+                "fa2": fa2_window, "dense": dense_causal}
+    chosen = [v for v in args.variants.split(",") if v]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape} (H {H}, G {G}, D {D}), "
+          f"w {args.window}, {args.dtype}")
+    rows = []
+    for S in args.seq_len or [8192]:
+        g = torch.Generator(device="cuda").manual_seed(S)
+        q = torch.randn(1, H, S, D, device="cuda", dtype=dtype, generator=g)
+        k = torch.randn(1, G, S, D, device="cuda", dtype=dtype, generator=g)
+        v = torch.randn(1, G, S, D, device="cuda", dtype=dtype, generator=g)
+        grad = torch.randn(1, H, S, D, device="cuda", dtype=dtype, generator=g)
+        scale = D**-0.5
+        # the reference: the window op in float32 (it computes the eager arithmetic in chunks)
+        ref = window_attention(q.float(), k.float(), v.float(), args.window, scale)
+        for name in chosen:
+            fn = variants[name]
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            try:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                out = fn(*leaves, args.window, scale)
+                ok = name == "dense" or rel_err(out, ref) <= 1e-2
+                fwd = time_ms(lambda: fn(*leaves, args.window, scale))
+                both = time_ms(lambda: torch.autograd.grad(fn(*leaves, args.window, scale), leaves, grad))
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+                err = "-" if name == "dense" else f"{rel_err(out, ref):.1e}"
+                rows.append([S, name, f"{fwd:.2f}" if ok else "FAIL", f"{both:.2f}" if ok else "FAIL",
+                             f"{peak:.2f}", err])
+            except torch.OutOfMemoryError:
+                rows.append([S, name, "OOM", "OOM", "-", "-"])
+            except (ImportError, RuntimeError) as why:
+                rows.append([S, name, "n/a", "n/a", "-", str(why).splitlines()[0][:60]])
+            del leaves
+    print(tabulate(rows, headers=["S", "variant", "fwd ms", "fwd+bwd ms", "peak extra GiB", "rel err"],
+                   tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()
