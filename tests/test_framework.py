@@ -6,6 +6,7 @@ import dataclasses
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,3 +186,12 @@ def test_wheel_installs_namespaced_packages_only(tmp_path):
     assert "nsa_compile/models/nsa.py" in names
     assert "nsa_compile/cli.py" in names
     assert "nsa_compile/ops/window.py" in names
+
+
+def test_readme_setup_block_holds_the_two_commands_ci_runs():
+    """.ci/run reads the install and test commands from this block: keep it whole."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("```sh setup\n", 1)[1].split("```", 1)[0].splitlines()
+    assert block == ["pip install torch==2.13.0 -e '.[test]' && nsa-compile demo", "pytest"]
+    for heading in ("## Set-up", "## Command line", "## Passes", "## Configuration", "## Layout"):
+        assert readme.count(heading + "\n") == 1, heading
