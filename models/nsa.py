@@ -7,7 +7,6 @@ tensor, gathers K/V per query and masks dense S x S window scores).
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn

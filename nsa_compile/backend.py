@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 
 from .pass_manager import NSAGraphPass, OptimizeState

@@ -63,7 +63,7 @@ def matmul_uses(rep: fx.Node) -> tuple[list[tuple[fx.Node, fx.Node | None]], str
             if op_name(mm) not in MATMULS:
                 return [], f"the repeated tensor is also used by {op_name(mm) or mm.op}: the copy must stay"
             if mm.args[0] is operand and mm.args[1] is not operand:
-                return [], f"the repeated tensor is the left operand of a matmul"
+                return [], "the repeated tensor is the left operand of a matmul"
             if mm.args[1] is not operand:
                 return [], "a matmul uses the repeated tensor on both sides"
             uses.append((mm, transpose))

@@ -115,7 +115,6 @@ def main() -> None:
                 rows.append([S, name, "OOM", "OOM", "-", "-"])
             except (ImportError, RuntimeError) as why:
                 rows.append([S, name, "n/a", "n/a", "-", str(why).splitlines()[0][:60]])
-            del leaves
     print(tabulate(rows, headers=["S", "variant", "fwd ms", "fwd+bwd ms", "peak extra GiB", "rel err"],
                    tablefmt="github"))
 
