@@ -37,46 +37,18 @@ from __future__ import annotations
 
 import torch
 
+from .common import check_grad_o, check_positive_int, check_qkv, upcast_dtype
+
 __all__ = ["selected_attention", "selected_attention_backward"]
 
 # Query rows per chunk of the reference backend (a module constant so tests can shrink it).
 REFERENCE_CHUNK = 64
 
 
-def _upcast_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float16/bfloat16 -> float32; float32 and float64 stay (models/nsa.py `upcast`)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def _check(q, k, v, block_idx, block_size, scale) -> None:
     """Raise ValueError, naming the argument, unless the shapes, dtypes and block size are valid."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            want = "[B, H, S, Dk]" if name == "q" else f"[B, G, S, {'Dk' if name == 'k' else 'Dv'}]"
-            raise ValueError(f"selected_attention: {name} must be 4-D {want}, got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"selected_attention: {name} must be a floating-point tensor, got {t.dtype}")
-    if q.dtype != k.dtype:
-        raise ValueError(f"selected_attention: q and k must share a dtype (q @ k^T), got {q.dtype} and {k.dtype}")
-    if not (q.device == k.device == v.device == block_idx.device):
-        raise ValueError(
-            "selected_attention: q, k, v, block_idx must be on one device, "
-            f"got {q.device}, {k.device}, {v.device}, {block_idx.device}"
-        )
-    B, H, S, Dk = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"selected_attention: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[2] != S or v.shape[2] != S:
-        raise ValueError(f"selected_attention: sequence lengths differ: q {S}, k {k.shape[2]}, v {v.shape[2]}")
-    if k.shape[3] != Dk:
-        raise ValueError(f"selected_attention: q and k head dims differ: {Dk} and {k.shape[3]}")
-    G = k.shape[1]
-    if v.shape[1] != G:
-        raise ValueError(f"selected_attention: k and v must have the same number of KV heads, got {G} and {v.shape[1]}")
-    if G < 1:
-        raise ValueError("selected_attention: k and v need at least one KV head (G >= 1)")
-    if H % G != 0:
-        raise ValueError(f"selected_attention: query heads H={H} must be a multiple of KV heads G={G}")
+    check_qkv("selected_attention", q, k, v, block_idx=block_idx)
+    B, G, S = q.shape[0], k.shape[1], q.shape[2]
     if block_idx.dtype != torch.int64:
         raise ValueError(f"selected_attention: block_idx must be an int64 tensor, got {block_idx.dtype}")
     if block_idx.dim() != 4 or tuple(block_idx.shape[:3]) != (B, G, S):
@@ -84,10 +56,7 @@ def _check(q, k, v, block_idx, block_size, scale) -> None:
             f"selected_attention: block_idx must have shape [B, G, S, n] = [{B}, {G}, {S}, n], "
             f"got {tuple(block_idx.shape)}"
         )
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, torch.SymInt)):
-        raise ValueError(f"selected_attention: block_size must be an int, got {type(block_size).__name__}")
-    if block_size < 1:
-        raise ValueError(f"selected_attention: block_size must be >= 1, got {block_size}")
+    check_positive_int("selected_attention", "block_size", block_size)
 
 
 def _chunk_tokens(block_idx, t0: int, t1: int, block_size: int, S: int):
@@ -128,7 +97,7 @@ def _chunk_probs(qc, k_sel, valid, scale):
 
     qc [B, G, c, h, Dk], k_sel [B, G, c, T, Dk], valid [B, G, c, T].
     """
-    scores = (qc @ k_sel.transpose(-1, -2)).to(_upcast_dtype(qc.dtype)) * scale  # [B, G, c, h, T]
+    scores = (qc @ k_sel.transpose(-1, -2)).to(upcast_dtype(qc.dtype)) * scale  # [B, G, c, h, T]
     scores = scores.masked_fill(~valid[:, :, :, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1)
     has_token = valid.any(dim=-1)[:, :, :, None, None]  # [B, G, c, 1, 1]
@@ -175,11 +144,11 @@ def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: floa
     G, Dv = k.shape[1], v.shape[3]
     h = H // G
     chunk = chunk or REFERENCE_CHUNK
-    up = _upcast_dtype(q.dtype)
+    up = upcast_dtype(q.dtype)
     dq = torch.empty(B, H, S, Dk, dtype=q.dtype, device=q.device)
     dq_rows = dq.view(B, G, h, S, Dk)
-    dk = torch.zeros(B, G, S, Dk, dtype=_upcast_dtype(k.dtype), device=k.device)
-    dv = torch.zeros(B, G, S, Dv, dtype=_upcast_dtype(v.dtype), device=v.device)
+    dk = torch.zeros(B, G, S, Dk, dtype=upcast_dtype(k.dtype), device=k.device)
+    dv = torch.zeros(B, G, S, Dv, dtype=upcast_dtype(v.dtype), device=v.device)
     for t0, t1 in _chunk_bounds(S, chunk):
         tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, S)
         qc, k_sel, v_sel = _rows(q, G, t0, t1), _gather(k, tokens), _gather(v, tokens)
@@ -215,11 +184,7 @@ def _selected_attention_fake(q, k, v, block_idx, block_size, scale):
 
 
 def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
-    want = (*q.shape[:3], v.shape[3])
-    if tuple(grad_o.shape) != tuple(want):
-        raise ValueError(
-            f"selected_attention_backward: grad_o must have shape {tuple(want)}, got {tuple(grad_o.shape)}"
-        )
+    check_grad_o("selected_attention_backward", grad_o, q, v)
 
 
 @torch.library.custom_op("nsa::selected_attention_backward", mutates_args=())

@@ -26,47 +26,18 @@ from __future__ import annotations
 
 import torch
 
+from .common import check_grad_o, check_positive_int, check_qkv, upcast_dtype
+
 __all__ = ["window_attention", "window_attention_backward"]
 
 # Query rows per chunk of the reference backend (a module constant so tests can shrink it).
 REFERENCE_CHUNK = 128
 
 
-def _upcast_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float16/bfloat16 -> float32; float32 and float64 stay (models/nsa.py `upcast`)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float) -> None:
     """Raise ValueError, naming the argument, unless the shapes, dtypes and window are valid."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            want = "[B, H, S, Dk]" if name == "q" else f"[B, G, S, {'Dk' if name == 'k' else 'Dv'}]"
-            raise ValueError(f"window_attention: {name} must be 4-D {want}, got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"window_attention: {name} must be a floating-point tensor, got {t.dtype}")
-    if q.dtype != k.dtype:
-        raise ValueError(f"window_attention: q and k must share a dtype (q @ k^T), got {q.dtype} and {k.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"window_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    B, H, S, Dk = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"window_attention: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[2] != S or v.shape[2] != S:
-        raise ValueError(f"window_attention: sequence lengths differ: q {S}, k {k.shape[2]}, v {v.shape[2]}")
-    if k.shape[3] != Dk:
-        raise ValueError(f"window_attention: q and k head dims differ: {Dk} and {k.shape[3]}")
-    G = k.shape[1]
-    if v.shape[1] != G:
-        raise ValueError(f"window_attention: k and v must have the same number of KV heads, got {G} and {v.shape[1]}")
-    if G < 1:
-        raise ValueError("window_attention: k and v need at least one KV head (G >= 1)")
-    if H % G != 0:
-        raise ValueError(f"window_attention: query heads H={H} must be a multiple of KV heads G={G}")
-    if isinstance(window, bool) or not isinstance(window, (int, torch.SymInt)):
-        raise ValueError(f"window_attention: window must be an int, got {type(window).__name__}")
-    if window < 1:
-        raise ValueError(f"window_attention: window must be >= 1 (the query itself), got {window}")
+    check_qkv("window_attention", q, k, v)
+    check_positive_int("window_attention", "window", window, " (the query itself)")
 
 
 def _chunk_bounds(S: int, window: int, chunk: int):
@@ -88,7 +59,7 @@ def _chunk_probs(qc, kc, t0, t1, s0, window, scale):
     t = torch.arange(t0, t1, device=qc.device)[:, None]
     s = torch.arange(s0, t1, device=qc.device)[None, :]
     in_window = (s <= t) & (t - s < window)  # [c, L]
-    scores = (qc @ kc.transpose(-1, -2)).to(_upcast_dtype(qc.dtype)) * scale  # [B, G, h*c, L]
+    scores = (qc @ kc.transpose(-1, -2)).to(upcast_dtype(qc.dtype)) * scale  # [B, G, h*c, L]
     scores = scores.view(B, G, hc // c, c, L).masked_fill(~in_window, float("-inf"))
     p = torch.softmax(scores, dim=-1).view(B, G, hc, L)
     return p, in_window
@@ -133,11 +104,11 @@ def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int |
     G, Dv = k.shape[1], v.shape[3]
     h = H // G
     chunk = chunk or REFERENCE_CHUNK
-    up = _upcast_dtype(q.dtype)
+    up = upcast_dtype(q.dtype)
     dq = torch.empty(B, H, S, Dk, dtype=q.dtype, device=q.device)
     dq_g = dq.view(B, G, h, S, Dk)
-    dk = torch.zeros(B, G, S, Dk, dtype=_upcast_dtype(k.dtype), device=k.device)
-    dv = torch.zeros(B, G, S, Dv, dtype=_upcast_dtype(v.dtype), device=v.device)
+    dk = torch.zeros(B, G, S, Dk, dtype=upcast_dtype(k.dtype), device=k.device)
+    dv = torch.zeros(B, G, S, Dv, dtype=upcast_dtype(v.dtype), device=v.device)
     for t0, t1, s0 in _chunk_bounds(S, window, chunk):
         c, L = t1 - t0, t1 - s0
         qc, kc, vc = _rows(q, G, t0, t1), k[:, :, s0:t1], v[:, :, s0:t1]
@@ -182,9 +153,7 @@ def window_attention_backward(
 
 
 def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
-    want = (*q.shape[:3], v.shape[3])
-    if tuple(grad_o.shape) != tuple(want):
-        raise ValueError(f"window_attention_backward: grad_o must have shape {tuple(want)}, got {tuple(grad_o.shape)}")
+    check_grad_o("window_attention_backward", grad_o, q, v)
 
 
 @window_attention_backward.register_fake
