@@ -6,6 +6,7 @@ memory, and parity against a float64 (small S) or float32 reference, per variant
   reference  torch.ops.nsa.window_attention, what the window_attention pass puts in place today
   fa2        torch.nn.attention.varlen.varlen_attn with window_size=(w - 1, 0), when importable
              (GQA through repeat: 2.11's varlen_attn has no enable_gqa; bf16/fp16 only)
+  fa2-aten   torch.ops.aten._flash_attention_forward with window_size_left = w - 1 (GQA-native)
   dense      causal SDPA over all S keys (the dense-attention yardstick), default backend
 
     python3 tools/bench_window.py --shape paper --seq-len 8192 --seq-len 65536
@@ -49,6 +50,16 @@ def fa2_window(q, k, v, w, scale):
     return out.view(B, S, H, -1).transpose(1, 2)
 
 
+def fa2_aten_window(q, k, v, w, scale):
+    """The aten flash op in batch layout [B, S, heads, D]: GQA-native (K/V not repeated)."""
+    t = lambda x: x.transpose(1, 2)
+    S = q.shape[2]
+    out = torch.ops.aten._flash_attention_forward(
+        t(q), t(k), t(v), None, None, S, S, 0.0, True, False, scale=scale, window_size_left=w - 1,
+        window_size_right=0)[0]
+    return t(out)
+
+
 def dense_causal(q, k, v, w, scale):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
@@ -77,12 +88,12 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, action="append")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    ap.add_argument("--variants", default="eager,compile,reference,fa2,dense")
+    ap.add_argument("--variants", default="eager,compile,reference,fa2,fa2-aten,dense")
     args = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     H, G, D = SHAPES[args.shape]
     variants = {"eager": eager_window, "compile": torch.compile(eager_window), "reference": window_attention,
-                "fa2": fa2_window, "dense": dense_causal}
+                "fa2": fa2_window, "fa2-aten": fa2_aten_window, "dense": dense_causal}
     chosen = [v for v in args.variants.split(",") if v]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape} (H {H}, G {G}, D {D}), "
           f"w {args.window}, {args.dtype}")
