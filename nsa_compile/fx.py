@@ -7,6 +7,7 @@ give passes one way to ask.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import re
 
@@ -14,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["op_name", "arg", "value", "module_path", "call", "MATMULS"]
+__all__ = ["op_name", "arg", "value", "module_path", "call", "size", "MATMULS"]
 
 # op_name() of every node that computes a (batched) matrix product.
 MATMULS = ("matmul", "bmm")
@@ -70,9 +71,28 @@ def call(graph: fx.Graph, target, *args, anchor: fx.Node, **kwargs) -> fx.Node:
     modes = [x.fake_mode for x in tree_leaves(fakes) if hasattr(x, "fake_mode")]
     mode = modes[0] if modes else None
     if mode is not None:
-        with mode:
+        # No new guards: a pass proves its preconditions statically (statically_known_true), so
+        # the rewritten graph is valid wherever the original graph's guards hold. Guards added
+        # here would only narrow that, and on PyTorch 2.11 one on a product of sizes refined
+        # every symbol to its first value (a recompile per shape under dynamic=True).
+        shape_env = getattr(mode, "shape_env", None)
+        no_guards = shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()
+        with mode, no_guards:
             node.meta["example_value"] = target(*fakes[0], **fakes[1])
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in anchor.meta:
             node.meta[key] = anchor.meta[key]
     return node
+
+
+def size(graph: fx.Graph, node: fx.Node, dim: int, anchor: fx.Node):
+    """Size `dim` of the tensor `node`: an int when static, else a new `sym_size` node (a SymInt).
+
+    Passes give views their sizes this way instead of -1: under dynamic shapes an inferred -1
+    becomes an expression such as s1 // (s1 // s2) that the shape environment cannot simplify,
+    and its guards on it can specialize every size to the first input's (seen on PyTorch 2.11).
+    """
+    val = value(node).shape[dim]
+    if isinstance(val, int):
+        return val
+    return call(graph, torch.ops.aten.sym_size.int, node, dim % value(node).dim(), anchor=anchor)

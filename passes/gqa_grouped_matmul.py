@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.fx import MATMULS, arg, call, op_name, size, value
 from nsa_compile.rewrite import PassLog, RewritePass
 
 KERNEL = "grouped matmul (K/V broadcast over the group's heads, no copy)"
@@ -93,12 +93,14 @@ def rewrite_matmul(graph: fx.Graph, mm: fx.Node, transpose: fx.Node | None, kv: 
     rank = value(mm).dim()
     lhs = mm.args[0]
     rhs = kv if transpose is None else call(graph, torch.transpose, kv, -2, -1, anchor=mm)
-    grouped = call(graph, torch.unflatten, lhs, dim, (-1, h), anchor=mm)  # [..., G, h, ..., M, K]
+    # explicit sizes, no -1 (see nsa_compile.fx.size): G from K/V, M from the left operand
+    G, M = size(graph, kv, dim, anchor=mm), size(graph, lhs, rank - 2, anchor=mm)
+    grouped = call(graph, torch.unflatten, lhs, dim, (G, h), anchor=mm)  # [..., G, h, ..., M, K]
     if dim + 1 != rank - 2:
         grouped = call(graph, torch.movedim, grouped, dim + 1, rank - 2, anchor=mm)  # h next to M
     grouped = call(graph, torch.flatten, grouped, rank - 2, rank - 1, anchor=mm)  # [..., G, ..., h*M, K]
     out = call(graph, torch.matmul, grouped, rhs, anchor=mm)  # [..., G, ..., h*M, N]
-    out = call(graph, torch.unflatten, out, rank - 2, (h, -1), anchor=mm)
+    out = call(graph, torch.unflatten, out, rank - 2, (h, M), anchor=mm)
     if dim + 1 != rank - 2:
         out = call(graph, torch.movedim, out, rank - 2, dim + 1, anchor=mm)
     out = call(graph, torch.flatten, out, dim, dim + 1, anchor=mm)  # same shape as mm

@@ -155,16 +155,16 @@ def test_parity_fails_with_exit_1_on_a_wrong_rewrite(wrong_pass):
 
 
 def test_bench_runs_side_by_side():
-    result = invoke("bench", "--model", "tiny", "--seq-len", "40", "--steps", "1", "--variants", "eager,optimize",
-                    "--compiler", "aot_eager")
+    result = invoke("bench", "--model", "tiny", "--device", "cpu", "--seq-len", "40", "--steps", "1",
+                    "--variants", "eager,optimize", "--compiler", "aot_eager")
     assert result.exit_code == 0, result.output
     assert "parity (float32, seq-len 40) PASS" in result.output
     assert re.search(r"\| optimize \|\s+[\d,]+ \|.*\|\s+[\d.]+x\s+\|", result.output), result.output
 
 
 def test_bench_refuses_speedups_when_parity_fails(wrong_pass):
-    result = invoke("bench", "--model", f"{USER_FILE}:make", "--steps", "1", "--variants", "eager,optimize",
-                    "--compiler", "aot_eager")
+    result = invoke("bench", "--model", f"{USER_FILE}:make", "--device", "cpu", "--steps", "1",
+                    "--variants", "eager,optimize", "--compiler", "aot_eager")
     assert "parity (float32, seq-len 256) FAIL" in result.output
     assert result.output.count("n/a (parity failed)") == 2
     assert not re.search(r"\d\.\d\dx", result.output)

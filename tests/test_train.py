@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from nsa_compile.cli import cli
 from nsa_compile.train import load_corpus
 
-FAST = ["--compiler", "aot_eager", "--batch", "4", "--seq-len", "64", "--eval-every", "0"]
+FAST = ["--device", "cpu", "--compiler", "aot_eager", "--batch", "4", "--seq-len", "64", "--eval-every", "0"]
 
 
 @pytest.fixture(scope="module")
