@@ -9,9 +9,11 @@ where `mask` [S, S] is computed from positions only (aranges, comparisons, arith
 is evaluated once at compile time and must equal the sliding window exactly: query t sees key s
 iff s <= t and t - s < w, for some w >= 1 (w >= S is plain causal attention).
 
-Becomes `torch.ops.nsa.window_attention(q, k, v, w, c)` on the un-repeated K/V: no [S, S] scores,
-no K/V copy (nsa_compile/ops/window.py; memory-bounded PyTorch now, FlashAttention-2 with a window
-on the GPU next).
+Becomes `torch.ops.nsa.window_attention(q, k, v, w, c, backend)[0]` on the un-repeated K/V: no
+[S, S] scores, no K/V copy (nsa_compile/ops/window.py). The backend is chosen here, from the
+fake tensors, and written into the graph: `flash` (FA-2 with a window) on CUDA in fp16/bf16 with
+equal head dims <= 256, else `reference` (memory-bounded PyTorch, exact); `explain` shows which
+and, for reference, why not flash.
 
 Refuses (graph unchanged), with the reason shown by `explain`:
 - a mask that depends on data, is not [S, S] over the last two dims, is non-causal, or is not a
@@ -22,15 +24,19 @@ Refuses (graph unchanged), with the reason shown by `explain`:
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
+from nsa_compile.ops import flash
+from nsa_compile.ops.window import choose_backend
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.rewrite import PassLog, RewritePass
 
 MAX_VERIFIED_S = 16384  # the mask is evaluated as an [S, S] bool tensor at compile time
-KERNEL = "nsa.window_attention (w={window}, GQA-native, no S x S tensor)"
+KERNEL = "nsa.window_attention[{backend}] (w={window}, GQA-native, no S x S tensor{why})"
 
 
 class Refused(Exception):
@@ -141,7 +147,8 @@ class WindowAttention(RewritePass):
                 log.refused(softmax, str(why))
                 continue
             self.rewrite(graph, softmax, plan)
-            log.matched(softmax, KERNEL.format(window=plan["window"]))
+            why = f"; not flash: {plan['why_not_flash']}" if plan["backend"] != "flash" else ""
+            log.matched(softmax, KERNEL.format(window=plan["window"], backend=plan["backend"], why=why))
 
     def check(self, softmax: fx.Node) -> dict:
         probs = value(softmax)
@@ -195,13 +202,16 @@ class WindowAttention(RewritePass):
         if keep.dtype != torch.bool or keep.shape[-2:] != (S, S) or keep.numel() != S * S:
             raise Refused(f"the mask is {tuple(keep.shape)} {keep.dtype}, not one [S, S] bool pattern for all heads")
         window = window_of(keep.reshape(S, S))
-        return {"q": q, "k": k, "v": v, "window": window, "scale": scale, "pv": pv,
+        backend = choose_backend(qv, kv, vv)  # from the fake tensors: device, dtype, head dims
+        return {"q": q, "k": k, "v": v, "window": window, "scale": scale, "pv": pv, "backend": backend,
+                "why_not_flash": flash.unsupported_reason(qv, kv, vv),
                 "chain": [pv, cast, softmax, masked, scaled, raw, qk, kt], "mask": mask}
 
     def rewrite(self, graph: fx.Graph, softmax: fx.Node, plan: dict) -> None:
         pv = plan["pv"]
-        out = call(graph, torch.ops.nsa.window_attention, plan["q"], plan["k"], plan["v"], plan["window"],
-                   plan["scale"], anchor=pv)
+        both = call(graph, torch.ops.nsa.window_attention, plan["q"], plan["k"], plan["v"], plan["window"],
+                    plan["scale"], plan["backend"], anchor=pv)
+        out = call(graph, operator.getitem, both, 0, anchor=pv)  # o; the log-sum-exp is for the backward
         pv.replace_all_uses_with(out)
         # erase the dense chain, then whatever only it used (the K/V copies, the mask arithmetic)
         dead = [n for n in dict.fromkeys(plan["chain"]) if n is not None]

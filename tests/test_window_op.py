@@ -9,6 +9,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nsa_compile.ops
+import nsa_compile.ops.flash
 from nsa_compile.ops import window as window_mod
 from nsa_compile.ops import window_attention, window_attention_backward
 
@@ -177,7 +178,7 @@ def test_memory_bounded_gqa_native_and_fully_written():
     H = G * h
     spy = Spy()
     with spy:
-        o = window_mod._reference_forward(q, k, v, window, 0.25, chunk)
+        o, _ = window_mod._reference_forward(q, k, v, window, 0.25, chunk)
         dq, dk, dv = window_mod._reference_backward(grad_o, q, k, v, window, 0.25, chunk)
     # the largest intermediate is one chunk's scores [1, G, h*chunk, chunk + window - 1]
     assert spy.max_numel <= H * chunk * (chunk + window - 1) < H * S * S // 8
@@ -193,9 +194,11 @@ def test_opcheck_forward_and_backward_ops():
         q, k, v, grad_o = make_inputs(S, h, torch.float32, dk=8, dv=5)
         v, grad_o = v.to(v_dtype), grad_o.to(v_dtype)  # the output takes v's dtype, not q's
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-        torch.library.opcheck(torch.ops.nsa.window_attention.default, (q, k, v, window, 0.5))
+        torch.library.opcheck(torch.ops.nsa.window_attention.default, (q, k, v, window, 0.5, "reference"))
+        o, lse = torch.ops.nsa.window_attention(q, k, v, window, 0.5)
         torch.library.opcheck(
-            torch.ops.nsa.window_attention_backward.default, (grad_o, *(x.detach() for x in (q, k, v)), window, 0.5)
+            torch.ops.nsa.window_attention_backward.default,
+            (grad_o, *(x.detach() for x in (q, k, v, o, lse)), window, 0.5, "reference"),
         )
 
 
@@ -288,15 +291,64 @@ def test_argument_validation(change, match):
 
 def test_backward_op_validates_grad_shape():
     q, k, v, grad_o = make_inputs(8, 2, torch.float32)
-    window_attention_backward(grad_o, q, k, v, 4, 0.5)
+    o, lse = torch.ops.nsa.window_attention(q, k, v, 4, 0.5)
+    window_attention_backward(grad_o, q, k, v, o, lse, 4, 0.5)
     with pytest.raises(ValueError, match="grad_o must have shape"):
-        window_attention_backward(grad_o[:, :, :7], q, k, v, 4, 0.5)
+        window_attention_backward(grad_o[:, :, :7], q, k, v, o, lse, 4, 0.5)
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        window_attention_backward(grad_o[:, :3], q[:, :3], k, v, 4, 0.5)
+        window_attention_backward(grad_o[:, :3], q[:, :3], k, v, o, lse, 4, 0.5)
+
+
+def test_log_sum_exp_is_the_rows_of_the_eager_scores():
+    for S, window, h in ((1, 3, 2), (63, 5, 3), (300, 32, 1), (200, 512, 4)):
+        q, k, v, _ = make_inputs(S, h, torch.float64, seed=S)
+        _, lse = torch.ops.nsa.window_attention(q, k, v, window, 0.3)
+        kr = k.repeat_interleave(h, dim=1)
+        t, s = torch.arange(S)[:, None], torch.arange(S)[None, :]
+        scores = (q @ kr.transpose(-1, -2) * 0.3).masked_fill(~((s <= t) & (t - s < window)), float("-inf"))
+        assert lse.dtype == torch.float32 and lse.shape == (B, G * h, S)
+        torch.testing.assert_close(lse, torch.logsumexp(scores, -1).float(), rtol=1e-6, atol=1e-6)
+
+
+def test_backend_choice_gives_reasons():
+    q, k, v, _ = make_inputs(8, 2, torch.bfloat16)
+    assert window_mod.choose_backend(q, k, v) == "reference"  # the CPU
+    assert window_mod.choose_backend(q, k, v, "reference") == "reference"
+    with pytest.raises(ValueError, match="backend 'flash' cannot run these inputs: FA-2 runs on CUDA only"):
+        window_attention(q, k, v, 4, 0.5, "flash")
+    with pytest.raises(ValueError, match="unknown backend 'fast'; valid: auto, flash, reference"):
+        window_attention(q, k, v, 4, 0.5, "fast")
+    # what flash cannot take, named whatever the device (fake CUDA tensors: no GPU needed)
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        def cuda(shape, dtype):
+            return torch.empty(shape, dtype=dtype, device="cuda")
+
+        reasons = {
+            "float32": (torch.float32, 16, 16), "equal head dims": (torch.bfloat16, 16, 24),
+            "multiple of 8": (torch.bfloat16, 12, 12), "at most 256": (torch.float16, 512, 512),
+        }
+        for phrase, (dtype, dk, dv) in reasons.items():
+            qf, kf, vf = cuda((1, 4, 8, dk), dtype), cuda((1, 2, 8, dk), dtype), cuda((1, 2, 8, dv), dtype)
+            assert phrase in nsa_compile.ops.flash.unsupported_reason(qf, kf, vf), phrase
+
+
+def test_outputs_keep_the_layout_the_fakes_promise():
+    """Inductor trusts a custom op's fake strides: the real outputs must have the same ones."""
+    q, k, v, grad_o = make_inputs(50, 3, torch.float32)
+    o, lse = torch.ops.nsa.window_attention(q, k, v, 7, 0.5)
+    grads = window_attention_backward(grad_o, q, k, v, o, lse, 7, 0.5)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fq, fk, fv, fg = (mode.from_tensor(x) for x in (q, k, v, grad_o))
+        fo, flse = torch.ops.nsa.window_attention(fq, fk, fv, 7, 0.5)
+        fgrads = window_attention_backward(fg, fq, fk, fv, fo, flse, 7, 0.5)
+    for real, fake in zip((o, lse, *grads), (fo, flse, *fgrads)):
+        assert real.shape == fake.shape and real.stride() == fake.stride() and real.dtype == fake.dtype
 
 
 def test_public_surface():
     assert nsa_compile.ops.__all__ == [
         "selected_attention", "selected_attention_backward", "window_attention", "window_attention_backward"]
     assert nsa_compile.ops.window_attention is window_attention
-    assert torch.ops.nsa.window_attention.default._schema.arguments[3].name == "window"
+    schema = torch.ops.nsa.window_attention.default._schema
+    assert [a.name for a in schema.arguments] == ["q", "k", "v", "window", "scale", "backend"]
+    assert len(schema.returns) == 2  # o and the log-sum-exp

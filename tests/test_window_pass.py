@@ -35,7 +35,8 @@ def test_fires_once_per_layer_and_the_dense_scores_are_gone():
     model.loss(tokens(2, S)).backward()
     r = row(model, PASS)
     assert (r["matches"], r["where"]) == (2, ["blocks.0.attn", "blocks.1.attn"])
-    assert r["kernels"] == ["nsa.window_attention (w=32, GQA-native, no S x S tensor)"]
+    assert r["kernels"] == ["nsa.window_attention[reference] (w=32, GQA-native, no S x S tensor; "
+                            "not flash: FA-2 runs on CUDA only (tensors on cpu))"]
     record = only_graph(model)
     assert record.code_after.count("torch.ops.nsa.window_attention") == 2
     assert square_float_tensors(record.aten["forward"], S) == []
@@ -141,7 +142,7 @@ def test_accepted_mask_forms(mask, window, h):
     for a, b in zip(got_grads, grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     r = row(optimized, PASS)
-    assert r["matches"] == 1 and r["kernels"] == [f"nsa.window_attention (w={window}, GQA-native, no S x S tensor)"]
+    assert r["matches"] == 1 and r["kernels"][0].startswith(f"nsa.window_attention[reference] (w={window}, ")
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@ memory, and parity against a float64 (small S) or float32 reference, per variant
 
   eager      the eager masked-dense formula of models/nsa.py (repeat_interleave, S x S scores)
   compile    torch.compile of that formula (Inductor)
-  reference  torch.ops.nsa.window_attention, what the window_attention pass puts in place today
+  op-flash   nsa.window_attention, backend flash (what the pass puts in place on CUDA fp16/bf16)
+  op-ref     nsa.window_attention, backend reference (chunked PyTorch; the fp32 route)
   fa2        torch.nn.attention.varlen.varlen_attn with window_size=(w - 1, 0), when importable
              (GQA through repeat: 2.11's varlen_attn has no enable_gqa; bf16/fp16 only)
   fa2-aten   torch.ops.aten._flash_attention_forward with window_size_left = w - 1 (GQA-native)
@@ -88,11 +89,13 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, action="append")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    ap.add_argument("--variants", default="eager,compile,reference,fa2,fa2-aten,dense")
+    ap.add_argument("--variants", default="eager,compile,op-flash,op-ref,fa2,fa2-aten,dense")
     args = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     H, G, D = SHAPES[args.shape]
-    variants = {"eager": eager_window, "compile": torch.compile(eager_window), "reference": window_attention,
+    variants = {"eager": eager_window, "compile": torch.compile(eager_window),
+                "op-flash": lambda *a: window_attention(*a, backend="flash"),
+                "op-ref": lambda *a: window_attention(*a, backend="reference"),
                 "fa2": fa2_window, "fa2-aten": fa2_aten_window, "dense": dense_causal}
     chosen = [v for v in args.variants.split(",") if v]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape} (H {H}, G {G}, D {D}), "
@@ -106,7 +109,7 @@ def main() -> None:
         grad = torch.randn(1, H, S, D, device="cuda", dtype=dtype, generator=g)
         scale = D**-0.5
         # the reference: the window op in float32 (it computes the eager arithmetic in chunks)
-        ref = window_attention(q.float(), k.float(), v.float(), args.window, scale)
+        ref = window_attention(q.float(), k.float(), v.float(), args.window, scale, backend="reference")
         for name in chosen:
             fn = variants[name]
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]

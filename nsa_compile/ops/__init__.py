@@ -1,7 +1,7 @@
 """Custom ops that rewrite passes put in place of eager subgraphs (functional, with fakes and
 autograd, so they trace under torch.compile fullgraph and AOTAutograd).
 
-    torch.ops.nsa.window_attention(q, k, v, window, scale)   # sliding-window causal GQA attention
+    torch.ops.nsa.window_attention(q, k, v, window, scale, backend)   # -> (o, lse): sliding-window causal GQA attention
     torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale)   # NSA selected branch
 
 `selected_attention` has no pass yet (the selection rewrite is issue 4's next step); it is

@@ -1,43 +1,71 @@
 """Sliding-window causal attention with GQA as a functional custom op (NSA section 4).
 
-    o = torch.ops.nsa.window_attention(q, k, v, window, scale)   # == window_attention(...)
+    o, lse = torch.ops.nsa.window_attention(q, k, v, window, scale, backend)
+    o = window_attention(q, k, v, window, scale, backend="auto")      # the output only
 
 q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv] with H = G * h: query head j reads KV head
 j // h (GQA-native: K and V are never repeated). Query t attends to keys s with s <= t and
-t - s < window. Output [B, H, S, Dv] in v's dtype. The arithmetic is the eager model's
-(`NSAAttention.window_attention` in models/nsa.py) step for step:
+t - s < window. o [B, H, S, Dv] in v's dtype (a view of [B, S, H, Dv] memory, the layout the
+model's `o.transpose(1, 2)` reads next), lse [B, H, S] float32: the log-sum-exp of each row's
+scaled scores. The eager model's arithmetic (`NSAAttention.window_attention`, models/nsa.py):
 
-    scores = upcast(q @ k^T) * scale         # q @ k^T in q's dtype; fp16/bf16 -> fp32, fp32/fp64 stay
+    scores = upcast(q @ k^T) * scale         # fp16/bf16 -> fp32, fp32/fp64 stay
     p = softmax(scores.masked_fill(~in_window, -inf), dim=-1)
     o = p.to(v.dtype) @ v
 
-Backward is a second op, `nsa::window_attention_backward(grad_o, q, k, v, window, scale) ->
-(dq, dk, dv)`, with dk and dv summed over each group's h query heads (shapes of k and v).
+Backward is a second op, `nsa::window_attention_backward(grad_o, q, k, v, o, lse, window,
+scale, backend) -> (dq, dk, dv)`, with dk and dv summed over each group's h query heads.
 
-Backend `reference` (every device): PyTorch, chunked over query rows. A chunk of C queries
-[t0, t1) reads only the keys [t0 - window + 1, t1), so memory is O(B * H * C * (C + window))
-and no [S, S] tensor is built. The group's h heads are folded into the rows of one matmul per
-(batch, group), so K and V are read once per group. The backward recomputes each chunk's
-probabilities and applies the same formulas autograd applies to the eager graph (written out,
-see `_reference_backward`), accumulating dk and dv over the overlapping key ranges.
+Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
+- `flash`: FlashAttention-2 with a window (left w - 1, right 0), GQA-native, through PyTorch's
+  own kernels (nsa_compile/ops/flash.py): CUDA, fp16/bf16, Dk == Dv <= 256. Scores are
+  accumulated in fp32 (eager rounds q @ k^T to fp16/bf16 first): closer to the exact result.
+- `reference` (every device and dtype): PyTorch, chunked over query rows, the eager arithmetic
+  step for step. A chunk of C queries [t0, t1) reads only the keys [t0 - window + 1, t1), so
+  memory is O(B * H * C * (C + window)) and no [S, S] tensor is built. The group's h heads are
+  folded into the rows of one matmul per (batch, group), so K and V are read once per group.
+  The backward recomputes each chunk's probabilities and applies the formulas autograd applies
+  to the eager graph (written out, see `_reference_backward`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import flash
 from .common import check_grad_o, check_positive_int, check_qkv, upcast_dtype
 
-__all__ = ["window_attention", "window_attention_backward"]
+__all__ = ["BACKENDS", "choose_backend", "window_attention", "window_attention_backward"]
+
+BACKENDS = ("auto", "flash", "reference")
 
 # Query rows per chunk of the reference backend (a module constant so tests can shrink it).
 REFERENCE_CHUNK = 128
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float) -> None:
-    """Raise ValueError, naming the argument, unless the shapes, dtypes and window are valid."""
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, backend: str) -> None:
+    """Raise ValueError, naming the argument, unless the shapes, dtypes, window and backend are valid."""
     check_qkv("window_attention", q, k, v)
     check_positive_int("window_attention", "window", window, " (the query itself)")
+    choose_backend(q, k, v, backend)
+
+
+def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> str:
+    """The backend that computes these inputs: `backend` itself, or for 'auto' flash where it can
+    run and reference elsewhere. ValueError if a named backend cannot run them (with why)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"window_attention: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    why_not_flash = flash.unsupported_reason(q, k, v)
+    if backend == "flash" and why_not_flash:
+        raise ValueError(f"window_attention: backend 'flash' cannot run these inputs: {why_not_flash}")
+    if backend == "auto":
+        return "reference" if why_not_flash else "flash"
+    return backend
+
+
+def _bshd(B: int, heads: int, S: int, D: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty [B, heads, S, D] tensor laid out as [B, S, heads, D] (every backend's output layout)."""
+    return like.new_empty((B, S, heads, D), dtype=dtype or like.dtype).transpose(1, 2)
 
 
 def _chunk_bounds(S: int, window: int, chunk: int):
@@ -62,7 +90,7 @@ def _chunk_probs(qc, kc, t0, t1, s0, window, scale):
     scores = (qc @ kc.transpose(-1, -2)).to(upcast_dtype(qc.dtype)) * scale  # [B, G, h*c, L]
     scores = scores.view(B, G, hc // c, c, L).masked_fill(~in_window, float("-inf"))
     p = torch.softmax(scores, dim=-1).view(B, G, hc, L)
-    return p, in_window
+    return p, in_window, torch.logsumexp(scores, dim=-1).float()
 
 
 def _rows(x: torch.Tensor, G: int, t0: int, t1: int) -> torch.Tensor:
@@ -71,18 +99,20 @@ def _rows(x: torch.Tensor, G: int, t0: int, t1: int) -> torch.Tensor:
     return x.unflatten(1, (G, H // G))[:, :, :, t0:t1].reshape(B, G, (H // G) * (t1 - t0), D)
 
 
-def _reference_forward(q, k, v, window: int, scale: float, chunk: int | None = None) -> torch.Tensor:
+def _reference_forward(q, k, v, window: int, scale: float, chunk: int | None = None):
+    """o [B, H, S, Dv] (in [B, S, H, Dv] memory) and lse [B, H, S] in float32."""
     B, H, S, _ = q.shape
     G, Dv = k.shape[1], v.shape[3]
     h = H // G
     chunk = chunk or REFERENCE_CHUNK
-    out = torch.empty(B, H, S, Dv, dtype=v.dtype, device=q.device)
-    out_g = out.view(B, G, h, S, Dv)
+    out = _bshd(B, H, S, Dv, v)
+    lse = q.new_empty((B, H, S), dtype=torch.float32)
     for t0, t1, s0 in _chunk_bounds(S, window, chunk):
-        p, _ = _chunk_probs(_rows(q, G, t0, t1), k[:, :, s0:t1], t0, t1, s0, window, scale)
+        p, _, row_lse = _chunk_probs(_rows(q, G, t0, t1), k[:, :, s0:t1], t0, t1, s0, window, scale)
         o = p.to(v.dtype) @ v[:, :, s0:t1]  # [B, G, h*c, Dv]
-        out_g[:, :, :, t0:t1] = o.view(B, G, h, t1 - t0, Dv)
-    return out
+        out[:, :, t0:t1] = o.view(B, H, t1 - t0, Dv)
+        lse[:, :, t0:t1] = row_lse.view(B, H, t1 - t0)
+    return out, lse
 
 
 def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int | None = None):
@@ -105,50 +135,59 @@ def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int |
     h = H // G
     chunk = chunk or REFERENCE_CHUNK
     up = upcast_dtype(q.dtype)
-    dq = torch.empty(B, H, S, Dk, dtype=q.dtype, device=q.device)
-    dq_g = dq.view(B, G, h, S, Dk)
+    dq = _bshd(B, H, S, Dk, q)
     dk = torch.zeros(B, G, S, Dk, dtype=upcast_dtype(k.dtype), device=k.device)
     dv = torch.zeros(B, G, S, Dv, dtype=upcast_dtype(v.dtype), device=v.device)
     for t0, t1, s0 in _chunk_bounds(S, window, chunk):
         c, L = t1 - t0, t1 - s0
         qc, kc, vc = _rows(q, G, t0, t1), k[:, :, s0:t1], v[:, :, s0:t1]
         g = _rows(grad_o, G, t0, t1).to(v.dtype)  # [B, G, h*c, Dv]
-        p, in_window = _chunk_probs(qc, kc, t0, t1, s0, window, scale)  # [B, G, h*c, L]
+        p, in_window, _ = _chunk_probs(qc, kc, t0, t1, s0, window, scale)  # [B, G, h*c, L]
         pv = p.to(v.dtype)
         dv[:, :, s0:t1] += pv.transpose(-1, -2) @ g  # [B, G, L, Dv]
         dp = (g @ vc.transpose(-1, -2)).to(up)  # [B, G, h*c, L]
         d_sm = torch._softmax_backward_data(dp, p, -1, up)
         d_sm = d_sm.view(B, G, h, c, L).masked_fill(~in_window, 0).view(B, G, h * c, L)
         da = (d_sm * scale).to(q.dtype)
-        dq_g[:, :, :, t0:t1] = (da @ kc).view(B, G, h, c, Dk)
+        dq[:, :, t0:t1] = (da @ kc).view(B, H, c, Dk)
         dk[:, :, s0:t1] += da.transpose(-1, -2) @ qc  # [B, G, L, Dk]
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    dk_out, dv_out = _bshd(B, G, S, Dk, k), _bshd(B, G, S, Dv, v)
+    dk_out.copy_(dk)
+    dv_out.copy_(dv)
+    return dq, dk_out, dv_out
 
 
 @torch.library.custom_op("nsa::window_attention", mutates_args=())
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+def _window_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sliding-window causal GQA attention: q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv]
-    -> o [B, H, S, Dv] in v's dtype. Query t sees keys max(0, t - window + 1)..t; query head j
-    reads KV head j // (H // G)."""
-    _check(q, k, v, window, scale)
+    -> o [B, H, S, Dv] in v's dtype and lse [B, H, S] float32. Query t sees keys
+    max(0, t - window + 1)..t; query head j reads KV head j // (H // G)."""
+    _check(q, k, v, window, scale, backend)
+    if choose_backend(q, k, v, backend) == "flash":
+        return flash.flash_forward(q, k, v, scale, window)
     return _reference_forward(q, k, v, window, scale)
 
 
-@window_attention.register_fake
-def _window_attention_fake(q, k, v, window, scale):
-    _check(q, k, v, window, scale)
+@_window_attention_op.register_fake
+def _window_attention_fake(q, k, v, window, scale, backend="auto"):
+    _check(q, k, v, window, scale, backend)
     B, H, S, _ = q.shape
-    return q.new_empty((B, H, S, v.shape[3]), dtype=v.dtype)
+    return _bshd(B, H, S, v.shape[3], v), q.new_empty((B, H, S), dtype=torch.float32)
 
 
 @torch.library.custom_op("nsa::window_attention_backward", mutates_args=())
 def window_attention_backward(
-    grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float
+    grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    window: int, scale: float, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `window_attention`: grad_o [B, H, S, Dv] -> dq [B, H, S, Dk] (q's dtype),
-    dk [B, G, S, Dk] (k's dtype), dv [B, G, S, Dv] (v's dtype)."""
-    _check(q, k, v, window, scale)
+    dk [B, G, S, Dk] (k's dtype), dv [B, G, S, Dv] (v's dtype). o and lse are the forward's."""
+    _check(q, k, v, window, scale, backend)
     _check_grad(grad_o, q, v)
+    if choose_backend(q, k, v, backend) == "flash":
+        return flash.flash_backward(grad_o, q, k, v, o, lse, scale, window)
     return _reference_backward(grad_o, q, k, v, window, scale)
 
 
@@ -157,22 +196,33 @@ def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
 
 
 @window_attention_backward.register_fake
-def _window_attention_backward_fake(grad_o, q, k, v, window, scale):
-    _check(q, k, v, window, scale)
+def _window_attention_backward_fake(grad_o, q, k, v, o, lse, window, scale, backend="auto"):
+    _check(q, k, v, window, scale, backend)
     _check_grad(grad_o, q, v)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    B, H, S, Dk = q.shape
+    G, Dv = k.shape[1], v.shape[3]
+    return _bshd(B, H, S, Dk, q), _bshd(B, G, S, Dk, k), _bshd(B, G, S, Dv, v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, window, scale = inputs
-    ctx.save_for_backward(q, k, v)
-    ctx.window, ctx.scale = window, scale
+    q, k, v, window, scale, *backend = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.window, ctx.scale, ctx.backend = window, scale, (backend or ["auto"])[0]
+    ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, grad_o):
-    q, k, v = ctx.saved_tensors
-    dq, dk, dv = torch.ops.nsa.window_attention_backward(grad_o, q, k, v, ctx.window, ctx.scale)
-    return dq, dk, dv, None, None
+def _backward(ctx, grad_o, _grad_lse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.nsa.window_attention_backward(grad_o, q, k, v, o, lse, ctx.window, ctx.scale, ctx.backend)
+    return dq, dk, dv, None, None, None
 
 
-window_attention.register_autograd(_backward, setup_context=_setup_context)
+_window_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, backend: str = "auto"
+) -> torch.Tensor:
+    """The output o of `torch.ops.nsa.window_attention` (see the module docstring)."""
+    return torch.ops.nsa.window_attention(q, k, v, window, scale, backend)[0]
