@@ -4,6 +4,12 @@ Oracle: the eager model in float64. Metric: relative RMS error ||x - ref|| / ||r
 output and of every parameter gradient. Bar: err(optimized) <= max(2 * err(eager), floor) where
 err(eager) is the eager model's own error in the same dtype against the same oracle (in bf16/fp16
 eager NSA flips near-tied block choices itself; the factor absorbs that), floors below.
+
+On CUDA the eager model is not deterministic (the backward of gather and index ops adds with
+atomics), so its error is a random sample: on the seed model in bf16 the same gate-bias gradient
+measured 0.007 in one run and 0.020 in the next (H200, NOTES.md), and a bar of twice the lucky
+sample failed even the identity rewrite. There err(eager) is the largest of `eager_runs` runs
+(default 3 on CUDA, 1 on the CPU, where runs are identical).
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ def check_parity(
     dtype: torch.dtype,
     is_lm: bool = True,
     floors: dict | None = None,
+    eager_runs: int | None = None,
 ) -> ParityReport:
     """Compare `optimize_fn(copy of eager in dtype)` with eager in dtype, both against float64.
 
@@ -84,23 +91,29 @@ def check_parity(
     """
     floor = (floors or FLOORS)[dtype]
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    if eager_runs is None:
+        eager_runs = 3 if inputs[0].device.type == "cuda" else 1
+    if eager_runs < 1:
+        raise ValueError(f"eager_runs must be >= 1, got {eager_runs}")
     oracle = _step(copy.deepcopy(eager).to(torch.float64), inputs, is_lm, torch.float64)
-    same_dtype = _step(copy.deepcopy(eager).to(dtype), inputs, is_lm, dtype)
+    in_dtype = copy.deepcopy(eager).to(dtype)
+    eager_steps = [_step(in_dtype, inputs, is_lm, dtype) for _ in range(eager_runs)]
+    del in_dtype
     optimized = _step(optimize_fn(copy.deepcopy(eager).to(dtype)), inputs, is_lm, dtype)
 
     rows = []
 
-    def add(name, ref, base, opt):
+    def add(name, ref, bases, opt):
         if ref is None or opt is None:
-            if (ref is None) != (opt is None) or (ref is None) != (base is None):
+            if (ref is None) != (opt is None) or any((ref is None) != (b is None) for b in bases):
                 rows.append(ParityRow(f"{name} (grad None mismatch)", 0.0, float("inf"), 0.0))
             return
-        err_eager = relative_error(base, ref)
+        err_eager = max(relative_error(b, ref) for b in bases)
         rows.append(ParityRow(name, err_eager, relative_error(opt, ref), max(2 * err_eager, floor)))
 
-    add("output", oracle[0], same_dtype[0], optimized[0])
-    add("loss", oracle[1], same_dtype[1], optimized[1])
+    add("output", oracle[0], [s[0] for s in eager_steps], optimized[0])
+    add("loss", oracle[1], [s[1] for s in eager_steps], optimized[1])
     for name in oracle[2]:
-        add(f"grad {name}", oracle[2][name], same_dtype[2][name], optimized[2].get(name))
+        add(f"grad {name}", oracle[2][name], [s[2][name] for s in eager_steps], optimized[2].get(name))
     rows.sort(key=lambda r: r.err_optimized / r.bar if r.bar > 0 else float("inf"), reverse=True)
     return ParityReport(dtype, tuple(rows))

@@ -25,10 +25,10 @@ def rewrites_only(model):
     return nsa_compile.optimize(model, nsa_compile.OptimizeConfig(compiler="aot_eager"))
 
 
-# The seed model runs the rewrites without Inductor: in bf16 its gate-bias gradients (sums with
-# heavy cancellation over every token) sit near the 2x-eager bar for any change of numerics, and
-# Inductor's codegen plus the rewrites crossed it on 2 of 197 tensors once (NOTES.md), while the
-# rewrites alone and Inductor alone stayed under it. The tiny model covers the Inductor path.
+# The seed model runs the rewrites without Inductor (its Inductor compile takes minutes; the tiny
+# model covers that path). Its bf16 gate-bias gradients are sums with heavy cancellation whose
+# eager error varies from run to run on the GPU (nondeterministic atomics): check_parity takes
+# the largest of 3 eager runs as the bar's base (NOTES.md, 2026-11-26).
 @pytest.mark.parametrize(
     "preset_name, dtype, optimize_fn",
     [

@@ -1,7 +1,9 @@
 """Which step moves a model's numbers: the rewrites, or Inductor's codegen?
 
-Runs check_parity for three optimized variants of the same eager model against the same float64
+Runs check_parity for optimized variants of the same eager model against the same float64
 oracle and prints the worst rows of each:
+  identity  AOTAutograd + eager execution, no NSA pass (what the bar makes of a no-op: on CUDA,
+            eager's own run-to-run nondeterminism)
   compile   Inductor with every NSA pass disabled (torch.compile's own numerics)
   passes    the NSA passes with AOTAutograd + eager execution (the rewrites alone)
   optimize  the NSA passes with Inductor (what optimize() does)
@@ -31,6 +33,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--worst", type=int, default=5)
+    ap.add_argument("--variants", default="identity,compile,passes,optimize")
+    ap.add_argument("--eager-runs", type=int, default=None, help="eager runs behind the bar (default: 3 on CUDA, 1 on CPU)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -38,16 +42,18 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (args.batch, args.seq_len + 1), generator=g).to(args.device)
     variants = {
+        "identity": nsa_compile.OptimizeConfig(compiler="aot_eager", disabled_passes=nsa_compile.pass_names()),
         "compile": nsa_compile.OptimizeConfig(disabled_passes=nsa_compile.pass_names()),
         "passes": nsa_compile.OptimizeConfig(compiler="aot_eager"),
         "optimize": nsa_compile.OptimizeConfig(),
     }
-    for name, config in variants.items():
+    for name in args.variants.split(","):
+        config = variants[name]
         def optimize_fn(m, config=config):
             torch._dynamo.reset()
             return nsa_compile.optimize(m, config)
 
-        report = check_parity(eager, optimize_fn, tokens, DTYPES[args.dtype])
+        report = check_parity(eager, optimize_fn, tokens, DTYPES[args.dtype], eager_runs=args.eager_runs)
         print(f"\n{name}: {'PASS' if report.ok else 'FAIL'} ({len(report.failures())} of {len(report.rows)} over the bar)")
         rows = [[r.name, f"{r.err_optimized:.3g}", f"{r.err_eager:.3g}", f"{r.bar:.3g}", "ok" if r.ok else "FAIL"]
                 for r in report.rows[: args.worst]]
