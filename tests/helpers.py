@@ -45,5 +45,5 @@ def growing_float_expands(gm: fx.GraphModule) -> list[tuple]:
     return out
 
 # The GQA pass alone: tests of gqa_grouped_matmul isolate it from the branch passes that run
-# before it (window_attention takes the window branch's K/V with it).
-GQA_ONLY = FAST.replace(disabled_passes=("window_attention",))
+# before it (window_attention and selection_attention take their branch's K/V with them).
+GQA_ONLY = FAST.replace(disabled_passes=("window_attention", "selection_attention"))

@@ -48,12 +48,15 @@ def test_explain_json_has_passes_near_misses_and_breaks():
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     by_name = {p["name"]: p for p in data["passes"]}
-    assert [p["name"] for p in data["passes"]] == ["window_attention", "gqa_grouped_matmul"]
-    assert by_name["window_attention"]["matches"] == 2 and by_name["gqa_grouped_matmul"]["matches"] == 8
+    assert [p["name"] for p in data["passes"]] == ["window_attention", "selection_attention", "gqa_grouped_matmul"]
+    assert by_name["window_attention"]["matches"] == 2 and by_name["selection_attention"]["matches"] == 2
+    assert by_name["gqa_grouped_matmul"]["matches"] == 4
     assert by_name["gqa_grouped_matmul"]["where"] == ["blocks.0.attn", "blocks.1.attn"]
-    # per layer: the compressed, selected and gate softmaxes (window pass); gate and mask copies (GQA)
+    # per layer: the compressed, selected and gate softmaxes (window pass); the compressed and gate
+    # softmaxes (selection pass); the gate copy (GQA)
     misses = [m["pass"] for m in data["near_misses"]]
-    assert misses.count("window_attention") == 6 and misses.count("gqa_grouped_matmul") == 4
+    assert misses.count("window_attention") == 6 and misses.count("selection_attention") == 4
+    assert misses.count("gqa_grouped_matmul") == 2
     assert {m["where"] for m in data["near_misses"]} == {"blocks.0.attn", "blocks.1.attn"}
     assert data["graph_breaks"] == []
 
@@ -61,7 +64,7 @@ def test_explain_json_has_passes_near_misses_and_breaks():
 def test_explain_dense_twin_has_nothing_to_rewrite():
     data = json.loads(invoke("explain", "--model", "tiny-dense", "--device", "cpu", "--seq-len", "20",
                              "--format", "json").output)
-    assert [p["matches"] for p in data["passes"]] == [0, 0]
+    assert [p["matches"] for p in data["passes"]] == [0, 0, 0]
     assert data["near_misses"] == []
 
 
@@ -98,7 +101,8 @@ def test_explain_exports_dot_and_graphml_with_rewritten_nodes_marked(tmp_path):
     assert "nsa.window_attention_backward" in backward and "repeat_interleave" not in backward
     g = nx.read_graphml(tmp_path / "graph_0.graphml")
     rewritten = [d["target"] for n, d in g.nodes(data=True) if d["rewritten"]]
-    assert len(rewritten) == 1 and "window_attention" in rewritten[0]
+    # the op (o, lse) and the getitem that takes o
+    assert len(rewritten) == 2 and "window_attention" in rewritten[0] and "getitem" in rewritten[1], rewritten
     assert not any("repeat_interleave" in d["target"] for _, d in g.nodes(data=True))
     assert json.loads((tmp_path / "explain.json").read_text())["passes"][0]["matches"] == 1
     assert (tmp_path / "graph_0_window_attention.diff").read_text().startswith("--- graph 0 before")
@@ -175,8 +179,9 @@ def test_demo_runs_end_to_end_on_cpu():
     assert result.exit_code == 0, result.output
     assert "nsa_compile demo: tiny on cpu" in result.output
     assert "PASS" in result.output
-    assert "| window_attention   |         2 |" in result.output
-    assert "| gqa_grouped_matmul |         8 |" in result.output
+    assert "| window_attention    |         2 |" in result.output
+    assert "| selection_attention |         2 |" in result.output
+    assert "| gqa_grouped_matmul  |         4 |" in result.output
     assert "| optimize |" in result.output and "| eager    |" in result.output
 
 
@@ -190,7 +195,8 @@ def test_demo_runs_end_to_end_on_cpu():
         (["explain", "--model", f"{USER_FILE}:not_a_module"], "error: "),
         (["explain", "--model", f"{USER_FILE}:raises"], "error: "),
         (["explain", "--model", f"{USER_FILE}:module_only"], "error: "),
-        (["explain", "--pass", "bogus"], "error: unknown pass 'bogus'; valid: window_attention, gqa_grouped_matmul"),
+        (["explain", "--pass", "bogus"],
+         "error: unknown pass 'bogus'; valid: window_attention, selection_attention, gqa_grouped_matmul"),
         (["parity", "--dtypes", "fp8", "--device", "cpu"], "error: unknown dtype(s) fp8; valid: fp32, bf16, fp16"),
         (["bench", "--variants", "eager,jit"], "error: unknown variant(s) jit; valid:"),
         (["explain", "--seq-len", "0"], "error: --batch and --seq-len must be positive"),

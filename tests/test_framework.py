@@ -24,14 +24,15 @@ def test_public_surface():
         ["optimize", "report", "OptimizeConfig", "pass_names", "register_pass", "unregister_pass",
          "RewritePass", "PassLog"]
     )
-    assert nsa_compile.pass_names() == ("window_attention", "gqa_grouped_matmul")
+    assert nsa_compile.pass_names() == ("window_attention", "selection_attention", "gqa_grouped_matmul")
 
 
 def test_config_is_frozen_and_validates_names():
     config = OptimizeConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.compiler = "eager"
-    with pytest.raises(ValueError, match="unknown pass name.*'nope'.*valid: window_attention, gqa_grouped_matmul"):
+    valid = "valid: window_attention, selection_attention, gqa_grouped_matmul"
+    with pytest.raises(ValueError, match=f"unknown pass name.*'nope'.*{valid}"):
         OptimizeConfig(disabled_passes=("nope",))
     with pytest.raises(ValueError, match="unknown compiler 'tvm'; valid: inductor, aot_eager, eager"):
         OptimizeConfig(compiler="tvm")
@@ -71,18 +72,20 @@ def test_report_before_and_after_the_first_forward():
     model = optimize_fresh(build_model("tiny"))
     rows = nsa_compile.report(model)
     assert [(r["name"], r["matches"], r["graphs"]) for r in rows] == [
-        ("window_attention", 0, 0), ("gqa_grouped_matmul", 0, 0)]
+        ("window_attention", 0, 0), ("selection_attention", 0, 0), ("gqa_grouped_matmul", 0, 0)]
     model.loss(tokens(1, 40)).backward()
     r = row(model, "gqa_grouped_matmul")
     assert set(r) >= {"name", "matches", "where", "time_ms"}
-    assert r["matches"] == 8 and r["time_ms"] > 0
+    assert r["matches"] == 4 and r["time_ms"] > 0
     assert row(model, "window_attention")["matches"] == 2
+    assert row(model, "selection_attention")["matches"] == 2
 
 
 def test_reoptimize_replaces_the_record():
     model = optimize_fresh(build_model("tiny"))
     model(tokens(1, 20)[:, :-1])
-    nsa_compile.optimize(model, FAST.replace(disabled_passes=("gqa_grouped_matmul", "window_attention")))
+    nsa_compile.optimize(model, FAST.replace(
+        disabled_passes=("gqa_grouped_matmul", "window_attention", "selection_attention")))
     assert nsa_compile.report(model) == []
 
 
@@ -106,7 +109,7 @@ def test_composite_pass_chains_the_installed_pass_and_keys_the_cache():
     composite(graph)
     assert calls == [graph]
     assert len(state.graphs) == 1 and [log.pass_name for log in state.graphs[0].logs] == [
-        "window_attention", "gqa_grouped_matmul"]
+        "window_attention", "selection_attention", "gqa_grouped_matmul"]
 
     uuid = composite.uuid()
     assert "installed-v1" in uuid
@@ -120,7 +123,7 @@ def test_composite_pass_chains_the_installed_pass_and_keys_the_cache():
 
 
 def test_uuid_covers_pass_sources(tmp_path, monkeypatch):
-    state = OptimizeState.for_config(FAST.replace(disabled_passes=("window_attention",)))
+    state = OptimizeState.for_config(FAST.replace(disabled_passes=("window_attention", "selection_attention")))
     before = NSAGraphPass(state).uuid()
     (p,) = state.passes
     copy = tmp_path / "gqa_copy.py"

@@ -47,9 +47,10 @@ def test_gqa_rewrite_parity_on_cuda(preset_name, dtype, optimize_fn):
     assert report.ok, [r.as_dict() for r in report.failures()]
     model = optimize_fn(copy.deepcopy(eager).to(dtype))
     model.loss(batch).backward()
-    # per layer: the window branch to its op; K and V of the compressed and selected branches
+    # per layer: the window and selected branches to their ops; K and V of the compressed branch
     assert row(model, "window_attention")["matches"] == eager.cfg.n_layers
-    assert row(model, "gqa_grouped_matmul")["matches"] == 4 * eager.cfg.n_layers
+    assert row(model, "selection_attention")["matches"] == eager.cfg.n_layers
+    assert row(model, "gqa_grouped_matmul")["matches"] == 2 * eager.cfg.n_layers
 
 
 @pytest.mark.parametrize(

@@ -61,7 +61,8 @@ def test_kv_copies_gone_and_grouped_matmuls_present():
 
 def test_disabled_pass_leaves_copies():
     torch._dynamo.reset()
-    model = nsa_compile.optimize(build_model("tiny"), FAST.replace(disabled_passes=(PASS, "window_attention")))
+    model = nsa_compile.optimize(build_model("tiny"), FAST.replace(
+        disabled_passes=(PASS, "window_attention", "selection_attention")))
     model.loss(tokens(2, 100)).backward()
     record = only_graph(model)
     assert [r["name"] for r in nsa_compile.report(model)] == []
@@ -172,5 +173,7 @@ def test_inductor_smoke_fires_and_matches():
     for _ in range(2):
         model = with_inductor(copy.deepcopy(eager))
         model.loss(tokens(2, 100, seed=5)).backward()
-        # all passes: the window branch goes to its op first, the GQA pass takes the other two
-        assert row(model, PASS)["matches"] == 8 and row(model, "window_attention")["matches"] == 2
+        # all passes: the window and selected branches go to their ops first, the GQA pass takes
+        # the compressed branch's K and V
+        assert row(model, PASS)["matches"] == 4 and row(model, "window_attention")["matches"] == 2
+        assert row(model, "selection_attention")["matches"] == 2

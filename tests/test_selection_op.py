@@ -260,7 +260,7 @@ def test_memory_bounded_gqa_native_and_fully_written():
     idx = make_block_idx(S, h, n, seed=2, b=1)
     spy = Spy()
     with spy:
-        o = sel_mod._reference_forward(q, k, v, idx, LS, 0.25, chunk)
+        o, _ = sel_mod._reference_forward(q, k, v, idx, LS, 0.25, chunk)
         dq, dk, dv = sel_mod._reference_backward(grad_o, q, k, v, idx, LS, 0.25, chunk)
     T = n * LS
     # largest intermediate: one chunk's gathered K/V [1, G, chunk, T, D] or scores
@@ -299,10 +299,11 @@ def test_opcheck_forward_and_backward_ops():
         v, grad_o = v.to(v_dtype), grad_o.to(v_dtype)
         idx = make_block_idx(S, h, n, seed=S)
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-        torch.library.opcheck(torch.ops.nsa.selected_attention.default, (q, k, v, idx, 8, 0.5))
+        torch.library.opcheck(torch.ops.nsa.selected_attention.default, (q, k, v, idx, 8, 0.5, "reference"))
+        o, lse = torch.ops.nsa.selected_attention(q, k, v, idx, 8, 0.5)
         torch.library.opcheck(
             torch.ops.nsa.selected_attention_backward.default,
-            (grad_o, *(x.detach() for x in (q, k, v)), idx, 8, 0.5),
+            (grad_o, *(x.detach() for x in (q, k, v, o, lse)), idx, 8, 0.5, "reference"),
         )
 
 
@@ -400,17 +401,53 @@ def test_argument_validation(change, match):
 def test_backward_op_validates_grad_shape():
     q, k, v, grad_o = make_inputs(8, 2, torch.float32)
     idx = torch.zeros(2, 2, 8, 3, dtype=torch.int64)
-    selected_attention_backward(grad_o, q, k, v, idx, 4, 0.5)
+    o, lse = torch.ops.nsa.selected_attention(q, k, v, idx, 4, 0.5)
+    selected_attention_backward(grad_o, q, k, v, o, lse, idx, 4, 0.5)
     with pytest.raises(ValueError, match="grad_o must have shape"):
-        selected_attention_backward(grad_o[:, :, :7], q, k, v, idx, 4, 0.5)
+        selected_attention_backward(grad_o[:, :, :7], q, k, v, o, lse, idx, 4, 0.5)
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        selected_attention_backward(grad_o[:, :3], q[:, :3], k, v, idx, 4, 0.5)
+        selected_attention_backward(grad_o[:, :3], q[:, :3], k, v, o, lse, idx, 4, 0.5)
     with pytest.raises(ValueError, match="block_idx must be an int64"):
-        selected_attention_backward(grad_o, q, k, v, idx.int(), 4, 0.5)
+        selected_attention_backward(grad_o, q, k, v, o, lse, idx.int(), 4, 0.5)
+
+
+def test_log_sum_exp_and_backend_choice():
+    S, h, n = 40, 3, 3
+    q, k, v, _ = make_inputs(S, h, torch.float64, seed=5)
+    idx = make_block_idx(S, h, n, seed=5)
+    _, lse = torch.ops.nsa.selected_attention(q, k, v, idx, LS, 0.3)
+    # the eager scores of the gathered tokens, -inf where invalid, reduced per row
+    tokens = (idx.clamp(min=0)[..., None] * LS + torch.arange(LS)).flatten(-2)  # [B, G, S, T]
+    valid = (idx >= 0).repeat_interleave(LS, dim=-1) & (tokens <= torch.arange(S)[:, None])
+    tokens = tokens.clamp(max=S - 1)
+    k_sel = torch.gather(k, 2, tokens.flatten(2)[..., None].expand(-1, -1, -1, k.shape[-1]))
+    k_sel = k_sel.view(*tokens.shape, -1).repeat_interleave(h, dim=1)  # [B, H, S, T, Dk]
+    scores = (q.unsqueeze(-2) @ k_sel.transpose(-1, -2)).squeeze(-2) * 0.3
+    scores = scores.masked_fill(~valid.repeat_interleave(h, dim=1), float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1).float(), rtol=1e-6, atol=1e-6)
+    assert sel_mod.choose_backend(q, k, v, idx, LS) == "reference"  # the CPU: auto never interprets
+    assert "run on CUDA" in sel_mod.why_not_triton(q, k, v, idx, LS)
+    with pytest.raises(ValueError, match="unknown backend 'cuda'; valid: auto, triton, reference"):
+        selected_attention(q, k, v, idx, LS, 0.3, "cuda")
+
+
+def test_outputs_keep_the_layout_the_fakes_promise():
+    """Inductor trusts a custom op's fake strides: the real outputs must have the same ones."""
+    q, k, v, grad_o = make_inputs(50, 3, torch.float32)
+    idx = make_block_idx(50, 3, 3, seed=1)
+    o, lse = torch.ops.nsa.selected_attention(q, k, v, idx, LS, 0.5)
+    grads = selected_attention_backward(grad_o, q, k, v, o, lse, idx, LS, 0.5)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fq, fk, fv, fg, fi = (mode.from_tensor(x) for x in (q, k, v, grad_o, idx))
+        fo, flse = torch.ops.nsa.selected_attention(fq, fk, fv, fi, LS, 0.5)
+        fgrads = selected_attention_backward(fg, fq, fk, fv, fo, flse, fi, LS, 0.5)
+    for real, fake in zip((o, lse, *grads), (fo, flse, *fgrads)):
+        assert real.shape == fake.shape and real.stride() == fake.stride() and real.dtype == fake.dtype
 
 
 def test_public_surface():
     assert nsa_compile.ops.selected_attention is selected_attention
     assert nsa_compile.ops.selected_attention_backward is selected_attention_backward
     schema = torch.ops.nsa.selected_attention.default._schema
-    assert [a.name for a in schema.arguments] == ["q", "k", "v", "block_idx", "block_size", "scale"]
+    assert [a.name for a in schema.arguments] == ["q", "k", "v", "block_idx", "block_size", "scale", "backend"]
+    assert len(schema.returns) == 2  # o and the log-sum-exp

@@ -2,10 +2,10 @@
 autograd, so they trace under torch.compile fullgraph and AOTAutograd).
 
     torch.ops.nsa.window_attention(q, k, v, window, scale, backend)   # -> (o, lse): sliding-window causal GQA attention
-    torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale)   # NSA selected branch
+    torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend)   # -> (o, lse): NSA selected branch
 
-`selected_attention` has no pass yet (the selection rewrite is issue 4's next step); it is
-tested against the eager model's selected branch.
+The passes choose each op's backend from the fake tensors at compile time and write it into the
+graph: window `flash` | `reference`, selection `triton` | `reference` (see each module).
 """
 
 from .selection import selected_attention, selected_attention_backward

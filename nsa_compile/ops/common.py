@@ -53,3 +53,10 @@ def check_grad_o(op: str, grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor
     want = (*q.shape[:3], v.shape[3])
     if tuple(grad_o.shape) != tuple(want):
         raise ValueError(f"{op}: grad_o must have shape {tuple(want)}, got {tuple(grad_o.shape)}")
+
+
+def bshd_empty(B: int, heads: int, S: int, D: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty [B, heads, S, D] tensor laid out as [B, S, heads, D]: the layout of every attention
+    op's outputs and gradients (the model's projections are [B, S, heads, D]), in real kernels and
+    fakes alike (Inductor trusts a custom op's fake strides)."""
+    return like.new_empty((B, S, heads, D), dtype=dtype or like.dtype).transpose(1, 2)

@@ -1,14 +1,16 @@
 """Selected-block attention with GQA as a functional custom op (NSA section 3).
 
-    o = torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale)   # == selected_attention(...)
+    o, lse = torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend)
+    o = selected_attention(q, k, v, block_idx, block_size, scale, backend="auto")   # the output only
 
 q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv] with H = G * h: query head j reads KV head
 j // h (GQA-native: K and V are never repeated). block_idx [B, G, S, n] int64 lists the chosen
 selection blocks of each (batch, group, token), ascending and padded with -1 (the output of
 `NSAAttention.select_blocks`); the group's h heads share them. Query t attends to the tokens of
 its chosen blocks intersected with [0, t] (the current block is partial); entries < 0 are
-ignored, and so are the tokens of blocks past the end of the sequence. Output [B, H, S, Dv] in
-v's dtype. The arithmetic is the eager model's (`NSAAttention.selected_attention` in
+ignored, and so are the tokens of blocks past the end of the sequence. o [B, H, S, Dv] in v's
+dtype (a view of [B, S, H, Dv] memory), lse [B, H, S] float32 (the log-sum-exp of each row's
+scaled scores over its valid tokens; -inf on a row without one). The arithmetic is the eager model's (`NSAAttention.selected_attention` in
 models/nsa.py) step for step, over each query's gathered tokens:
 
     scores = upcast(q @ k_sel^T) * scale     # q @ k^T in q's dtype; fp16/bf16 -> fp32, fp32/fp64 stay
@@ -20,11 +22,16 @@ A row without a single valid token (all blocks -1, or n == 0) gets output 0 and 
 current block is always forced). The block ids are used as given: duplicates count twice, as in
 the eager gather.
 
-Backward is a second op, `nsa::selected_attention_backward(grad_o, q, k, v, block_idx,
-block_size, scale) -> (dq, dk, dv)`, with dk and dv summed over each group's h query heads
-(shapes of k and v); block_idx gets no gradient.
+Backward is a second op, `nsa::selected_attention_backward(grad_o, q, k, v, o, lse, block_idx,
+block_size, scale, backend) -> (dq, dk, dv)`, with dk and dv summed over each group's h query
+heads (shapes of k and v); block_idx gets no gradient.
 
-Backend `reference` (every device): PyTorch, chunked over query rows. A chunk of C queries
+Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
+- `triton` (CUDA): the group-centric kernels of nsa_compile/ops/selection_triton.py: one
+  program per token and KV group loads the group's h heads and streams the chosen K/V blocks
+  by index (no gathered copy); dq on the same grid; dk/dv from the inverted selection, without
+  atomics (deterministic). Scores accumulate in fp32 (eager rounds q @ k^T to fp16/bf16 first).
+- `reference` (every device and dtype): PyTorch, chunked over query rows. A chunk of C queries
 gathers its own selected tokens, K and V [B, G, C, n*l', D] (never for all S at once), so
 memory is O(B * G * C * n * l' * (D + h)). The group's h heads are folded into the rows of one
 matmul per (batch, group, query), so the gathered K and V are shared by the group. The backward
@@ -37,16 +44,41 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_grad_o, check_positive_int, check_qkv, upcast_dtype
+from . import selection_triton
+from .common import bshd_empty, check_grad_o, check_positive_int, check_qkv, upcast_dtype
 
-__all__ = ["selected_attention", "selected_attention_backward"]
+__all__ = ["BACKENDS", "choose_backend", "selected_attention", "selected_attention_backward"]
+
+BACKENDS = ("auto", "triton", "reference")
 
 # Query rows per chunk of the reference backend (a module constant so tests can shrink it).
 REFERENCE_CHUNK = 64
 
 
-def _check(q, k, v, block_idx, block_size, scale) -> None:
-    """Raise ValueError, naming the argument, unless the shapes, dtypes and block size are valid."""
+def choose_backend(q, k, v, block_idx, block_size, backend: str = "auto") -> str:
+    """The backend that computes these inputs: `backend` itself, or for 'auto' triton where it can
+    run on CUDA and reference elsewhere. ValueError if a named backend cannot run them (with why).
+    (Named explicitly, triton also runs on the CPU under TRITON_INTERPRET=1: the tests do that.)"""
+    if backend not in BACKENDS:
+        raise ValueError(f"selected_attention: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend == "triton":
+        why = selection_triton.unsupported_reason(q, k, v, block_idx, block_size)
+        if why:
+            raise ValueError(f"selected_attention: backend 'triton' cannot run these inputs: {why}")
+    if backend == "auto":
+        return "reference" if why_not_triton(q, k, v, block_idx, block_size) else "triton"
+    return backend
+
+
+def why_not_triton(q, k, v, block_idx, block_size) -> str | None:
+    """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
+    if q.device.type != "cuda":
+        return f"the Triton kernels run on CUDA (tensors on {q.device.type})"
+    return selection_triton.unsupported_reason(q, k, v, block_idx, block_size)
+
+
+def _check(q, k, v, block_idx, block_size, scale, backend="auto") -> None:
+    """Raise ValueError, naming the argument, unless the shapes, dtypes, block size and backend are valid."""
     check_qkv("selected_attention", q, k, v, block_idx=block_idx)
     B, G, S = q.shape[0], k.shape[1], q.shape[2]
     if block_idx.dtype != torch.int64:
@@ -57,6 +89,7 @@ def _check(q, k, v, block_idx, block_size, scale) -> None:
             f"got {tuple(block_idx.shape)}"
         )
     check_positive_int("selected_attention", "block_size", block_size)
+    choose_backend(q, k, v, block_idx, block_size, backend)
 
 
 def _chunk_tokens(block_idx, t0: int, t1: int, block_size: int, S: int):
@@ -93,7 +126,8 @@ def _rows(x: torch.Tensor, G: int, t0: int, t1: int) -> torch.Tensor:
 
 
 def _chunk_probs(qc, k_sel, valid, scale):
-    """Softmax probabilities [B, G, c, h, T] in the upcast dtype, zero on rows without a valid token.
+    """Softmax probabilities [B, G, c, h, T] in the upcast dtype, zero on rows without a valid token,
+    and the rows' log-sum-exp [B, G, c, h] in float32 (-inf on those rows).
 
     qc [B, G, c, h, Dk], k_sel [B, G, c, T, Dk], valid [B, G, c, T].
     """
@@ -101,7 +135,8 @@ def _chunk_probs(qc, k_sel, valid, scale):
     scores = scores.masked_fill(~valid[:, :, :, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1)
     has_token = valid.any(dim=-1)[:, :, :, None, None]  # [B, G, c, 1, 1]
-    return torch.where(has_token, p, torch.zeros((), dtype=p.dtype, device=p.device))
+    p = torch.where(has_token, p, torch.zeros((), dtype=p.dtype, device=p.device))
+    return p, torch.logsumexp(scores, dim=-1).float()
 
 
 def _chunk_bounds(S: int, chunk: int):
@@ -114,14 +149,15 @@ def _reference_forward(q, k, v, block_idx, block_size: int, scale: float, chunk:
     G, Dv = k.shape[1], v.shape[3]
     h = H // G
     chunk = chunk or REFERENCE_CHUNK
-    out = torch.empty(B, H, S, Dv, dtype=v.dtype, device=q.device)
-    out_rows = out.view(B, G, h, S, Dv)
+    out = bshd_empty(B, H, S, Dv, v)
+    lse = q.new_empty((B, H, S), dtype=torch.float32)
     for t0, t1 in _chunk_bounds(S, chunk):
         tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, S)
-        p = _chunk_probs(_rows(q, G, t0, t1), _gather(k, tokens), valid, scale)
+        p, row_lse = _chunk_probs(_rows(q, G, t0, t1), _gather(k, tokens), valid, scale)
         o = p.to(v.dtype) @ _gather(v, tokens)  # [B, G, c, h, Dv]
-        out_rows[:, :, :, t0:t1] = o.permute(0, 1, 3, 2, 4)
-    return out
+        out[:, :, t0:t1] = o.permute(0, 1, 3, 2, 4).reshape(B, H, t1 - t0, Dv)
+        lse[:, :, t0:t1] = row_lse.permute(0, 1, 3, 2).reshape(B, H, t1 - t0)
+    return out, lse
 
 
 def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: float, chunk: int | None = None):
@@ -145,42 +181,49 @@ def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: floa
     h = H // G
     chunk = chunk or REFERENCE_CHUNK
     up = upcast_dtype(q.dtype)
-    dq = torch.empty(B, H, S, Dk, dtype=q.dtype, device=q.device)
-    dq_rows = dq.view(B, G, h, S, Dk)
+    dq = bshd_empty(B, H, S, Dk, q)
     dk = torch.zeros(B, G, S, Dk, dtype=upcast_dtype(k.dtype), device=k.device)
     dv = torch.zeros(B, G, S, Dv, dtype=upcast_dtype(v.dtype), device=v.device)
     for t0, t1 in _chunk_bounds(S, chunk):
         tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, S)
         qc, k_sel, v_sel = _rows(q, G, t0, t1), _gather(k, tokens), _gather(v, tokens)
         g = _rows(grad_o, G, t0, t1).to(v.dtype)  # [B, G, c, h, Dv]
-        p = _chunk_probs(qc, k_sel, valid, scale)  # [B, G, c, h, T]
+        p, _ = _chunk_probs(qc, k_sel, valid, scale)  # [B, G, c, h, T]
         pv = p.to(v.dtype)
         _scatter_add(dv, tokens, pv.transpose(-1, -2) @ g)  # [B, G, c, T, Dv]
         dp = (g @ v_sel.transpose(-1, -2)).to(up)  # [B, G, c, h, T]
         d_sm = torch._softmax_backward_data(dp, p, -1, up)
         d_sm = d_sm.masked_fill(~valid[:, :, :, None, :], 0)
         da = (d_sm * scale).to(q.dtype)
-        dq_rows[:, :, :, t0:t1] = (da @ k_sel).permute(0, 1, 3, 2, 4)
+        dq[:, :, t0:t1] = (da @ k_sel).permute(0, 1, 3, 2, 4).reshape(B, H, t1 - t0, Dk)
         _scatter_add(dk, tokens, da.transpose(-1, -2) @ qc)  # [B, G, c, T, Dk]
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    dk_out, dv_out = bshd_empty(B, G, S, Dk, k), bshd_empty(B, G, S, Dv, v)
+    dk_out.copy_(dk)
+    dv_out.copy_(dv)
+    return dq, dk_out, dv_out
 
 
 @torch.library.custom_op("nsa::selected_attention", mutates_args=())
-def selected_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_size: int, scale: float
-) -> torch.Tensor:
+def _selected_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_size: int, scale: float,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Selected-block GQA attention: q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv],
-    block_idx [B, G, S, n] int64 (ascending, -1 padded) -> o [B, H, S, Dv] in v's dtype. Query t
-    of head j sees the tokens <= t of the blocks block_idx[:, j // (H // G), t]."""
-    _check(q, k, v, block_idx, block_size, scale)
+    block_idx [B, G, S, n] int64 (ascending, -1 padded) -> o [B, H, S, Dv] in v's dtype and
+    lse [B, H, S] float32. Query t of head j sees the tokens <= t of the blocks
+    block_idx[:, j // (H // G), t]."""
+    _check(q, k, v, block_idx, block_size, scale, backend)
+    if choose_backend(q, k, v, block_idx, block_size, backend) == "triton":
+        o, lse = selection_triton.selected_forward(q, k, v, block_idx, block_size, scale)
+        return o, lse
     return _reference_forward(q, k, v, block_idx, block_size, scale)
 
 
-@selected_attention.register_fake
-def _selected_attention_fake(q, k, v, block_idx, block_size, scale):
-    _check(q, k, v, block_idx, block_size, scale)
+@_selected_attention_op.register_fake
+def _selected_attention_fake(q, k, v, block_idx, block_size, scale, backend="auto"):
+    _check(q, k, v, block_idx, block_size, scale, backend)
     B, H, S, _ = q.shape
-    return q.new_empty((B, H, S, v.shape[3]), dtype=v.dtype)
+    return bshd_empty(B, H, S, v.shape[3], v), q.new_empty((B, H, S), dtype=torch.float32)
 
 
 def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
@@ -189,38 +232,49 @@ def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
 
 @torch.library.custom_op("nsa::selected_attention_backward", mutates_args=())
 def selected_attention_backward(
-    grad_o: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_idx: torch.Tensor,
-    block_size: int,
-    scale: float,
+    grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    block_idx: torch.Tensor, block_size: int, scale: float, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `selected_attention`: grad_o [B, H, S, Dv] -> dq [B, H, S, Dk] (q's dtype),
-    dk [B, G, S, Dk] (k's dtype), dv [B, G, S, Dv] (v's dtype)."""
-    _check(q, k, v, block_idx, block_size, scale)
+    dk [B, G, S, Dk] (k's dtype), dv [B, G, S, Dv] (v's dtype). o and lse are the forward's."""
+    _check(q, k, v, block_idx, block_size, scale, backend)
     _check_grad(grad_o, q, v)
+    if choose_backend(q, k, v, block_idx, block_size, backend) == "triton":
+        return selection_triton.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale)
     return _reference_backward(grad_o, q, k, v, block_idx, block_size, scale)
 
 
 @selected_attention_backward.register_fake
-def _selected_attention_backward_fake(grad_o, q, k, v, block_idx, block_size, scale):
-    _check(q, k, v, block_idx, block_size, scale)
+def _selected_attention_backward_fake(grad_o, q, k, v, o, lse, block_idx, block_size, scale, backend="auto"):
+    _check(q, k, v, block_idx, block_size, scale, backend)
     _check_grad(grad_o, q, v)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    B, H, S, Dk = q.shape
+    G, Dv = k.shape[1], v.shape[3]
+    return bshd_empty(B, H, S, Dk, q), bshd_empty(B, G, S, Dk, k), bshd_empty(B, G, S, Dv, v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, block_idx, block_size, scale = inputs
-    ctx.save_for_backward(q, k, v, block_idx)
-    ctx.block_size, ctx.scale = block_size, scale
+    q, k, v, block_idx, block_size, scale, *backend = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, block_idx)
+    ctx.block_size, ctx.scale, ctx.backend = block_size, scale, (backend or ["auto"])[0]
+    ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, grad_o):
-    q, k, v, block_idx = ctx.saved_tensors
-    dq, dk, dv = torch.ops.nsa.selected_attention_backward(grad_o, q, k, v, block_idx, ctx.block_size, ctx.scale)
-    return dq, dk, dv, None, None, None
+def _backward(ctx, grad_o, _grad_lse):
+    q, k, v, o, lse, block_idx = ctx.saved_tensors
+    dq, dk, dv = torch.ops.nsa.selected_attention_backward(
+        grad_o, q, k, v, o, lse, block_idx, ctx.block_size, ctx.scale, ctx.backend
+    )
+    return dq, dk, dv, None, None, None, None
 
 
-selected_attention.register_autograd(_backward, setup_context=_setup_context)
+_selected_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def selected_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_size: int, scale: float,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The output o of `torch.ops.nsa.selected_attention` (see the module docstring)."""
+    return torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend)[0]

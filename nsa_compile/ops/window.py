@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import flash
-from .common import check_grad_o, check_positive_int, check_qkv, upcast_dtype
+from .common import bshd_empty, check_grad_o, check_positive_int, check_qkv, upcast_dtype
 
 __all__ = ["BACKENDS", "choose_backend", "window_attention", "window_attention_backward"]
 
@@ -61,11 +61,6 @@ def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: s
     if backend == "auto":
         return "reference" if why_not_flash else "flash"
     return backend
-
-
-def _bshd(B: int, heads: int, S: int, D: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An empty [B, heads, S, D] tensor laid out as [B, S, heads, D] (every backend's output layout)."""
-    return like.new_empty((B, S, heads, D), dtype=dtype or like.dtype).transpose(1, 2)
 
 
 def _chunk_bounds(S: int, window: int, chunk: int):
@@ -105,7 +100,7 @@ def _reference_forward(q, k, v, window: int, scale: float, chunk: int | None = N
     G, Dv = k.shape[1], v.shape[3]
     h = H // G
     chunk = chunk or REFERENCE_CHUNK
-    out = _bshd(B, H, S, Dv, v)
+    out = bshd_empty(B, H, S, Dv, v)
     lse = q.new_empty((B, H, S), dtype=torch.float32)
     for t0, t1, s0 in _chunk_bounds(S, window, chunk):
         p, _, row_lse = _chunk_probs(_rows(q, G, t0, t1), k[:, :, s0:t1], t0, t1, s0, window, scale)
@@ -135,7 +130,7 @@ def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int |
     h = H // G
     chunk = chunk or REFERENCE_CHUNK
     up = upcast_dtype(q.dtype)
-    dq = _bshd(B, H, S, Dk, q)
+    dq = bshd_empty(B, H, S, Dk, q)
     dk = torch.zeros(B, G, S, Dk, dtype=upcast_dtype(k.dtype), device=k.device)
     dv = torch.zeros(B, G, S, Dv, dtype=upcast_dtype(v.dtype), device=v.device)
     for t0, t1, s0 in _chunk_bounds(S, window, chunk):
@@ -151,7 +146,7 @@ def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int |
         da = (d_sm * scale).to(q.dtype)
         dq[:, :, t0:t1] = (da @ kc).view(B, H, c, Dk)
         dk[:, :, s0:t1] += da.transpose(-1, -2) @ qc  # [B, G, L, Dk]
-    dk_out, dv_out = _bshd(B, G, S, Dk, k), _bshd(B, G, S, Dv, v)
+    dk_out, dv_out = bshd_empty(B, G, S, Dk, k), bshd_empty(B, G, S, Dv, v)
     dk_out.copy_(dk)
     dv_out.copy_(dv)
     return dq, dk_out, dv_out
@@ -174,7 +169,7 @@ def _window_attention_op(
 def _window_attention_fake(q, k, v, window, scale, backend="auto"):
     _check(q, k, v, window, scale, backend)
     B, H, S, _ = q.shape
-    return _bshd(B, H, S, v.shape[3], v), q.new_empty((B, H, S), dtype=torch.float32)
+    return bshd_empty(B, H, S, v.shape[3], v), q.new_empty((B, H, S), dtype=torch.float32)
 
 
 @torch.library.custom_op("nsa::window_attention_backward", mutates_args=())
@@ -201,7 +196,7 @@ def _window_attention_backward_fake(grad_o, q, k, v, o, lse, window, scale, back
     _check_grad(grad_o, q, v)
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
-    return _bshd(B, H, S, Dk, q), _bshd(B, G, S, Dk, k), _bshd(B, G, S, Dv, v)
+    return bshd_empty(B, H, S, Dk, q), bshd_empty(B, G, S, Dk, k), bshd_empty(B, G, S, Dv, v)
 
 
 def _setup_context(ctx, inputs, output):

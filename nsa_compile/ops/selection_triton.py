@@ -1,0 +1,575 @@
+"""Triton kernels for NSA selected attention (section 3), group-centric, forward and backward.
+
+    o, lse = selected_forward(q, k, v, block_idx, block_size, scale)
+    dq, dk, dv = selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale)
+    why = unsupported_reason(q, k, v, block_idx, block_size)        # None when the kernels can run
+
+Same semantics as the `reference` backend of `nsa::selected_attention` (nsa_compile/ops/selection.py):
+q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv], H = G * h, block_idx [B, G, S, n] int64
+(ascending, -1 padded, shared by the group's h heads). Query t of head j attends to the tokens
+s <= t of the blocks block_idx[:, j // h, t] (entries < 0 ignored, blocks past the end hold no
+token <= t); duplicated block ids count twice. o [B, H, S, Dv] in v's dtype, lse [B, H, S]
+float32 (natural log; -inf on a row without a valid token, whose output and gradients are 0).
+Strides are passed to the kernels: q, k, v, grad_o may be any strided views (the model passes
+[B, S, heads, D] memory transposed to [B, heads, S, D]). o, dq, dk, dv are allocated in that
+layout too ([B, S, heads, D] memory), the layout the op's fakes promise.
+
+Numerics: scores q @ k^T accumulate in fp32 and stay fp32 (the reference rounds them to q's
+dtype first: the kernel is the closer of the two to exact arithmetic), softmax in fp32 with an
+online max (exp2 with log2(e) folded into the scale), p cast to v's dtype for p @ v, the standard
+flash-attention backward with delta = rowsum(dO * O) in fp32. fp32 inputs use
+`tl.dot(..., input_precision="ieee")` (no TF32; the argument exists since Triton 3.0). No atomics
+anywhere: every kernel is deterministic, and so are the torch ops that build the inverted
+selection (a stable sort, searchsorted, cumsum).
+
+Kernels (tile sizes from `_tiles`):
+- forward, grid (S, B*G, ceil(h / H_TILE)): one program per (token t, batch, group, head tile).
+  It loads the group's heads as the rows of a [H_TILE, Dk] tile (H_TILE = next power of two of
+  h, at least 16 for tl.dot, at most 32; rows past h are masked loads, no padded copy) and
+  streams the token's selected blocks straight from k and v by block id (no gathered copy), in
+  chunks of BLOCK_N tokens, with an online softmax in fp32. Blocks with id < 0 or starting after
+  t are skipped; the chunk loop stops at t (the current block is partial). One token per
+  program: for h < 16 most MMA rows idle (h = 1 uses 1 of 16); consecutive tokens generally
+  choose different blocks, so packing them would need the union of their block lists (not done).
+- backward dq (+ delta), the same grid: recomputes p from the saved lse and accumulates
+  dq = scale * sum_blocks ds @ k in fp32. It also writes delta = rowsum(dO * O) for the dk/dv
+  kernel (no [B, H, S, Dv] fp32 temporary).
+- backward dk/dv, from the inverted selection: with torch ops, every valid (batch, group, token,
+  slot) entry gets the key (b*G + g)*NB + block (NB = ceil(S / l')); a stable sort of the keys
+  lists, per KV block, the query tokens that chose it (ascending t; a token that chose a block
+  twice is listed twice), and searchsorted gives each block's range (CSR). Each list is cut into
+  segments of at most DKV_SEGMENT entries (every token chooses block 0: one program per block
+  would serialize S queries); a work item is one (block, segment), and the grid is (a static
+  bound on the number of items, ceil(l' / BLOCK_N)): no host sync. A program holds a [BLOCK_N, D]
+  chunk of the block's K and V and walks its (query, head) pairs in tiles of ROWS rows, pairs of
+  consecutive queries packed back to back (for small h no row idles except at a segment's end),
+  accumulating dk, dv in fp32. A block of one segment writes dk/dv directly (cast once); a block
+  of several writes fp32 partials ([items, l', D], at most (B*G*NB + B*G*S*n / DKV_SEGMENT) *
+  l' * (Dk + Dv) * 4 bytes) that a second kernel sums in segment order. Every token belongs to
+  exactly one (block, chunk), so every element of dk and dv is written (unchosen tokens get 0).
+
+Supported (`unsupported_reason` says why not): CUDA tensors, or any device with TRITON_INTERPRET=1;
+q, k, v all fp16, bf16 or fp32; head dims up to 256 (padded to a power of two >= 16 by masking);
+any h >= 1 (several head tiles when h > H_TILE); any block size l' >= 1: a K/V chunk is the next
+power of two of l' between 16 and 64 (32 in the dk/dv kernel), masked, so l' < 16 or not a power
+of two wastes columns but is correct. fp32 (no tensor cores) is correct but slow.
+
+CPU interpreter: the kernels are built on first use (`_kernels`), so TRITON_INTERPRET=1 only
+has to be set before the first call in the process, whether or not triton was imported before
+(`_kernels.cache_clear()` rebuilds them). Two interpreter gaps are worked around only when built
+interpreted: bf16 tl.dot (operands cast to fp32 first) and calls of triton.language's own @jit
+helpers (see `_set_reductions`; tl.zeros is written tl.full for the same reason).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from .common import bshd_empty
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the module still imports; unsupported_reason says why the kernels cannot run
+    triton = tl = None
+
+__all__ = ["DKV_SEGMENT", "selected_backward", "selected_forward", "unsupported_reason"]
+
+# Query entries per dk/dv work item (a module constant so tests can shrink it).
+DKV_SEGMENT = 1024
+MAX_HEAD_DIM = 256
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unsupported_reason(q, k, v, block_idx, block_size) -> str | None:
+    """Why the Triton kernels cannot run these inputs, or None when they can."""
+    if triton is None:
+        return "triton is not installed"
+    devices = {t.device.type for t in (q, k, v, block_idx)}
+    if len(devices) != 1:
+        return f"tensors on several devices: {sorted(devices)}"
+    if devices != {"cuda"} and not _interpreting():
+        return f"device {devices.pop()} (needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter)"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        return f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype} (needs one of fp16, bf16, fp32 for all three)"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v must be 4-D"
+    if q.shape[3] > MAX_HEAD_DIM or v.shape[3] > MAX_HEAD_DIM:
+        return f"head dims Dk {q.shape[3]}, Dv {v.shape[3]} (at most {MAX_HEAD_DIM})"
+    if block_idx.dtype != torch.int64:
+        return f"block_idx dtype {block_idx.dtype} (needs int64)"
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        return f"block_size {block_size!r} (needs an int >= 1)"
+    if block_idx.numel() >= 2**31 or q.shape[2] >= 2**31:
+        return f"{block_idx.numel()} block ids (the inverted selection indexes them in int32)"
+    return None
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False) -> dict:
+    """Tile sizes and warps per kernel. Every tl.dot operand dimension is a power of two >= 16
+    (padding is masked). Chosen so that no kernel spills registers on sm_90 in bf16/fp16 at the
+    paper's (h 16, D 128) and the seed's (h 6, D 64) shapes (ptxas resource usage of kernels
+    compiled without a GPU); not tuned by timing. fp32 (IEEE dots, no tensor cores) gets the
+    smallest tiles; its dk/dv kernel still spills at D 128: correct but slow."""
+    DK_P, DV_P = max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))
+    D_P = max(DK_P, DV_P)
+    h_tile = max(16, min(_next_pow2(h), 32 if D_P <= 128 else 16))  # forward / dq rows: heads
+
+    def block_n(cap: int) -> int:  # tokens per K/V chunk
+        return max(16, min(_next_pow2(block_size), cap))
+
+    tiles = {"DK_P": DK_P, "DV_P": DV_P, "reduce": {"BLOCK_N": 16, "num_warps": 4}}
+    if fp32:
+        fwd = {"H_TILE": 16, "BLOCK_N": block_n(16), "num_warps": 8}
+        return tiles | {"fwd": fwd, "dq": fwd, "dkdv": {"ROWS": 16, "BLOCK_N": 16, "num_warps": 8}}
+    return tiles | {
+        "fwd": {"H_TILE": h_tile, "BLOCK_N": block_n(64 if D_P <= 128 else 32), "num_warps": 4 if h_tile == 16 else 8},
+        "dq": {
+            "H_TILE": h_tile,
+            "BLOCK_N": block_n(64 if D_P <= 64 else 32),
+            "num_warps": 4 if D_P <= 128 and h_tile == 16 else 8,
+        },
+        # ROWS: (query, head) pairs per tile
+        "dkdv": {"ROWS": 64 if D_P <= 64 else 32, "BLOCK_N": block_n(32), "num_warps": 8},
+    }
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp16/bf16 operands ignore it
+
+
+def _upcast_dots(q: torch.Tensor) -> bool:
+    """Triton's interpreter multiplies bf16 tl.dot operands as their raw uint16 bits: when the
+    kernels were built interpreted, bf16 dot operands are cast to fp32 first (exact; p and ds are
+    still rounded to bf16 first, as on the GPU). Call after `_kernels()`."""
+    return q.dtype == torch.bfloat16 and _built_interpreted
+
+
+def _set_reductions() -> None:
+    """Row max / row sum for the kernels (module globals, looked up when a kernel runs).
+
+    Compiled: tl.max and tl.sum. Interpreted: tl.max and tl.sum are themselves @triton.jit
+    functions, built interpreted only if TRITON_INTERPRET was set before triton was first
+    imported (`import nsa_compile` already imports it), and a compiled one cannot be called from
+    an interpreted kernel. So there the kernels call plain functions around tl.reduce with
+    triton's own combine functions, which the interpreter maps to numpy by identity.
+    """
+    global _rowmax, _rowsum, _built_interpreted
+    _built_interpreted = _interpreting()
+    if _built_interpreted:
+        _rowmax = lambda x, axis: tl.reduce(x, axis, tl.standard._elementwise_max)
+        _rowsum = lambda x, axis: tl.reduce(x, axis, tl.standard._sum_combine)
+    else:
+        _rowmax, _rowsum = tl.max, tl.sum
+
+
+_rowmax = _rowsum = None
+_built_interpreted = False
+
+
+@functools.cache
+def _kernels():
+    """The @triton.jit kernels, built on first use: TRITON_INTERPRET is read when they are built,
+    not at import. (`tl` and the reductions must be module globals: the interpreter patches the
+    `tl` it finds in the kernel's globals, and the JIT resolves helpers there.)"""
+    _set_reductions()
+
+    @triton.jit
+    def fwd_kernel(
+        Q, K, V, IDX, O, LSE,
+        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
+        sib, sig, sis, sin_, sob, soh, sos, sod,
+        S, G, N_SEL, BS, qk_scale,  # qk_scale = scale * log2(e)
+        HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        DK_P: tl.constexpr, DV_P: tl.constexpr, H_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+        PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0)
+        bg = tl.program_id(1)
+        b = (bg // G).to(tl.int64)
+        g = bg % G
+        r = tl.program_id(2) * H_TILE + tl.arange(0, H_TILE)  # [H_TILE] head within the group
+        row_ok = r < HPG
+        head = (g * HPG + r).to(tl.int64)
+        dk = tl.arange(0, DK_P)
+        dv = tl.arange(0, DV_P)
+        dk_ok = dk < DK
+        dv_ok = dv < DV
+        t64 = t.to(tl.int64)
+        q_ptrs = Q + b * sqb + head[:, None] * sqh + t64 * sqs + dk[None, :] * sqd
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [H_TILE, DK_P]
+        if UPCAST:
+            q = q.to(tl.float32)
+        k_base = K + b * skb + g.to(tl.int64) * skg
+        v_base = V + b * svb + g.to(tl.int64) * svg
+        idx_base = IDX + b * sib + g.to(tl.int64) * sig + t64 * sis
+        cols = tl.arange(0, BLOCK_N)
+
+        m_i = tl.full([H_TILE], float("-inf"), tl.float32)  # running max, log2 units
+        l_i = tl.full([H_TILE], 0.0, tl.float32)
+        acc = tl.full([H_TILE, DV_P], 0.0, tl.float32)
+        for i in range(N_SEL):
+            blk = tl.load(idx_base + i * sin_).to(tl.int32)
+            start = blk * BS
+            if (blk >= 0) & (start <= t):
+                stop = tl.minimum(start + BS, t + 1)  # the current block is partial
+                for c0 in range(start, stop, BLOCK_N):
+                    s = c0 + cols  # [BLOCK_N] token ids
+                    col_ok = s < stop
+                    s64 = s.to(tl.int64)
+                    k = tl.load(k_base + s64[:, None] * sks + dk[None, :] * skd,
+                                mask=col_ok[:, None] & dk_ok[None, :], other=0.0)  # [BLOCK_N, DK_P]
+                    if UPCAST:
+                        k = k.to(tl.float32)
+                    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [H_TILE, BLOCK_N]
+                    qk = tl.where(col_ok[None, :], qk, float("-inf"))
+                    # col 0 of every chunk is valid: m_new is finite
+                    m_new = tl.maximum(m_i, _rowmax(qk, 1))
+                    alpha = tl.exp2(m_i - m_new)
+                    p = tl.exp2(qk - m_new[:, None])
+                    l_i = l_i * alpha + _rowsum(p, 1)
+                    v = tl.load(v_base + s64[:, None] * svs + dv[None, :] * svd,
+                                mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, DV_P]
+                    pv = p.to(V.dtype.element_ty)
+                    if UPCAST:
+                        v = v.to(tl.float32)
+                        pv = pv.to(tl.float32)
+                    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PREC)
+                    m_i = m_new
+
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # ln(2): log2 -> natural log
+        o_ptrs = O + b * sob + head[:, None] * soh + t64 * sos + dv[None, :] * sod
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(LSE + (b * G * HPG + head) * S + t64, lse, mask=row_ok)
+
+    @triton.jit
+    def dq_kernel(
+        Q, K, V, IDX, DO, O, LSE, DELTA, DQ,
+        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
+        sib, sig, sis, sin_, sdob, sdoh, sdos, sdod, sob, soh, sos, sod, sdqb, sdqh, sdqs, sdqd,
+        S, G, N_SEL, BS, scale, qk_scale,
+        HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        DK_P: tl.constexpr, DV_P: tl.constexpr, H_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+        PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0)
+        bg = tl.program_id(1)
+        b = (bg // G).to(tl.int64)
+        g = bg % G
+        r = tl.program_id(2) * H_TILE + tl.arange(0, H_TILE)
+        row_ok = r < HPG
+        head = (g * HPG + r).to(tl.int64)
+        dk = tl.arange(0, DK_P)
+        dv = tl.arange(0, DV_P)
+        dk_ok = dk < DK
+        dv_ok = dv < DV
+        t64 = t.to(tl.int64)
+        q = tl.load(Q + b * sqb + head[:, None] * sqh + t64 * sqs + dk[None, :] * sqd,
+                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [H_TILE, DK_P]
+        rv_mask = row_ok[:, None] & dv_ok[None, :]
+        do = tl.load(DO + b * sdob + head[:, None] * sdoh + t64 * sdos + dv[None, :] * sdod,
+                     mask=rv_mask, other=0.0)  # [H_TILE, DV_P]
+        o = tl.load(O + b * sob + head[:, None] * soh + t64 * sos + dv[None, :] * sod, mask=rv_mask, other=0.0)
+        delta = _rowsum(do.to(tl.float32) * o.to(tl.float32), 1)  # [H_TILE]
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        row_lin = (b * G * HPG + head) * S + t64
+        tl.store(DELTA + row_lin, delta, mask=row_ok)
+        lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
+
+        k_base = K + b * skb + g.to(tl.int64) * skg
+        v_base = V + b * svb + g.to(tl.int64) * svg
+        idx_base = IDX + b * sib + g.to(tl.int64) * sig + t64 * sis
+        cols = tl.arange(0, BLOCK_N)
+        acc = tl.full([H_TILE, DK_P], 0.0, tl.float32)
+        for i in range(N_SEL):
+            blk = tl.load(idx_base + i * sin_).to(tl.int32)
+            start = blk * BS
+            if (blk >= 0) & (start <= t):
+                stop = tl.minimum(start + BS, t + 1)
+                for c0 in range(start, stop, BLOCK_N):
+                    s = c0 + cols
+                    col_ok = s < stop
+                    s64 = s.to(tl.int64)
+                    k = tl.load(k_base + s64[:, None] * sks + dk[None, :] * skd,
+                                mask=col_ok[:, None] & dk_ok[None, :], other=0.0)  # [BLOCK_N, DK_P]
+                    v = tl.load(v_base + s64[:, None] * svs + dv[None, :] * svd,
+                                mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, DV_P]
+                    if UPCAST:
+                        k = k.to(tl.float32)
+                        v = v.to(tl.float32)
+                    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+                    valid = row_ok[:, None] & col_ok[None, :]
+                    p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)  # [H_TILE, BLOCK_N]
+                    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+                    ds = p * (dp - delta[:, None])
+                    ds = ds.to(K.dtype.element_ty)
+                    if UPCAST:
+                        ds = ds.to(tl.float32)
+                    acc += tl.dot(ds, k, input_precision=PREC)
+        dq = acc * scale
+        tl.store(DQ + b * sdqb + head[:, None] * sdqh + t64 * sdqs + dk[None, :] * sdqd,
+                 dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok[None, :])
+
+    @triton.jit
+    def dkdv_kernel(
+        Q, K, V, DO, LSE, DELTA, DK, DV, PK, PV,
+        ITEM_KEY, ITEM_SEG, QOFF, NSEG, QTOK,
+        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
+        sdob, sdoh, sdos, sdod, sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
+        S, G, NB, BS, SEG, scale, qk_scale,
+        HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr,
+        DK_P: tl.constexpr, DV_P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        item = tl.program_id(0)
+        chunk = tl.program_id(1)
+        key_raw = tl.load(ITEM_KEY + item)  # (b*G + g)*NB + block, -1 for an unused item
+        item_ok = key_raw >= 0
+        key = tl.maximum(key_raw, 0)
+        seg = tl.load(ITEM_SEG + item)
+        blk = key % NB
+        bg = key // NB
+        b = (bg // G).to(tl.int64)
+        g = bg % G
+        q_lo = tl.load(QOFF + key) + seg * SEG
+        q_hi = tl.minimum(tl.load(QOFF + key + 1), q_lo + SEG)
+        n_pairs = tl.where(item_ok, q_hi - q_lo, 0) * HPG  # (query, head) pairs of this item
+
+        j = chunk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] offset in the block
+        s = blk * BS + j  # token ids
+        col_ok = (j < BS) & (s < S)
+        s64 = s.to(tl.int64)
+        dk = tl.arange(0, DK_P)
+        dv = tl.arange(0, DV_P)
+        dk_ok = dk < DK_
+        dv_ok = dv < DV_
+        kmask = col_ok[:, None] & dk_ok[None, :]
+        vmask = col_ok[:, None] & dv_ok[None, :]
+        k = tl.load(K + b * skb + g.to(tl.int64) * skg + s64[:, None] * sks + dk[None, :] * skd,
+                    mask=kmask, other=0.0)  # [BLOCK_N, DK_P]
+        v = tl.load(V + b * svb + g.to(tl.int64) * svg + s64[:, None] * svs + dv[None, :] * svd,
+                    mask=vmask, other=0.0)  # [BLOCK_N, DV_P]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
+        acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
+        rows = tl.arange(0, ROWS)
+        for p0 in range(0, n_pairs, ROWS):
+            pr = p0 + rows  # [ROWS] (query, head) pair ids: query-major, heads inside
+            row_ok = pr < n_pairs
+            tq = tl.load(QTOK + q_lo + pr // HPG, mask=row_ok, other=0)  # query token of each row
+            head = (g * HPG + pr % HPG).to(tl.int64)
+            tq64 = tq.to(tl.int64)
+            q = tl.load(Q + b * sqb + head[:, None] * sqh + tq64[:, None] * sqs + dk[None, :] * sqd,
+                        mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
+            do = tl.load(DO + b * sdob + head[:, None] * sdoh + tq64[:, None] * sdos + dv[None, :] * sdod,
+                         mask=row_ok[:, None] & dv_ok[None, :], other=0.0)  # [ROWS, DV_P]
+            row_lin = (b * G * HPG + head) * S + tq64
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + row_lin, mask=row_ok, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [ROWS, BLOCK_N]
+            valid = row_ok[:, None] & col_ok[None, :] & (s[None, :] <= tq[:, None])
+            p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)
+            pv = p.to(DO.dtype.element_ty)
+            if UPCAST:
+                pv = pv.to(tl.float32)
+            acc_v += tl.dot(tl.trans(pv), do, input_precision=PREC)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # [ROWS, BLOCK_N]
+            ds = p * (dp - delta[:, None])
+            ds = ds.to(Q.dtype.element_ty)
+            if UPCAST:
+                ds = ds.to(tl.float32)
+            acc_k += tl.dot(tl.trans(ds), q, input_precision=PREC)
+        acc_k = acc_k * scale
+
+        # one segment: the final value; several: an fp32 partial per item, summed by reduce_kernel
+        # (the scalar conditions become column limits: block masks only)
+        nseg = tl.load(NSEG + key)
+        direct = (j < tl.where(item_ok & (nseg == 1), BS, 0))[:, None]
+        split = (j < tl.where(item_ok & (nseg > 1), BS, 0))[:, None]
+        tl.store(DK + b * sdkb + g.to(tl.int64) * sdkg + s64[:, None] * sdks + dk[None, :] * sdkd,
+                 acc_k.to(DK.dtype.element_ty), mask=kmask & direct)
+        tl.store(DV + b * sdvb + g.to(tl.int64) * sdvg + s64[:, None] * sdvs + dv[None, :] * sdvd,
+                 acc_v.to(DV.dtype.element_ty), mask=vmask & direct)
+        item64 = item.to(tl.int64)
+        jk = j.to(tl.int64)[:, None]
+        tl.store(PK + (item64 * BS + jk) * DK_ + dk[None, :], acc_k, mask=kmask & split)
+        tl.store(PV + (item64 * BS + jk) * DV_ + dv[None, :], acc_v, mask=vmask & split)
+
+    @triton.jit
+    def reduce_kernel(
+        PK, PV, DK, DV, NSEG, ITEM_START,
+        sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
+        S, G, NB, BS,
+        DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        key = tl.program_id(0)
+        chunk = tl.program_id(1)
+        nseg = tl.load(NSEG + key)
+        first = tl.load(ITEM_START + key).to(tl.int64)
+        blk = key % NB
+        bg = key // NB
+        b = (bg // G).to(tl.int64)
+        g = (bg % G).to(tl.int64)
+        j = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+        s = blk * BS + j
+        col_ok = (j < BS) & (s < S)
+        s64 = s.to(tl.int64)
+        jk = j.to(tl.int64)[:, None]
+        split = (j < tl.where(nseg > 1, BS, 0))[:, None]
+        dk = tl.arange(0, DK_P)
+        dv = tl.arange(0, DV_P)
+        kmask = col_ok[:, None] & (dk < DK_)[None, :]
+        vmask = col_ok[:, None] & (dv < DV_)[None, :]
+        acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
+        acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
+        for i in range(tl.where(nseg > 1, nseg, 0)):  # in segment order: deterministic
+            acc_k += tl.load(PK + ((first + i) * BS + jk) * DK_ + dk[None, :], mask=kmask, other=0.0)
+            acc_v += tl.load(PV + ((first + i) * BS + jk) * DV_ + dv[None, :], mask=vmask, other=0.0)
+        tl.store(DK + b * sdkb + g * sdkg + s64[:, None] * sdks + dk[None, :] * sdkd,
+                 acc_k.to(DK.dtype.element_ty), mask=kmask & split)
+        tl.store(DV + b * sdvb + g * sdvg + s64[:, None] * sdvs + dv[None, :] * sdvd,
+                 acc_v.to(DV.dtype.element_ty), mask=vmask & split)
+
+    return fwd_kernel, dq_kernel, dkdv_kernel, reduce_kernel
+
+
+def _require(q, k, v, block_idx, block_size) -> None:
+    why = unsupported_reason(q, k, v, block_idx, block_size)
+    if why is not None:
+        raise ValueError(f"selected_attention (triton): cannot run these inputs: {why}")
+
+
+def selected_forward(q, k, v, block_idx, block_size: int, scale: float):
+    """o [B, H, S, Dv] (v's dtype) and lse [B, H, S] float32 (natural log, -inf on empty rows)."""
+    _require(q, k, v, block_idx, block_size)
+    B, H, S, Dk = q.shape
+    G, Dv = k.shape[1], v.shape[3]
+    h, n = H // G, block_idx.shape[3]
+    o = bshd_empty(B, H, S, Dv, v)  # the op's output layout: [B, S, H, Dv] memory
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    if B * H * S == 0:
+        return o, lse
+    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32)
+    cfg = T["fwd"]
+    fwd_kernel = _kernels()[0]
+    grid = (S, B * G, _cdiv(h, cfg["H_TILE"]))
+    fwd_kernel[grid](
+        q, k, v, block_idx, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *o.stride(),
+        S, G, n, block_size, scale * math.log2(math.e),
+        HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q),
+        **cfg,
+    )  # fmt: skip
+    return o, lse
+
+
+def _inverted_selection(block_idx: torch.Tensor, block_size: int, S: int, segment: int):
+    """The selection inverted, per (batch, group, KV block) key = (b*G + g)*NB + block, with
+    NB = ceil(S / l'), as work items of at most `segment` query entries (torch ops, no host sync):
+
+        qtok [E] int32        query tokens, grouped by key, ascending t within a key
+        qoff [NK + 1] int32   key k's queries are qtok[qoff[k]:qoff[k + 1]]
+        nseg [NK] int32       its number of items (at least 1, so every block is written)
+        item_start [NK] int32 its first item
+        item_key, item_seg [U] int32   per item: its key (-1 past the last item) and segment
+    U = NK + E_max // segment bounds the number of items statically (E_max = B*G*S*n).
+    Entry (b, g, t, i) is valid when 0 <= block_idx <= t // l' (the block holds a token <= t).
+    """
+    B, G, _, n = block_idx.shape
+    device = block_idx.device
+    NB = _cdiv(S, block_size)
+    NK = B * G * NB
+    t = torch.arange(S, device=device)[:, None]  # [S, 1]
+    valid = (block_idx >= 0) & (block_idx * block_size <= t)  # [B, G, S, n]
+    bg = torch.arange(B * G, device=device).view(B, G, 1, 1)
+    key = torch.where(valid, bg * NB + block_idx, NK).flatten()  # invalid entries sort last
+    sorted_key, order = torch.sort(key, stable=True)
+    qtok = (order // n % S).to(torch.int32)
+    qoff = torch.searchsorted(sorted_key, torch.arange(NK + 1, device=device))  # [NK + 1]
+    counts = qoff[1:] - qoff[:-1]
+    nseg = ((counts + segment - 1) // segment).clamp_min(1)
+    item_end = torch.cumsum(nseg, 0)
+    item_start = item_end - nseg
+    U = NK + key.numel() // segment
+    items = torch.arange(U, device=device)
+    item_key = torch.searchsorted(item_end, items, right=True)  # NK past the last item
+    used = item_key < NK
+    item_seg = items - item_start[item_key.clamp(max=NK - 1)]
+    item_key = torch.where(used, item_key, -1)
+    i32 = lambda x: x.to(torch.int32).contiguous()
+    return i32(qtok), i32(qoff), i32(nseg), i32(item_start), i32(item_key), i32(item_seg), U, NB
+
+
+def selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size: int, scale: float):
+    """dq (like q), dk (like k), dv (like v): gradients of `selected_forward`'s o, given its o
+    and lse. dk/dv are summed over the group's heads in fp32 without atomics (deterministic)."""
+    _require(q, k, v, block_idx, block_size)
+    B, H, S, Dk = q.shape
+    G, Dv = k.shape[1], v.shape[3]
+    h, n = H // G, block_idx.shape[3]
+    if grad_o.dtype != v.dtype:
+        grad_o = grad_o.to(v.dtype)
+    dq, dk, dv = bshd_empty(B, H, S, Dk, q), bshd_empty(B, G, S, Dk, k), bshd_empty(B, G, S, Dv, v)
+    if B * H * S == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    lse = lse.contiguous()
+    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32)
+    _, dq_kernel, dkdv_kernel, reduce_kernel = _kernels()
+    prec, upcast = _dot_precision(q.dtype), _upcast_dots(q)
+    delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    qk_scale = scale * math.log2(math.e)
+    dq_kernel[(S, B * G, _cdiv(h, T["dq"]["H_TILE"]))](
+        q, k, v, block_idx, grad_o, o, lse, delta, dq,
+        *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *grad_o.stride(), *o.stride(), *dq.stride(),
+        S, G, n, block_size, scale, qk_scale,
+        HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=prec, UPCAST=upcast, **T["dq"],
+    )  # fmt: skip
+
+    segment = DKV_SEGMENT
+    qtok, qoff, nseg, item_start, item_key, item_seg, U, NB = _inverted_selection(block_idx, block_size, S, segment)
+    can_split = U > B * G * NB
+    pk_rows = U if can_split else 0  # fp32 partials [U, l', D], only when a block can need two items
+    pk = torch.empty(pk_rows, block_size, Dk, dtype=torch.float32, device=q.device)
+    pv = torch.empty(pk_rows, block_size, Dv, dtype=torch.float32, device=q.device)
+    dkdv_kernel[(U, _cdiv(block_size, T["dkdv"]["BLOCK_N"]))](
+        q, k, v, grad_o, lse, delta, dk, dv, pk, pv,
+        item_key, item_seg, qoff, nseg, qtok,
+        *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
+        S, G, NB, block_size, segment, scale, qk_scale,
+        HPG=h, DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=prec, UPCAST=upcast, **T["dkdv"],
+    )  # fmt: skip
+    if can_split:
+        reduce_kernel[(B * G * NB, _cdiv(block_size, T["reduce"]["BLOCK_N"]))](
+            pk, pv, dk, dv, nseg, item_start,
+            *dk.stride(), *dv.stride(),
+            S, G, NB, block_size,
+            DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], **T["reduce"],
+        )  # fmt: skip
+    return dq, dk, dv

@@ -1,0 +1,509 @@
+"""selection_attention: the eager selected-block branch (gather, repeat, masked per-query attention)
+-> one GQA-native selected-attention op.
+
+Matches (torch IR), anchored at the softmax (models/nsa.py `NSAAttention.selected_attention`):
+    tokens = (block_idx.clamp(min=0)[..., None] * l' + arange(l')).flatten(-2)   # [B, G, S, n*l']
+    valid = (block_idx >= 0)[..., None].expand(..., l').flatten(-2) & (tokens <= t)
+    index = tokens.clamp(max=S - 1).flatten(2)[..., None]                      # [B, G, S*n*l', 1]
+    k_sel = torch.gather(k, 2, index.expand(-1, -1, -1, Dk)).view(B, G, S, n*l', Dk)   # k [B, G, S, Dk]
+    k_sel = k_sel.repeat_interleave(h, dim=1)                                   # optional (h = 1)
+    scores = upcast(q.unsqueeze(-2) @ k_sel.transpose(-1, -2)).squeeze(-2) * c   # q [B, H, S, Dk]
+    p = softmax(scores.masked_fill(~valid.repeat_interleave(h, 1), -inf), dim=-1)  # or where(valid, scores, -inf)
+    o = (p.to(v.dtype).unsqueeze(-2) @ v_sel).squeeze(-2)                        # v_sel as k_sel
+upcast: .float(), .to(float32) or none (fp32); squeeze and upcast in either order; c: `* c`,
+`c *`, `/ c` with a python number, or no scale (c = 1).
+
+Verified, not assumed: the gather index and the mask must be functions of one int64 tensor
+block_idx [B, G, S, n] and of positions only (the nearest such tensor that every path from them
+to the graph's inputs passes through). Those subgraphs are evaluated at compile time on probe
+block ids of the real shape (padding -1, block 0, the current partial block, a block in the
+future, blocks past the end, duplicates, and random ids), and for every (b, head, t) the
+gathered tokens kept by the mask must be exactly the tokens <= t of the blocks >= 0, token =
+block * l' + offset (l' = n*l' / n from the shapes), as a multiset (the order of the slots does
+not change attention). The mask must be the same for the h heads of a group. Unlike the window
+pass's mask (no inputs, so its evaluation is a proof), this is a check on two probes of block
+ids, not a proof for every block_idx; the probes vary by batch, group, query and slot so that
+code treating any of them differently shows. Identical subgraphs (one per layer) are evaluated
+once per graph. A query whose blocks hold no token <= t gets 0 from the op where eager gives
+NaN (ops/selection.py; the model's own selection always includes the current block).
+
+Becomes `torch.ops.nsa.selected_attention(q, k, v, block_idx, l', c, backend)[0]` on the un-gathered,
+un-repeated q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv] (nsa_compile/ops/selection.py): no
+gathered or repeated K/V, no [B, H, S, n*l'] scores in the graph. The backend is chosen here from
+the fake tensors and written into the graph (`triton` on CUDA, else `reference`); `explain` shows
+which and, for reference, why not triton.
+
+Refuses (graph unchanged), with the reason shown by `explain`:
+- a softmax not followed by p.unsqueeze(-2) @ v_sel (compressed branch, gates, dense attention);
+- scores, probabilities, the masked tensor, the gathered or repeated K/V used anywhere else;
+- fp16/bf16 scores without the upcast (the op computes the softmax in float32);
+- K/V not gathered along the sequence dim of [B, G, S, D] with one token id per row;
+- token ids or a mask that depend on other data, or that differ from the blocks on the probes:
+  padding not masked, the current token hidden or a later one seen (off by one), a mapping that
+  is not block * l' + offset (overlapping blocks), a mask that differs across a group's heads;
+- shapes that do not fit; symbolic (dynamic) sizes; a verification larger than the cap.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
+from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.ops.common import upcast_dtype
+from nsa_compile.ops.selection import choose_backend, why_not_triton
+from nsa_compile.rewrite import PassLog, RewritePass
+
+# The probes evaluate the position-only subgraphs at the real shape; more elements than this
+# (summed over the nodes that materialize a tensor, per probe) are not verified.
+MAX_VERIFIED_ELEMENTS = 2**27
+KERNEL = "nsa.selected_attention[{backend}] (l'={block}, n={n}, GQA-native, no gathered K/V{why})"
+
+# Ops that return a view (no new elements) when the selection subgraphs are evaluated.
+_VIEWS = {"expand", "expand_as", "broadcast_to", "view", "unsqueeze", "squeeze", "getitem", "transpose",
+          "permute", "unflatten", "movedim", "swapaxes", "as_strided", "t"}
+_OPERATOR_IN_PLACE = {"iadd", "iand", "ior", "ixor", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
+                      "ilshift", "irshift", "imatmul"}
+_RANDOM = ("rand", "bernoulli", "dropout", "multinomial", "normal", "poisson", "uniform", "exponential")
+
+
+class Refused(Exception):
+    """A check failed; the message is the reason."""
+
+
+# strip_upcast, unrepeat and keep_mask read the same forms as the window pass's helpers of the
+# same names (kept here so that edits to one branch pass do not silently change the other).
+
+
+def strip_upcast(node: fx.Node) -> fx.Node:
+    """x.float() / x.to(torch.float32) -> x (the op upcasts fp16/bf16 scores itself); else node."""
+    name = op_name(node)
+    if name == "float" or (name == "to" and arg(node, 1, "dtype") in (torch.float32, torch.float64)):
+        return first(node)
+    return node
+
+
+def unrepeat(node: fx.Node) -> tuple[fx.Node, int]:
+    """x_rep -> (x, h) when x_rep = x.repeat_interleave(h, dim=1) with an int h; else (node, 1)."""
+    if op_name(node) == "repeat_interleave":
+        dim, repeats = arg(node, 2, "dim"), arg(node, 1, "repeats")
+        x = arg(node, 0, "input")
+        if (isinstance(repeats, int) and isinstance(dim, int) and value(x) is not None
+                and dim % value(x).dim() == 1 and arg(node, 3, "output_size") is None):
+            return x, repeats
+    return node, 1
+
+
+def keep_mask(masked: fx.Node, scores: fx.Node) -> tuple[fx.Node, bool]:
+    """(mask node, True if positions where it is True are kept) of the -inf masking."""
+    name = op_name(masked)
+    if name == "masked_fill":
+        target, fill = arg(masked, 1, "mask"), arg(masked, 2, "value")
+        if first(masked) is not scores or fill != float("-inf") or not isinstance(target, fx.Node):
+            raise Refused("masked_fill does not set -inf on the scores")
+        if op_name(target) in ("invert", "logical_not", "bitwise_not"):
+            return first(target), True
+        return target, False
+    if name == "where" and len(masked.args) == 3 and masked.args[1] is scores and masked.args[2] == float("-inf"):
+        if not isinstance(masked.args[0], fx.Node):
+            raise Refused("torch.where keeps the scores by a constant condition")
+        return masked.args[0], True
+    raise Refused(f"the softmax input is {name}, not masked scores")
+
+
+def first(node: fx.Node):
+    """The tensor a unary op / method works on (positional or `input=`)."""
+    return arg(node, 0, "input")
+
+
+def operands(mm: fx.Node) -> tuple:
+    """(left, right) of a matmul or bmm, positional or by keyword."""
+    return arg(mm, 0, "input"), arg(mm, 1, "other", arg(mm, 1, "mat2"))
+
+
+def only_user(node: fx.Node, what: str) -> fx.Node:
+    users = list(node.users)
+    if len(users) != 1:
+        names = ", ".join(op_name(u) or u.op for u in users) or "nothing"
+        raise Refused(f"the {what} is used by {len(users)} nodes ({names}); it must stay as it is")
+    return users[0]
+
+
+def dims(node: fx.Node, what: str, rank: int) -> tuple[int, ...]:
+    """The static shape of `node`, which must have `rank` dims, or Refused."""
+    val = value(node)
+    if val is None or val.dim() != rank:
+        got = "unknown" if val is None else f"{val.dim()}-D"
+        raise Refused(f"the {what} is {got}, not {rank}-D")
+    if not all(isinstance(d, int) for d in val.shape):
+        raise Refused(f"the {what} has symbolic sizes {tuple(val.shape)} (dynamic shapes): not verified yet")
+    return tuple(val.shape)
+
+
+def is_dim(node: fx.Node, name: str, index: int, rank: int, want: int) -> bool:
+    """node is `name(x, dim)` (unsqueeze/squeeze) with dim == want modulo `rank`."""
+    d = arg(node, index, "dim")
+    return op_name(node) == name and isinstance(d, int) and d % rank == want
+
+
+def is_last_two_transpose(node: fx.Node, rank: int) -> bool:
+    if op_name(node) not in ("transpose", "swapaxes"):
+        return False
+    d0, d1 = arg(node, 1, "dim0"), arg(node, 2, "dim1")
+    return isinstance(d0, int) and isinstance(d1, int) and {d0 % rank, d1 % rank} == {rank - 2, rank - 1}
+
+
+def scores_chain(masked_input: fx.Node) -> tuple[fx.Node, float, list[fx.Node]]:
+    """scaled scores -> (the q @ k^T matmul, scale, the nodes in between, matmul excluded).
+
+    Accepts [scale] after {squeeze(-2), upcast} in either order; the scale must come after the
+    upcast (the op multiplies in the upcast dtype)."""
+    chain, node, scale = [], masked_input, 1.0
+    name, (a, b) = op_name(node), (node.args + (None, None))[:2]
+    if name == "mul" and isinstance(b, (int, float)) and isinstance(a, fx.Node):
+        chain.append(node)
+        node, scale = a, float(b)
+    elif name == "mul" and isinstance(a, (int, float)) and isinstance(b, fx.Node):
+        chain.append(node)
+        node, scale = b, float(a)
+    elif name in ("truediv", "div") and isinstance(b, (int, float)) and isinstance(a, fx.Node) and not node.kwargs:
+        chain.append(node)
+        node, scale = a, 1.0 / float(b)
+    elif name in ("mul", "truediv", "div"):
+        raise Refused("the scores are not scaled by a constant (q @ k^T * c)")
+    seen = set()
+    while op_name(node) not in MATMULS:
+        only_user(node, "score tensor")
+        val = value(node)
+        if "squeeze" not in seen and val is not None and is_dim(node, "squeeze", 1, val.dim() + 1, 3):
+            seen.add("squeeze")
+        elif "upcast" not in seen and strip_upcast(node) is not node:
+            seen.add("upcast")
+        else:
+            raise Refused("the scores are not upcast(q.unsqueeze(-2) @ k_sel.transpose(-1, -2)).squeeze(-2) * c")
+        chain.append(node)
+        node = first(node)
+        if not isinstance(node, fx.Node):
+            raise Refused("the scores are not q.unsqueeze(-2) @ k_sel^T")
+    if "squeeze" not in seen:
+        raise Refused("the per-query scores are not squeezed back to [B, H, S, T] (.squeeze(-2))")
+    only_user(node, "score tensor")
+    return node, scale, chain
+
+
+def gathered(sel: fx.Node, what: str, B: int, G: int, S: int, T: int) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
+    """sel [B, G, S, T, D] = gather(x [B, G, S, D], 2, index [B, G, S*T, D]).view(...) ->
+    (x, index, [sel, gather])."""
+    only_user(sel, f"gathered {what}")
+    D = dims(sel, f"gathered {what}", 5)[4]
+    if dims(sel, f"gathered {what}", 5) != (B, G, S, T, D):
+        raise Refused(f"the gathered {what} is {tuple(value(sel).shape)}, not [B, G, S, T, D] = {(B, G, S, T, D)}")
+    g = first(sel)
+    if op_name(sel) not in ("view", "reshape", "unflatten") or not isinstance(g, fx.Node):
+        raise Refused(f"the gathered {what} is not a view of torch.gather(x, 2, index) rows")
+    if op_name(g) != "gather" or arg(g, 3, "sparse_grad", False):
+        raise Refused(f"{what} is not gathered per query (torch.gather(x, 2, index).view(B, G, S, T, D))")
+    only_user(g, f"gathered {what}")
+    src, dim, index = arg(g, 0, "input"), arg(g, 1, "dim"), arg(g, 2, "index")
+    if not isinstance(src, fx.Node) or not isinstance(index, fx.Node) or not isinstance(dim, int):
+        raise Refused(f"{what} is not gathered with a tensor index along a constant dim")
+    if dims(g, f"gathered {what}", 4) != (B, G, S * T, D) or dim % 4 != 2:
+        raise Refused(f"{what} is not gathered along the sequence dim of [B, G, S, D] (dim 2, rows S * T)")
+    if dims(src, what, 4) != (B, G, S, D):
+        raise Refused(f"{what} is {tuple(value(src).shape)}, not [B, G, S, D] = {(B, G, S, D)}")
+    if dims(index, f"{what} gather index", 4) != (B, G, S * T, D) or value(index).dtype != torch.int64:
+        raise Refused(f"the {what} gather index is not an int64 [B, G, S * T, D] tensor")
+    return src, index, [sel, g]
+
+
+def ancestors(roots: list[fx.Node], stop: fx.Node | None = None) -> list[fx.Node]:
+    """Every node the roots depend on (roots included), not walking through `stop`."""
+    seen, stack = set(), list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node is not stop:
+            stack.extend(node.all_input_nodes)
+    return list(seen)
+
+
+def find_block_idx(roots: list[fx.Node], B: int, G: int, S: int, order: dict) -> tuple[fx.Node, list[fx.Node]]:
+    """The int64 [B, G, S, n] tensor nearest the roots through which alone they depend on data,
+    and the position-only nodes between it and the roots (in graph order), or Refused."""
+    candidates = [n for n in ancestors(roots) if (val := value(n)) is not None and val.dtype == torch.int64
+                  and val.dim() == 4 and tuple(val.shape[:3]) == (B, G, S)]
+    if not candidates:
+        raise Refused("no int64 [B, G, S, n] block index tensor feeds the token ids and the mask")
+    first_data = None
+    for block_idx in sorted(candidates, key=order.__getitem__, reverse=True):
+        nodes = [n for n in ancestors(roots, stop=block_idx) if n is not block_idx]
+        data = [n for n in nodes if n.op not in ("call_function", "call_method")]
+        if not data:
+            return block_idx, sorted(nodes, key=order.__getitem__)
+        first_data = first_data or min(data, key=order.__getitem__)
+    raise Refused(f"the token ids or the mask depend on {first_data.op} {first_data.name} "
+                  "(data other than one [B, G, S, n] block index tensor and positions)")
+
+
+def in_place(node: fx.Node) -> bool:
+    """x.clamp_(...), torch.relu_(x), operator.iand(x, y) (x &= y), ...: a node that mutates its input."""
+    name = op_name(node) or ""
+    if node.op == "call_function" and isinstance(node.target, type(operator.iand)) and \
+            getattr(node.target, "__module__", "") in ("_operator", "operator"):
+        return name in _OPERATOR_IN_PLACE
+    return name.endswith("_") and not name.startswith("_")
+
+
+def check_evaluable(nodes: list[fx.Node], block_idx: fx.Node, B: int, H: int, S: int, T: int) -> None:
+    """Refused unless the nodes can be run at compile time, with a bounded cost, and give what
+    they give at run time (nothing random, nothing changed in place, no symbolic sizes)."""
+    for node in [block_idx, *nodes]:
+        name = op_name(node) or ""
+        if node is not block_idx and any(word in name for word in _RANDOM):
+            raise Refused(f"the token ids or the mask use {name} (random, not positions)")
+        for user in node.users:
+            if in_place(user):
+                raise Refused(f"the token ids or the mask are changed in place ({op_name(user)})")
+        for x in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
+            if isinstance(x, torch.SymInt):
+                raise Refused("the token ids or the mask have symbolic sizes (dynamic shapes): not verified yet")
+    cost = B * H * S * T + sum(value(n).numel() for n in nodes if value(n) is not None and op_name(n) not in _VIEWS)
+    if cost > MAX_VERIFIED_ELEMENTS:
+        raise Refused(f"verifying the selection takes {cost:,} elements per probe, over the cap of "
+                      f"{MAX_VERIFIED_ELEMENTS:,}: not verified at this size yet")
+
+
+class _Input:
+    def __init__(self, i: int):
+        self.i = i
+
+    def __repr__(self) -> str:
+        return f"<input {self.i}>"
+
+
+def structure(nodes: list[fx.Node], block_idx: fx.Node, roots: list[fx.Node]) -> str:
+    """What the subgraph computes from block_idx, as text: equal texts compute the same function
+    (same ops, same constants, same wiring), so one verification serves both."""
+    index = {block_idx: 0, **{node: i + 1 for i, node in enumerate(nodes)}}
+    ops = [(node.op, node.target, fx.node.map_arg((node.args, node.kwargs), lambda n: _Input(index[n])))
+           for node in nodes]
+    return repr((ops, [index[r] for r in roots]))
+
+
+def evaluate(nodes: list[fx.Node], block_idx: fx.Node, probe: torch.Tensor, roots: list[fx.Node]) -> list:
+    """Run the position-only nodes (graph order) with block_idx = probe; the roots' values."""
+    env = {block_idx: probe}
+    for node in nodes:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+        try:
+            if node.op == "call_method":
+                env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                env[node] = node.target(*args, **kwargs)
+        except Exception as error:  # the user's code, run on block ids it may not expect
+            raise Refused(f"evaluating the token ids and the mask on probe block ids failed at {node.name} "
+                          f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
+    return [env[r] for r in roots]
+
+
+def probes(B: int, G: int, S: int, n: int, block: int, device) -> list[torch.Tensor]:
+    """Block ids [B, G, S, n]: one structured (per slot and query: padding, block 0, the current
+    block, duplicates of it, the next block (future), one past the last block, far past the end,
+    the previous block), one random in [-1, Ns + 1]."""
+    Ns = -(-S // block)
+    t = torch.arange(S, device=device)[:, None]
+    cur = t // block
+    choices = torch.stack(torch.broadcast_tensors(
+        torch.full_like(cur, -1), torch.zeros_like(cur), cur, cur, cur + 1, torch.full_like(cur, Ns),
+        torch.full_like(cur, Ns + 3), cur - 1), dim=-1)[:, 0]  # [S, 8]
+    b, g, i = (torch.arange(x, device=device) for x in (B, G, n))
+    pick = (b[:, None, None, None] + 3 * g[None, :, None, None] + t[None, None] + i[None, None, None]) % 8
+    structured = torch.gather(choices.expand(B, G, S, 8), 3, pick.expand(B, G, S, n))
+    gen = torch.Generator().manual_seed(0)
+    rand = torch.randint(-1, Ns + 2, (B, G, S, n), generator=gen).to(device)
+    return [structured, rand]
+
+
+def verify(keep: torch.Tensor, tokens: torch.Tensor, blocks: torch.Tensor, block: int, h: int) -> None:
+    """keep [B, H, S, T] bool, tokens [B, G, S, T] (gather index) for block ids blocks [B, G, S, n]:
+    for each (b, head, t) the kept tokens must be the multiset {block * l' + o <= t : block >= 0}."""
+    B, G, S, n = blocks.shape
+    keep5 = keep.reshape(B, G, h, S, -1)
+    if not bool((keep5 == keep5[:, :, :1]).all()):
+        raise Refused("the mask differs between the heads of a group (the group shares its blocks)")
+    keep = keep5[:, :, 0]
+    offsets = torch.arange(block, device=blocks.device)
+    expected = (blocks.clamp(min=0)[..., None] * block + offsets).flatten(-2)  # [B, G, S, T]
+    t = torch.arange(S, device=blocks.device)[:, None]
+    chosen = (blocks >= 0)[..., None].expand(B, G, S, n, block).flatten(-2)
+    valid = chosen & (expected <= t)
+    if torch.equal(keep, valid) and torch.equal(torch.where(keep, tokens, 0), torch.where(valid, expected, 0)):
+        return
+    # slot order does not change attention: compare the kept tokens of each query as multisets
+    big = torch.iinfo(torch.int64).max
+    got = torch.where(keep, tokens, big).sort(dim=-1).values
+    want = torch.where(valid, expected, big).sort(dim=-1).values
+    if torch.equal(got, want):
+        return
+    padding = (blocks < 0)[..., None].expand(B, G, S, n, block).flatten(-2)
+    if bool((keep & valid & (tokens != expected)).any()):
+        raise Refused(f"the token ids are not block * l' + offset for l' = {block} (overlapping or "
+                      "shifted blocks?)")
+    if bool((keep & padding).any()):
+        raise Refused("padding (block id -1) is not masked: a query would see tokens of a block it did not choose")
+    if bool((keep & ~valid).any()):
+        later = keep & ~valid & ~padding
+        if bool((expected[later] == t.expand_as(expected)[later] + 1).all()):
+            raise Refused("the mask is off by one: query t sees token t + 1 (tokens <= t + 1 instead of <= t)")
+        raise Refused("the mask is non-causal: a query sees a later token of its blocks")
+    hidden = ~keep & valid
+    if bool((expected[hidden] == t.expand_as(expected)[hidden]).all()):
+        raise Refused("the mask is off by one: query t does not see itself (tokens < t instead of <= t)")
+    raise Refused("the mask hides tokens <= t of the chosen blocks")
+
+
+class SelectionAttention(RewritePass):
+    name = "selection_attention"
+    summary = "gathered per-query selected-block attention -> nsa.selected_attention, no gathered K/V"
+
+    def apply(self, graph: fx.Graph, log: PassLog) -> None:
+        verified = set()  # structures of selection subgraphs already verified (one per layer is the same)
+        for softmax in list(graph.nodes):
+            if op_name(softmax) != "softmax" or softmax.graph is not graph or softmax._erased:
+                continue
+            order = {node: i for i, node in enumerate(graph.nodes)}  # graph positions (rewrites add nodes)
+            try:
+                plan = self.check(softmax, order, verified)
+            except Refused as why:
+                log.refused(softmax, str(why))
+                continue
+            self.rewrite(graph, plan)
+            why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
+            log.matched(softmax, KERNEL.format(block=plan["block"], n=plan["n"], backend=plan["backend"], why=why))
+
+    def check(self, softmax: fx.Node, order: dict, verified: set) -> dict:
+        probs = value(softmax)
+        dim = arg(softmax, 1, "dim")
+        if probs is None or probs.dim() != 4 or not isinstance(dim, int) or dim % 4 != 3:
+            raise Refused("not a softmax over the last dim of [B, H, S, T] scores")
+        if arg(softmax, 2, "dtype") is not None:
+            raise Refused("the softmax has a dtype argument")
+        # forward: p -> [.to(v.dtype)] -> unsqueeze(-2) -> @ v_sel -> squeeze(-2)
+        nxt = only_user(softmax, "probability tensor")
+        cast = None
+        if op_name(nxt) in ("to", "type_as"):
+            cast, nxt = nxt, only_user(nxt, "probability tensor")
+        p4 = nxt
+        pv = only_user(p4, "probability tensor") if is_dim(p4, "unsqueeze", 1, 5, 3) else None
+        if pv is None or op_name(pv) not in MATMULS or operands(pv)[0] is not p4 or operands(pv)[1] is p4:
+            raise Refused("the probabilities are not multiplied by V per query (p.unsqueeze(-2) @ v_sel)")
+        out = only_user(pv, "per-query output")
+        if not is_dim(out, "squeeze", 1, 5, 3):
+            raise Refused("the per-query output is not squeezed back to [B, H, S, Dv] (.squeeze(-2))")
+        B, H, S, T = dims(softmax, "probability tensor", 4)
+        # backward: masked <- [scale] <- {squeeze, upcast} <- q.unsqueeze(-2) @ k_sel^T
+        masked = first(softmax)
+        if not isinstance(masked, fx.Node):
+            raise Refused("the softmax input is not a tensor computed in the graph")
+        scaled = first(masked) if op_name(masked) == "masked_fill" else arg(masked, 1, "input")
+        if not isinstance(scaled, fx.Node):
+            raise Refused(f"the softmax input is {op_name(masked)}, not masked scores")
+        mask, keep_where_true = keep_mask(masked, scaled)
+        only_user(masked, "masked score tensor")
+        only_user(scaled, "score tensor")
+        qk, scale, chain = scores_chain(scaled)
+        low, high = value(qk), value(scaled)
+        if low is None or high is None:
+            raise Refused("the score dtypes are unknown")
+        if high.dtype != upcast_dtype(low.dtype):
+            raise Refused(f"the softmax runs in {high.dtype} on {low.dtype} scores; the op computes it in "
+                          f"{upcast_dtype(low.dtype)}")
+        q4, kt = operands(qk)
+        if not isinstance(q4, fx.Node) or not is_dim(q4, "unsqueeze", 1, 5, 3) or not isinstance(first(q4), fx.Node):
+            raise Refused("the scores are not q.unsqueeze(-2) @ k_sel^T (one query row per token)")
+        only_user(q4, "query row tensor")
+        q = first(q4)
+        Dk = dims(q, "query tensor", 4)[3]
+        if dims(q, "query tensor", 4) != (B, H, S, Dk):
+            raise Refused(f"q is {tuple(value(q).shape)}, not [B, H, S, Dk] with [B, H, S] = {(B, H, S)}")
+        if not isinstance(kt, fx.Node) or not is_last_two_transpose(kt, 5) or not isinstance(first(kt), fx.Node):
+            raise Refused("the gathered keys are not transposed over their last two dims (k_sel.transpose(-1, -2))")
+        only_user(kt, "transposed gathered K")
+        k_rep, v_rep = first(kt), operands(pv)[1]
+        if not isinstance(v_rep, fx.Node):
+            raise Refused("the probabilities are not multiplied by gathered V")
+        k_sel, h_k = unrepeat(k_rep)
+        v_sel, h_v = unrepeat(v_rep)
+        repeats = [n for n, sel in ((k_rep, k_sel), (v_rep, v_sel)) if n is not sel]
+        for node in repeats:
+            only_user(node, "repeated gathered K/V")
+        G = dims(k_sel, "gathered K", 5)[1]
+        if h_k != h_v or G * h_k != H or dims(v_sel, "gathered V", 5)[1] != G:
+            raise Refused(f"gathered K/V heads {G} (x{h_k}) and {value(v_sel).shape[1]} (x{h_v}) do not serve "
+                          f"{H} query heads")
+        k, k_index, k_nodes = gathered(k_sel, "K", B, G, S, T)
+        v, v_index, v_nodes = gathered(v_sel, "V", B, G, S, T)
+        if value(k).dtype != value(q).dtype or not value(v).is_floating_point():
+            raise Refused("q and K differ in dtype, or V is not floating point")
+        if cast is not None and value(cast).dtype != value(v).dtype:
+            raise Refused(f"the probabilities are cast to {value(cast).dtype}, not to V's {value(v).dtype}")
+        # the selection: block_idx and positions only, evaluated on probes
+        roots = [mask, k_index, v_index]
+        block_idx, nodes = find_block_idx(roots, B, G, S, order)
+        n = dims(block_idx, "block index tensor", 4)[3]
+        if n == 0 or T % n:
+            raise Refused(f"the {T} gathered tokens per query are not n * l' for the n = {n} blocks")
+        block = T // n
+        check_evaluable(nodes, block_idx, B, H, S, T)
+        key = (structure(nodes, block_idx, roots), (B, H, G, S, T, n), keep_where_true)
+        for probe in [] if key in verified else probes(B, G, S, n, block, value(block_idx).device):
+            m, ki, vi = evaluate(nodes, block_idx, probe, roots)
+            if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+                raise Refused("the mask is not a bool tensor")
+            try:
+                keep = torch.broadcast_to(m, (B, H, S, T))
+            except RuntimeError:
+                raise Refused(f"the mask {tuple(m.shape)} does not broadcast to the scores {(B, H, S, T)}") from None
+            keep = keep if keep_where_true else ~keep
+            tokens = []
+            for what, index, traced in (("K", ki, k_index), ("V", vi, v_index)):
+                if not isinstance(index, torch.Tensor) or index.shape != value(traced).shape:
+                    raise Refused(f"the {what} gather index evaluates to something else than its traced shape")
+                if index.stride(-1) != 0 and not torch.equal(index, index[..., :1].expand_as(index)):
+                    raise Refused(f"the {what} gather index differs across the head dim (not one token per row)")
+                tokens.append(index[..., 0].reshape(B, G, S, T))
+            if not torch.equal(tokens[0], tokens[1]):
+                raise Refused("K and V are gathered at different token ids")
+            verify(keep, tokens[0], probe, block, H // G)
+        verified.add(key)
+        fakes = [value(x) for x in (q, k, v, block_idx)]
+        return {"q": q, "k": k, "v": v, "block_idx": block_idx, "block": block, "n": n, "scale": scale,
+                "backend": choose_backend(*fakes, block), "why_not_triton": why_not_triton(*fakes, block),
+                "out": out, "chain": [out, pv, p4, cast, softmax, masked, *chain, qk, q4, kt, *repeats,
+                                      *k_nodes, *v_nodes],
+                "roots": roots}
+
+    def rewrite(self, graph: fx.Graph, plan: dict) -> None:
+        out = plan["out"]
+        both = call(graph, torch.ops.nsa.selected_attention, plan["q"], plan["k"], plan["v"], plan["block_idx"],
+                    plan["block"], plan["scale"], plan["backend"], anchor=out)
+        op = call(graph, operator.getitem, both, 0, anchor=out)  # o; the log-sum-exp is for the backward
+        out.replace_all_uses_with(op)
+        # erase the per-query chain, then whatever only it used (token ids, mask, K/V views)
+        dead = [n for n in dict.fromkeys(plan["chain"]) if n is not None]
+        candidates = list(plan["roots"]) + [i for n in dead for i in n.all_input_nodes]
+        for node in dead:
+            graph.erase_node(node)
+        while candidates:
+            node = candidates.pop()
+            if not node._erased and node.op in ("call_function", "call_method") and not node.users:
+                candidates.extend(node.all_input_nodes)
+                graph.erase_node(node)
+
+
+PASS = SelectionAttention()

@@ -1,0 +1,251 @@
+"""The Triton selected-attention kernels (nsa_compile/ops/selection_triton.py) against the
+reference backend of nsa::selected_attention, on CUDA when there is one, else on the CPU through
+Triton's interpreter (TRITON_INTERPRET=1, set by a module fixture for this module only and
+restored after it; the kernels are built lazily, so they are built interpreted here).
+
+Tiny odd sizes: the interpreter runs every program instance in Python.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nsa_compile.ops import selection as sel_ref
+from nsa_compile.ops import selection_triton as st
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+B, DK = 2, 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter_on_cpu():
+    """On a machine without CUDA: TRITON_INTERPRET=1 while this module runs, kernels rebuilt."""
+    before = os.environ.get("TRITON_INTERPRET")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+        st._kernels.cache_clear()
+    yield
+    if DEVICE == "cpu":
+        st._kernels.cache_clear()
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    torch.set_num_threads(threads)
+
+
+def random_block_idx(b, g, S, n, block_size, seed):
+    """A random valid selection [b, g, S, n]: the current block forced, the rest distinct random
+    earlier blocks, ascending, -1 padded where fewer than n candidates exist."""
+    gen = torch.Generator().manual_seed(seed)
+    NB = -(-S // block_size)
+    width = max(NB, n)
+    j = torch.arange(width)
+    cur = (torch.arange(S) // block_size)[:, None]  # [S, 1]
+    key = torch.rand(b, g, S, width, generator=gen)
+    key = torch.where(j == cur, 2.0, key).masked_fill(j > cur, float("-inf"))
+    val, idx = key.topk(n, dim=-1)
+    idx = torch.where(val > float("-inf"), idx, width)  # padding sorts last
+    idx = idx.sort(dim=-1).values
+    return torch.where(idx == width, -1, idx).to(DEVICE)
+
+
+def make_inputs(S, h, g, dv, dtype, seed, dk=DK):
+    """q, k, v as [B, S, heads, D] memory viewed [B, heads, S, D] (non-contiguous), grad_o."""
+    gen = torch.Generator().manual_seed(seed)
+    H = g * h
+    q = torch.randn(B, S, H, dk, generator=gen).to(dtype).transpose(1, 2)
+    k = torch.randn(B, S, g, dk, generator=gen).to(dtype).transpose(1, 2)
+    v = torch.randn(B, S, g, dv, generator=gen).to(dtype).transpose(1, 2)
+    grad_o = torch.randn(B, H, S, dv, generator=gen).to(dtype)
+    return [x.to(DEVICE) for x in (q, k, v, grad_o)]
+
+
+def reference_lse(q, k, block_idx, block_size, scale):
+    """Dense log-sum-exp over each row's selected tokens, counted with multiplicity."""
+    _, H, S, _ = q.shape
+    G = k.shape[1]
+    h = H // G
+    s = torch.arange(S, device=q.device)
+    blk = block_idx[..., None]  # [B, G, S, n, 1]
+    hit = (blk >= 0) & (s // block_size == blk) & (s <= s[:, None, None])  # [B, G, S, n, S]
+    mult = hit.sum(3).double().repeat_interleave(h, dim=1)  # [B, H, S, S]
+    kk = k.double().repeat_interleave(h, dim=1)
+    scores = q.double() @ kk.transpose(-1, -2) * scale + mult.log()
+    return torch.logsumexp(scores, dim=-1)
+
+
+def reference(q, k, v, grad_o, block_idx, block_size, scale):
+    """o, dq, dk, dv of the reference backend in float32 at the same inputs."""
+    f = lambda x: x.float()
+    o, _ = sel_ref._reference_forward(f(q), f(k), f(v), block_idx, block_size, scale)
+    return (o, *sel_ref._reference_backward(f(grad_o), f(q), f(k), f(v), block_idx, block_size, scale))
+
+
+def run_triton(q, k, v, grad_o, block_idx, block_size, scale):
+    o, lse = st.selected_forward(q, k, v, block_idx, block_size, scale)
+    dq, dk, dv = st.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale)
+    return o, lse, dq, dk, dv
+
+
+def rel_rms(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check(ours, ref, dtype, what):
+    for name, a, r in zip(("o", "dq", "dk", "dv"), ours, ref):
+        assert a.dtype == dtype and a.shape == r.shape, f"{what} {name}"
+        assert not a.isnan().any(), f"{what} {name}: NaN"
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{what} {name}: {m}")
+        else:
+            assert rel_rms(a, r) <= 1e-2, f"{what} {name}: rel rms {rel_rms(a, r):.2e}"
+
+
+def check_lse(lse, q, k, idx, block_size, scale, what):
+    want = reference_lse(q, k, idx, block_size, scale)
+    assert lse.dtype == torch.float32
+    assert torch.equal(lse.isneginf(), want.isneginf()), what
+    fin = want.isfinite()
+    tol = 1e-4 if q.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(lse[fin].double(), want[fin], rtol=tol, atol=tol, msg=lambda m: f"{what} lse: {m}")
+
+
+# S, h, G, block_size, n, Dv, dtype
+CASES = [
+    (1, 1, 2, 4, 2, 8, torch.float32),
+    (7, 3, 2, 4, 3, 24, torch.float32),
+    (33, 4, 1, 8, 4, 8, torch.float32),
+    (33, 1, 2, 8, 2, 24, torch.float32),
+    (33, 3, 2, 4, 3, 8, torch.float32),
+    (33, 3, 2, 8, 3, 24, torch.bfloat16),
+    (7, 4, 1, 4, 4, 8, torch.bfloat16),
+    (33, 1, 1, 4, 4, 24, torch.float16),
+]
+
+
+@pytest.mark.parametrize("S,h,G,block_size,n,dv,dtype", CASES, ids=[str(c).replace(" ", "") for c in CASES])
+def test_matches_reference(S, h, G, block_size, n, dv, dtype):
+    seed = S * 31 + h * 7 + G + n
+    q, k, v, grad_o = make_inputs(S, h, G, dv, dtype, seed)
+    idx = random_block_idx(B, G, S, n, block_size, seed).clone()
+    if S > 8:
+        idx[1, G - 1, S - 2, :2] = idx[1, G - 1, S - 2, 1]  # a duplicated block: counts twice
+    scale = DK**-0.5
+    o, lse, *grads = run_triton(q, k, v, grad_o, idx, block_size, scale)
+    check((o, *grads), reference(q, k, v, grad_o, idx, block_size, scale), dtype, f"S={S} h={h} G={G}")
+    check_lse(lse, q, k, idx, block_size, scale, f"S={S} h={h} G={G}")
+    assert (idx == -1).any()  # the first tokens have fewer than n candidate blocks
+
+
+def test_edge_rows_and_block_sizes_not_power_of_two():
+    """Hand-built rows (all -1, only a later block, a block past the end, a duplicate) and block
+    sizes that are not powers of two, one above 64 (two K/V chunks per block)."""
+    S, h, G, dv = 33, 2, 2, 8
+    q, k, v, grad_o = make_inputs(S, h, G, dv, torch.float32, seed=5)
+    for block_size, n in ((20, 2), (80, 1), (6, 3)):
+        idx = random_block_idx(B, G, S, n, block_size, seed=block_size).clone()
+        idx[0, 1, 5] = -1  # no block: empty row
+        idx[1, 0, 10, 0] = 3  # only a block after t = 10 (past the end of S for l' >= 20): empty
+        idx[1, 0, 10, 1:] = -1
+        idx[0, 0, S - 1, :] = idx[0, 0, S - 1, 0]  # the same block n times
+        o, lse, dq, dk, dv_ = run_triton(q, k, v, grad_o, idx, block_size, 0.3)
+        check((o, dq, dk, dv_), reference(q, k, v, grad_o, idx, block_size, 0.3), torch.float32, f"l'={block_size}")
+        check_lse(lse, q, k, idx, block_size, 0.3, f"l'={block_size}")
+        for b, g, t in ((0, 1, 5), (1, 0, 10)):
+            heads = slice(g * h, (g + 1) * h)
+            assert torch.equal(o[b, heads, t], torch.zeros_like(o[b, heads, t]))
+            assert torch.equal(dq[b, heads, t], torch.zeros_like(dq[b, heads, t]))
+            assert lse[b, heads, t].isneginf().all()
+
+
+def test_all_padding_and_no_blocks_give_zeros():
+    q, k, v, grad_o = make_inputs(9, 3, 1, 8, torch.float32, seed=2)
+    for n in (0, 2):
+        idx = torch.full((B, 1, 9, n), -1, dtype=torch.int64, device=DEVICE)
+        o, lse, *grads = run_triton(q, k, v, grad_o, idx, 4, 0.5)
+        assert lse.isneginf().all()
+        for x in (o, *grads):
+            assert torch.equal(x, torch.zeros_like(x))
+
+
+def test_dkdv_split_into_segments_is_exact_and_deterministic(monkeypatch):
+    """Blocks chosen by more than DKV_SEGMENT queries are split over several work items whose
+    fp32 partials are summed in a fixed order: same result, bit for bit on a rerun."""
+    monkeypatch.setattr(st, "DKV_SEGMENT", 3)
+    S, h, G, block_size, n = 33, 3, 2, 8, 3
+    q, k, v, grad_o = make_inputs(S, h, G, 24, torch.float32, seed=8)
+    idx = random_block_idx(B, G, S, n, block_size, seed=8)
+    first = run_triton(q, k, v, grad_o, idx, block_size, 0.25)
+    check((first[0], *first[2:]), reference(q, k, v, grad_o, idx, block_size, 0.25), torch.float32, "segments")
+    again = run_triton(q, k, v, grad_o, idx, block_size, 0.25)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+def test_many_heads_and_wide_head_dims():
+    """h = 65 > the largest head tile (several head tiles per token; (query, head) pairs of the
+    dk/dv kernel span queries), and head dims > 128 that are not powers of two, Dk != Dv."""
+    for S, h, G, dk, dv in ((5, 65, 1, 16, 8), (9, 2, 1, 200, 136)):
+        q, k, v, grad_o = make_inputs(S, h, G, dv, torch.float32, seed=h, dk=dk)
+        idx = random_block_idx(B, G, S, 2, 4, seed=h)
+        ours = run_triton(q, k, v, grad_o, idx, 4, dk**-0.5)
+        check((ours[0], *ours[2:]), reference(q, k, v, grad_o, idx, 4, dk**-0.5), torch.float32, f"h={h} dk={dk}")
+
+
+def test_unsupported_reason(monkeypatch):
+    q, k, v, _ = make_inputs(4, 2, 1, 8, torch.float32, seed=0)
+    idx = random_block_idx(B, 1, 4, 2, 4, seed=0)
+    assert st.unsupported_reason(q, k, v, idx, 4) is None
+    assert "dtype" in st.unsupported_reason(q.double(), k.double(), v.double(), idx, 4)
+    assert "dtype" in st.unsupported_reason(q, k, v.half(), idx, 4)
+    assert "head dim" in st.unsupported_reason(q.new_zeros(B, 2, 4, 300), k.new_zeros(B, 1, 4, 300), v, idx, 4)
+    assert "int64" in st.unsupported_reason(q, k, v, idx.int(), 4)
+    assert "block_size" in st.unsupported_reason(q, k, v, idx, 0)
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert "device cpu" in st.unsupported_reason(q, k, v, idx, 4)
+        with pytest.raises(ValueError, match="device cpu"):
+            st.selected_forward(q, k, v, idx, 4, 0.5)
+
+
+def test_module_imports_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from nsa_compile.ops import selection_triton as st\n"
+        "x = torch.zeros(1, 1, 4, 8)\n"
+        "print(st.unsupported_reason(x, x, x, torch.zeros(1, 1, 4, 1, dtype=torch.int64), 4))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "triton is not installed" in out.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_op_with_backend_triton_matches_backend_reference_through_autograd(dtype):
+    """The op's plumbing around the kernels: (o, lse) saved for the backward, the layouts the
+    fakes promise, gradients for q, k, v; against the reference backend on the same inputs."""
+    S, h, g, n, ls = 23, 3, 2, 3, 4
+    q, k, v, grad_o = make_inputs(S, h, g, 8, dtype, seed=11)
+    idx = random_block_idx(B, g, S, n, ls, seed=11)
+    results = {}
+    for backend in ("triton", "reference"):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        o, lse = torch.ops.nsa.selected_attention(*leaves, idx, ls, 0.4, backend)
+        grads = torch.autograd.grad(o, leaves, grad_o)
+        results[backend] = (o, lse, *grads)
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            fake_o, _ = torch.ops.nsa.selected_attention(*(mode.from_tensor(x) for x in (*leaves, idx)), ls, 0.4, backend)
+        assert o.stride() == fake_o.stride()
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
+    for name, a, r in zip(("o", "lse", "dq", "dk", "dv"), results["triton"], results["reference"]):
+        torch.testing.assert_close(a.float(), r.float(), **tol, msg=lambda m: f"{name}: {m}")

@@ -1,0 +1,192 @@
+"""The selected-attention branch alone, side by side in one process on one CUDA card: fwd and
+fwd+bwd times (CUDA events, median after a warm-up), peak extra memory, and parity, per variant:
+
+  triton     nsa.selected_attention, backend triton (nsa_compile/ops/selection_triton.py: group-centric
+             forward, dq, inverted-selection dk/dv)
+  reference  nsa.selected_attention, backend reference (chunked PyTorch gather)
+  dense      causal SDPA over all S keys, GQA-native (enable_gqa=True), default backend: the yardstick
+  cudnn      causal SDPA forced to cuDNN (K/V repeated to every head: cuDNN has no GQA here)
+
+Inputs in the model's layout ([B, S, heads, D] memory viewed [B, heads, S, D]), bf16, random
+valid block indices (block 0, the current and the previous block forced, the rest distinct random
+earlier blocks, ascending, -1 padded where fewer candidates exist). Parity: triton's o, dq, dk,
+dv against the reference op in float32 at the same inputs, on the first min(S, --parity-len)
+tokens, once per shape (relative RMS error, the worst of the four; bar 1e-2); also whether two
+triton backward runs agree bit for bit. A variant that fails parity prints FAIL instead of its
+times.
+
+    python3 tools/bench_selection.py --shape paper --seq-len 8192 --seq-len 32768
+    python3 tools/bench_selection.py --shape seed --variants triton,dense
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+from nsa_compile.ops import selected_attention
+from nsa_compile.ops import selection_triton as st
+
+SHAPES = {"paper": (64, 4, 128, 64, 16), "seed": (12, 2, 64, 64, 16)}  # H, G, D, l', n
+PARITY_BAR = 1e-2
+
+
+def triton_selected(q, k, v, block_idx, block_size, scale):
+    return selected_attention(q, k, v, block_idx, block_size, scale, backend="triton")
+
+
+def reference_selected(q, k, v, block_idx, block_size, scale):
+    return selected_attention(q, k, v, block_idx, block_size, scale, backend="reference")
+
+
+def dense_cudnn(q, k, v, block_idx, block_size, scale):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(q.shape[1] // k.shape[1], 1),
+                                              v.repeat_interleave(q.shape[1] // k.shape[1], 1),
+                                              is_causal=True, scale=scale)
+
+
+def dense_causal(q, k, v, block_idx, block_size, scale):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+
+VARIANTS = {"triton": triton_selected, "reference": reference_selected, "dense": dense_causal,
+            "cudnn": dense_cudnn}
+
+
+def random_block_idx(B, G, S, n, block_size, gen, chunk=2048, device="cuda"):
+    """[B, G, S, n] int64: blocks 0, t // l' and t // l' - 1 forced, the rest distinct random
+    earlier blocks, ascending, -1 padded. Built in chunks of tokens (the keys are [.., chunk, NB])."""
+    NB = -(-S // block_size)
+    width = max(NB, n)
+    j = torch.arange(width, device=device)
+    out = torch.empty(B, G, S, n, dtype=torch.int64, device=device)
+    for t0 in range(0, S, chunk):
+        t = torch.arange(t0, min(S, t0 + chunk), device=device)
+        cur = (t // block_size)[:, None]  # [c, 1]
+        key = torch.rand(B, G, t.numel(), width, device=device, generator=gen)
+        forced = (j == 0) | (j == cur) | (j == cur - 1)
+        key = torch.where(forced, 2.0, key).masked_fill(j > cur, float("-inf"))
+        val, idx = key.topk(n, dim=-1)
+        idx = torch.where(val > float("-inf"), idx, width).sort(dim=-1).values  # padding last
+        out[:, :, t0 : t0 + t.numel()] = torch.where(idx == width, -1, idx)
+    return out
+
+
+def model_layout(B, S, heads, D, gen, dtype):
+    return torch.randn(B, S, heads, D, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
+
+
+def time_ms(fn, reps) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rel_err(x, ref) -> float:
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def fwd_bwd(fn, leaves, block_idx, block_size, scale, grad):
+    out = fn(*leaves, block_idx, block_size, scale)
+    return (out.detach(), *torch.autograd.grad(out, leaves, grad))
+
+
+def measure(fn, q, k, v, block_idx, block_size, scale, grad, reps) -> tuple[float, float, float]:
+    """fwd ms, fwd+bwd ms, and the peak memory of one fwd+bwd above what was allocated before (GiB)."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd(fn, leaves, block_idx, block_size, scale, grad)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    with torch.no_grad():
+        fwd = time_ms(lambda: fn(*leaves, block_idx, block_size, scale), reps)
+    both = time_ms(lambda: fwd_bwd(fn, leaves, block_idx, block_size, scale, grad), reps)
+    return fwd, both, peak
+
+
+def parity(q, k, v, grad, block_idx, block_size, scale) -> tuple[float, bool]:
+    """Worst relative RMS error of triton's o/dq/dk/dv against the fp32 reference op; whether a
+    second triton backward gives the same bits."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    ours = fwd_bwd(triton_selected, leaves, block_idx, block_size, scale, grad)
+    again = fwd_bwd(triton_selected, leaves, block_idx, block_size, scale, grad)
+    leaves32 = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref = fwd_bwd(reference_selected, leaves32, block_idx, block_size, scale, grad.float())
+    worst = max(rel_err(a, r) for a, r in zip(ours, ref))
+    return worst, all(torch.equal(a, b) for a, b in zip(ours, again))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=list(SHAPES), default="paper")
+    ap.add_argument("--seq-len", type=int, action="append", help="repeatable (default 8192)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--variants", default="triton,reference,dense")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--parity-len", type=int, default=2048, help="tokens of the parity check (once per shape)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_selection: needs a CUDA GPU")
+    chosen = [name for name in args.variants.split(",") if name]
+    for name in chosen:
+        if name not in VARIANTS:
+            sys.exit(f"bench_selection: unknown variant {name!r}; valid: {', '.join(VARIANTS)}")
+    H, G, D, block_size, n = SHAPES[args.shape]
+    B, dtype, scale = args.batch, torch.bfloat16, D**-0.5
+    triton_version = getattr(st.triton, "__version__", "not installed")
+    print(f"{datetime.date.today()}  {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton_version}")
+    print(f"$ python3 {' '.join(sys.argv)}")
+    print(f"shape {args.shape}: B {B}, H {H}, G {G}, D {D}, l' {block_size}, n {n}, bf16")
+    rows, parity_checked, triton_ok = [], False, True
+    for S in args.seq_len or [8192]:
+        gen = torch.Generator(device="cuda").manual_seed(S)
+        q, k, v = (model_layout(B, S, heads, D, gen, dtype) for heads in (H, G, G))
+        grad = torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=gen)
+        block_idx = random_block_idx(B, G, S, n, block_size, gen)
+        why = st.unsupported_reason(q, k, v, block_idx, block_size)
+        if "triton" in chosen and why:
+            sys.exit(f"bench_selection: the triton kernels cannot run: {why}")
+        if "triton" in chosen and not parity_checked:
+            P = min(S, args.parity_len)
+            q_p, k_p, v_p, grad_p, idx_p = (x[:, :, :P] for x in (q, k, v, grad, block_idx))
+            err, same = parity(q_p, k_p, v_p, grad_p, idx_p, block_size, scale)
+            triton_ok = err <= PARITY_BAR
+            print(f"parity at S={P}: worst rel RMS of o/dq/dk/dv vs fp32 reference {err:.2e} "
+                  f"({'ok' if triton_ok else 'FAIL'}), backward bitwise repeatable: {same}")  # fmt: skip
+            parity_checked = True
+        for name in chosen:
+            ok = triton_ok if name == "triton" else True
+            par = "-" if name != "triton" else ("ok" if triton_ok else "FAIL")
+            try:
+                fwd, both, peak = measure(VARIANTS[name], q, k, v, block_idx, block_size, scale, grad, args.reps)
+                rows.append([S, name, f"{fwd:.2f}" if ok else "FAIL", f"{both:.2f}" if ok else "FAIL",
+                             f"{peak:.2f}", par])  # fmt: skip
+            except torch.OutOfMemoryError:
+                rows.append([S, name, "OOM", "OOM", "-", par])
+    print(tabulate(rows, headers=["S", "variant", "fwd ms", "fwd+bwd ms", "peak extra GiB", "parity"],
+                   tablefmt="github"))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
