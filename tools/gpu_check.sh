@@ -22,7 +22,10 @@ PY
 selection=(-m "gpu or inductor")
 [ "${1:-}" = "--all" ] && selection=()
 status=0
-python3 -m pytest -q -p no:cacheprovider "${selection[@]}" tests 2>&1 | tee "$out/pytest.log" | tail -15 || status=1
+python3 -m pytest -q -p no:cacheprovider -p no:logging "${selection[@]}" tests 2>&1 | tee "$out/pytest.log" | tail -15 || status=1
+# the Triton kernels on CUDA (on the CPU the same file runs them interpreted)
+[ "${1:-}" = "--all" ] || python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_selection_triton.py 2>&1 \
+  | tee "$out/triton.log" | tail -5 || status=1
 for dtype in fp32,bf16,fp16; do
   python3 -m nsa_compile parity --device cuda --model tiny --dtypes "$dtype" >"$out/parity_tiny.log" 2>&1 || status=1
   tail -4 "$out/parity_tiny.log"
