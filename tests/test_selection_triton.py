@@ -138,7 +138,7 @@ def test_matches_reference(S, h, G, block_size, n, dv, dtype):
     q, k, v, grad_o = make_inputs(S, h, G, dv, dtype, seed)
     idx = random_block_idx(B, G, S, n, block_size, seed).clone()
     if S > 8:
-        idx[1, G - 1, S - 2, :2] = idx[1, G - 1, S - 2, 1]  # a duplicated block: counts twice
+        idx[1, G - 1, S - 2, :2] = idx[1, G - 1, S - 2, 1].item()  # a duplicated block: counts twice
     scale = DK**-0.5
     o, lse, *grads = run_triton(q, k, v, grad_o, idx, block_size, scale)
     check((o, *grads), reference(q, k, v, grad_o, idx, block_size, scale), dtype, f"S={S} h={h} G={G}")
@@ -156,7 +156,7 @@ def test_edge_rows_and_block_sizes_not_power_of_two():
         idx[0, 1, 5] = -1  # no block: empty row
         idx[1, 0, 10, 0] = 3  # only a block after t = 10 (past the end of S for l' >= 20): empty
         idx[1, 0, 10, 1:] = -1
-        idx[0, 0, S - 1, :] = idx[0, 0, S - 1, 0]  # the same block n times
+        idx[0, 0, S - 1, :] = idx[0, 0, S - 1, 0].item()  # the same block n times (CUDA refuses an overlapping copy)
         o, lse, dq, dk, dv_ = run_triton(q, k, v, grad_o, idx, block_size, 0.3)
         check((o, dq, dk, dv_), reference(q, k, v, grad_o, idx, block_size, 0.3), torch.float32, f"l'={block_size}")
         check_lse(lse, q, k, idx, block_size, 0.3, f"l'={block_size}")
