@@ -121,12 +121,17 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False) -> dict:
+def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, override: dict | None = None) -> dict:
     """Tile sizes and warps per kernel. Every tl.dot operand dimension is a power of two >= 16
     (padding is masked). Chosen so that no kernel spills registers on sm_90 in bf16/fp16 at the
     paper's (h 16, D 128) and the seed's (h 6, D 64) shapes (ptxas resource usage of kernels
     compiled without a GPU); not tuned by timing. fp32 (IEEE dots, no tensor cores) gets the
-    smallest tiles; its dk/dv kernel still spills at D 128: correct but slow."""
+    smallest tiles; its dk/dv kernel still spills at D 128: correct but slow.
+
+    `override` ({kernel: {launch parameter: value}}, kernels "fwd", "dq", "dkdv", "reduce"; e.g.
+    {"dkdv": {"ROWS": 64, "num_stages": 2}}) replaces single entries, for tools/profile_selection.py.
+    BLOCK_N, H_TILE and ROWS must stay powers of two >= 16; num_warps and num_stages are Triton's
+    launch options (num_stages unset: Triton's default)."""
     DK_P, DV_P = max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))
     D_P = max(DK_P, DV_P)
     h_tile = max(16, min(_next_pow2(h), 32 if D_P <= 128 else 16))  # forward / dq rows: heads
@@ -137,8 +142,9 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False) -> dic
     tiles = {"DK_P": DK_P, "DV_P": DV_P, "reduce": {"BLOCK_N": 16, "num_warps": 4}}
     if fp32:
         fwd = {"H_TILE": 16, "BLOCK_N": block_n(16), "num_warps": 8}
-        return tiles | {"fwd": fwd, "dq": fwd, "dkdv": {"ROWS": 16, "BLOCK_N": 16, "num_warps": 8}}
-    return tiles | {
+        tiles |= {"fwd": fwd, "dq": fwd, "dkdv": {"ROWS": 16, "BLOCK_N": 16, "num_warps": 8}}
+        return _override_tiles(tiles, override)
+    tiles |= {
         "fwd": {"H_TILE": h_tile, "BLOCK_N": block_n(64 if D_P <= 128 else 32), "num_warps": 4 if h_tile == 16 else 8},
         "dq": {
             "H_TILE": h_tile,
@@ -148,6 +154,15 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False) -> dic
         # ROWS: (query, head) pairs per tile
         "dkdv": {"ROWS": 64 if D_P <= 64 else 32, "BLOCK_N": block_n(32), "num_warps": 8},
     }
+    return _override_tiles(tiles, override)
+
+
+def _override_tiles(tiles: dict, override: dict | None) -> dict:
+    for kernel, params in (override or {}).items():
+        if kernel not in ("fwd", "dq", "dkdv", "reduce"):
+            raise ValueError(f"_tiles: unknown kernel {kernel!r} in override")
+        tiles[kernel] = tiles[kernel] | params  # a new dict: fp32's fwd and dq share one
+    return tiles
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -466,28 +481,38 @@ def _require(q, k, v, block_idx, block_size) -> None:
         raise ValueError(f"selected_attention (triton): cannot run these inputs: {why}")
 
 
-def selected_forward(q, k, v, block_idx, block_size: int, scale: float):
-    """o [B, H, S, Dv] (v's dtype) and lse [B, H, S] float32 (natural log, -inf on empty rows)."""
+def selected_forward(q, k, v, block_idx, block_size: int, scale: float, *, tiles: dict | None = None):
+    """o [B, H, S, Dv] (v's dtype) and lse [B, H, S] float32 (natural log, -inf on empty rows).
+    `tiles`: an override of `_tiles` (tools/profile_selection.py); None, the default tiles."""
     _require(q, k, v, block_idx, block_size)
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
-    h, n = H // G, block_idx.shape[3]
+    h = H // G
     o = bshd_empty(B, H, S, Dv, v)  # the op's output layout: [B, S, H, Dv] memory
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     if B * H * S == 0:
         return o, lse
-    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32)
+    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles)
+    _fwd_stage(q, k, v, block_idx, block_size, scale, T, o, lse)
+    return o, lse
+
+
+def _fwd_stage(q, k, v, block_idx, block_size, scale, T, o, lse):
+    """The forward kernel into o and lse (allocated by the caller). Returns what the launch
+    returns (the compiled kernel, whose registers and spills tools/profile_selection.py shows)."""
+    B, H, S, Dk = q.shape
+    G, Dv = k.shape[1], v.shape[3]
+    h, n = H // G, block_idx.shape[3]
     cfg = T["fwd"]
     fwd_kernel = _kernels()[0]
     grid = (S, B * G, _cdiv(h, cfg["H_TILE"]))
-    fwd_kernel[grid](
+    return fwd_kernel[grid](
         q, k, v, block_idx, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *o.stride(),
         S, G, n, block_size, scale * math.log2(math.e),
         HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q),
         **cfg,
     )  # fmt: skip
-    return o, lse
 
 
 def _inverted_selection(block_idx: torch.Tensor, block_size: int, S: int, segment: int):
@@ -527,49 +552,86 @@ def _inverted_selection(block_idx: torch.Tensor, block_size: int, S: int, segmen
     return i32(qtok), i32(qoff), i32(nseg), i32(item_start), i32(item_key), i32(item_seg), U, NB
 
 
-def selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size: int, scale: float):
+def selected_backward(
+    grad_o, q, k, v, o, lse, block_idx, block_size: int, scale: float, *, tiles: dict | None = None,
+    segment: int | None = None,
+):  # fmt: skip
     """dq (like q), dk (like k), dv (like v): gradients of `selected_forward`'s o, given its o
-    and lse. dk/dv are summed over the group's heads in fp32 without atomics (deterministic)."""
+    and lse. dk/dv are summed over the group's heads in fp32 without atomics (deterministic).
+    `tiles` (an override of `_tiles`) and `segment` (None: DKV_SEGMENT) are for
+    tools/profile_selection.py; the stages are `_dq_stage`, `_inverted_selection`, `_dkdv_stage`
+    and `_reduce_stage`."""
     _require(q, k, v, block_idx, block_size)
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
-    h, n = H // G, block_idx.shape[3]
+    h = H // G
     if grad_o.dtype != v.dtype:
         grad_o = grad_o.to(v.dtype)
     dq, dk, dv = bshd_empty(B, H, S, Dk, q), bshd_empty(B, G, S, Dk, k), bshd_empty(B, G, S, Dv, v)
     if B * H * S == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
-    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32)
-    _, dq_kernel, dkdv_kernel, reduce_kernel = _kernels()
-    prec, upcast = _dot_precision(q.dtype), _upcast_dots(q)
+    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles)
     delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    qk_scale = scale * math.log2(math.e)
-    dq_kernel[(S, B * G, _cdiv(h, T["dq"]["H_TILE"]))](
+    _dq_stage(grad_o, q, k, v, o, lse, block_idx, block_size, scale, T, dq, delta)
+    segment = DKV_SEGMENT if segment is None else segment
+    inv = _inverted_selection(block_idx, block_size, S, segment)
+    pk, pv, _ = _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T, dk, dv)
+    _reduce_stage(pk, pv, inv, block_size, T, dk, dv)
+    return dq, dk, dv
+
+
+def _dq_stage(grad_o, q, k, v, o, lse, block_idx, block_size, scale, T, dq, delta):
+    """The dq kernel into dq and delta (allocated by the caller; lse contiguous). Returns the
+    launch's result, like `_fwd_stage`."""
+    B, H, S, Dk = q.shape
+    G, Dv = k.shape[1], v.shape[3]
+    h, n = H // G, block_idx.shape[3]
+    dq_kernel = _kernels()[1]
+    return dq_kernel[(S, B * G, _cdiv(h, T["dq"]["H_TILE"]))](
         q, k, v, block_idx, grad_o, o, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *grad_o.stride(), *o.stride(), *dq.stride(),
-        S, G, n, block_size, scale, qk_scale,
-        HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=prec, UPCAST=upcast, **T["dq"],
+        S, G, n, block_size, scale, scale * math.log2(math.e),
+        HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q),
+        **T["dq"],
     )  # fmt: skip
 
-    segment = DKV_SEGMENT
-    qtok, qoff, nseg, item_start, item_key, item_seg, U, NB = _inverted_selection(block_idx, block_size, S, segment)
-    can_split = U > B * G * NB
-    pk_rows = U if can_split else 0  # fp32 partials [U, l', D], only when a block can need two items
+
+def _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T, dk, dv):
+    """The dk/dv kernel over the work items of `inv` (`_inverted_selection`'s result at this
+    `segment`): writes dk/dv of single-item blocks, returns the fp32 partials (pk, pv) of the
+    others (no rows when no block can need two items), and the launch's result."""
+    B, H, S, Dk = q.shape
+    G, Dv = k.shape[1], v.shape[3]
+    h = H // G
+    qtok, qoff, nseg, item_start, item_key, item_seg, U, NB = inv
+    pk_rows = U if U > B * G * NB else 0  # fp32 partials [U, l', D], only when a block can need two items
     pk = torch.empty(pk_rows, block_size, Dk, dtype=torch.float32, device=q.device)
     pv = torch.empty(pk_rows, block_size, Dv, dtype=torch.float32, device=q.device)
-    dkdv_kernel[(U, _cdiv(block_size, T["dkdv"]["BLOCK_N"]))](
+    dkdv_kernel = _kernels()[2]
+    launched = dkdv_kernel[(U, _cdiv(block_size, T["dkdv"]["BLOCK_N"]))](
         q, k, v, grad_o, lse, delta, dk, dv, pk, pv,
         item_key, item_seg, qoff, nseg, qtok,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
-        S, G, NB, block_size, segment, scale, qk_scale,
-        HPG=h, DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=prec, UPCAST=upcast, **T["dkdv"],
+        S, G, NB, block_size, segment, scale, scale * math.log2(math.e),
+        HPG=h, DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q),
+        **T["dkdv"],
     )  # fmt: skip
-    if can_split:
-        reduce_kernel[(B * G * NB, _cdiv(block_size, T["reduce"]["BLOCK_N"]))](
-            pk, pv, dk, dv, nseg, item_start,
-            *dk.stride(), *dv.stride(),
-            S, G, NB, block_size,
-            DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], **T["reduce"],
-        )  # fmt: skip
-    return dq, dk, dv
+    return pk, pv, launched
+
+
+def _reduce_stage(pk, pv, inv, block_size, T, dk, dv):
+    """Sums the partials of blocks split into several items into dk/dv (nothing without partials:
+    returns None, else the launch's result)."""
+    if pk.shape[0] == 0:
+        return None
+    B, G, S, Dk = dk.shape
+    Dv = dv.shape[3]
+    nseg, item_start, NB = inv[2], inv[3], inv[7]
+    reduce_kernel = _kernels()[3]
+    return reduce_kernel[(B * G * NB, _cdiv(block_size, T["reduce"]["BLOCK_N"]))](
+        pk, pv, dk, dv, nseg, item_start,
+        *dk.stride(), *dv.stride(),
+        S, G, NB, block_size,
+        DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], **T["reduce"],
+    )  # fmt: skip
