@@ -604,7 +604,7 @@ def _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T,
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
     h = H // G
-    qtok, qoff, nseg, item_start, item_key, item_seg, U, NB = inv
+    qtok, qoff, nseg, _, item_key, item_seg, U, NB = inv
     pk_rows = U if U > B * G * NB else 0  # fp32 partials [U, l', D], only when a block can need two items
     pk = torch.empty(pk_rows, block_size, Dk, dtype=torch.float32, device=q.device)
     pv = torch.empty(pk_rows, block_size, Dv, dtype=torch.float32, device=q.device)
