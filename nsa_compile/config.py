@@ -27,12 +27,19 @@ class OptimizeConfig:
     disabled_passes: names of registered passes to skip (see `nsa_compile.pass_names()`).
     dynamic:         passed to torch.compile (None: static first, dynamic after a change).
     fullgraph:       passed to torch.compile (True: a graph break is an error).
+    window_backend:  the window op's backend: 'auto' (flash where FA-2 can run, else reference),
+                     'flash' or 'reference'. A named backend that cannot run a graph's tensors
+                     leaves that window un-rewritten, with the reason in `explain` (no fallback).
+    selection_backend: the selected-attention op's backend: 'auto' (triton on CUDA where the
+                     kernels can run, else reference), 'triton' or 'reference'; as above.
     """
 
     compiler: str = "inductor"
     disabled_passes: tuple[str, ...] = ()
     dynamic: bool | None = None
     fullgraph: bool = False
+    window_backend: str = "auto"
+    selection_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -42,6 +49,11 @@ class OptimizeConfig:
             raise TypeError(f"fullgraph must be a bool, not {type(self.fullgraph).__name__}")
         if self.dynamic is not None and not isinstance(self.dynamic, bool):
             raise TypeError(f"dynamic must be None, True or False, not {type(self.dynamic).__name__}")
+        from .ops import selection, window
+
+        for name, valid in (("window_backend", window.BACKENDS), ("selection_backend", selection.BACKENDS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
         if isinstance(self.disabled_passes, str) or not hasattr(self.disabled_passes, "__iter__"):
             raise TypeError("disabled_passes is a tuple of pass names")
         object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))

@@ -94,7 +94,7 @@ class NSAGraphPass(CustomGraphPass):
         record.code_before = _graph_code(graph)
         before_names = {n.name for n in graph.nodes}
         for p in self.state.passes:
-            log = PassLog(p.name, record.graph_id, nodes_before=len(graph.nodes))
+            log = PassLog(p.name, record.graph_id, nodes_before=len(graph.nodes), config=self.state.config)
             start = time.perf_counter()
             p.apply(graph, log)  # a pass erases what it replaced
             graph.lint()

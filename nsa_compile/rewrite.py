@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from .config import OptimizeConfig
 from .fx import module_path
 
 __all__ = ["RewritePass", "PassLog", "Match", "Refusal"]
@@ -46,6 +47,7 @@ class PassLog:
     nodes_after: int = 0
     seconds: float = 0.0
     code_after: str = ""  # the graph's code after this pass (for per-pass diffs)
+    config: OptimizeConfig | None = None  # what the graph is compiled under (passes read their options here)
 
     def matched(self, node: fx.Node, kernel: str) -> None:
         self.matches.append(Match(node.name, module_path(node), kernel))

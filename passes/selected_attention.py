@@ -378,7 +378,7 @@ class SelectionAttention(RewritePass):
                 continue
             order = {node: i for i, node in enumerate(graph.nodes)}  # graph positions (rewrites add nodes)
             try:
-                plan = self.check(softmax, order, verified)
+                plan = self.check(softmax, order, verified, log.config.selection_backend if log.config else "auto")
             except Refused as why:
                 log.refused(softmax, str(why))
                 continue
@@ -386,7 +386,7 @@ class SelectionAttention(RewritePass):
             why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
             log.matched(softmax, KERNEL.format(block=plan["block"], n=plan["n"], backend=plan["backend"], why=why))
 
-    def check(self, softmax: fx.Node, order: dict, verified: set) -> dict:
+    def check(self, softmax: fx.Node, order: dict, verified: set, requested: str = "auto") -> dict:
         probs = value(softmax)
         dim = arg(softmax, 1, "dim")
         if probs is None or probs.dim() != 4 or not isinstance(dim, int) or dim % 4 != 3:
@@ -482,8 +482,14 @@ class SelectionAttention(RewritePass):
             verify(keep, tokens[0], probe, block, H // G)
         verified.add(key)
         fakes = [value(x) for x in (q, k, v, block_idx)]
+        try:
+            backend = choose_backend(*fakes, block, requested)
+        except ValueError as why:  # a backend named in the config that cannot run these tensors
+            raise Refused(f"OptimizeConfig(selection_backend={requested!r}): {why}") from None
         return {"q": q, "k": k, "v": v, "block_idx": block_idx, "block": block, "n": n, "scale": scale,
-                "backend": choose_backend(*fakes, block), "why_not_triton": why_not_triton(*fakes, block),
+                "backend": backend,
+                "why_not_triton": why_not_triton(*fakes, block) if requested == "auto"
+                else f"selection_backend={requested!r} in OptimizeConfig",
                 "out": out, "chain": [out, pv, p4, cast, softmax, masked, *chain, qk, q4, kt, *repeats,
                                       *k_nodes, *v_nodes],
                 "roots": roots}

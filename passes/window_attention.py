@@ -142,7 +142,7 @@ class WindowAttention(RewritePass):
             if op_name(softmax) != "softmax" or softmax.graph is not graph:
                 continue
             try:
-                plan = self.check(softmax)
+                plan = self.check(softmax, log.config.window_backend if log.config else "auto")
             except Refused as why:
                 log.refused(softmax, str(why))
                 continue
@@ -150,7 +150,7 @@ class WindowAttention(RewritePass):
             why = f"; not flash: {plan['why_not_flash']}" if plan["backend"] != "flash" else ""
             log.matched(softmax, KERNEL.format(window=plan["window"], backend=plan["backend"], why=why))
 
-    def check(self, softmax: fx.Node) -> dict:
+    def check(self, softmax: fx.Node, requested: str = "auto") -> dict:
         probs = value(softmax)
         dim = arg(softmax, 1, "dim")
         if probs is None or probs.dim() != 4 or dim is None or dim % 4 != 3:
@@ -202,9 +202,13 @@ class WindowAttention(RewritePass):
         if keep.dtype != torch.bool or keep.shape[-2:] != (S, S) or keep.numel() != S * S:
             raise Refused(f"the mask is {tuple(keep.shape)} {keep.dtype}, not one [S, S] bool pattern for all heads")
         window = window_of(keep.reshape(S, S))
-        backend = choose_backend(qv, kv, vv)  # from the fake tensors: device, dtype, head dims
+        try:  # from the fake tensors: device, dtype, head dims
+            backend = choose_backend(qv, kv, vv, requested)
+        except ValueError as why:  # a backend named in the config that cannot run these tensors
+            raise Refused(f"OptimizeConfig(window_backend={requested!r}): {why}") from None
         return {"q": q, "k": k, "v": v, "window": window, "scale": scale, "pv": pv, "backend": backend,
-                "why_not_flash": flash.unsupported_reason(qv, kv, vv),
+                "why_not_flash": flash.unsupported_reason(qv, kv, vv) if requested == "auto"
+                else f"window_backend={requested!r} in OptimizeConfig",
                 "chain": [pv, cast, softmax, masked, scaled, raw, qk, kt], "mask": mask}
 
     def rewrite(self, graph: fx.Graph, softmax: fx.Node, plan: dict) -> None:

@@ -349,3 +349,26 @@ def test_inductor_smoke_selection():
     optimized = with_inductor(Selected())
     torch.testing.assert_close(optimized(*args), expected, rtol=1e-5, atol=1e-5)
     assert row(optimized, PASS)["matches"] == 1
+
+
+def test_backend_named_in_the_config_is_used_or_the_branch_refused():
+    """OptimizeConfig(selection_backend=...): 'reference' is written into the graph; 'triton',
+    which cannot run on the CPU outside the interpreter, leaves the eager branch with the reason."""
+    from nsa_compile.cli import near_misses
+
+    batch = tokens(2, 100)
+    torch.manual_seed(0)
+    ref = optimize_fresh(build_model("tiny"), nsa_compile.OptimizeConfig(compiler="aot_eager",
+                                                                         selection_backend="reference"))
+    ref.loss(batch).backward()
+    r = row(ref, PASS)
+    assert r["matches"] == 2 and r["kernels"][0].endswith("not triton: selection_backend='reference' in OptimizeConfig)")
+    torch.manual_seed(0)
+    tri = optimize_fresh(build_model("tiny"), nsa_compile.OptimizeConfig(compiler="aot_eager",
+                                                                         selection_backend="triton"))
+    tri.loss(batch).backward()
+    assert row(tri, PASS)["matches"] == 0
+    reasons = {m["reason"] for m in near_misses(tri) if m["pass"] == PASS}
+    assert any(r.startswith("OptimizeConfig(selection_backend='triton'): selected_attention: backend 'triton' "
+                            "cannot run these inputs:") for r in reasons), reasons
+    assert "torch.ops.nsa.selected_attention" not in only_graph(tri).code_after

@@ -218,7 +218,7 @@ def _kernels():
         S, G, N_SEL, BS, qk_scale,  # qk_scale = scale * log2(e)
         HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         DK_P: tl.constexpr, DV_P: tl.constexpr, H_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-        PREC: tl.constexpr, UPCAST: tl.constexpr,
+        CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
     ):  # fmt: skip
         t = tl.program_id(0)
         bg = tl.program_id(1)
@@ -241,37 +241,42 @@ def _kernels():
         idx_base = IDX + b * sib + g.to(tl.int64) * sig + t64 * sis
         cols = tl.arange(0, BLOCK_N)
 
-        m_i = tl.full([H_TILE], float("-inf"), tl.float32)  # running max, log2 units
+        # running max in log2 units, from a finite floor: a fully masked chunk (every score -inf)
+        # leaves m_i, l_i, acc unchanged (alpha = 1, p = 0) instead of making NaN; the first
+        # valid chunk gets alpha = exp2(M_FLOOR - m) = 0, as from -inf.
+        m_i = tl.full([H_TILE], -1.0e30, tl.float32)
         l_i = tl.full([H_TILE], 0.0, tl.float32)
         acc = tl.full([H_TILE, DV_P], 0.0, tl.float32)
-        for i in range(N_SEL):
-            blk = tl.load(idx_base + i * sin_).to(tl.int32)
+        # one flat loop over (slot, chunk) pairs, invalid ones masked, not skipped: no
+        # data-dependent branch around the loads, so the pipeliner can overlap them
+        for it in range(0, N_SEL * CPB):
+            slot = it // CPB
+            blk = tl.load(idx_base + slot * sin_).to(tl.int32)
             start = blk * BS
-            if (blk >= 0) & (start <= t):
-                stop = tl.minimum(start + BS, t + 1)  # the current block is partial
-                for c0 in range(start, stop, BLOCK_N):
-                    s = c0 + cols  # [BLOCK_N] token ids
-                    col_ok = s < stop
-                    s64 = s.to(tl.int64)
-                    k = tl.load(k_base + s64[:, None] * sks + dk[None, :] * skd,
-                                mask=col_ok[:, None] & dk_ok[None, :], other=0.0)  # [BLOCK_N, DK_P]
-                    if UPCAST:
-                        k = k.to(tl.float32)
-                    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [H_TILE, BLOCK_N]
-                    qk = tl.where(col_ok[None, :], qk, float("-inf"))
-                    # col 0 of every chunk is valid: m_new is finite
-                    m_new = tl.maximum(m_i, _rowmax(qk, 1))
-                    alpha = tl.exp2(m_i - m_new)
-                    p = tl.exp2(qk - m_new[:, None])
-                    l_i = l_i * alpha + _rowsum(p, 1)
-                    v = tl.load(v_base + s64[:, None] * svs + dv[None, :] * svd,
-                                mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, DV_P]
-                    pv = p.to(V.dtype.element_ty)
-                    if UPCAST:
-                        v = v.to(tl.float32)
-                        pv = pv.to(tl.float32)
-                    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PREC)
-                    m_i = m_new
+            # tokens start <= s < stop: the current block is partial, a block starting after t
+            # or an id < 0 holds none (s <= t < S); the scalar condition folded into stop
+            stop = tl.where(blk >= 0, tl.minimum(start + BS, t + 1), start)
+            s = start + (it - slot * CPB) * BLOCK_N + cols  # [BLOCK_N] token ids
+            col_ok = s < stop
+            s64 = s.to(tl.int64)
+            k = tl.load(k_base + s64[:, None] * sks + dk[None, :] * skd,
+                        mask=col_ok[:, None] & dk_ok[None, :], other=0.0)  # [BLOCK_N, DK_P]
+            v = tl.load(v_base + s64[:, None] * svs + dv[None, :] * svd,
+                        mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, DV_P]
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [H_TILE, BLOCK_N]
+            qk = tl.where(col_ok[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, _rowmax(qk, 1))  # finite: at least the floor
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])  # 0 where masked
+            l_i = l_i * alpha + _rowsum(p, 1)
+            pv = p.to(V.dtype.element_ty)
+            if UPCAST:
+                pv = pv.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PREC)
+            m_i = m_new
 
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
@@ -289,7 +294,7 @@ def _kernels():
         S, G, N_SEL, BS, scale, qk_scale,
         HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         DK_P: tl.constexpr, DV_P: tl.constexpr, H_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-        PREC: tl.constexpr, UPCAST: tl.constexpr,
+        CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
     ):  # fmt: skip
         t = tl.program_id(0)
         bg = tl.program_id(1)
@@ -322,31 +327,32 @@ def _kernels():
         idx_base = IDX + b * sib + g.to(tl.int64) * sig + t64 * sis
         cols = tl.arange(0, BLOCK_N)
         acc = tl.full([H_TILE, DK_P], 0.0, tl.float32)
-        for i in range(N_SEL):
-            blk = tl.load(idx_base + i * sin_).to(tl.int32)
+        # the forward's flat (slot, chunk) loop, invalid pairs masked (p = 0 there; an empty
+        # row's lse is -inf, but it has no valid column)
+        for it in range(0, N_SEL * CPB):
+            slot = it // CPB
+            blk = tl.load(idx_base + slot * sin_).to(tl.int32)
             start = blk * BS
-            if (blk >= 0) & (start <= t):
-                stop = tl.minimum(start + BS, t + 1)
-                for c0 in range(start, stop, BLOCK_N):
-                    s = c0 + cols
-                    col_ok = s < stop
-                    s64 = s.to(tl.int64)
-                    k = tl.load(k_base + s64[:, None] * sks + dk[None, :] * skd,
-                                mask=col_ok[:, None] & dk_ok[None, :], other=0.0)  # [BLOCK_N, DK_P]
-                    v = tl.load(v_base + s64[:, None] * svs + dv[None, :] * svd,
-                                mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, DV_P]
-                    if UPCAST:
-                        k = k.to(tl.float32)
-                        v = v.to(tl.float32)
-                    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-                    valid = row_ok[:, None] & col_ok[None, :]
-                    p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)  # [H_TILE, BLOCK_N]
-                    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-                    ds = p * (dp - delta[:, None])
-                    ds = ds.to(K.dtype.element_ty)
-                    if UPCAST:
-                        ds = ds.to(tl.float32)
-                    acc += tl.dot(ds, k, input_precision=PREC)
+            stop = tl.where(blk >= 0, tl.minimum(start + BS, t + 1), start)
+            s = start + (it - slot * CPB) * BLOCK_N + cols
+            col_ok = s < stop
+            s64 = s.to(tl.int64)
+            k = tl.load(k_base + s64[:, None] * sks + dk[None, :] * skd,
+                        mask=col_ok[:, None] & dk_ok[None, :], other=0.0)  # [BLOCK_N, DK_P]
+            v = tl.load(v_base + s64[:, None] * svs + dv[None, :] * svd,
+                        mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, DV_P]
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            valid = row_ok[:, None] & col_ok[None, :]
+            p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)  # [H_TILE, BLOCK_N]
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            ds = ds.to(K.dtype.element_ty)
+            if UPCAST:
+                ds = ds.to(tl.float32)
+            acc += tl.dot(ds, k, input_precision=PREC)
         dq = acc * scale
         tl.store(DQ + b * sdqb + head[:, None] * sdqh + t64 * sdqs + dk[None, :] * sdqd,
                  dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok[None, :])
@@ -360,10 +366,13 @@ def _kernels():
         S, G, NB, BS, SEG, scale, qk_scale,
         HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr,
         DK_P: tl.constexpr, DV_P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-        PREC: tl.constexpr, UPCAST: tl.constexpr,
+        CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
     ):  # fmt: skip
-        item = tl.program_id(0)
-        chunk = tl.program_id(1)
+        # a 1-D grid of U * CPB programs, the chunk fastest: the CPB programs of an item run
+        # together and share its q / dO rows in L2 (1-D: U can pass CUDA's 65535 limit on grid y)
+        pid = tl.program_id(0)
+        item = pid // CPB
+        chunk = pid - item * CPB
         key_raw = tl.load(ITEM_KEY + item)  # (b*G + g)*NB + block, -1 for an unused item
         item_ok = key_raw >= 0
         key = tl.maximum(key_raw, 0)
@@ -515,8 +524,8 @@ def _fwd_stage(q, k, v, block_idx, block_size, scale, T, o, lse):
         q, k, v, block_idx, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *o.stride(),
         S, G, n, block_size, scale * math.log2(math.e),
-        HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q),
-        **cfg,
+        HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], CPB=_cdiv(block_size, cfg["BLOCK_N"]),
+        PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q), **cfg,
     )  # fmt: skip
 
 
@@ -597,8 +606,8 @@ def _dq_stage(grad_o, q, k, v, o, lse, block_idx, block_size, scale, T, dq, delt
         q, k, v, block_idx, grad_o, o, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *grad_o.stride(), *o.stride(), *dq.stride(),
         S, G, n, block_size, scale, scale * math.log2(math.e),
-        HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q),
-        **T["dq"],
+        HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], CPB=_cdiv(block_size, T["dq"]["BLOCK_N"]),
+        PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q), **T["dq"],
     )  # fmt: skip
 
 
@@ -614,13 +623,14 @@ def _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T,
     pk = torch.empty(pk_rows, block_size, Dk, dtype=torch.float32, device=q.device)
     pv = torch.empty(pk_rows, block_size, Dv, dtype=torch.float32, device=q.device)
     dkdv_kernel = _kernels()[2]
-    launched = dkdv_kernel[(U, _cdiv(block_size, T["dkdv"]["BLOCK_N"]))](
+    cpb = _cdiv(block_size, T["dkdv"]["BLOCK_N"])
+    launched = dkdv_kernel[(U * cpb,)](
         q, k, v, grad_o, lse, delta, dk, dv, pk, pv,
         item_key, item_seg, qoff, nseg, qtok,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
         S, G, NB, block_size, segment, scale, scale * math.log2(math.e),
-        HPG=h, DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q),
-        **T["dkdv"],
+        HPG=h, DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], CPB=cpb, PREC=_dot_precision(q.dtype),
+        UPCAST=_upcast_dots(q), **T["dkdv"],
     )  # fmt: skip
     return pk, pv, launched
 
