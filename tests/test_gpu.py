@@ -152,3 +152,69 @@ def test_selection_op_on_cuda_matches_the_eager_formula(dtype, backend, h):
     if backend == "triton":  # deterministic: no atomics in the backward
         again = run(ours, (q, k, v), grad)
         assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+FLOORS = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+
+def _fp64_reference(op, *args):
+    """The op's reference backend in float64 (exact; tested against the eager formulas on the CPU)."""
+    tensors = [a.detach().double().requires_grad_() if a.is_floating_point() else a for a in args[0]]
+    return [t for t in tensors if t.requires_grad], op(*tensors, *args[1:], "reference")[0]
+
+
+@pytest.mark.parametrize("S", [63, 100, 1000, 4096])
+@pytest.mark.parametrize("h", [1, 4, 6, 16])
+def test_selection_triton_at_the_issue_sizes(S, h):
+    """Shared block indices (ascending, -1 padded, current block forced, blocks of length 64 so
+    S = 63 and 100 are not multiples of l'), batch 2, Dk 64 != Dv 32, every dtype: o, dq, dk, dv
+    within the floors of the float64 reference."""
+    import nsa_compile.ops  # noqa: F401
+
+    g = torch.Generator(device="cuda").manual_seed(S * 31 + h)
+    B, G, Dk, Dv, ls, n = 2, 2, 64, 32, 64, 4
+    NB = -(-S // ls)
+    j = torch.arange(max(NB, n), device="cuda")
+    cur = (torch.arange(S, device="cuda") // ls)[:, None]
+    key = torch.rand(B, G, S, j.numel(), device="cuda", generator=g)
+    key = torch.where(j == cur, 2.0, key).masked_fill(j > cur, float("-inf"))
+    val, idx = key.topk(n, dim=-1)
+    idx = torch.where(val > float("-inf"), idx, j.numel()).sort(dim=-1).values
+    block_idx = torch.where(idx == j.numel(), -1, idx)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        q = torch.randn(B, S, G * h, Dk, device="cuda", generator=g).to(dtype).transpose(1, 2)
+        k = torch.randn(B, S, G, Dk, device="cuda", generator=g).to(dtype).transpose(1, 2)
+        v = torch.randn(B, S, G, Dv, device="cuda", generator=g).to(dtype).transpose(1, 2)
+        grad = torch.randn(B, G * h, S, Dv, device="cuda", generator=g).to(dtype)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        o = torch.ops.nsa.selected_attention(*leaves, block_idx, ls, 0.125, "triton")[0]
+        got = (o, *torch.autograd.grad(o, leaves, grad))
+        exact, ref_o = _fp64_reference(torch.ops.nsa.selected_attention, (q, k, v, block_idx), ls, 0.125)
+        ref = (ref_o, *torch.autograd.grad(ref_o, exact, grad.double()))
+        for name, a, r in zip("o dq dk dv".split(), got, ref):
+            err = ((a.double() - r).norm() / r.norm()).item()
+            assert a.dtype == dtype and err <= FLOORS[dtype], (name, dtype, err)
+
+
+@pytest.mark.parametrize("S", [63, 100, 1000, 4096])
+@pytest.mark.parametrize("h", [1, 4, 6, 16])
+def test_window_flash_at_the_issue_sizes(S, h):
+    """FA-2 window against the float64 reference: windows shorter than, equal to and longer than
+    S, batch 2, fp16/bf16 (fp32 takes the reference route: tested above)."""
+    import nsa_compile.ops  # noqa: F401
+
+    g = torch.Generator(device="cuda").manual_seed(S * 17 + h)
+    B, G, D = 2, 2, 64
+    for dtype, w in ((torch.bfloat16, 32), (torch.float16, 512), (torch.bfloat16, S)):
+        q = torch.randn(B, S, G * h, D, device="cuda", generator=g).to(dtype).transpose(1, 2)
+        k = torch.randn(B, S, G, D, device="cuda", generator=g).to(dtype).transpose(1, 2)
+        v = torch.randn(B, S, G, D, device="cuda", generator=g).to(dtype).transpose(1, 2)
+        grad = torch.randn(B, G * h, S, D, device="cuda", generator=g).to(dtype)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        o = torch.ops.nsa.window_attention(*leaves, w, 0.125, "flash")[0]
+        got = (o, *torch.autograd.grad(o, leaves, grad))
+        exact, ref_o = _fp64_reference(torch.ops.nsa.window_attention, (q, k, v), w, 0.125)
+        ref = (ref_o, *torch.autograd.grad(ref_o, exact, grad.double()))
+        for name, a, r in zip("o dq dk dv".split(), got, ref):
+            err = ((a.double() - r).norm() / r.norm()).item()
+            assert a.dtype == dtype and err <= FLOORS[dtype], (name, dtype, w, err)
