@@ -27,26 +27,38 @@ Kernels (tile sizes from `_tiles`):
   It loads the group's heads as the rows of a [H_TILE, Dk] tile (H_TILE = next power of two of
   h, at least 16 for tl.dot, at most 32; rows past h are masked loads, no padded copy) and
   streams the token's selected blocks straight from k and v by block id (no gathered copy), in
-  chunks of BLOCK_N tokens, with an online softmax in fp32. Blocks with id < 0 or starting after
-  t are skipped; the chunk loop stops at t (the current block is partial). One token per
-  program: for h < 16 most MMA rows idle (h = 1 uses 1 of 16); consecutive tokens generally
-  choose different blocks, so packing them would need the union of their block lists (not done).
-- backward dq (+ delta), the same grid: recomputes p from the saved lse and accumulates
-  dq = scale * sum_blocks ds @ k in fp32. It also writes delta = rowsum(dO * O) for the dk/dv
-  kernel (no [B, H, S, Dv] fp32 temporary).
+  chunks of BLOCK_N tokens, with an online softmax in fp32. One flat loop runs over the
+  n * CPB (slot, chunk) pairs (CPB = ceil(l' / BLOCK_N), a constexpr): each iteration loads its
+  slot's block id and MASKS what is not valid (id < 0, a block starting after t, tokens past t:
+  the current block is partial) instead of branching around it, so there is no data-dependent
+  `if` around the K/V loads and Triton's pipeliner prefetches the next pair (often the next
+  slot's block) during this one's compute (num_stages). A masked pair still costs its dots (on
+  zeros): with few valid slots (early tokens, -1 padding) that is wasted compute, not traffic.
+  The running max starts at a finite floor (-1e30), so a fully masked chunk leaves the state
+  unchanged (alpha = 1, p = 0) instead of making NaN; the first valid chunk gets alpha = 0, as
+  from -inf. One token per program: for h < 16 most MMA rows idle (h = 1 uses 1 of 16);
+  consecutive tokens generally choose different blocks, so packing them would need the union
+  of their block lists (not done).
+- backward dq (+ delta), the same grid and the same flat masked (slot, chunk) loop: recomputes
+  p from the saved lse (0 where masked) and accumulates dq = scale * sum_blocks ds @ k in fp32.
+  It also writes delta = rowsum(dO * O) for the dk/dv kernel (no [B, H, S, Dv] fp32 temporary).
 - backward dk/dv, from the inverted selection: with torch ops, every valid (batch, group, token,
   slot) entry gets the key (b*G + g)*NB + block (NB = ceil(S / l')); a stable sort of the keys
   lists, per KV block, the query tokens that chose it (ascending t; a token that chose a block
   twice is listed twice), and searchsorted gives each block's range (CSR). Each list is cut into
   segments of at most DKV_SEGMENT entries (every token chooses block 0: one program per block
-  would serialize S queries); a work item is one (block, segment), and the grid is (a static
-  bound on the number of items, ceil(l' / BLOCK_N)): no host sync. A program holds a [BLOCK_N, D]
-  chunk of the block's K and V and walks its (query, head) pairs in tiles of ROWS rows, pairs of
-  consecutive queries packed back to back (for small h no row idles except at a segment's end),
-  accumulating dk, dv in fp32. A block of one segment writes dk/dv directly (cast once); a block
-  of several writes fp32 partials ([items, l', D], at most (B*G*NB + B*G*S*n / DKV_SEGMENT) *
-  l' * (Dk + Dv) * 4 bytes) that a second kernel sums in segment order. Every token belongs to
-  exactly one (block, chunk), so every element of dk and dv is written (unchosen tokens get 0).
+  would serialize S queries); a work item is one (block, segment), and the grid is 1-D, U * CPB
+  programs (U a static bound on the number of items: no host sync; CPB = ceil(l' / BLOCK_N)),
+  program id = item * CPB + chunk: the chunk fastest, so the CPB programs of an item run side by
+  side and read its q / dO rows while they are still in L2 (1-D rather than (CPB, U): U can pass
+  CUDA's 65535 limit on grid dimension y, e.g. batch 8 at the paper shape). A program holds a
+  [BLOCK_N, D] chunk of the block's K and V and walks its (query, head) pairs in tiles of ROWS
+  rows, pairs of consecutive queries packed back to back (for small h no row idles except at a
+  segment's end), accumulating dk, dv in fp32. A block of one segment writes dk/dv directly
+  (cast once); a block of several writes fp32 partials ([items, l', D], at most
+  (B*G*NB + B*G*S*n / DKV_SEGMENT) * l' * (Dk + Dv) * 4 bytes) that a second kernel sums in
+  segment order. Every token belongs to exactly one (block, chunk), so every element of dk and
+  dv is written (unchosen tokens get 0).
 
 Supported (`unsupported_reason` says why not): CUDA tensors, or any device with TRITON_INTERPRET=1;
 q, k, v all fp16, bf16 or fp32; head dims up to 256 (padded to a power of two >= 16 by masking);
