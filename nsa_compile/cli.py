@@ -397,8 +397,18 @@ def bench(model, device, seq_lens, batch, steps, variants, compiler):
                    f"({str(dtype).removeprefix('torch.')}, seq-len {parity_len}) {'PASS' if result.ok else 'FAIL'}")
         if not result.ok:
             print_parity(result, limit=5)
-        rows = run_bench(wl, chosen, steps, compiler, dev, result.ok)
+        seen = {}
+        rows = run_bench(wl, chosen, steps, compiler, dev, result.ok,
+                         on_optimized=lambda m: seen.update(table=pass_table(m)))
         click.echo(tabulate(rows, headers=BENCH_HEADERS, tablefmt="github"))
+        if "table" in seen:  # what the optimize column ran with: a refusal here means eager code
+            click.echo(rewrite_summary(seen["table"]))
+
+
+def rewrite_summary(rows: list[dict]) -> str:
+    """One line: matches and refusals per pass, e.g. 'optimize ran with: window_attention 12 (refused 36), ...'."""
+    parts = [f"{r['name']} {r['matches']}" + (f" (refused {r['refused']})" if r["refused"] else "") for r in rows]
+    return "optimize ran with: " + ", ".join(parts) + " (reasons: nsa-compile explain)"
 
 
 @cli.command()

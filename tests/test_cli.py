@@ -164,6 +164,9 @@ def test_bench_runs_side_by_side():
     assert result.exit_code == 0, result.output
     assert "parity (float32, seq-len 40) PASS" in result.output
     assert re.search(r"\| optimize \|\s+[\d,]+ \|.*\|\s+[\d.]+x\s+\|", result.output), result.output
+    # the rewrites the timed model ran with (a refused branch would run as eager code)
+    assert ("optimize ran with: window_attention 2 (refused 6), selection_attention 2 (refused 4), "
+            "gqa_grouped_matmul 4 (refused 2)") in result.output, result.output
 
 
 def test_bench_refuses_speedups_when_parity_fails(wrong_pass):
