@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -72,6 +73,15 @@ class OptimizeState:
         return record
 
 
+# What the built-in passes read besides their own file: the graph helpers, the shared matchers
+# and the ops (whose checks choose a backend that is written into the graph). Part of the uuid.
+_HERE = Path(__file__).parent
+SUPPORT_FILES = tuple(
+    str(f) for f in sorted([_HERE / "pass_manager.py", _HERE / "fx.py", _HERE / "attention_match.py",
+                            _HERE / "rewrite.py", *(_HERE / "ops").glob("*.py")])
+)
+
+
 def _graph_code(graph: fx.Graph) -> str:
     return graph.python_code("self").src
 
@@ -113,7 +123,7 @@ class NSAGraphPass(CustomGraphPass):
             self.chained(graph)
 
     def uuid(self):
-        files = sorted({f for p in self.state.passes for f in p.source_files()} | {__file__})
+        files = sorted({f for p in self.state.passes for f in p.source_files()} | set(SUPPORT_FILES))
         parts = [get_hash_for_files(tuple(files)).hex(), self.state.config.cache_key()]
         parts += [p.name for p in self.state.passes]
         if self.chained is not None:

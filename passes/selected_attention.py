@@ -52,6 +52,7 @@ import torch
 import torch.fx as fx
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
+from nsa_compile.attention_match import Refused, erase_replaced, keep_mask, only_user, strip_upcast, unrepeat
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.ops.selection import choose_backend, why_not_triton
@@ -75,50 +76,6 @@ _OPERATOR_IN_PLACE = {"iadd", "iand", "ior", "ixor", "isub", "imul", "itruediv",
 _RANDOM = ("rand", "bernoulli", "dropout", "multinomial", "normal", "poisson", "uniform", "exponential")
 
 
-class Refused(Exception):
-    """A check failed; the message is the reason."""
-
-
-# strip_upcast, unrepeat and keep_mask read the same forms as the window pass's helpers of the
-# same names (kept here so that edits to one branch pass do not silently change the other).
-
-
-def strip_upcast(node: fx.Node) -> fx.Node:
-    """x.float() / x.to(torch.float32) -> x (the op upcasts fp16/bf16 scores itself); else node."""
-    name = op_name(node)
-    if name == "float" or (name == "to" and arg(node, 1, "dtype") in (torch.float32, torch.float64)):
-        return first(node)
-    return node
-
-
-def unrepeat(node: fx.Node) -> tuple[fx.Node, int]:
-    """x_rep -> (x, h) when x_rep = x.repeat_interleave(h, dim=1) with an int h; else (node, 1)."""
-    if op_name(node) == "repeat_interleave":
-        dim, repeats = arg(node, 2, "dim"), arg(node, 1, "repeats")
-        x = arg(node, 0, "input")
-        if (isinstance(repeats, int) and isinstance(dim, int) and value(x) is not None
-                and dim % value(x).dim() == 1 and arg(node, 3, "output_size") is None):
-            return x, repeats
-    return node, 1
-
-
-def keep_mask(masked: fx.Node, scores: fx.Node) -> tuple[fx.Node, bool]:
-    """(mask node, True if positions where it is True are kept) of the -inf masking."""
-    name = op_name(masked)
-    if name == "masked_fill":
-        target, fill = arg(masked, 1, "mask"), arg(masked, 2, "value")
-        if first(masked) is not scores or fill != float("-inf") or not isinstance(target, fx.Node):
-            raise Refused("masked_fill does not set -inf on the scores")
-        if op_name(target) in ("invert", "logical_not", "bitwise_not"):
-            return first(target), True
-        return target, False
-    if name == "where" and len(masked.args) == 3 and masked.args[1] is scores and masked.args[2] == float("-inf"):
-        if not isinstance(masked.args[0], fx.Node):
-            raise Refused("torch.where keeps the scores by a constant condition")
-        return masked.args[0], True
-    raise Refused(f"the softmax input is {name}, not masked scores")
-
-
 def first(node: fx.Node):
     """The tensor a unary op / method works on (positional or `input=`)."""
     return arg(node, 0, "input")
@@ -127,14 +84,6 @@ def first(node: fx.Node):
 def operands(mm: fx.Node) -> tuple:
     """(left, right) of a matmul or bmm, positional or by keyword."""
     return arg(mm, 0, "input"), arg(mm, 1, "other", arg(mm, 1, "mat2"))
-
-
-def only_user(node: fx.Node, what: str) -> fx.Node:
-    users = list(node.users)
-    if len(users) != 1:
-        names = ", ".join(op_name(u) or u.op for u in users) or "nothing"
-        raise Refused(f"the {what} is used by {len(users)} nodes ({names}); it must stay as it is")
-    return users[0]
 
 
 def dims(node: fx.Node, what: str, rank: int) -> tuple[int, ...]:
@@ -506,15 +455,6 @@ class SelectionAttention(RewritePass):
         op = call(graph, operator.getitem, both, 0, anchor=out)  # o; the log-sum-exp is for the backward
         out.replace_all_uses_with(op)
         # erase the per-query chain, then whatever only it used (token ids, mask, K/V views)
-        dead = [n for n in dict.fromkeys(plan["chain"]) if n is not None]
-        candidates = list(plan["roots"]) + [i for n in dead for i in n.all_input_nodes]
-        for node in dead:
-            graph.erase_node(node)
-        while candidates:
-            node = candidates.pop()
-            if not node._erased and node.op in ("call_function", "call_method") and not node.users:
-                candidates.extend(node.all_input_nodes)
-                graph.erase_node(node)
-
+        erase_replaced(graph, plan["chain"], plan["roots"])
 
 PASS = SelectionAttention()

@@ -32,6 +32,7 @@ import torch.fx as fx
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.ops import flash
 from nsa_compile.ops.window import choose_backend
+from nsa_compile.attention_match import Refused, erase_replaced, keep_mask, only_user, strip_upcast, unrepeat
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.rewrite import PassLog, RewritePass
 
@@ -39,24 +40,8 @@ MAX_VERIFIED_S = 16384  # the mask is evaluated as an [S, S] bool tensor at comp
 KERNEL = "nsa.window_attention[{backend}] (w={window}, GQA-native, no S x S tensor{why})"
 
 
-class Refused(Exception):
-    """A check failed; the message is the reason."""
-
-
 def single_user(node: fx.Node, what: str) -> fx.Node:
-    users = list(node.users)
-    if len(users) != 1:
-        names = ", ".join(op_name(u) or u.op for u in users) or "nothing"
-        raise Refused(f"the {what} is used by {len(users)} nodes ({names}); the dense tensor is needed")
-    return users[0]
-
-
-def strip_upcast(node: fx.Node) -> fx.Node:
-    """x.float() / x.to(torch.float32) -> x (the op upcasts fp16/bf16 scores itself)."""
-    name = op_name(node)
-    if name == "float" or (name == "to" and arg(node, 1, "dtype") in (torch.float32, torch.float64)):
-        return node.args[0]
-    return node
+    return only_user(node, what, "the dense tensor is needed")
 
 
 def split_scale(node: fx.Node) -> tuple[fx.Node, float]:
@@ -69,31 +54,6 @@ def split_scale(node: fx.Node) -> tuple[fx.Node, float]:
     if name in ("truediv", "div") and isinstance(b, (int, float)) and isinstance(a, fx.Node):
         return a, 1.0 / float(b)
     raise Refused("the scores are not scaled by a constant (q @ k^T * c)")
-
-
-def unrepeat(node: fx.Node) -> tuple[fx.Node, int]:
-    """k_rep -> (k, h) when k_rep = k.repeat_interleave(h, dim=1); else (node, 1)."""
-    if op_name(node) == "repeat_interleave":
-        dim, repeats = arg(node, 2, "dim"), arg(node, 1, "repeats")
-        kv = node.args[0]
-        if isinstance(repeats, int) and dim is not None and value(kv) is not None and dim % value(kv).dim() == 1:
-            return kv, repeats
-    return node, 1
-
-
-def keep_mask(masked: fx.Node, scores: fx.Node) -> tuple[fx.Node, bool]:
-    """(mask node, True if positions where it is True are kept) of the -inf masking."""
-    name = op_name(masked)
-    if name == "masked_fill":
-        target, fill = arg(masked, 1, "mask"), arg(masked, 2, "value")
-        if masked.args[0] is not scores or fill != float("-inf"):
-            raise Refused("masked_fill does not set -inf on the scores")
-        if op_name(target) in ("invert", "logical_not", "bitwise_not"):
-            return target.args[0], True
-        return target, False
-    if name == "where" and len(masked.args) == 3 and masked.args[1] is scores and masked.args[2] == float("-inf"):
-        return masked.args[0], True
-    raise Refused(f"the softmax input is {name}, not masked scores")
 
 
 def evaluate_mask(mask: fx.Node) -> torch.Tensor:
@@ -218,15 +178,6 @@ class WindowAttention(RewritePass):
         out = call(graph, operator.getitem, both, 0, anchor=pv)  # o; the log-sum-exp is for the backward
         pv.replace_all_uses_with(out)
         # erase the dense chain, then whatever only it used (the K/V copies, the mask arithmetic)
-        dead = [n for n in dict.fromkeys(plan["chain"]) if n is not None]
-        candidates = [plan["mask"]] + [i for n in dead for i in n.all_input_nodes]
-        for node in dead:
-            graph.erase_node(node)
-        while candidates:
-            node = candidates.pop()
-            if not node._erased and node.op in ("call_function", "call_method") and not node.users:
-                candidates.extend(node.all_input_nodes)
-                graph.erase_node(node)
-
+        erase_replaced(graph, plan["chain"], [plan["mask"]])
 
 PASS = WindowAttention()

@@ -204,3 +204,18 @@ def test_readme_setup_block_holds_the_two_commands_ci_runs():
     assert block == ["pip install torch==2.13.0 -e '.[test]' && nsa-compile demo", "pytest"]
     for heading in ("## Set-up", "## Command line", "## Passes", "## Configuration", "## Layout"):
         assert readme.count(heading + "\n") == 1, heading
+
+
+def test_uuid_covers_the_shared_matchers_and_the_ops(tmp_path, monkeypatch):
+    """The passes read nsa_compile/attention_match.py, fx.py and the ops' backend checks: an edit
+    there changes the rewritten graph, so it must change the cache key."""
+    from nsa_compile import pass_manager
+
+    state = OptimizeState.for_config(FAST)
+    before = NSAGraphPass(state).uuid()
+    names = {Path(f).name for f in pass_manager.SUPPORT_FILES}
+    assert {"attention_match.py", "fx.py", "window.py", "selection.py", "flash.py"} <= names
+    copy = tmp_path / "attention_match.py"
+    copy.write_text(Path(pass_manager.SUPPORT_FILES[0]).read_text() + "\n# changed\n")
+    monkeypatch.setattr(pass_manager, "SUPPORT_FILES", (str(copy), *pass_manager.SUPPORT_FILES[1:]))
+    assert NSAGraphPass(state).uuid() != before

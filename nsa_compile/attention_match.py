@@ -1,0 +1,77 @@
+"""What the attention passes share when they read eager attention code in a Dynamo graph: the
+refusal exception, the single-use check, the upcast / GQA-repeat / -inf-mask readers, and the
+clean-up after a subgraph is replaced."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from .fx import arg, op_name, value
+
+__all__ = ["Refused", "erase_replaced", "keep_mask", "only_user", "strip_upcast", "unrepeat"]
+
+
+class Refused(Exception):
+    """A check failed; the message is the reason `explain` shows."""
+
+
+def only_user(node: fx.Node, what: str, why: str = "it must stay as it is") -> fx.Node:
+    """The single user of `node`, or Refused naming the users (the tensor is needed elsewhere)."""
+    users = list(node.users)
+    if len(users) != 1:
+        names = ", ".join(op_name(u) or u.op for u in users) or "nothing"
+        raise Refused(f"the {what} is used by {len(users)} nodes ({names}); {why}")
+    return users[0]
+
+
+def strip_upcast(node: fx.Node) -> fx.Node:
+    """x.float() / x.to(torch.float32) -> x (the ops upcast fp16/bf16 scores themselves); else node."""
+    name = op_name(node)
+    if name == "float" or (name == "to" and arg(node, 1, "dtype") in (torch.float32, torch.float64)):
+        return arg(node, 0, "input")
+    return node
+
+
+def unrepeat(node: fx.Node) -> tuple[fx.Node, int]:
+    """x_rep -> (x, h) when x_rep = x.repeat_interleave(h, dim=1) with an int h; else (node, 1)."""
+    if op_name(node) == "repeat_interleave":
+        dim, repeats = arg(node, 2, "dim"), arg(node, 1, "repeats")
+        x = arg(node, 0, "input")
+        if (isinstance(repeats, int) and isinstance(dim, int) and value(x) is not None
+                and dim % value(x).dim() == 1 and arg(node, 3, "output_size") is None):
+            return x, repeats
+    return node, 1
+
+
+def keep_mask(masked: fx.Node, scores: fx.Node) -> tuple[fx.Node, bool]:
+    """(mask node, True if the positions where it is True are kept) of the -inf masking of `scores`:
+    masked_fill(~m, -inf), masked_fill(logical_not(m), -inf), masked_fill(m_drop, -inf) or
+    where(m, scores, -inf)."""
+    name = op_name(masked)
+    if name == "masked_fill":
+        target, fill = arg(masked, 1, "mask"), arg(masked, 2, "value")
+        if arg(masked, 0, "input") is not scores or fill != float("-inf") or not isinstance(target, fx.Node):
+            raise Refused("masked_fill does not set -inf on the scores")
+        if op_name(target) in ("invert", "logical_not", "bitwise_not"):
+            return arg(target, 0, "input"), True
+        return target, False
+    if name == "where" and len(masked.args) == 3 and masked.args[1] is scores and masked.args[2] == float("-inf"):
+        if not isinstance(masked.args[0], fx.Node):
+            raise Refused("torch.where keeps the scores by a constant condition")
+        return masked.args[0], True
+    raise Refused(f"the softmax input is {name}, not masked scores")
+
+
+def erase_replaced(graph: fx.Graph, chain: list, roots: list[fx.Node]) -> None:
+    """Erase the replaced chain (None entries skipped), then whatever only it and `roots` used
+    (the K/V copies, the index and mask arithmetic), stopping at placeholders and shared nodes."""
+    dead = [n for n in dict.fromkeys(chain) if n is not None]
+    candidates = list(roots) + [i for n in dead for i in n.all_input_nodes]
+    for node in dead:
+        graph.erase_node(node)
+    while candidates:
+        node = candidates.pop()
+        if not node._erased and node.op in ("call_function", "call_method") and not node.users:
+            candidates.extend(node.all_input_nodes)
+            graph.erase_node(node)
