@@ -163,6 +163,7 @@ def _fp64_reference(op, *args):
     return [t for t in tensors if t.requires_grad], op(*tensors, *args[1:], "reference")[0]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("S", [63, 100, 1000, 4096])
 @pytest.mark.parametrize("h", [1, 4, 6, 16])
 def test_selection_triton_at_the_issue_sizes(S, h):
@@ -196,6 +197,7 @@ def test_selection_triton_at_the_issue_sizes(S, h):
             assert a.dtype == dtype and err <= FLOORS[dtype], (name, dtype, err)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("S", [63, 100, 1000, 4096])
 @pytest.mark.parametrize("h", [1, 4, 6, 16])
 def test_window_flash_at_the_issue_sizes(S, h):
