@@ -64,7 +64,7 @@ from nsa_compile.rewrite import PassLog, RewritePass
 # 2^27 refused the seed model from S = 8192 on, and the refused branch then ran as the eager
 # gather code, 100x slower (NOTES.md, 2026-11-26). 2^31 verifies the seed shape to S ~ 53k at
 # batch 1 (transient probe tensors of several GB, on the device of the graph's tensors); the
-# paper shape (64 heads) to S ~ 12k. Verifying on a smaller re-traced instance would lift it.
+# paper shape (64 heads) to roughly S ~ 18k (estimated from the seed's cost per token). Verifying on a smaller re-traced instance would lift it.
 MAX_VERIFIED_ELEMENTS = 2**31
 KERNEL = "nsa.selected_attention[{backend}] (l'={block}, n={n}, GQA-native, no gathered K/V{why})"
 
