@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
@@ -98,7 +97,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether triton.jit builds kernels for Triton's CPU interpreter: Triton's own setting
+    (TRITON_INTERPRET, read through its knobs exactly as triton.jit reads it); this project
+    reads no environment itself."""
+    return bool(triton.knobs.runtime.interpret)
 
 
 def unsupported_reason(q, k, v, block_idx, block_size) -> str | None:
