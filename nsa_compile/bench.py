@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ import torch.nn as nn
 
 from .workload import loss_of
 
-__all__ = ["StepTiming", "time_training"]
+__all__ = ["StepTiming", "cuda_time_ms", "time_training"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +93,20 @@ def _time_training(model, inputs, steps, warmup, autocast_dtype, is_lm, progress
     tokens = lead.shape[0] * (lead.shape[1] - 1) if is_lm else lead.shape[0]
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return StepTiming(tokens / median, 1000 * median, first, peak)
+
+
+def cuda_time_ms(fn, reps: int = 10, warmup: int = 1) -> float:
+    """Median time of `fn()` in ms over `reps` runs, each bracketed by CUDA events and synchronized,
+    after `warmup` untimed runs (the kernel benchmarks in tools/)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

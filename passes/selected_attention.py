@@ -59,12 +59,14 @@ from nsa_compile.ops.selection import choose_backend, why_not_triton
 from nsa_compile.rewrite import PassLog, RewritePass
 
 # The probes evaluate the position-only subgraphs at the real shape; more elements than this
-# (summed over the nodes that materialize a tensor, per probe) are not verified.
-# The cost grows as B * S * (H + c) * n*l': 39.9M elements at the seed shape, S = 1024, batch 1.
-# 2^27 refused the seed model from S = 8192 on, and the refused branch then ran as the eager
-# gather code, 100x slower (NOTES.md, 2026-11-26). 2^31 verifies the seed shape to S ~ 53k at
-# batch 1 (transient probe tensors of several GB, on the device of the graph's tensors); the
-# paper shape (64 heads) to roughly S ~ 18k (estimated from the seed's cost per token). Verifying on a smaller re-traced instance would lift it.
+# (summed over the nodes that materialize a tensor, per probe) are not verified. The cost grows
+# as B * S * (H + c) * n*l': 39.9M elements at the seed shape, S = 1024, batch 1 (the refusal
+# reason prints it: run the pass with the cap set to 1). 2^27 refused the seed model from
+# S = 8192 on, and the refused branch ran as the eager gather code: 490 against 150,242 tok/s
+# (NOTES.md, 2026-11-26). 2^31 verifies the seed shape to S ~ 55k at batch 1 (transient probe
+# tensors of several GB, on the device of the graph's tensors) and, estimated from the seed's
+# cost per token, the paper shape (64 heads) to roughly S ~ 18k. Verifying on a small re-traced
+# instance would lift the limit.
 MAX_VERIFIED_ELEMENTS = 2**31
 KERNEL = "nsa.selected_attention[{backend}] (l'={block}, n={n}, GQA-native, no gathered K/V{why})"
 

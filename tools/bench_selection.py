@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
+from nsa_compile.bench import cuda_time_ms
 from nsa_compile.ops import selected_attention
 from nsa_compile.ops import selection_triton as st
 
@@ -86,18 +86,7 @@ def model_layout(B, S, heads, D, gen, dtype):
 
 
 def time_ms(fn, reps) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_time_ms(fn, reps, warmup=2)
 
 
 def rel_err(x, ref) -> float:

@@ -17,12 +17,12 @@ A variant that fails parity prints FAIL and no time; one that runs out of memory
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
+from nsa_compile.bench import cuda_time_ms
 from nsa_compile.ops import window_attention
 
 SHAPES = {"paper": (64, 4, 128), "seed": (12, 2, 64)}  # H, G, D
@@ -65,20 +65,6 @@ def dense_causal(q, k, v, w, scale):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
 
-def time_ms(fn, reps=10) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def rel_err(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
@@ -119,8 +105,8 @@ def main() -> None:
                 base = torch.cuda.memory_allocated()
                 out = fn(*leaves, args.window, scale)
                 ok = name == "dense" or rel_err(out, ref) <= 1e-2
-                fwd = time_ms(lambda: fn(*leaves, args.window, scale))
-                both = time_ms(lambda: torch.autograd.grad(fn(*leaves, args.window, scale), leaves, grad))
+                fwd = cuda_time_ms(lambda: fn(*leaves, args.window, scale))
+                both = cuda_time_ms(lambda: torch.autograd.grad(fn(*leaves, args.window, scale), leaves, grad))
                 peak = (torch.cuda.max_memory_allocated() - base) / 2**30
                 err = "-" if name == "dense" else f"{rel_err(out, ref):.1e}"
                 rows.append([S, name, f"{fwd:.2f}" if ok else "FAIL", f"{both:.2f}" if ok else "FAIL",

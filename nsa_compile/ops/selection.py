@@ -77,8 +77,9 @@ def why_not_triton(q, k, v, block_idx, block_size) -> str | None:
     return selection_triton.unsupported_reason(q, k, v, block_idx, block_size)
 
 
-def _check(q, k, v, block_idx, block_size, scale, backend="auto") -> None:
-    """Raise ValueError, naming the argument, unless the shapes, dtypes, block size and backend are valid."""
+def _check(q, k, v, block_idx, block_size, scale, backend="auto") -> str:
+    """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
+    dtypes, block size and backend are valid."""
     check_qkv("selected_attention", q, k, v, block_idx=block_idx)
     B, G, S = q.shape[0], k.shape[1], q.shape[2]
     if block_idx.dtype != torch.int64:
@@ -89,7 +90,7 @@ def _check(q, k, v, block_idx, block_size, scale, backend="auto") -> None:
             f"got {tuple(block_idx.shape)}"
         )
     check_positive_int("selected_attention", "block_size", block_size)
-    choose_backend(q, k, v, block_idx, block_size, backend)
+    return choose_backend(q, k, v, block_idx, block_size, backend)
 
 
 def _chunk_tokens(block_idx, t0: int, t1: int, block_size: int, S: int):
@@ -147,7 +148,6 @@ def _chunk_bounds(S: int, chunk: int):
 def _reference_forward(q, k, v, block_idx, block_size: int, scale: float, chunk: int | None = None):
     B, H, S, _ = q.shape
     G, Dv = k.shape[1], v.shape[3]
-    h = H // G
     chunk = chunk or REFERENCE_CHUNK
     out = bshd_empty(B, H, S, Dv, v)
     lse = q.new_empty((B, H, S), dtype=torch.float32)
@@ -178,12 +178,12 @@ def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: floa
     """
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
-    h = H // G
     chunk = chunk or REFERENCE_CHUNK
     up = upcast_dtype(q.dtype)
     dq = bshd_empty(B, H, S, Dk, q)
-    dk = torch.zeros(B, G, S, Dk, dtype=upcast_dtype(k.dtype), device=k.device)
-    dv = torch.zeros(B, G, S, Dv, dtype=upcast_dtype(v.dtype), device=v.device)
+    # accumulators in the upcast dtype, laid out like the outputs: the final cast keeps the layout
+    dk = bshd_empty(B, G, S, Dk, k, upcast_dtype(k.dtype)).zero_()
+    dv = bshd_empty(B, G, S, Dv, v, upcast_dtype(v.dtype)).zero_()
     for t0, t1 in _chunk_bounds(S, chunk):
         tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, S)
         qc, k_sel, v_sel = _rows(q, G, t0, t1), _gather(k, tokens), _gather(v, tokens)
@@ -197,10 +197,7 @@ def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: floa
         da = (d_sm * scale).to(q.dtype)
         dq[:, :, t0:t1] = (da @ k_sel).permute(0, 1, 3, 2, 4).reshape(B, H, t1 - t0, Dk)
         _scatter_add(dk, tokens, da.transpose(-1, -2) @ qc)  # [B, G, c, T, Dk]
-    dk_out, dv_out = bshd_empty(B, G, S, Dk, k), bshd_empty(B, G, S, Dv, v)
-    dk_out.copy_(dk)
-    dv_out.copy_(dv)
-    return dq, dk_out, dv_out
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 @torch.library.custom_op("nsa::selected_attention", mutates_args=())
@@ -212,8 +209,7 @@ def _selected_attention_op(
     block_idx [B, G, S, n] int64 (ascending, -1 padded) -> o [B, H, S, Dv] in v's dtype and
     lse [B, H, S] float32. Query t of head j sees the tokens <= t of the blocks
     block_idx[:, j // (H // G), t]."""
-    _check(q, k, v, block_idx, block_size, scale, backend)
-    if choose_backend(q, k, v, block_idx, block_size, backend) == "triton":
+    if _check(q, k, v, block_idx, block_size, scale, backend) == "triton":
         o, lse = selection_triton.selected_forward(q, k, v, block_idx, block_size, scale)
         return o, lse
     return _reference_forward(q, k, v, block_idx, block_size, scale)
@@ -237,9 +233,9 @@ def selected_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `selected_attention`: grad_o [B, H, S, Dv] -> dq [B, H, S, Dk] (q's dtype),
     dk [B, G, S, Dk] (k's dtype), dv [B, G, S, Dv] (v's dtype). o and lse are the forward's."""
-    _check(q, k, v, block_idx, block_size, scale, backend)
+    chosen = _check(q, k, v, block_idx, block_size, scale, backend)
     _check_grad(grad_o, q, v)
-    if choose_backend(q, k, v, block_idx, block_size, backend) == "triton":
+    if chosen == "triton":
         return selection_triton.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale)
     return _reference_backward(grad_o, q, k, v, block_idx, block_size, scale)
 

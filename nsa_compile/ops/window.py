@@ -43,11 +43,12 @@ BACKENDS = ("auto", "flash", "reference")
 REFERENCE_CHUNK = 128
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, backend: str) -> None:
-    """Raise ValueError, naming the argument, unless the shapes, dtypes, window and backend are valid."""
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, backend: str) -> str:
+    """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
+    dtypes, window and backend are valid."""
     check_qkv("window_attention", q, k, v)
     check_positive_int("window_attention", "window", window, " (the query itself)")
-    choose_backend(q, k, v, backend)
+    return choose_backend(q, k, v, backend)
 
 
 def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> str:
@@ -98,7 +99,6 @@ def _reference_forward(q, k, v, window: int, scale: float, chunk: int | None = N
     """o [B, H, S, Dv] (in [B, S, H, Dv] memory) and lse [B, H, S] in float32."""
     B, H, S, _ = q.shape
     G, Dv = k.shape[1], v.shape[3]
-    h = H // G
     chunk = chunk or REFERENCE_CHUNK
     out = bshd_empty(B, H, S, Dv, v)
     lse = q.new_empty((B, H, S), dtype=torch.float32)
@@ -131,8 +131,9 @@ def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int |
     chunk = chunk or REFERENCE_CHUNK
     up = upcast_dtype(q.dtype)
     dq = bshd_empty(B, H, S, Dk, q)
-    dk = torch.zeros(B, G, S, Dk, dtype=upcast_dtype(k.dtype), device=k.device)
-    dv = torch.zeros(B, G, S, Dv, dtype=upcast_dtype(v.dtype), device=v.device)
+    # accumulators in the upcast dtype, laid out like the outputs: the final cast keeps the layout
+    dk = bshd_empty(B, G, S, Dk, k, upcast_dtype(k.dtype)).zero_()
+    dv = bshd_empty(B, G, S, Dv, v, upcast_dtype(v.dtype)).zero_()
     for t0, t1, s0 in _chunk_bounds(S, window, chunk):
         c, L = t1 - t0, t1 - s0
         qc, kc, vc = _rows(q, G, t0, t1), k[:, :, s0:t1], v[:, :, s0:t1]
@@ -146,10 +147,7 @@ def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int |
         da = (d_sm * scale).to(q.dtype)
         dq[:, :, t0:t1] = (da @ kc).view(B, H, c, Dk)
         dk[:, :, s0:t1] += da.transpose(-1, -2) @ qc  # [B, G, L, Dk]
-    dk_out, dv_out = bshd_empty(B, G, S, Dk, k), bshd_empty(B, G, S, Dv, v)
-    dk_out.copy_(dk)
-    dv_out.copy_(dv)
-    return dq, dk_out, dv_out
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 @torch.library.custom_op("nsa::window_attention", mutates_args=())
@@ -159,8 +157,7 @@ def _window_attention_op(
     """Sliding-window causal GQA attention: q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv]
     -> o [B, H, S, Dv] in v's dtype and lse [B, H, S] float32. Query t sees keys
     max(0, t - window + 1)..t; query head j reads KV head j // (H // G)."""
-    _check(q, k, v, window, scale, backend)
-    if choose_backend(q, k, v, backend) == "flash":
+    if _check(q, k, v, window, scale, backend) == "flash":
         return flash.flash_forward(q, k, v, scale, window)
     return _reference_forward(q, k, v, window, scale)
 
@@ -179,9 +176,9 @@ def window_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `window_attention`: grad_o [B, H, S, Dv] -> dq [B, H, S, Dk] (q's dtype),
     dk [B, G, S, Dk] (k's dtype), dv [B, G, S, Dv] (v's dtype). o and lse are the forward's."""
-    _check(q, k, v, window, scale, backend)
+    chosen = _check(q, k, v, window, scale, backend)
     _check_grad(grad_o, q, v)
-    if choose_backend(q, k, v, backend) == "flash":
+    if chosen == "flash":
         return flash.flash_backward(grad_o, q, k, v, o, lse, scale, window)
     return _reference_backward(grad_o, q, k, v, window, scale)
 
