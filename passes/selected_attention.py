@@ -58,16 +58,17 @@ from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.ops.selection import choose_backend, why_not_triton
 from nsa_compile.rewrite import PassLog, RewritePass
 
-# The probes evaluate the position-only subgraphs at the real shape; more elements than this
-# (summed over the nodes that materialize a tensor, per probe) are not verified. The cost grows
-# as B * S * (H + c) * n*l': 39.9M elements at the seed shape, S = 1024, batch 1 (the refusal
-# reason prints it: run the pass with the cap set to 1). 2^27 refused the seed model from
-# S = 8192 on, and the refused branch ran as the eager gather code: 490 against 150,242 tok/s
-# (NOTES.md, 2026-11-26). 2^31 verifies the seed shape to S ~ 55k at batch 1 (transient probe
-# tensors of several GB, on the device of the graph's tensors) and, estimated from the seed's
-# cost per token, the paper shape (64 heads) to roughly S ~ 18k. Verifying on a small re-traced
-# instance would lift the limit.
-MAX_VERIFIED_ELEMENTS = 2**31
+# The probes evaluate the position-only subgraphs at the real shape, on the device of the graph's
+# tensors; more elements than this (summed over the nodes that materialize a tensor, per probe)
+# are not verified. The cost grows as B * S * (H + c) * n*l': 39.9M elements at the seed shape,
+# S = 1024, batch 1 (the refusal reason prints it: run the pass with the cap set to 1). 2^27
+# refused the seed model from S = 8192 on, and the refused branch ran as the eager gather code:
+# 490 against 150,242 tok/s (NOTES.md, 2026-11-26). Each intermediate is freed after its last
+# use, so the transient memory is a few of the largest tensors (about 1 GB each for the seed
+# shape at 64k, B*G*S*n*l' int64), not the sum; 2^34 verifies the seed shape to S = 64k at
+# batch 2 and the paper shape (64 heads) to 64k at batch 1. Each distinct subgraph is verified
+# once per compile (the layers of a model share one).
+MAX_VERIFIED_ELEMENTS = 2**34
 KERNEL = "nsa.selected_attention[{backend}] (l'={block}, n={n}, GQA-native, no gathered K/V{why})"
 
 # Ops that return a view (no new elements) when the selection subgraphs are evaluated.
@@ -254,7 +255,12 @@ def structure(nodes: list[fx.Node], block_idx: fx.Node, roots: list[fx.Node]) ->
 def evaluate(nodes: list[fx.Node], block_idx: fx.Node, probe: torch.Tensor, roots: list[fx.Node]) -> list:
     """Run the position-only nodes (graph order) with block_idx = probe; the roots' values."""
     env = {block_idx: probe}
-    for node in nodes:
+    last_use = {}  # input node -> index of the last node that reads it (freed after that)
+    for i, node in enumerate(nodes):
+        for x in node.all_input_nodes:
+            last_use[x] = i
+    keep = set(roots)
+    for i, node in enumerate(nodes):
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
         try:
             if node.op == "call_method":
@@ -264,6 +270,10 @@ def evaluate(nodes: list[fx.Node], block_idx: fx.Node, probe: torch.Tensor, root
         except Exception as error:  # the user's code, run on block ids it may not expect
             raise Refused(f"evaluating the token ids and the mask on probe block ids failed at {node.name} "
                           f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
+        del args, kwargs
+        for x in node.all_input_nodes:
+            if last_use[x] == i and x not in keep and x is not block_idx:
+                del env[x]
     return [env[r] for r in roots]
 
 

@@ -36,7 +36,6 @@ from nsa_compile.attention_match import Refused, erase_replaced, keep_mask, only
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.rewrite import PassLog, RewritePass
 
-MAX_VERIFIED_S = 16384  # the mask is evaluated as an [S, S] bool tensor at compile time
 KERNEL = "nsa.window_attention[{backend}] (w={window}, GQA-native, no S x S tensor{why})"
 
 
@@ -56,8 +55,24 @@ def split_scale(node: fx.Node) -> tuple[fx.Node, float]:
     raise Refused("the scores are not scaled by a constant (q @ k^T * c)")
 
 
-def evaluate_mask(mask: fx.Node) -> torch.Tensor:
-    """Run the mask's position-only subgraph for real (it has no inputs)."""
+# Ops that act element by element (with broadcasting): rows r0..r1 of their output are the op
+# applied to rows r0..r1 of their [.., S, S] inputs. Only these may produce an [S, S] tensor in a
+# mask that is evaluated in row chunks (plus constant creation, tril/triu, leading-dim views).
+POINTWISE = {
+    "add", "sub", "rsub", "mul", "neg", "abs", "floordiv", "floor_divide", "remainder", "mod",
+    "lt", "le", "gt", "ge", "eq", "ne", "and_", "or_", "xor", "invert", "logical_and", "logical_or",
+    "logical_not", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor",
+    "__and__", "__or__", "__xor__", "__invert__", "where", "to", "bool", "int", "long", "clamp",
+    "clamp_min", "clamp_max", "minimum", "maximum",
+}
+CREATIONS = {"ones": 1, "zeros": 0, "full": None, "ones_like": 1, "zeros_like": 0, "full_like": None}
+BANDS = ("tril", "triu")
+CHUNK_ELEMENTS = 2**24  # elements of one row chunk of the mask (rows = CHUNK_ELEMENTS // S)
+MAX_VERIFIED_S = 131072  # S * S = 2^34 mask elements, in chunks, on the device of the mask's code
+
+
+def mask_nodes(mask: fx.Node) -> list[fx.Node]:
+    """The mask's subgraph in graph order; Refused if it reads anything but positions."""
     order, seen, stack = [], set(), [mask]
     while stack:
         node = stack.pop()
@@ -68,28 +83,138 @@ def evaluate_mask(mask: fx.Node) -> torch.Tensor:
             raise Refused(f"the mask depends on {node.op} {node.name} (data, not positions)")
         order.append(node)
         stack.extend(node.all_input_nodes)
-    env = {}
-    for node in sorted(order, key=lambda n: list(n.graph.nodes).index(n)):
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-        if any(isinstance(x, torch.SymInt) for x in torch.utils._pytree.tree_leaves((args, kwargs))):
-            raise Refused("the mask has symbolic sizes (dynamic shapes): not verified")
-        if node.op == "call_method":
-            env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
-        else:
-            env[node] = node.target(*args, **kwargs)
-    return env[mask]
+    index = {n: i for i, n in enumerate(mask.graph.nodes)}
+    return sorted(order, key=index.__getitem__)
 
 
-def window_of(keep: torch.Tensor) -> int:
-    """The w with keep == (s <= t) & (t - s < w), or Refused saying how it differs."""
-    S = keep.shape[-1]
-    t = torch.arange(S, device=keep.device)[:, None]
-    s = torch.arange(S, device=keep.device)[None, :]
-    if bool((keep & (s > t)).any()):
-        raise Refused("the mask is non-causal: a query sees a later key")
-    w = int(keep.sum(-1).max())
-    if w == 0 or not torch.equal(keep, (s <= t) & (t - s < w)):
-        raise Refused("the mask is causal but not a sliding window (s <= t and t - s < w for any w)")
+def _run(node: fx.Node, args, kwargs):
+    if any(isinstance(x, torch.SymInt) for x in torch.utils._pytree.tree_leaves((args, kwargs))):
+        raise Refused("the mask has symbolic sizes (dynamic shapes): not verified")
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)
+
+
+def _is_square(shape, S: int) -> bool:
+    return len(shape) >= 2 and tuple(shape[-2:]) == (S, S) and all(d == 1 for d in shape[:-2])
+
+
+def mask_rows(mask: fx.Node, S: int):
+    """A function (r0, r1) -> rows r0..r1 of the mask as an [r1 - r0, S] tensor, computed for real.
+
+    The mask is evaluated in row chunks so that verifying it costs O(rows * S) memory at any S,
+    yet every element is computed (a proof for this S, not a sample). Nodes whose value is small
+    (aranges, [S, 1] and [1, S] position vectors) are computed once, whole; a node that makes an
+    [S, S] tensor must be chunkable: an element-wise op (POINTWISE), a constant fill, tril/triu
+    (rows r0.. of tril(x, d) are tril(rows, d + r0)) or a view that only adds or drops leading
+    size-1 dims. Anything else is refused with its name.
+    """
+    nodes = mask_nodes(mask)
+    shapes = {}
+    for node in nodes:
+        fake = value(node)
+        if fake is None:
+            raise Refused(f"the mask node {node.name} has no traced value (cannot verify it)")
+        shapes[node] = tuple(fake.shape)
+    small, big = {}, []
+    for node in nodes:
+        shape = shapes[node]
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        if numel <= 4 * S:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: small[n] if n in small else None)
+            if any(n not in small for n in node.all_input_nodes):
+                raise Refused(f"the mask reduces an [S, S] tensor at {node.name} (not verified in chunks)")
+            small[node] = _run(node, args, kwargs)
+            continue
+        if not _is_square(shape, S):
+            raise Refused(f"the mask node {node.name} is {shape}, not one [S, S] pattern for all heads")
+        name = op_name(node) or ""
+        if name not in POINTWISE and name not in CREATIONS and name not in BANDS and not _is_shape_only(node):
+            raise Refused(f"the mask uses {name} on an [S, S] tensor (only element-wise ops, fills, "
+                          "tril/triu and views are verified in chunks)")
+        big.append(node)
+
+    def rows(r0: int, r1: int) -> torch.Tensor:
+        env = {}
+
+        def chunk_of(n: fx.Node):
+            if n in env:
+                return env[n]
+            x = small[n]  # broadcast operand: slice its row dim when it spans the S rows
+            if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-2] == S:
+                return x[..., r0:r1, :]
+            return x
+
+        for node in big:
+            name = op_name(node) or ""
+            shape = shapes[node][:-2] + (r1 - r0, S)
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), chunk_of)
+            if name in CREATIONS and not node.all_input_nodes or name in ("ones_like", "zeros_like", "full_like"):
+                fill = CREATIONS[name]
+                if fill is None:
+                    fill = kwargs.get("fill_value", args[-1] if name == "full_like" else args[1])
+                fake = value(node)
+                env[node] = torch.full(shape, fill, dtype=fake.dtype, device=_real_device(fake))
+            elif name in BANDS:
+                x = args[0]
+                diagonal = (args[1] if len(args) > 1 else kwargs.get("diagonal", 0)) + r0
+                env[node] = getattr(torch, name)(x, diagonal)
+            elif name in POINTWISE:
+                env[node] = _run(node, args, kwargs)
+            else:  # a view that adds or drops leading size-1 dims
+                env[node] = args[0].reshape(shape)
+        out = env[mask] if mask in env else chunk_of(mask)
+        return torch.broadcast_to(out, shapes[mask][:-2] + (r1 - r0, S)).reshape(r1 - r0, S)
+
+    return rows
+
+
+SHAPE_ONLY = {"view", "reshape", "unsqueeze", "squeeze", "expand", "contiguous", "clone", "detach", "getitem"}
+
+
+def _is_shape_only(node: fx.Node) -> bool:
+    """A view of one [S, S] input that only adds or drops leading size-1 dims (mask[None, None],
+    unsqueeze(0), view(1, 1, S, S), ...): its rows are its input's rows. Indexing that is not
+    None / ... / a full slice (mask[::-1], mask[1:]) is not."""
+    name = op_name(node) or ""
+    if name not in SHAPE_ONLY or len(node.all_input_nodes) != 1:
+        return False
+    if name == "getitem":
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        return all(i is None or i is Ellipsis or i == slice(None) for i in index)
+    return True
+
+
+def _real_device(fake: torch.Tensor) -> torch.device:
+    return fake.device if fake.device.type != "meta" else torch.device("cpu")
+
+
+def window_of(rows, S: int) -> int:
+    """The w with mask == (s <= t) & (t - s < w), checked chunk by chunk over all S rows, or
+    Refused saying how it differs. `rows(r0, r1)` gives the kept (True) entries of rows r0..r1."""
+    step = max(1, CHUNK_ELEMENTS // S)
+    w = 0
+    for r0 in range(0, S, step):  # first pass: causal, and the widest row
+        r1 = min(S, r0 + step)
+        keep = rows(r0, r1)
+        if keep.dtype != torch.bool:
+            raise Refused(f"the mask is {keep.dtype}, not bool")
+        t = torch.arange(r0, r1, device=keep.device)[:, None]
+        s = torch.arange(S, device=keep.device)[None, :]
+        if bool((keep & (s > t)).any()):
+            raise Refused("the mask is non-causal: a query sees a later key")
+        w = max(w, int(keep.sum(-1).max()))
+    if w == 0:
+        raise Refused("the mask hides every key from every query")
+    for r0 in range(0, S, step):  # second pass: exactly the window of that width
+        r1 = min(S, r0 + step)
+        keep = rows(r0, r1)
+        t = torch.arange(r0, r1, device=keep.device)[:, None]
+        s = torch.arange(S, device=keep.device)[None, :]
+        if not torch.equal(keep, (s <= t) & (t - s < w)):
+            raise Refused("the mask is causal but not a sliding window (s <= t and t - s < w for any w)")
     return w
 
 
@@ -157,11 +282,8 @@ class WindowAttention(RewritePass):
             raise Refused(f"K/V heads {kv.shape[1]} (x{h_k}) and {vv.shape[1]} (x{h_v}) do not serve {H} query heads")
         if S > MAX_VERIFIED_S:
             raise Refused(f"S = {S} > {MAX_VERIFIED_S}: the mask is not verified at this length yet")
-        keep = evaluate_mask(mask)
-        keep = keep if keep_where_true else ~keep
-        if keep.dtype != torch.bool or keep.shape[-2:] != (S, S) or keep.numel() != S * S:
-            raise Refused(f"the mask is {tuple(keep.shape)} {keep.dtype}, not one [S, S] bool pattern for all heads")
-        window = window_of(keep.reshape(S, S))
+        chunk = mask_rows(mask, S)
+        window = window_of(chunk if keep_where_true else (lambda r0, r1: ~chunk(r0, r1)), S)
         try:  # from the fake tensors: device, dtype, head dims
             backend = choose_backend(qv, kv, vv, requested)
         except ValueError as why:  # a backend named in the config that cannot run these tensors

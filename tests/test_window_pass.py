@@ -246,3 +246,37 @@ def near_misses_of(model):
     from nsa_compile.cli import near_misses
 
     return near_misses(model)
+
+
+def leading_view(S, device):  # the window, viewed as [1, 1, S, S] (a shape-only view of the mask)
+    return window_lt(6)(S, device)[None, None]
+
+
+def reversed_rows(S, device):  # not shape-only: rows reversed (anti-causal), must not pass as a view
+    t, s = positions(S, device)
+    return ((s <= t) & (t - s < 6)).flip(0)
+
+
+@pytest.mark.parametrize(
+    "mask, expected",
+    [(window_lt(5), "w=5"), (band_tril(7), "w=7"), (causal, "w=37"), (leading_view, "w=6"),
+     (no_diagonal, "the mask is causal but not a sliding window"),
+     (two_sided, "the mask is non-causal"),
+     (reversed_rows, "only element-wise ops, fills, tril/triu and views are verified in chunks")],
+    ids=["lt", "band-tril", "causal", "leading-view", "off-by-one", "non-causal", "flip"],
+)
+def test_the_mask_is_verified_in_row_chunks(monkeypatch, mask, expected):
+    """Long sequences verify the mask chunk by chunk (every element, O(rows * S) memory); with a
+    tiny chunk the same forms are accepted with the same w and the same near misses refused."""
+    from nsa_compile.passes import window_attention
+
+    monkeypatch.setattr(window_attention, "CHUNK_ELEMENTS", 37 * 5)  # 5 rows per chunk at S = 37
+    inputs = qkv()
+    optimized = optimize_fresh(Attention(mask), nsa_compile.OptimizeConfig(
+        compiler="aot_eager", disabled_passes=("gqa_grouped_matmul",)))
+    torch.testing.assert_close(optimized(*inputs), Attention(mask)(*inputs), rtol=1e-5, atol=1e-5, equal_nan=True)
+    r = row(optimized, PASS)
+    if expected.startswith("w="):
+        assert r["matches"] == 1 and f"({expected}, " in r["kernels"][0], r
+    else:
+        assert r["matches"] == 0 and any(expected in text for text in r["reasons"]), r["reasons"]

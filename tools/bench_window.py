@@ -8,6 +8,8 @@ memory, and parity against a float64 (small S) or float32 reference, per variant
   fa2        torch.nn.attention.varlen.varlen_attn with window_size=(w - 1, 0), when importable
              (GQA through repeat: 2.11's varlen_attn has no enable_gqa; bf16/fp16 only)
   fa2-aten   torch.ops.aten._flash_attention_forward with window_size_left = w - 1 (GQA-native)
+  fa2-causal the aten flash op with no window (all S keys, causal): is the window itself slow?
+  flex       FlexAttention (compiled) with a sliding-window block mask built once per shape
   dense      causal SDPA over all S keys (the dense-attention yardstick), default backend
 
     python3 tools/bench_window.py --shape paper --seq-len 8192 --seq-len 65536
@@ -61,6 +63,31 @@ def fa2_aten_window(q, k, v, w, scale):
     return t(out)
 
 
+def fa2_aten_causal(q, k, v, w, scale):
+    """The aten flash op over all S keys (no window), GQA-native: the window variants' yardstick."""
+    t = lambda x: x.transpose(1, 2)
+    S = q.shape[2]
+    return t(torch.ops.aten._flash_attention_forward(t(q), t(k), t(v), None, None, S, S, 0.0, True, False,
+                                                     scale=scale)[0])
+
+
+_flex_masks: dict = {}
+
+
+def flex_window(q, k, v, w, scale):
+    """FlexAttention with a sliding-window block mask (cached per (S, w)), compiled, GQA-native."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _flex_masks:
+        _flex_masks["fn"] = torch.compile(flex_attention)
+    S = q.shape[2]
+    if (S, w) not in _flex_masks:
+        def in_window(b, h, t, s):
+            return (s <= t) & (t - s < w)
+        _flex_masks[S, w] = create_block_mask(in_window, None, None, S, S, device=q.device)
+    return _flex_masks["fn"](q, k, v, block_mask=_flex_masks[S, w], scale=scale, enable_gqa=True)
+
+
 def dense_causal(q, k, v, w, scale):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
@@ -75,14 +102,15 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, action="append")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    ap.add_argument("--variants", default="eager,compile,op-flash,op-ref,fa2,fa2-aten,dense")
+    ap.add_argument("--variants", default="eager,compile,op-flash,op-ref,fa2,fa2-aten,fa2-causal,flex,dense")
     args = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     H, G, D = SHAPES[args.shape]
     variants = {"eager": eager_window, "compile": torch.compile(eager_window),
                 "op-flash": lambda *a: window_attention(*a, backend="flash"),
                 "op-ref": lambda *a: window_attention(*a, backend="reference"),
-                "fa2": fa2_window, "fa2-aten": fa2_aten_window, "dense": dense_causal}
+                "fa2": fa2_window, "fa2-aten": fa2_aten_window, "fa2-causal": fa2_aten_causal,
+                "flex": flex_window, "dense": dense_causal}
     chosen = [v for v in args.variants.split(",") if v]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape} (H {H}, G {G}, D {D}), "
           f"w {args.window}, {args.dtype}")
@@ -104,11 +132,11 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
                 out = fn(*leaves, args.window, scale)
-                ok = name == "dense" or rel_err(out, ref) <= 1e-2
+                ok = name in ("dense", "fa2-causal") or rel_err(out, ref) <= 1e-2
                 fwd = cuda_time_ms(lambda: fn(*leaves, args.window, scale))
                 both = cuda_time_ms(lambda: torch.autograd.grad(fn(*leaves, args.window, scale), leaves, grad))
                 peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-                err = "-" if name == "dense" else f"{rel_err(out, ref):.1e}"
+                err = "-" if name in ("dense", "fa2-causal") else f"{rel_err(out, ref):.1e}"
                 rows.append([S, name, f"{fwd:.2f}" if ok else "FAIL", f"{both:.2f}" if ok else "FAIL",
                              f"{peak:.2f}", err])
             except torch.OutOfMemoryError:

@@ -26,7 +26,7 @@ selection=(-m "(gpu or inductor) and not sweep")
 [ "${1:-}" = "--sweep" ] && selection=(-m sweep)
 [ "${1:-}" = "--all" ] && selection=()
 status=0
-python3 -m pytest -q -p no:cacheprovider -p no:logging "${selection[@]}" tests 2>&1 | tee "$out/pytest.log" | tail -15 || status=1
+python3 -m pytest -q -p no:cacheprovider -p no:logging --durations=12 "${selection[@]}" tests 2>&1 | tee "$out/pytest.log" | tail -15 || status=1
 if [ -z "${1:-}" ]; then
   # the Triton kernels on CUDA (on the CPU the same file runs them interpreted)
   python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_selection_triton.py 2>&1 \
