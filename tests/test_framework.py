@@ -41,8 +41,9 @@ def test_config_is_frozen_and_validates_names():
     assert OptimizeConfig(disabled_passes=["gqa_grouped_matmul"]).disabled_passes == ("gqa_grouped_matmul",)
     with pytest.raises(ValueError, match="unknown window_backend 'fa3'; valid: auto, flash, reference"):
         OptimizeConfig(window_backend="fa3")
-    with pytest.raises(ValueError, match="unknown selection_backend 'varlen'; valid: auto, triton, reference"):
-        OptimizeConfig(selection_backend="varlen")
+    with pytest.raises(ValueError, match="unknown selection_backend 'fa3'; valid: auto, triton, reference, varlen, "
+                                         "varlen_flash_attn"):
+        OptimizeConfig(selection_backend="fa3")
     # the backends change the rewritten graph: they are part of the cache key
     assert OptimizeConfig(window_backend="reference").cache_key() != OptimizeConfig().cache_key()
 

@@ -3,20 +3,26 @@ fwd+bwd times (CUDA events, median after a warm-up), peak extra memory, and pari
 
   triton     nsa.selected_attention, backend triton (nsa_compile/ops/selection_triton.py: group-centric
              forward, dq, inverted-selection dk/dv)
+  varlen     nsa.selected_attention, backend varlen (nsa_compile/ops/selection_varlen.py: PyTorch's
+             FA-2 varlen kernels, queries grouped by the KV block they chose, merged by log-sum-exp)
   reference  nsa.selected_attention, backend reference (chunked PyTorch gather)
   dense      causal SDPA over all S keys, GQA-native (enable_gqa=True), default backend: the yardstick
+  fa2        causal FA-2 over all S keys, GQA-native (nsa.window_attention, backend flash, window S+1):
+             the dense FA-2 the issue compares varlen with (target: varlen <= 1/4 of it)
   cudnn      causal SDPA forced to cuDNN (K/V repeated to every head: cuDNN has no GQA here)
 
 Inputs in the model's layout ([B, S, heads, D] memory viewed [B, heads, S, D]), bf16, random
 valid block indices (block 0, the current and the previous block forced, the rest distinct random
-earlier blocks, ascending, -1 padded where fewer candidates exist). Parity: triton's o, dq, dk,
-dv against the reference op in float32 at the same inputs, on the first min(S, --parity-len)
-tokens, once per shape (relative RMS error, the worst of the four; bar 1e-2); also whether two
-triton backward runs agree bit for bit. A variant that fails parity prints FAIL instead of its
-times.
+earlier blocks, ascending, -1 padded where fewer candidates exist). Parity, for each of triton
+and varlen that runs: its o, dq, dk, dv against the reference op in float32 at the same inputs,
+on the first min(S, --parity-len) tokens, once per shape (relative RMS error, the worst of the
+four; bar 1e-2); also whether two backward runs agree bit for bit (varlen: FA-2's backward adds
+dq with atomics, so no). A variant that fails parity prints FAIL instead of its times. With
+varlen and fa2 both chosen, the ratio varlen / fa2 is printed per length.
 
     python3 tools/bench_selection.py --shape paper --seq-len 8192 --seq-len 32768
     python3 tools/bench_selection.py --shape seed --variants triton,dense
+    python3 tools/bench_selection.py --shape paper --seq-len 65536 --variants varlen,triton,fa2
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 from nsa_compile.bench import cuda_time_ms
-from nsa_compile.ops import selected_attention
+from nsa_compile.ops import selected_attention, window_attention
 from nsa_compile.ops import selection_triton as st
+from nsa_compile.ops import selection_varlen as sv
 
 SHAPES = {"paper": (64, 4, 128, 64, 16), "seed": (12, 2, 64, 64, 16)}  # H, G, D, l', n
 PARITY_BAR = 1e-2
@@ -39,6 +46,10 @@ PARITY_BAR = 1e-2
 
 def triton_selected(q, k, v, block_idx, block_size, scale):
     return selected_attention(q, k, v, block_idx, block_size, scale, backend="triton")
+
+
+def varlen_selected(q, k, v, block_idx, block_size, scale):
+    return selected_attention(q, k, v, block_idx, block_size, scale, backend="varlen")
 
 
 def reference_selected(q, k, v, block_idx, block_size, scale):
@@ -58,8 +69,15 @@ def dense_causal(q, k, v, block_idx, block_size, scale):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
 
-VARIANTS = {"triton": triton_selected, "reference": reference_selected, "dense": dense_causal,
-            "cudnn": dense_cudnn}
+def dense_fa2(q, k, v, block_idx, block_size, scale):
+    # a window past S: FA-2 drops a left window >= the key length, so this is its plain causal kernel
+    return window_attention(q, k, v, q.shape[2] + 1, scale, backend="flash")
+
+
+VARIANTS = {"triton": triton_selected, "varlen": varlen_selected, "reference": reference_selected,
+            "dense": dense_causal, "fa2": dense_fa2, "cudnn": dense_cudnn}
+# the selection variants whose parity is checked against the reference
+CHECKED = ("triton", "varlen")
 
 
 def random_block_idx(B, G, S, n, block_size, gen, chunk=2048, device="cuda"):
@@ -114,12 +132,12 @@ def measure(fn, q, k, v, block_idx, block_size, scale, grad, reps) -> tuple[floa
     return fwd, both, peak
 
 
-def parity(q, k, v, grad, block_idx, block_size, scale) -> tuple[float, bool]:
-    """Worst relative RMS error of triton's o/dq/dk/dv against the fp32 reference op; whether a
-    second triton backward gives the same bits."""
+def parity(fn, q, k, v, grad, block_idx, block_size, scale) -> tuple[float, bool]:
+    """Worst relative RMS error of fn's o/dq/dk/dv against the fp32 reference op; whether a
+    second run gives the same bits."""
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    ours = fwd_bwd(triton_selected, leaves, block_idx, block_size, scale, grad)
-    again = fwd_bwd(triton_selected, leaves, block_idx, block_size, scale, grad)
+    ours = fwd_bwd(fn, leaves, block_idx, block_size, scale, grad)
+    again = fwd_bwd(fn, leaves, block_idx, block_size, scale, grad)
     leaves32 = [x.detach().float().requires_grad_() for x in (q, k, v)]
     ref = fwd_bwd(reference_selected, leaves32, block_idx, block_size, scale, grad.float())
     worst = max(rel_err(a, r) for a, r in zip(ours, ref))
@@ -134,7 +152,13 @@ def main() -> None:
     ap.add_argument("--variants", default="triton,reference,dense")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--parity-len", type=int, default=2048, help="tokens of the parity check (once per shape)")
+    ap.add_argument("--varlen-chunk-rows", type=int, help=f"varlen's CHUNK_ROWS (default {sv.CHUNK_ROWS})")
+    ap.add_argument("--varlen-segment-rows", type=int,
+                    help=f"varlen's SEGMENT_ROWS (default {sv.SEGMENT_ROWS}; a huge value: never split, no K copy)")
     args = ap.parse_args()
+    # the varlen tuning constants, for A/B runs (module constants, read at each call)
+    sv.CHUNK_ROWS = args.varlen_chunk_rows or sv.CHUNK_ROWS
+    sv.SEGMENT_ROWS = args.varlen_segment_rows or sv.SEGMENT_ROWS
     if not torch.cuda.is_available():
         sys.exit("bench_selection: needs a CUDA GPU")
     chosen = [name for name in args.variants.split(",") if name]
@@ -146,35 +170,45 @@ def main() -> None:
     triton_version = getattr(st.triton, "__version__", "not installed")
     print(f"{datetime.date.today()}  {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton_version}")
     print(f"$ python3 {' '.join(sys.argv)}")
-    print(f"shape {args.shape}: B {B}, H {H}, G {G}, D {D}, l' {block_size}, n {n}, bf16")
-    rows, parity_checked, triton_ok = [], False, True
+    print(f"shape {args.shape}: B {B}, H {H}, G {G}, D {D}, l' {block_size}, n {n}, bf16; "
+          f"varlen CHUNK_ROWS {sv.CHUNK_ROWS}, SEGMENT_ROWS {sv.SEGMENT_ROWS}")
+    rows, parity_ok, ratios = [], {}, []
     for S in args.seq_len or [8192]:
         gen = torch.Generator(device="cuda").manual_seed(S)
         q, k, v = (model_layout(B, S, heads, D, gen, dtype) for heads in (H, G, G))
         grad = torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=gen)
         block_idx = random_block_idx(B, G, S, n, block_size, gen)
-        why = st.unsupported_reason(q, k, v, block_idx, block_size)
-        if "triton" in chosen and why:
-            sys.exit(f"bench_selection: the triton kernels cannot run: {why}")
-        if "triton" in chosen and not parity_checked:
-            P = min(S, args.parity_len)
-            q_p, k_p, v_p, grad_p, idx_p = (x[:, :, :P] for x in (q, k, v, grad, block_idx))
-            err, same = parity(q_p, k_p, v_p, grad_p, idx_p, block_size, scale)
-            triton_ok = err <= PARITY_BAR
-            print(f"parity at S={P}: worst rel RMS of o/dq/dk/dv vs fp32 reference {err:.2e} "
-                  f"({'ok' if triton_ok else 'FAIL'}), backward bitwise repeatable: {same}")  # fmt: skip
-            parity_checked = True
+        for name, why in (("triton", st.unsupported_reason(q, k, v, block_idx, block_size)),
+                          ("varlen", sv.unsupported_reason(q, k, v, block_idx, block_size))):
+            if name in chosen and why:
+                sys.exit(f"bench_selection: the {name} backend cannot run: {why}")
+        for name in CHECKED:
+            if name in chosen and name not in parity_ok:
+                P = min(S, args.parity_len)
+                q_p, k_p, v_p, grad_p, idx_p = (x[:, :, :P] for x in (q, k, v, grad, block_idx))
+                err, same = parity(VARIANTS[name], q_p, k_p, v_p, grad_p, idx_p, block_size, scale)
+                parity_ok[name] = err <= PARITY_BAR
+                print(f"{name} parity at S={P}: worst rel RMS of o/dq/dk/dv vs fp32 reference {err:.2e} "
+                      f"({'ok' if parity_ok[name] else 'FAIL'}), backward bitwise repeatable: {same}")  # fmt: skip
+        times = {}
         for name in chosen:
-            ok = triton_ok if name == "triton" else True
-            par = "-" if name != "triton" else ("ok" if triton_ok else "FAIL")
+            ok = parity_ok.get(name, True)
+            par = "-" if name not in CHECKED else ("ok" if ok else "FAIL")
             try:
                 fwd, both, peak = measure(VARIANTS[name], q, k, v, block_idx, block_size, scale, grad, args.reps)
                 rows.append([S, name, f"{fwd:.2f}" if ok else "FAIL", f"{both:.2f}" if ok else "FAIL",
                              f"{peak:.2f}", par])  # fmt: skip
+                if ok:
+                    times[name] = (fwd, both)
             except torch.OutOfMemoryError:
                 rows.append([S, name, "OOM", "OOM", "-", par])
+        if "varlen" in times and "fa2" in times:
+            (vf, vb), (ff, fb) = times["varlen"], times["fa2"]
+            ratios.append(f"S={S}: varlen / fa2 = {vf / ff:.3f} fwd, {vb / fb:.3f} fwd+bwd (target <= 0.25)")
     print(tabulate(rows, headers=["S", "variant", "fwd ms", "fwd+bwd ms", "peak extra GiB", "parity"],
                    tablefmt="github"))  # fmt: skip
+    for line in ratios:
+        print(line)
 
 
 if __name__ == "__main__":

@@ -38,18 +38,28 @@ matmul per (batch, group, query), so the gathered K and V are shared by the grou
 recomputes each chunk's probabilities, applies the formulas autograd applies to the eager graph
 (written out, see `_reference_backward`), and scatter-adds dk and dv over the gathered token
 indices into float32 (float64 for float64) accumulators, cast once at the end.
+- `varlen` (CUDA, fp16/bf16, Dk == Dv; never chosen by `auto`): FlashAttention-2's varlen kernels
+  as PyTorch ships them (nsa_compile/ops/selection_varlen.py): the queries that chose a KV block
+  form one segment over that block's keys (q gathered, K/V read in place but for small copies of
+  blocks that very many queries chose), the current block of every query by one causal call
+  whose segments are the blocks themselves, partial results merged by log-sum-exp in float32,
+  chunked over queries; the backward is FA-2's per segment, given the merged o and lse. Partial
+  outputs are rounded to fp16/bf16 before the merge.
+- `varlen_flash_attn`: the same through the flash-attn package's `flash_attn_varlen_func`
+  (an opt-in; not run on this project's machines, where the package cannot be installed).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import selection_triton
+from . import selection_triton, selection_varlen
 from .common import bshd_empty, check_grad_o, check_positive_int, check_qkv, upcast_dtype
 
 __all__ = ["BACKENDS", "choose_backend", "selected_attention", "selected_attention_backward"]
 
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "triton", "reference", "varlen", "varlen_flash_attn")
+VARLEN_BACKENDS = ("varlen", "varlen_flash_attn")
 
 # Query rows per chunk of the reference backend (a module constant so tests can shrink it).
 REFERENCE_CHUNK = 64
@@ -57,14 +67,19 @@ REFERENCE_CHUNK = 64
 
 def choose_backend(q, k, v, block_idx, block_size, backend: str = "auto") -> str:
     """The backend that computes these inputs: `backend` itself, or for 'auto' triton where it can
-    run on CUDA and reference elsewhere. ValueError if a named backend cannot run them (with why).
-    (Named explicitly, triton also runs on the CPU under TRITON_INTERPRET=1: the tests do that.)"""
+    run on CUDA and reference elsewhere ('auto' never takes a varlen backend). ValueError if a
+    named backend cannot run them (with why). (Named explicitly, triton also runs on the CPU
+    under TRITON_INTERPRET=1: the tests do that.)"""
     if backend not in BACKENDS:
         raise ValueError(f"selected_attention: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if backend == "triton":
         why = selection_triton.unsupported_reason(q, k, v, block_idx, block_size)
         if why:
             raise ValueError(f"selected_attention: backend 'triton' cannot run these inputs: {why}")
+    if backend in VARLEN_BACKENDS:
+        why = selection_varlen.unsupported_reason(q, k, v, block_idx, block_size, backend)
+        if why:
+            raise ValueError(f"selected_attention: backend {backend!r} cannot run these inputs: {why}")
     if backend == "auto":
         return "reference" if why_not_triton(q, k, v, block_idx, block_size) else "triton"
     return backend
@@ -209,9 +224,12 @@ def _selected_attention_op(
     block_idx [B, G, S, n] int64 (ascending, -1 padded) -> o [B, H, S, Dv] in v's dtype and
     lse [B, H, S] float32. Query t of head j sees the tokens <= t of the blocks
     block_idx[:, j // (H // G), t]."""
-    if _check(q, k, v, block_idx, block_size, scale, backend) == "triton":
+    chosen = _check(q, k, v, block_idx, block_size, scale, backend)
+    if chosen == "triton":
         o, lse = selection_triton.selected_forward(q, k, v, block_idx, block_size, scale)
         return o, lse
+    if chosen in VARLEN_BACKENDS:
+        return selection_varlen.selected_forward(q, k, v, block_idx, block_size, scale, chosen)
     return _reference_forward(q, k, v, block_idx, block_size, scale)
 
 
@@ -237,6 +255,8 @@ def selected_attention_backward(
     _check_grad(grad_o, q, v)
     if chosen == "triton":
         return selection_triton.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale)
+    if chosen in VARLEN_BACKENDS:
+        return selection_varlen.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale, chosen)
     return _reference_backward(grad_o, q, k, v, block_idx, block_size, scale)
 
 

@@ -1,0 +1,361 @@
+"""tools/bench_e2e.py and tools/bench_layer.py at tiny sizes on the CPU (their full sizes run on the
+H100: the gpu-marked tests below and the commands in BENCHMARKS.md).
+
+On 2 CPU cores an Inductor compile of even the tiny model takes about two minutes, so the CPU tests
+run optimize with the aot_eager compiler and swap Inductor for aot_eager in the tools'
+torch.compile variants (the `compile` and `dense` columns): the tools' code paths are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import nsa_compile
+from nsa_compile.fx import op_name
+from nsa_compile.models import NSAAttention, preset
+from nsa_compile.models.nsa import apply_rope, rope_tables
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import bench_e2e
+import bench_layer
+
+FAST = ["--compiler", "aot_eager", "--device", "cpu"]
+
+
+@pytest.fixture
+def compile_without_inductor(monkeypatch):
+    """nn.Module.compile() with no backend compiles through aot_eager instead of Inductor."""
+    original = nn.Module.compile
+
+    def compile(self, *args, **kwargs):
+        kwargs.setdefault("backend", "aot_eager")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "compile", compile)
+
+
+def read(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def table_row(output: str, *lead: str) -> list[str]:
+    """The cells of the first github-table row whose first cells are `lead`."""
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[: len(lead)] == list(lead):
+            return cells
+    raise AssertionError(f"no row {lead!r} in:\n{output}")
+
+
+# --- bench_e2e ------------------------------------------------------------------------------------
+
+
+def test_e2e_times_variants_side_by_side_and_appends_records(tmp_path, capsys, compile_without_inductor):
+    out = tmp_path / "e2e.jsonl"
+    rc = bench_e2e.main(["--model", "tiny", "--seq-len", "40", "--batch", "2", "--steps", "1", "--warmup", "0",
+                         "--variants", "eager,optimize,dense", "--out", str(out), *FAST])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "tiny, seq-len 40, batch 2 (80 tokens/step)" in text
+    assert "float32, batch 1, seq-len 40" in text and "): PASS" in text
+    # tiny: n * l' = 48 > 40, so every candidate block is selected and the output says so
+    assert "top-n choice not exercised" in text
+    assert "dense twin SDPA backend: SDPA's default choice (cpu" in text
+    for variant in ("eager", "optimize"):
+        cells = table_row(text, variant)
+        assert float(cells[1].replace(",", "")) > 0 and re.fullmatch(r"\d+\.\d\dx", cells[5]), cells
+    assert table_row(text, "dense")[5] == "1.00x"
+    assert re.search(r"optimize ran with: .*window_attention [1-9]", text), text
+
+    records = read(out)
+    timings = [r for r in records if r["record"] == "timing"]
+    assert [r["variant"] for r in timings] == ["eager", "optimize", "dense"]
+    assert all(r["status"] == "ok" and r["tok_s"] > 0 and r["batch"] == 2 and r["seq_len"] == 40 for r in timings)
+    assert all(r["command"].startswith("python3 tools/bench_e2e.py --model tiny") and r["torch"] == torch.__version__
+               for r in records)
+    optimized = timings[1]
+    assert optimized["rewrites"].startswith("optimize ran with:")
+    assert {p["name"]: p["matches"] for p in optimized["passes"]}["selection_attention"] == 2  # one per layer
+    (parity,) = [r for r in records if r["record"] == "parity"]
+    assert parity["ok"] is True and parity["parity_len"] == 40 and parity["selection_exercised"] is False
+
+    # a second call appends, and its summary covers both calls' seq-lens
+    rc = bench_e2e.main(["--model", "tiny", "--seq-len", "24", "--batch", "1", "--steps", "1", "--warmup", "0",
+                         "--variants", "eager", "--no-parity", "--out", str(out), *FAST])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert [r["seq_len"] for r in read(out) if r["record"] == "timing"] == [40, 40, 40, 24]
+    assert "parity: not checked (--no-parity)" in text
+    assert table_row(text, "24")[2] != "-" and table_row(text, "40")[4] != "-"  # eager at 24, optimize at 40
+
+
+def test_e2e_reports_oom_and_checks_parity_at_the_longest_length_that_fits(monkeypatch, capsys):
+    real_parity = bench_e2e.run_parity
+    lengths = []
+
+    def parity_that_fits_up_to_16(wl, dtype, config):
+        length = wl.inputs[0].shape[1] - 1
+        lengths.append(length)
+        if length > 16:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_parity(wl, dtype, config)
+
+    monkeypatch.setattr(bench_e2e, "run_parity", parity_that_fits_up_to_16)
+    monkeypatch.setattr(bench_e2e, "time_training", lambda *args, **kwargs: None)  # what it returns on OOM
+    rc = bench_e2e.main(["--model", "tiny", "--seq-len", "64", "--seq-len", "32", "--batch", "1",
+                         "--parity-min-len", "16", "--variants", "eager", *FAST])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert table_row(text, "eager")[1] == "OOM"
+    assert "batch 1, seq-len 16; the float64 oracle did not fit at 64, 32" in text
+    assert "the float64 oracle did not fit at 32" in text.split("seq-len 32, batch 1")[1]
+    # seq-len 32 reuses what seq-len 64 learned: no second try at 32 or 16
+    assert lengths == [64, 32, 16]
+
+
+def test_e2e_parity_failure_exits_1_and_shows_the_worst_tensors(capsys):
+    class BreaksNumbers(nsa_compile.RewritePass):
+        """A wrong rewrite: scales the input of every linear layer by 1.1."""
+
+        name = "user_bench_breaks_numbers"
+        summary = "a deliberately wrong rewrite"
+
+        def apply(self, graph, log):
+            for node in list(graph.nodes):
+                if op_name(node) == "linear":
+                    with graph.inserting_before(node):
+                        scaled = graph.call_function(torch.mul, (node.args[0], 1.1))
+                    node.replace_input_with(node.args[0], scaled)
+                    log.matched(node, "wrong")
+
+    nsa_compile.register_pass(BreaksNumbers())
+    try:
+        rc = bench_e2e.main(["--model", "tiny", "--seq-len", "24", "--batch", "1", "--steps", "1",
+                             "--warmup", "0", "--variants", "eager", *FAST])
+    finally:
+        nsa_compile.unregister_pass("user_bench_breaks_numbers")
+    text = capsys.readouterr().out
+    assert rc == 1
+    assert re.search(r"parity of the first step .*seq-len 24.*\): FAIL", text), text
+    assert table_row(text, "tensor (worst first)") and "| grad blocks." in text
+
+
+def test_e2e_an_error_in_one_variant_is_reported_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    real = bench_e2e.compile_variant
+
+    def failing_compile(variant, *args):
+        if variant == "compile":
+            raise ValueError("simulated failure of the compile column")
+        return real(variant, *args)
+
+    monkeypatch.setattr(bench_e2e, "compile_variant", failing_compile)
+    out = tmp_path / "e2e.jsonl"
+    rc = bench_e2e.main(["--model", "tiny", "--seq-len", "24", "--batch", "1", "--steps", "1", "--warmup", "0",
+                         "--variants", "compile,eager", "--no-parity", "--out", str(out), *FAST])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "ValueError: simulated failure" in table_row(captured.out, "compile")[5]
+    assert "simulated failure of the compile column" in captured.err  # the traceback
+    assert [(r["variant"], r["status"]) for r in read(out) if r["record"] == "timing"] == \
+        [("compile", "error"), ("eager", "ok")]
+
+
+def test_is_oom_sees_through_wrapped_errors():
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        except torch.OutOfMemoryError as inner:
+            raise RuntimeError("backend compiler failed") from inner
+    except RuntimeError as wrapped:
+        assert bench_e2e.is_oom(wrapped)
+    assert not bench_e2e.is_oom(RuntimeError("shape mismatch"))
+
+
+ENV = {"torch": "2.11.0+cu130", "triton": "3.6.0", "command": "python3 tools/bench_e2e.py", "model": "seed"}
+
+
+def timing(card, seq_len, variant, tok_s=None, first=60.0, date="2026-11-26T10:00:00", batch=1):
+    record = {"record": "timing", **ENV, "card": card, "date": date, "seq_len": seq_len, "batch": batch,
+              "variant": variant}
+    if tok_s is None:
+        return {**record, "status": "OOM", "detail": "out of memory"}
+    return {**record, "status": "ok", "tok_s": tok_s, "step_ms": 1.0, "first_step_s": first, "peak_gib": 3.0}
+
+
+def parity(card, seq_len, ok):
+    return {"record": "parity", **ENV, "card": card, "date": "2026-11-26T10:00:00", "seq_len": seq_len, "ok": ok,
+            "parity_len": 256, "batch": 1, "dtype": "bfloat16", "oom_at": [512], "selection_exercised": False,
+            "worst": []}
+
+
+def test_e2e_summary_judges_targets_only_where_parity_passed(tmp_path, capsys):
+    h100 = "NVIDIA H100 80GB HBM3"
+    records = [
+        timing(h100, 2048, "optimize", 40_000), timing(h100, 2048, "dense", 100_000), parity(h100, 2048, True),
+        # an earlier and a later measurement: the later one counts
+        timing(h100, 32768, "optimize", 100_000), timing(h100, 32768, "optimize", 300_000, first=50.0),
+        timing(h100, 32768, "compile", 1_000, first=40.0), timing(h100, 32768, "eager"),
+        timing(h100, 32768, "dense", 150_000), parity(h100, 32768, True),
+        timing(h100, 65536, "optimize", 500_000), timing(h100, 65536, "dense", 100_000), parity(h100, 65536, False),
+        timing(h100, 8192, "optimize", 1_000), timing(h100, 8192, "dense", 2_000),  # no parity record
+        # another card: its own summary, never compared with the H100's numbers
+        timing("NVIDIA H200", 2048, "optimize", 90_000), timing("NVIDIA H200", 2048, "dense", 100_000),
+        parity("NVIDIA H200", 2048, True),
+    ]
+    out = tmp_path / "records.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert bench_e2e.main(["--report-only", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    h100_part, h200_part = text.split("summary: seed on NVIDIA H200")
+    assert "summary: seed on NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, 2026-11-26" in h100_part
+    assert table_row(h100_part, "2048")[6:8] == ["0.40x (target 0.7x: missed)", "PASS (seq-len 256)"]
+    assert table_row(h100_part, "8192")[6:8] == ["n/a (no parity)", "-"]
+    row = table_row(h100_part, "32768")
+    assert row[2:6] == ["OOM", "1,000", "300,000", "150,000"]
+    assert row[6] == "2.00x (target 1.5x: met)"
+    assert table_row(h100_part, "65536")[6:8] == ["n/a (parity failed)", "FAIL (seq-len 256)"]
+    # the compile-time table: optimize's first step 50 s against torch.compile's 40 s
+    compile_rows = h100_part.split("first step s (includes the compile)")[1]
+    assert table_row(compile_rows, "32768")[6] == "1.25x (met)"
+    assert table_row(h200_part, "2048")[6] == "0.90x (target 0.7x: met)"
+
+
+def test_e2e_plot_is_a_png_of_every_measured_point(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    records = [timing("card", s, v, tok) for s, v, tok in
+               [(2048, "optimize", 1e4), (8192, "optimize", 2e4), (2048, "dense", 3e4), (8192, "dense", None)]]
+    path = tmp_path / "e2e.png"
+    assert bench_e2e.write_plot(records, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot written to {path}" in capsys.readouterr().out
+
+
+def test_e2e_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    path = tmp_path / "e2e.png"
+    assert not bench_e2e.write_plot([timing("card", 2048, "dense", 1e4)], str(path))
+    assert not path.exists()
+    assert "matplotlib is not installed (pip install -e '.[plot]'" in capsys.readouterr().out
+
+
+def test_e2e_rejects_unknown_variants_and_report_only_without_records(capsys):
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--variants", "eager,jit"])
+    assert "unknown variant(s) jit; valid: eager, compile, optimize, dense" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--report-only"])
+    assert "--report-only needs --out" in capsys.readouterr().err
+
+
+# --- bench_layer ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("changes", [{}, {"gate": "head", "compression": "mlp"}], ids=["seed-variants", "paper-variants"])
+def test_layer_is_the_model_attention_between_projections(changes):
+    """NSALayer on the model's own projected, rotated q/k/v gives NSAAttention's output (before wo),
+    bit for bit: it runs the same methods."""
+    cfg = preset("tiny", **changes)
+    torch.manual_seed(0)
+    attn = NSAAttention(cfg)
+    layer = bench_layer.NSALayer(cfg)
+    missing, unexpected = layer.attn.load_state_dict(attn.state_dict(), strict=False)
+    assert not missing and all(k.split(".")[0] in ("wq", "wk", "wv", "wo") for k in unexpected)
+    B, S, H, G, D = 2, 70, cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
+    x = torch.randn(B, S, cfg.dim)
+    cos, sin = rope_tables(S, cfg.rot_dim, cfg.rope_base, "cpu")
+    inputs = {"q": apply_rope(attn.wq(x).view(B, S, H, D), cos, sin, cfg.rope)}
+    for b in ("cmp", "sel", "win"):
+        inputs[f"k_{b}"] = apply_rope(attn.wk[b](x).view(B, S, G, D), cos, sin, cfg.rope)
+        inputs[f"v_{b}"] = attn.wv[b](x).view(B, S, G, cfg.dim_v)
+    o = layer(**inputs, x=x)  # [B, S, H, Dv]
+    assert torch.equal(attn.wo(o.reshape(B, S, -1)), attn(x, cos, sin))
+
+
+def test_layer_parity_compares_every_input_gradient():
+    cfg = preset("tiny", gate="head")
+    args = bench_layer.parse_args(["--shape", "tiny", "--seq-len", "64", "--parity-min-len", "16"])
+    config = nsa_compile.OptimizeConfig(compiler="aot_eager")
+    result = bench_layer.check_layer_parity(cfg, args, torch.device("cpu"), torch.float32, config)
+    assert result["ok"] is True and result["parity_len"] == 64 and result["selection_exercised"] is True
+    names = {r["name"] for r in result["rows"]}
+    inputs = {"q", "x"} | {f"{kv}_{b}" for kv in "kv" for b in ("cmp", "sel", "win")}
+    assert {f"grad inputs.{n}" for n in inputs} <= names
+    assert "grad layer.attn.gate.weight" in names and "output" in names
+
+
+def test_layer_bench_runs_side_by_side_on_cpu(tmp_path, capsys):
+    out = tmp_path / "layer.jsonl"
+    rc = bench_layer.main(["--shape", "tiny", "--seq-len", "64", "--variants", "nsa,sdpa,cudnn", "--reps", "2",
+                           "--out", str(out), *FAST])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "shape tiny: B 1, H 4, G 2, Dk 16" in text
+    assert "parity of the layer (output, input and parameter gradients vs float64; float32, seq-len 64): PASS" in text
+    nsa, sdpa, cudnn = (table_row(text, "64", v) for v in ("nsa", "sdpa", "cudnn"))
+    assert float(nsa[3]) > 0 and float(sdpa[3]) > 0, text  # fwd+bwd ms
+    assert cudnn[2] == "n/a" and cudnn[7] == "cudnn needs CUDA"
+    records = {r["variant"]: r for r in read(out)}
+    assert records["nsa"]["status"] == "ok" and records["nsa"]["fwd_bwd_ms"] > 0
+    assert records["sdpa"]["status"] == "ok" and records["sdpa"]["note"] == "GQA-native (enable_gqa=True)"
+    assert records["cudnn"] == {**records["cudnn"], "status": "n/a", "detail": "cudnn needs CUDA"}
+    assert all(r["parity_ok"] is True and r["parity_len"] == 64 for r in records.values())
+    assert re.search(r"S 64: optimize ran with: .*window_attention [1-9]", text), text
+
+
+def test_layer_targets_need_parity_and_the_paper_shape():
+    def rec(S, variant, ms, status="ok"):
+        return {"seq_len": S, "variant": variant, "status": status, "fwd_ms": ms / 3, "fwd_bwd_ms": ms,
+                "first_call_s": 1.0, "peak_gib": 1.0}
+
+    records = [rec(16384, "nsa", 40.0), rec(16384, "cudnn", 30.0), rec(65536, "nsa", 90.0), rec(65536, "cudnn", 450.0)]
+    lines = bench_layer.target_lines(records, "paper", True)
+    assert lines == ["target: NSA layer fwd+bwd at 64k <= 100 ms: 90.0 ms, met",
+                     "target: faster than cuDNN at 16384: 40.0 against 30.0 ms, missed",
+                     "target: faster than cuDNN at 65536: 90.0 against 450.0 ms, met"]
+    assert bench_layer.target_lines(records, "paper", False) == ["targets: not judged (parity did not pass)"]
+    assert bench_layer.target_lines(records, "seed", True) == []
+    oom = [rec(65536, "nsa", 0.0, status="OOM"), rec(65536, "cudnn", 450.0)]
+    assert bench_layer.target_lines(oom, "paper", True)[0].endswith("OOM, missed")
+    ratios = {row[1]: row[6] for row in bench_layer.rows_for(records[2:], False)}
+    assert ratios == {"nsa": "n/a (parity failed)", "cudnn": "-"}
+    ratios = {row[1]: row[6] for row in bench_layer.rows_for(records[2:], True)}
+    assert ratios == {"nsa": "0.20x", "cudnn": "-"}
+
+
+# --- on the GPU (tools/gpu_check.sh) --------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_e2e_on_cuda_picks_the_fastest_sdpa_backend_and_measures_memory(tmp_path, capsys):
+    out = tmp_path / "e2e.jsonl"
+    rc = bench_e2e.main(["--model", "tiny", "--device", "cuda", "--seq-len", "128", "--batch", "2", "--steps", "2",
+                         "--variants", "eager,optimize,dense", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "bfloat16, batch 1, seq-len 128" in text and "): PASS" in text
+    timings = {r["variant"]: r for r in read(out) if r["record"] == "timing"}
+    assert all(r["status"] == "ok" and r["peak_gib"] > 0 for r in timings.values()), timings
+    assert timings["dense"]["sdpa_backend"] in bench_e2e.SDPA_BACKENDS
+    assert "fwd+bwd at the twin's shape" in timings["dense"]["sdpa_backend_note"]
+
+
+@pytest.mark.gpu
+def test_layer_on_cuda_times_nsa_against_cudnn_and_fa2(tmp_path, capsys):
+    out = tmp_path / "layer.jsonl"
+    rc = bench_layer.main(["--shape", "seed", "--device", "cuda", "--seq-len", "2048", "--variants",
+                           "nsa,sdpa,cudnn,fa2", "--reps", "3", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "bfloat16, seq-len" in text and "): PASS" in text
+    records = {r["variant"]: r for r in read(out)}
+    assert all(r["status"] == "ok" and r["fwd_bwd_ms"] > 0 and r["peak_gib"] is not None
+               for r in records.values()), records
+    for name in ("cudnn", "fa2"):
+        assert records[name]["note"].startswith(("GQA-native", "K/V repeated to 12 heads")), records[name]
