@@ -577,10 +577,19 @@ def test_the_pass_refuses_varlen_on_the_cpu_with_the_reason():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("S,ls", [(1, 64), (63, 64), (100, 64), (100, 16)])
+def test_varlen_refuses_one_token_sequences_on_cuda():
+    """S = 1: FA-2's backward returned a wrong dq (5.7e31, H200, torch 2.11): refused, with why."""
+    q, k, v = (torch.randn(2, heads, 1, 32, device="cuda", dtype=torch.bfloat16) for heads in (8, 2, 2))
+    idx = torch.zeros(2, 2, 1, 3, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match="S = 1"):
+        sel.choose_backend(q, k, v, idx, 64, "varlen")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S,ls", [(2, 64), (63, 64), (100, 64), (100, 16)])
 def test_varlen_odd_sizes_on_cuda(S, ls):
-    """S = 1 (FA-2 takes its one-query path for the current blocks), S < l', S not a multiple of
-    l', against the float64 reference, bf16, h = 4, batch 2, a duplicate."""
+    """S = 2 (the smallest accepted), S < l', S not a multiple of l', against the float64
+    reference, bf16, h = 4, batch 2, a duplicate."""
     g = torch.Generator(device="cuda").manual_seed(S + ls)
     h, G, D, n = 4, 2, 32, 3
     q, k, v, grad = (torch.randn(B, S, heads, D, device="cuda", generator=g).to(torch.bfloat16).transpose(1, 2)

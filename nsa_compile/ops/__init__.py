@@ -8,7 +8,15 @@ The passes choose each op's backend from the fake tensors at compile time and wr
 graph: window `flash` | `reference`, selection `triton` | `reference` (see each module).
 """
 
+from .block_select import select_blocks
+from .compressed import compressed_attention, compressed_attention_backward
+from .gated_combine import gated_combine_backward, gated_sum
+from .rope import projection_rope, projection_rope_backward
 from .selection import selected_attention, selected_attention_backward
 from .window import window_attention, window_attention_backward
 
-__all__ = ["selected_attention", "selected_attention_backward", "window_attention", "window_attention_backward"]
+__all__ = [
+    "gated_combine_backward", "gated_sum", "projection_rope", "projection_rope_backward", "select_blocks",
+    "compressed_attention", "compressed_attention_backward", "selected_attention", "selected_attention_backward",
+    "window_attention", "window_attention_backward",
+]

@@ -79,7 +79,7 @@ def flash_forward(q, k, v, scale: float, window: int | None = None) -> tuple[tor
     B, H, S, _ = q.shape
     cu = _cu_seqlens(B, S, q.device)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        _flat(q), _flat(k), _flat(v), cu, cu, max_q_bound(S), S, 0.0, True, False, scale=scale,
+        _flat(q), _flat(k), _flat(v), cu, cu, max_q_bound(S), max_q_bound(S), 0.0, True, False, scale=scale,
         **_window_args(window)
     )
     # lse comes as [H, B * S] in the varlen form
@@ -94,7 +94,7 @@ def flash_backward(grad_o, q, k, v, o, lse, scale: float, window: int | None = N
     unused = torch.empty(0, device=q.device)
     lse_flat = lse.transpose(0, 1).reshape(H, B * S)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        _flat(grad_o.to(q.dtype)), _flat(q), _flat(k), _flat(v), _flat(o), lse_flat, cu, cu, max_q_bound(S), S, 0.0, True,
+        _flat(grad_o.to(q.dtype)), _flat(q), _flat(k), _flat(v), _flat(o), lse_flat, cu, cu, max_q_bound(S), max_q_bound(S), 0.0, True,
         rng_state, unused, scale=scale, **_window_args(window)
     )
     return _unflat(dq, B, S), _unflat(dk, B, S), _unflat(dv, B, S)

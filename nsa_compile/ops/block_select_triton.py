@@ -1,0 +1,375 @@
+"""Triton kernel for NSA block selection (section 3): importance recomputed from the compressed
+branch's log-sum-exp, mapped onto selection blocks and ranked, in one pass, without storing
+the [B, H, S, Tc] probabilities or the [B, G, S, Ns] scores.
+
+    block_idx = select_blocks_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale)
+    why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected)   # None: it can run
+
+Same contract as the `reference` backend of `nsa::select_blocks` (nsa_compile/ops/block_select.py):
+q [B, H, S, Dk], pooled keys k [B, G, Tc, Dk] (H = G * h), lse [B, H, S] float32, any strides;
+block_idx [B, G, S, n] int64 (contiguous), ascending, -1 padded. With l = cmp_block, d = cmp_stride,
+l' = sel_block, m = l' / d (compression strides per selection block).
+
+The kernel, grid (ceil(S / BLOCK_M), B * G): one program per (query tile of BLOCK_M tokens, batch,
+group); the tiles of one (batch, group) run heaviest (latest) first, for a short tail. It loads the
+group's h heads of its BLOCK_M queries as the rows of one [BLOCK_M * HC, Dk] tile (row = query *
+HC + head; HC = the next power of two of h, at most 16 (1 for fp32); more heads are several
+chunks of HC, reloaded per tile) and its lse, then walks the compression blocks in tiles of TC
+(TC * d = NS * l': a tile holds NS whole selection blocks), up to the last selection block its
+latest query may choose, the next tile's keys loaded while this one is worked on (Triton's
+pipeliner leaves this loop alone):
+- s = q_rows @ k_tile^T (fp32 accumulation; fp32 inputs with IEEE precision, no TF32), rounded to
+  the input dtype and back as eager's `upcast(q @ k^T)` does, times scale (an fp32 scalar, as
+  eager's multiply by a Python float);
+- p = exp(s - lse) where block i is visible to the row's token t (i*d + l - 1 <= t, i < Tc), else 0;
+- the group's heads summed (one reduction over the head axis of the [BLOCK_M, HC, TC] view);
+- the overlap map onto the tile's NS selection blocks as one fp32 IEEE tl.dot of [previous tile's
+  sums | this tile's sums] (2*TC columns, ascending compression block) with the constant
+  [2*TC, KS] matrix of overlap(i, j) / l (built on the host with eager's arithmetic; the previous
+  tile supplies the l/d - 1 compression blocks that reach into the first selection block; column
+  j >= NS is zero and never a candidate);
+- the ranking key of eager, packed into one int64 per (query, block), high word the float32 bits
+  of the key (+inf for forced blocks, p_grp >= 0 for candidates: nonnegative floats order like
+  their bits) or -1 for a non-candidate, low word 2^31 - 1 - j, so that a descending order of the
+  integers is eager's stable descending sort (ties to the lower block index) and no two keys of a
+  row are equal;
+- merged into a running top-KS per query (sorted descending, in registers): the tile's keys are
+  sorted ascending by a bitonic network, the elementwise max with the running list is the top KS
+  of both (a bitonic sequence), a bitonic merge sorts it. The merge is skipped when no key of the
+  tile beats any query's running minimum.
+At the end the first n of each query's list that are > -1 (forced or candidates) are decoded,
+sorted ascending by the same network, and written with -1 padding.
+
+KS = max(16, next power of two of n) >= n: the list keeps at least n, so its first n are eager's.
+Summation order: the heads are summed before the overlap map (eager maps each head, then sums),
+and on the GPU s * scale - lse is one fused multiply-add: both are exact formulas rounded in fp32
+differently, so only near ties (within ~1e-6 relative) can be ranked differently. Every column
+of a tile is computed by the same operations, so exact ties stay exact and go to the lower block.
+
+The bitonic network is this module's own (`_compare_swap` and friends), written with Triton's
+builtin reshape / min / max / where, not tl.sort / tl.topk: those are @triton.jit library
+functions that Triton's CPU interpreter cannot call from a kernel built after triton was imported
+(the tests run the kernel interpreted), so one network serves both and is tested on the CPU.
+
+Supported (`unsupported_reason` says why not): CUDA tensors, or any device under TRITON_INTERPRET=1;
+q and k both fp16, bf16 or fp32; Dk <= 256; d divides l and l', m = l' / d a power of two <= 128
+(a tile of compression blocks must hold whole selection blocks), l <= (TC + 1) * d (the previous
+tile covers the first block's reach); n <= 128; S < 2^31.
+
+CPU interpreter: built on first use (`_kernels`), as in selection_triton.py: TRITON_INTERPRET only
+has to be set before the first call (`_kernels.cache_clear()` rebuilds); interpreted, bf16 dot
+operands are cast to fp32 first (the interpreter multiplies bf16 as raw bits) and the reductions
+are tl.reduce with triton's combine functions (see selection_triton._set_reductions).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the module still imports; unsupported_reason says why the kernel cannot run
+    triton = tl = None
+
+__all__ = ["select_blocks_forward", "unsupported_reason"]
+
+MAX_HEAD_DIM = 256
+MAX_SELECTED = 128
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _interpreting() -> bool:
+    """Whether triton.jit builds kernels for Triton's CPU interpreter (Triton's own setting)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tiles(h: int, Dk: int, cmp_stride: int, sel_block: int, n_selected: int, fp32: bool,
+           override: dict | None = None) -> dict:  # fmt: skip
+    """Tile sizes: HC heads per chunk, BLOCK_M queries, TC compression blocks (NS = TC / m
+    selection blocks) per tile, KS keys kept per query; warps. Every tl.dot dimension is a power
+    of two >= 16: BLOCK_M >= 16 (the overlap dot's rows), HC * BLOCK_M rows in the score dot.
+    `override` replaces single entries (tools/bench_block_select.py --tiles)."""
+    m = sel_block // cmp_stride
+    ks = max(16, _next_pow2(n_selected))
+    if fp32:
+        # IEEE fp32 dots run on FMA units and need many registers: one head per chunk, small
+        # tiles (on sm_90 a few spilled registers at Dk 128, larger tiles spill kilobytes;
+        # correct, not fast)
+        hc, block_m, tc_cap, warps = 1, 16, 16, 4
+    else:
+        hc = min(_next_pow2(h), 16)
+        block_m = max(16, min(64, 128 // hc))  # rows of the score dot: 128, or 256 at h = 16
+        # sm_90 (ptxas, Triton 3.6, bf16, no GPU timing yet): 256 rows (h = 16) with TC 64 take
+        # 255 registers (one block per SM either way); 128 rows with TC 32 take 120-160, and at
+        # Dk 64 (the seed's h = 6) two blocks of 8 warps fit an SM
+        tc_cap, warps = (64 if hc * block_m >= 256 else 32), 8
+    tc = max(min(tc_cap, ks * m), m, 16)  # NS = tc / m <= ks, at least one selection block
+    tiles = {"HC": hc, "BLOCK_M": block_m, "TC": tc, "KS": ks, "DK_P": max(16, _next_pow2(Dk)), "num_warps": warps}
+    for name, value in (override or {}).items():
+        if name not in tiles and name != "num_stages":
+            raise ValueError(f"_tiles: unknown tile parameter {name!r}")
+        tiles[name] = value
+    pow2 = lambda x: x >= 1 and x & (x - 1) == 0
+    if not (all(pow2(tiles[n]) for n in ("HC", "BLOCK_M", "TC", "KS")) and tiles["BLOCK_M"] >= 16
+            and tiles["TC"] >= 16 and tiles["KS"] >= ks and tiles["TC"] % m == 0 and tiles["TC"] // m <= tiles["KS"]):
+        raise ValueError(f"_tiles: {tiles} (HC, BLOCK_M, TC, KS powers of two; BLOCK_M, TC >= 16; "
+                         f"KS >= {ks}; TC a multiple of l'/d = {m} with TC / {m} <= KS)")  # fmt: skip
+    return tiles
+
+
+def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected) -> str | None:
+    """Why the Triton kernel cannot run these inputs, or None when it can."""
+    if triton is None:
+        return "triton is not installed"
+    devices = {t.device.type for t in (q, k, lse)}
+    if len(devices) != 1:
+        return f"tensors on several devices: {sorted(devices)}"
+    if devices != {"cuda"} and not _interpreting():
+        return f"device {devices.pop()} (needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter)"
+    if q.dtype != k.dtype or q.dtype not in _DTYPES:
+        return f"dtypes q {q.dtype}, k {k.dtype} (needs one of fp16, bf16, fp32 for both)"
+    if q.dim() != 4 or k.dim() != 4:
+        return "q and k must be 4-D"
+    if q.shape[3] > MAX_HEAD_DIM:
+        return f"head dim {q.shape[3]} (at most {MAX_HEAD_DIM})"
+    if lse.dtype != torch.float32:
+        return f"lse dtype {lse.dtype} (needs float32)"
+    l, d, ls = cmp_block, cmp_stride, sel_block
+    for v in (l, d, ls, n_selected):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            return f"block sizes and n must be ints >= 1, got {(l, d, ls, n_selected)}"
+    if l % d or ls % d:
+        return f"the stride d={d} must divide l={l} and l'={ls}"
+    m = ls // d
+    if m & (m - 1) or m > 128:
+        return f"l' / d = {m} (needs a power of two <= 128: a tile of compression blocks holds whole selection blocks)"
+    if n_selected > MAX_SELECTED:
+        return f"n_selected {n_selected} (at most {MAX_SELECTED}: the running top-n lives in registers)"
+    G = k.shape[1]
+    h = q.shape[1] // max(G, 1)
+    tc = _tiles(h, q.shape[3], d, ls, n_selected, q.dtype == torch.float32)["TC"]
+    if l > (tc + 1) * d:
+        return f"l={l} > (TC + 1) * d = {(tc + 1) * d} (a selection block's reach back past one tile)"
+    if q.shape[2] >= 2**31 or k.shape[2] >= 2**31:
+        return f"S={q.shape[2]}, Tc={k.shape[2]} (block ids are packed into 31 bits)"
+    return None
+
+
+def _set_reductions() -> None:
+    """Row max / min / sum for the kernel (module globals, looked up when the kernel runs):
+    tl.max / tl.min / tl.sum compiled; interpreted, tl.reduce with triton's combine functions (the
+    library reductions are @triton.jit functions the interpreter cannot call here; see
+    selection_triton._set_reductions)."""
+    global _vmax, _vmin, _vsum, _built_interpreted
+    _built_interpreted = _interpreting()
+    if _built_interpreted:
+        _vmax = lambda x, axis: tl.reduce(x, axis, tl.standard._elementwise_max)
+        _vmin = lambda x, axis: tl.reduce(x, axis, tl.standard._elementwise_min)
+        _vsum = lambda x, axis: tl.reduce(x, axis, tl.standard._sum_combine)
+    else:
+        _vmax, _vmin, _vsum = tl.max, tl.min, tl.sum
+
+
+_vmax = _vmin = _vsum = None
+_compare_swap = _sort_rows = _merge_top = None
+_built_interpreted = False
+
+
+@functools.cache
+def _kernels():
+    """The kernel, built on first use (TRITON_INTERPRET is read when it is built). Its helpers
+    become module globals: the interpreter and the JIT both resolve a kernel's callees there."""
+    global _compare_swap, _sort_rows, _merge_top
+    _set_reductions()
+
+    @triton.jit
+    def _compare_swap(x, M: tl.constexpr, N: tl.constexpr, DIST: tl.constexpr, SPAN: tl.constexpr,
+                      DESC: tl.constexpr):  # fmt: skip
+        """One step of a bitonic network on each row of x [M, N]: the elements at positions p and
+        p + DIST (p & DIST == 0) are put in order: ascending where p & SPAN == 0, descending
+        elsewhere (SPAN = 2N: one direction for the whole row), all reversed when DESC."""
+        pairs: tl.constexpr = N // (2 * DIST)
+        xr = tl.reshape(x, [M, pairs, 2, DIST])  # position = pair * 2 DIST + half * DIST + offset
+        lo = _vmin(xr, 2)[:, :, None, :]  # [M, pairs, 1, DIST]
+        hi = _vmax(xr, 2)[:, :, None, :]
+        first = tl.arange(0, pairs)[:, None] * (2 * DIST) + tl.arange(0, DIST)[None, :]  # [pairs, DIST]
+        if DESC:
+            ascending = (first & SPAN) != 0
+        else:
+            ascending = (first & SPAN) == 0
+        upper = (tl.arange(0, 2) == 1)[:, None]  # [2, 1]
+        # ascending: the lower position takes the min, the upper one the max; descending: swapped
+        take_hi = upper[None, None, :, :] == ascending[None, :, None, :]  # [1, pairs, 2, DIST]
+        return tl.reshape(tl.where(take_hi, hi, lo), [M, N])
+
+    @triton.jit
+    def _sort_rows(x, M: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr, DESC: tl.constexpr):
+        """Each row of x [M, N] (N = 2^LOG_N) sorted (bitonic sort)."""
+        for s in tl.static_range(1, LOG_N + 1):  # sorted runs of 2^s
+            for r in tl.static_range(s):
+                x = _compare_swap(x, M, N, 1 << (s - 1 - r), 1 << s, DESC)
+        return x
+
+    @triton.jit
+    def _merge_top(run, new, M: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
+        """The N largest of each row of run [M, N] (sorted descending) and new [M, N] (any order),
+        sorted descending: new sorted ascending, the elementwise max (the top N of both, a
+        bitonic sequence), then a bitonic merge."""
+        top = tl.maximum(run, _sort_rows(new, M, N, LOG_N, False))
+        for r in tl.static_range(LOG_N):
+            top = _compare_swap(top, M, N, N >> (r + 1), 2 * N, True)
+        return top
+
+    @triton.jit
+    def select_kernel(
+        Q, KC, LSE, W, OUT,
+        sqb, sqh, sqs, sqd, skb, skg, skt, skd, slb, slh, sls, sob, sog, sos,
+        S, G, Tc, N_SEL, L, D, LS, scale,
+        HPG: tl.constexpr, HC: tl.constexpr, NHC: tl.constexpr, DK: tl.constexpr, DK_P: tl.constexpr,
+        BLOCK_M: tl.constexpr, TC: tl.constexpr, NS: tl.constexpr, KS: tl.constexpr, LOG_KS: tl.constexpr,
+        PREC: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        # heaviest (latest) query tiles first: a short tail for the causal imbalance
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        bg = tl.program_id(1)
+        b = (bg // G).to(tl.int64)
+        g = bg % G
+        ROWS: tl.constexpr = BLOCK_M * HC
+        row = tl.arange(0, ROWS)
+        t_row = tile * BLOCK_M + row // HC  # [ROWS] token of each (query, head) row
+        t_q = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        dk = tl.arange(0, DK_P)
+        dk_ok = dk < DK
+        k_base = KC + b * skb + g.to(tl.int64) * skg
+        if NHC == 1:  # all heads in one chunk: q and lse stay in registers for the whole loop
+            head = row % HC
+            row_ok = (head < HPG) & (t_row < S)
+            hd = (g * HPG + head).to(tl.int64)
+            q0 = tl.load(Q + b * sqb + hd[:, None] * sqh + t_row.to(tl.int64)[:, None] * sqs + dk[None, :] * sqd,
+                         mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
+            if UPCAST:
+                q0 = q0.to(tl.float32)
+            lse0 = tl.load(LSE + b * slb + hd * slh + t_row.to(tl.int64) * sls, mask=row_ok, other=0.0)
+        cur = t_q // LS  # [BLOCK_M] the current selection block
+        t_last = tl.minimum(tile * BLOCK_M + BLOCK_M, S) - 1
+        n_tiles = (t_last // LS) // NS + 1  # up to the latest query's current block
+        kk = tl.arange(0, 2 * TC)
+        jj = tl.arange(0, KS)
+        w = tl.load(W + kk[:, None] * KS + jj[None, :])  # [2 TC, KS] overlap / l: previous | this tile
+        ic = tl.arange(0, TC)
+        prev = tl.full([BLOCK_M, TC], 0.0, tl.float32)  # the previous tile's head sums (none before 0)
+        run = tl.full([BLOCK_M, KS], -1, tl.int64)  # running top KS keys, descending (-1: none)
+        kt = tl.load(k_base + ic.to(tl.int64)[:, None] * skt + dk[None, :] * skd,
+                     mask=(ic < Tc)[:, None] & dk_ok[None, :], other=0.0)  # [TC, DK_P] the first tile
+        for c in range(n_tiles):
+            i = c * TC + ic  # [TC] compression blocks of this tile
+            # the next tile's keys requested now, used next iteration: the load overlaps this work
+            i_next = i + TC
+            kt_next = tl.load(k_base + i_next.to(tl.int64)[:, None] * skt + dk[None, :] * skd,
+                              mask=(i_next < Tc)[:, None] & dk_ok[None, :], other=0.0)
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            psum = tl.full([BLOCK_M, TC], 0.0, tl.float32)
+            for hc in tl.static_range(NHC):
+                if NHC == 1:
+                    q = q0
+                    lse = lse0
+                    ok = row_ok
+                else:
+                    head = hc * HC + row % HC
+                    ok = (head < HPG) & (t_row < S)
+                    hd = (g * HPG + head).to(tl.int64)
+                    q = tl.load(Q + b * sqb + hd[:, None] * sqh + t_row.to(tl.int64)[:, None] * sqs + dk[None, :] * sqd,
+                                mask=ok[:, None] & dk_ok[None, :], other=0.0)
+                    if UPCAST:
+                        q = q.to(tl.float32)
+                    lse = tl.load(LSE + b * slb + hd * slh + t_row.to(tl.int64) * sls, mask=ok, other=0.0)
+                s = tl.dot(q, tl.trans(kt), input_precision=PREC)  # [ROWS, TC] fp32
+                if ROUND:  # eager's q @ k^T is rounded to the input dtype before the upcast
+                    s = s.to(Q.dtype.element_ty).to(tl.float32)
+                vis = ok[:, None] & (i < Tc)[None, :] & (i[None, :] * D + L - 1 <= t_row[:, None])
+                # where, not multiply: a row without a visible block has lse = -inf (exp = inf)
+                p = tl.where(vis, tl.exp(s * scale - lse[:, None]), 0.0)
+                psum += _vsum(tl.reshape(p, [BLOCK_M, HC, TC]), 1)  # the group's heads summed
+            # [previous | this tile] in ascending compression block, then the overlap map
+            both = tl.reshape(tl.permute(tl.join(prev, psum), (0, 2, 1)), [BLOCK_M, 2 * TC])
+            p_grp = tl.dot(both, w, input_precision="ieee")  # [BLOCK_M, KS]
+            prev = psum
+            j = c * NS + jj  # [KS] selection blocks (columns >= NS: none)
+            real = (jj < NS)[None, :]
+            forced = real & ((j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1))
+            candidate = real & (j[None, :] * LS <= t_q[:, None])
+            bits = tl.where(forced, 0x7F800000, tl.where(candidate, p_grp.to(tl.int32, bitcast=True), -1))
+            key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)[None, :]  # [BLOCK_M, KS]
+            # merge only when some key beats some query's running minimum (the list's last entry)
+            beats = _vmax(key, 1) > _vmin(run, 1)  # [BLOCK_M]
+            if _vmax(beats.to(tl.int32), 0) > 0:
+                run = _merge_top(run, key, BLOCK_M, KS, LOG_KS)
+            kt = kt_next
+
+        # the first n keys of each query that are forced or candidates, as ascending block ids
+        pos = tl.arange(0, KS)[None, :]
+        none: tl.constexpr = 0x7FFFFFFF
+        ids = tl.where((pos < N_SEL) & (run >= 0), 0x7FFFFFFF - (run & 0x7FFFFFFF), none)
+        ids = _sort_rows(ids, BLOCK_M, KS, LOG_KS, False)
+        out_ptrs = OUT + b * sob + g.to(tl.int64) * sog + t_q.to(tl.int64)[:, None] * sos + pos
+        tl.store(out_ptrs, tl.where(ids == none, -1, ids), mask=(t_q < S)[:, None] & (pos < N_SEL))
+
+    return select_kernel
+
+
+def _overlap_matrix(TC: int, NS: int, KS: int, cmp_block: int, cmp_stride: int, sel_block: int, device):
+    """[2*TC, KS] float32: row r is compression block r - TC relative to a tile's first one (the
+    previous tile, then this one), column j < NS the tile's selection block j, the entry
+    overlap / l with eager's arithmetic (int overlap -> float32, / l); columns >= NS zero."""
+    l, d, ls = cmp_block, cmp_stride, sel_block
+    i = torch.arange(-TC, TC, device=device)[:, None]
+    j = torch.arange(KS, device=device)[None, :]
+    overlap = (torch.minimum(i * d + l, (j + 1) * ls) - torch.maximum(i * d, j * ls)).clamp(min=0)
+    overlap = torch.where(j < NS, overlap, 0)
+    return (overlap.to(torch.float32) / l).contiguous()
+
+
+def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int,
+                          scale: float, *, tiles: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """block_idx [B, G, S, n_selected] int64 (see the module docstring). `tiles`: an override of
+    `_tiles` (tools/bench_block_select.py); None, the default tiles."""
+    why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected)
+    if why is not None:
+        raise ValueError(f"select_blocks (triton): cannot run these inputs: {why}")
+    B, H, S, Dk = q.shape
+    G, Tc = k.shape[1], k.shape[2]
+    h = H // G
+    out = torch.empty((B, G, S, n_selected), dtype=torch.int64, device=q.device)
+    if out.numel() == 0:
+        return out
+    T = _tiles(h, Dk, cmp_stride, sel_block, n_selected, q.dtype == torch.float32, tiles)
+    if cmp_block > (T["TC"] + 1) * cmp_stride:
+        raise ValueError(f"select_blocks (triton): tiles {T}: l={cmp_block} reaches back past one tile of TC blocks")
+    m = sel_block // cmp_stride
+    NS = T["TC"] // m
+    w = _overlap_matrix(T["TC"], NS, T["KS"], cmp_block, cmp_stride, sel_block, q.device)
+    kernel = _kernels()
+    launch = {"num_warps": T["num_warps"]} | ({"num_stages": T["num_stages"]} if "num_stages" in T else {})
+    grid = (_cdiv(S, T["BLOCK_M"]), B * G)
+    kernel[grid](
+        q, k, lse, w, out,
+        *q.stride(), *k.stride(), *lse.stride(), *out.stride()[:3],
+        S, G, Tc, n_selected, cmp_block, cmp_stride, sel_block, scale,
+        HPG=h, HC=T["HC"], NHC=_cdiv(h, T["HC"]), DK=Dk, DK_P=T["DK_P"], BLOCK_M=T["BLOCK_M"], TC=T["TC"], NS=NS,
+        KS=T["KS"], LOG_KS=T["KS"].bit_length() - 1,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        ROUND=q.dtype != torch.float32, UPCAST=q.dtype == torch.bfloat16 and _built_interpreted, **launch,
+    )  # fmt: skip
+    return out

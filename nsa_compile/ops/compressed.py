@@ -1,0 +1,307 @@
+"""Compressed-token attention with GQA as a functional custom op (NSA section 2).
+
+    o, lse = torch.ops.nsa.compressed_attention(q, k, v, block, stride, scale, backend)
+    o = compressed_attention(q, k, v, block, stride, scale, backend="auto")   # the output only
+
+q [B, H, S, Dk] (normally a transposed view of [B, S, H, Dk] memory), k [B, G, Tc, Dk] and
+v [B, G, Tc, Dv]: the pooled compression tokens K~, V~ (one per compression block), H = G * h;
+query head j reads KV head j // h (GQA-native: K and V are never repeated). Query t sees
+compression block i iff i * stride + block - 1 <= t (the whole block lies in the past: a
+staircase mask; block = l, stride = d). Tc is whatever k has: blocks that no query t < S can see
+are simply never read. o [B, H, S, Dv] in v's dtype (a view of [B, S, H, Dv] memory), lse
+[B, H, S] float32 (natural log; float32 for float64 inputs too, as nsa::selected_attention).
+The arithmetic is the eager model's (`NSAAttention.compressed_attention`, models/nsa.py) step
+for step:
+
+    scores = upcast(q @ k^T) * scale         # q @ k^T rounded to q's dtype, then fp16/bf16 -> fp32
+    p = softmax(scores.masked_fill(~visible, -inf), dim=-1)
+    o = p.to(v.dtype) @ v
+
+lse is the log-sum-exp of exactly those scores over the visible blocks, so a later consumer can
+rebuild p = exp(scores - lse) (the block selection does). A row without a visible block (t <
+block - 1, or Tc = 0 when S < block: both are valid inputs) gets o = 0, lse = -inf and zero
+gradients, never NaN. lse is not differentiable.
+
+Backward is a second op, `nsa::compressed_attention_backward(grad_o, q, k, v, o, lse, block,
+stride, scale, backend) -> (dq, dk, dv)`: dq in q's dtype ([B, S, H, Dk] memory), dk and dv with
+the shapes and dtypes of k and v, summed over each group's h query heads.
+
+Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
+- `triton` (CUDA): the flash-style kernels of nsa_compile/ops/compressed_triton.py (online
+  softmax over tiles of compression tokens, the staircase mask only on the diagonal tiles,
+  deterministic backward without atomics).
+- `reference` (every device and dtype): PyTorch, chunked over query rows. A chunk of C queries
+  [t0, t1) reads only the blocks the last of them can see, so memory is O(B * H * C * Tc) and
+  the [B, H, S, Tc] scores are never built at once; C is as large as REFERENCE_BUDGET allows
+  (few Python iterations on CUDA). The group's h heads are folded into the rows of one matmul
+  per (batch, group), so K and V are read once per group. The backward recomputes each chunk's
+  probabilities and applies the formulas autograd applies to the eager graph (written out, see
+  `_reference_backward`), accumulating dk and dv in float32 (float64 for float64).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import compressed_triton
+from .common import bshd_empty, check_grad_o, check_positive_int, upcast_dtype
+
+__all__ = ["BACKENDS", "choose_backend", "compressed_attention", "compressed_attention_backward"]
+
+BACKENDS = ("auto", "triton", "reference")
+
+# Elements of one chunk's score tensor [B, H, C, Tc] in the reference backend: C follows from it.
+# 2**25 fp32 scores are 128 MiB, and a chunk holds a few tensors of that size; at the paper shape
+# (H 64, Tc 4095 at 64k) that is C = 128 query rows, 512 chunks.
+REFERENCE_BUDGET = 2**25
+# Query rows per chunk, overriding the budget (None: from the budget; a module constant so tests
+# can put chunk boundaries inside small sequences).
+REFERENCE_CHUNK: int | None = None
+
+
+def choose_backend(q, k, v, block, stride, backend: str = "auto") -> str:
+    """The backend that computes these inputs: `backend` itself, or for 'auto' triton where it can
+    run on CUDA and reference elsewhere. ValueError if a named backend cannot run them (with why).
+    (Named explicitly, triton also runs on the CPU under TRITON_INTERPRET=1: the tests do that.)"""
+    if backend not in BACKENDS:
+        raise ValueError(f"compressed_attention: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend == "triton":
+        why = compressed_triton.unsupported_reason(q, k, v, block, stride)
+        if why:
+            raise ValueError(f"compressed_attention: backend 'triton' cannot run these inputs: {why}")
+    if backend == "auto":
+        return "reference" if why_not_triton(q, k, v, block, stride) else "triton"
+    return backend
+
+
+def why_not_triton(q, k, v, block, stride) -> str | None:
+    """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
+    if q.device.type != "cuda":
+        return f"the Triton kernels run on CUDA (tensors on {q.device.type})"
+    return compressed_triton.unsupported_reason(q, k, v, block, stride)
+
+
+def _check(q, k, v, block, stride, scale, backend="auto") -> str:
+    """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
+    dtypes, block, stride and backend are valid. (common.check_qkv does not fit: k and v hold Tc
+    compression tokens, not S.)"""
+    op = "compressed_attention"
+    for name, t, want in (("q", q, "[B, H, S, Dk]"), ("k", k, "[B, G, Tc, Dk]"), ("v", v, "[B, G, Tc, Dv]")):
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be 4-D {want}, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
+    if q.dtype != k.dtype:
+        raise ValueError(f"{op}: q and k must share a dtype (q @ k^T), got {q.dtype} and {k.dtype}")
+    if len({q.device, k.device, v.device}) != 1:
+        raise ValueError(f"{op}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, H, _, Dk = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"{op}: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[3] != Dk:
+        raise ValueError(f"{op}: q and k head dims differ: {Dk} and {k.shape[3]}")
+    G = k.shape[1]
+    if v.shape[1] != G:
+        raise ValueError(f"{op}: k and v must have the same number of KV heads, got {G} and {v.shape[1]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"{op}: k and v must hold the same number of compression tokens, got {k.shape[2]} and {v.shape[2]}"
+        )
+    if G < 1:
+        raise ValueError(f"{op}: k and v need at least one KV head (G >= 1)")
+    if H % G != 0:
+        raise ValueError(f"{op}: query heads H={H} must be a multiple of KV heads G={G}")
+    check_positive_int(op, "block", block)
+    check_positive_int(op, "stride", stride)
+    return choose_backend(q, k, v, block, stride, backend)
+
+
+def visible_blocks(t: int, block: int, stride: int, Tc: int) -> int:
+    """How many compression blocks query t sees: blocks 0 .. n-1 with i * stride + block - 1 <= t."""
+    if t < block - 1:
+        return 0
+    return min(Tc, (t - block + 1) // stride + 1)
+
+
+def _chunk_rows(B: int, H: int, Tc: int, chunk: int | None) -> int:
+    if chunk is not None:
+        return chunk
+    if REFERENCE_CHUNK is not None:
+        return REFERENCE_CHUNK
+    return max(1, REFERENCE_BUDGET // max(1, B * H * Tc))
+
+
+def _chunks(S: int, B: int, H: int, Tc: int, block: int, stride: int, chunk: int | None):
+    """(t0, t1, n): query rows [t0, t1) and the number of blocks the last of them sees (every
+    row of the chunk sees a prefix of those n: the staircase)."""
+    rows = _chunk_rows(B, H, Tc, chunk)
+    for t0 in range(0, S, rows):
+        t1 = min(S, t0 + rows)
+        yield t0, t1, visible_blocks(t1 - 1, block, stride, Tc)
+
+
+def _rows(x: torch.Tensor, G: int, t0: int, t1: int) -> torch.Tensor:
+    """x [B, H, S, D] -> the chunk's rows [B, G, h * c, D] (head-major inside the group: a copy
+    when x is a transposed view, which the matmul would make anyway)."""
+    B, H, _, D = x.shape
+    return x.unflatten(1, (G, H // G))[:, :, :, t0:t1].reshape(B, G, (H // G) * (t1 - t0), D)
+
+
+def _put_rows(out: torch.Tensor, G: int, t0: int, t1: int, rows: torch.Tensor) -> None:
+    """out [B, H, S, ...][:, :, t0:t1] = rows [B, G, h * c, ...] (the layout of `_rows`)."""
+    B, H = out.shape[:2]
+    out.unflatten(1, (G, H // G))[:, :, :, t0:t1] = rows.view(B, G, H // G, t1 - t0, *out.shape[3:])
+
+
+def _visible(t0: int, t1: int, n: int, block: int, stride: int, h: int, device) -> torch.Tensor:
+    """[h * c, n] bool: row (head, t) of the chunk sees block i (the same for every head)."""
+    t = torch.arange(t0, t1, device=device)[:, None]
+    i = torch.arange(n, device=device)[None, :]
+    return (i * stride + block - 1 <= t).repeat(h, 1)
+
+
+def _chunk_probs(qc, kc, visible, scale, empty_rows: bool):
+    """Softmax probabilities [B, G, R, n] in the upcast dtype (zero where invisible and on rows
+    without a visible block), and the rows' log-sum-exp [B, G, R] in float32 (-inf on those rows).
+    `empty_rows`: whether the chunk has rows without a visible block (t < block - 1). Only then
+    does it take the eager steps for them: masked_fill(~has_block, 0) keeps softmax finite, and
+    `* visible` zeroes those rows (elsewhere it is an exact no-op: exp(-inf) = 0), two passes over
+    the scores that the other chunks skip."""
+    scores = (qc @ kc.transpose(-1, -2)).to(upcast_dtype(qc.dtype)) * scale  # [B, G, R, n]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1).float()
+    if not empty_rows:
+        return torch.softmax(scores, dim=-1), lse
+    has_block = visible.any(dim=-1, keepdim=True)  # [R, 1]
+    return torch.softmax(scores.masked_fill(~has_block, 0.0), dim=-1) * visible, lse
+
+
+def _reference_forward(q, k, v, block: int, stride: int, scale: float, chunk: int | None = None):
+    B, H, S, _ = q.shape
+    G, Tc, Dv = k.shape[1], k.shape[2], v.shape[3]
+    h = H // G
+    out = bshd_empty(B, H, S, Dv, v)
+    lse = q.new_empty((B, H, S), dtype=torch.float32)
+    for t0, t1, n in _chunks(S, B, H, Tc, block, stride, chunk):
+        if n == 0:  # no row of the chunk sees a block yet
+            out[:, :, t0:t1] = 0
+            lse[:, :, t0:t1] = float("-inf")
+            continue
+        visible = _visible(t0, t1, n, block, stride, h, q.device)
+        p, row_lse = _chunk_probs(_rows(q, G, t0, t1), k[:, :, :n], visible, scale, t0 < block - 1)
+        _put_rows(out, G, t0, t1, p.to(v.dtype) @ v[:, :, :n])  # [B, G, R, Dv]
+        _put_rows(lse, G, t0, t1, row_lse)
+    return out, lse
+
+
+def _reference_backward(grad_o, q, k, v, block: int, stride: int, scale: float, chunk: int | None = None):
+    """dq, dk, dv by recomputing each chunk and applying autograd's formulas for the eager graph.
+
+    Autograd itself cannot run here: a custom op's kernel runs with the autograd dispatch keys
+    excluded. The steps below are the backward formulas of the forward's ops, in reverse, in the
+    same dtypes:
+        o = pv @ v              ->  d_pv = g @ v^T,  dv = pv^T @ g              (v's dtype)
+        pv = p.to(v.dtype)      ->  dp = d_pv.to(p.dtype)
+        p = softmax(sm) * vis   ->  d_sm = _softmax_backward_data(dp, p)       (upcast dtype;
+                                    p is 0 where invisible and on empty rows, so d_sm is too)
+        s = a.to(up) * scale    ->  da = (d_sm * scale).to(q.dtype)
+        a = q @ k^T             ->  dq = da @ k,  dk = da^T @ q                 (q's dtype)
+    One chunk's dk and dv are already summed over the group's heads (the h * c rows contract in
+    one matmul); they accumulate over chunks in the upcast dtype and are cast once at the end.
+    """
+    B, H, S, Dk = q.shape
+    G, Tc, Dv = k.shape[1], k.shape[2], v.shape[3]
+    h = H // G
+    up = upcast_dtype(q.dtype)
+    dq = bshd_empty(B, H, S, Dk, q)
+    # accumulators in the upcast dtype, laid out like the outputs: the final cast keeps the layout
+    dk = bshd_empty(B, G, Tc, Dk, k, upcast_dtype(k.dtype)).zero_()
+    dv = bshd_empty(B, G, Tc, Dv, v, upcast_dtype(v.dtype)).zero_()
+    for t0, t1, n in _chunks(S, B, H, Tc, block, stride, chunk):
+        if n == 0:
+            dq[:, :, t0:t1] = 0
+            continue
+        visible = _visible(t0, t1, n, block, stride, h, q.device)
+        qc, kc, vc = _rows(q, G, t0, t1), k[:, :, :n], v[:, :, :n]
+        g = _rows(grad_o, G, t0, t1).to(v.dtype)  # [B, G, R, Dv]
+        p, _ = _chunk_probs(qc, kc, visible, scale, t0 < block - 1)  # [B, G, R, n]
+        pv = p.to(v.dtype)
+        dv[:, :, :n] += pv.transpose(-1, -2) @ g
+        dp = (g @ vc.transpose(-1, -2)).to(up)
+        d_sm = torch._softmax_backward_data(dp, p, -1, up)
+        da = (d_sm * scale).to(q.dtype)
+        _put_rows(dq, G, t0, t1, da @ kc)
+        dk[:, :, :n] += da.transpose(-1, -2) @ qc
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+@torch.library.custom_op("nsa::compressed_attention", mutates_args=())
+def _compressed_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, stride: int, scale: float, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compressed-token GQA attention: q [B, H, S, Dk], k [B, G, Tc, Dk], v [B, G, Tc, Dv] ->
+    o [B, H, S, Dv] in v's dtype and lse [B, H, S] float32. Query t sees compression token i
+    iff i * stride + block - 1 <= t."""
+    if _check(q, k, v, block, stride, scale, backend) == "triton":
+        return compressed_triton.compressed_forward(q, k, v, block, stride, scale)
+    return _reference_forward(q, k, v, block, stride, scale)
+
+
+@_compressed_attention_op.register_fake
+def _compressed_attention_fake(q, k, v, block, stride, scale, backend="auto"):
+    _check(q, k, v, block, stride, scale, backend)
+    B, H, S, _ = q.shape
+    return bshd_empty(B, H, S, v.shape[3], v), q.new_empty((B, H, S), dtype=torch.float32)
+
+
+def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
+    check_grad_o("compressed_attention_backward", grad_o, q, v)
+
+
+@torch.library.custom_op("nsa::compressed_attention_backward", mutates_args=())
+def compressed_attention_backward(
+    grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    block: int, stride: int, scale: float, backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `compressed_attention`: grad_o [B, H, S, Dv] -> dq [B, H, S, Dk] (q's dtype),
+    dk [B, G, Tc, Dk] (k's dtype), dv [B, G, Tc, Dv] (v's dtype). o and lse are the forward's."""
+    chosen = _check(q, k, v, block, stride, scale, backend)
+    _check_grad(grad_o, q, v)
+    if chosen == "triton":
+        return compressed_triton.compressed_backward(grad_o, q, k, v, o, lse, block, stride, scale)
+    return _reference_backward(grad_o, q, k, v, block, stride, scale)
+
+
+@compressed_attention_backward.register_fake
+def _compressed_attention_backward_fake(grad_o, q, k, v, o, lse, block, stride, scale, backend="auto"):
+    _check(q, k, v, block, stride, scale, backend)
+    _check_grad(grad_o, q, v)
+    B, H, S, Dk = q.shape
+    G, Tc, Dv = k.shape[1], k.shape[2], v.shape[3]
+    return bshd_empty(B, H, S, Dk, q), bshd_empty(B, G, Tc, Dk, k), bshd_empty(B, G, Tc, Dv, v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, block, stride, scale, *backend = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.block, ctx.stride, ctx.scale, ctx.backend = block, stride, scale, (backend or ["auto"])[0]
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_o, _grad_lse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.nsa.compressed_attention_backward(
+        grad_o, q, k, v, o, lse, ctx.block, ctx.stride, ctx.scale, ctx.backend
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+_compressed_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compressed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, stride: int, scale: float, backend: str = "auto"
+) -> torch.Tensor:
+    """The output o of `torch.ops.nsa.compressed_attention` (see the module docstring)."""
+    return torch.ops.nsa.compressed_attention(q, k, v, block, stride, scale, backend)[0]

@@ -1,0 +1,666 @@
+"""Triton kernels for NSA compressed attention (section 2), flash-style, forward and backward.
+
+    o, lse = compressed_forward(q, k, v, block, stride, scale)
+    dq, dk, dv = compressed_backward(grad_o, q, k, v, o, lse, block, stride, scale)
+    why = unsupported_reason(q, k, v, block, stride)        # None when the kernels can run
+
+Same semantics as the `reference` backend of `nsa::compressed_attention` (nsa_compile/ops/compressed.py):
+q [B, H, S, Dk], k [B, G, Tc, Dk], v [B, G, Tc, Dv], H = G * h; query t of head j sees the
+compression tokens i of KV head j // h with i * stride + block - 1 <= t. o [B, H, S, Dv] in v's
+dtype, lse [B, H, S] float32 (natural log; -inf on a row without a visible block, whose output
+and gradients are 0). Strides are passed to the kernels: q, k, v, grad_o may be any strided
+views; o and dq are allocated as [B, S, H, D] memory, dk and dv as [B, Tc, G, D] memory (the
+layouts the op's fakes promise).
+
+Numerics: the score of (t, i) is the eager one, bit for bit where the dot products agree:
+q @ k^T accumulates in fp32, is rounded to q's dtype (as the eager bf16/fp16 matmul rounds its
+output) and back, then multiplied by scale in fp32. So lse is the log-sum-exp of exactly the
+eager scores, and a consumer can rebuild p = exp(score - lse) (the block selection does). The
+softmax runs in fp32 with an online max (exp2 of score * log2(e)); p is cast to v's dtype for
+p @ v. Backward: the flash-attention formulas with delta = rowsum(dO * O) in fp32, ds * scale
+rounded to q's dtype before its dots (as the eager `da`). fp32 inputs use IEEE dots (no TF32).
+No atomics anywhere: every kernel is deterministic.
+
+Rows are (query, head) pairs: pair id = t * h + r for head r of the group, query-major. One
+program takes ROWS consecutive pairs of one (batch, group): ROWS / h queries with all h heads of
+the group, so each K/V tile it loads serves the whole group (GQA-native; no padding row for
+h = 6 except at the sequence's end). The queries of a tile span [t_min, t_max]: compression
+tokens < n_full (visible to t_min) need no mask, tokens in [n_full, n_vis) (n_vis visible to
+t_max) are the diagonal, masked, and tokens >= n_vis are never loaded.
+
+Kernels (tile sizes from `_tiles`, overridable for tools/bench_compressed.py --tiles):
+- forward, grid (ceil(S*h / ROWS), B*G): online softmax over tiles of BLOCK_N compression
+  tokens; first the unmasked tiles, then the diagonal ones. Programs run in reverse sequence
+  order (the last queries see the most tokens: the long programs start first).
+- backward dq (+ delta), the same grid and loops: recomputes p from the saved lse, writes
+  delta = rowsum(dO * O) for the dk/dv kernel and dq = sum_tiles (ds * scale) @ k.
+- backward dk/dv, grid (work items, B*G): a program holds BLOCK_N compression tokens' K and V
+  and walks the pairs that can see them (queries t >= i0 * stride + block - 1), first the
+  diagonal (masked) pair tiles, then the rest unmasked. The early key tiles are seen by almost
+  every query: a tile's pair range is cut into segments of SEGMENT pairs (a multiple of ROWS; on
+  CUDA by default sized so that there are a few programs per SM), one work item each. A tile of
+  one segment writes dk/dv directly; a tile of several writes fp32 partials that a second
+  kernel sums in segment order (deterministic).
+
+Supported (`unsupported_reason` says why not): CUDA tensors, or any device with TRITON_INTERPRET=1;
+q, k, v all fp16, bf16 or fp32; head dims up to 256 (padded to a power of two >= 16 by
+masking); any h >= 1, block >= 1, stride >= 1, Tc >= 0 (Tc = 0: zeros and -inf without a launch).
+
+CPU interpreter: as nsa_compile/ops/selection_triton.py (kernels built on first use, bf16 dot
+operands cast to fp32 when interpreted, reductions through tl.reduce). One more gap: the
+interpreter's fp32 -> bf16 cast truncates, so interpreted kernels round to bf16 on the fp32 bits
+(`_rounded_interpreted`); without that the CPU tests could not check the score rounding.
+The Triton 3.6 interpreter (the GPU image's) cannot run these kernels, nor selection_triton's:
+computed loop bounds fail there; the tests pin Triton 3.9 (pyproject.toml). Compiled for sm_90,
+both 3.6 and 3.9 build them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .common import bshd_empty
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the module still imports; unsupported_reason says why the kernels cannot run
+    triton = tl = None
+
+__all__ = ["compressed_backward", "compressed_forward", "unsupported_reason"]
+
+MAX_HEAD_DIM = 256
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The dk/dv kernel's default segment on CUDA: enough work items for this many per SM.
+ITEMS_PER_SM = 4
+LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    """Whether triton.jit builds kernels for Triton's CPU interpreter (Triton's own setting, read
+    through its knobs as triton.jit reads it; this project reads no environment itself)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def unsupported_reason(q, k, v, block, stride) -> str | None:
+    """Why the Triton kernels cannot run these inputs, or None when they can."""
+    if triton is None:
+        return "triton is not installed"
+    devices = {t.device.type for t in (q, k, v)}
+    if len(devices) != 1:
+        return f"tensors on several devices: {sorted(devices)}"
+    if devices != {"cuda"} and not _interpreting():
+        return f"device {devices.pop()} (needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter)"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        return f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype} (needs one of fp16, bf16, fp32 for all three)"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v must be 4-D"
+    if q.shape[3] > MAX_HEAD_DIM or v.shape[3] > MAX_HEAD_DIM:
+        return f"head dims Dk {q.shape[3]}, Dv {v.shape[3]} (at most {MAX_HEAD_DIM})"
+    for name, value in (("block", block), ("stride", stride)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{name} {value!r} (needs an int >= 1)"
+    G = k.shape[1]
+    if G >= 1 and q.shape[2] * (q.shape[1] // G) >= 2**31 - 2**20:
+        return f"{q.shape[2]} queries x {q.shape[1] // G} heads per group (pair ids are int32)"
+    return None
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tiles(Dk: int, Dv: int, fp32: bool = False, override: dict | None = None) -> dict:
+    """Tile sizes and warps per kernel ("fwd", "dq", "dkdv", "reduce"). ROWS: (query, head) pairs
+    per tile; BLOCK_N: compression tokens per tile; both powers of two >= 16 (tl.dot). num_warps
+    and num_stages are Triton's launch options. "dkdv" may also take SEGMENT (pairs per dk/dv work
+    item, rounded up to a multiple of ROWS; unset: `_segment`'s choice).
+
+    `override` ({kernel: {parameter: value}}, e.g. {"fwd": {"ROWS": 64, "num_warps": 4}}) replaces
+    single entries: tools/bench_compressed.py --tiles sweeps them on the GPU. The defaults: sizes
+    that compile for sm_90 without register spills in bf16/fp16 at D 64, 128 and 256 (ptxas
+    resource usage of kernels compiled without a GPU, Triton 3.9, unit head-dim strides; fp32's
+    dk/dv kernel spills a little at D 128); the dk/dv tile was then tuned by timing (below)."""
+    DK_P, DV_P = max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))
+    D_P = max(DK_P, DV_P)
+    tiles = {"DK_P": DK_P, "DV_P": DV_P, "reduce": {"BLOCK_N": 16, "num_warps": 4}}
+    if fp32:  # IEEE dots without tensor cores: small tiles (the dk/dv kernel still spills a little)
+        tiles |= {
+            "fwd": {"ROWS": 32, "BLOCK_N": 16, "num_warps": 8},
+            "dq": {"ROWS": 32, "BLOCK_N": 16, "num_warps": 8},
+            "dkdv": {"ROWS": 16, "BLOCK_N": 16, "num_warps": 8},
+        }
+    elif D_P <= 128:
+        tiles |= {
+            "fwd": {"ROWS": 128, "BLOCK_N": 64, "num_warps": 8 if D_P > 64 else 4, "num_stages": 2},
+            "dq": {"ROWS": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+            # timed on an H200 (tools/bench_compressed.py --tiles, 2026-11-26): ROWS 32 -> 128
+            # took the paper shape at 64k from 103 to 66 ms fwd+bwd and seed 16k from 1.26 to
+            # 0.70 ms (with 3 stages; at D 128 three stages exceed shared memory)
+            "dkdv": {"ROWS": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2 if D_P > 64 else 3},
+        }
+    else:
+        tiles |= {
+            "fwd": {"ROWS": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+            "dq": {"ROWS": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1},
+            "dkdv": {"ROWS": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1},
+        }
+    for kernel, params in (override or {}).items():
+        if kernel not in ("fwd", "dq", "dkdv", "reduce"):
+            raise ValueError(f"_tiles: unknown kernel {kernel!r} in override (fwd, dq, dkdv, reduce)")
+        tiles[kernel] = tiles[kernel] | params
+    return tiles
+
+
+def _launch_options(cfg: dict) -> dict:
+    """The kernel's tile parameters and Triton's launch options (not SEGMENT: a host-side value)."""
+    return {name: value for name, value in cfg.items() if name != "SEGMENT"}
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp16/bf16 operands ignore it
+
+
+def _upcast_dots(q: torch.Tensor) -> bool:
+    """Triton's interpreter multiplies bf16 tl.dot operands as their raw uint16 bits: when the
+    kernels were built interpreted, bf16 dot operands are cast to fp32 first (exact; the values
+    rounded to bf16 on the GPU, p and ds * scale, are still rounded first). Call after `_kernels()`."""
+    return q.dtype == torch.bfloat16 and _built_interpreted
+
+
+def _rounded_compiled(x, DTYPE: tl.constexpr):
+    """x (fp32) rounded to DTYPE (round to nearest even), as fp32."""
+    return x.to(DTYPE).to(tl.float32)
+
+
+def _rounded_interpreted(x, dtype):
+    """`_rounded_compiled` for Triton's interpreter, whose fp32 -> bf16 cast truncates (and whose
+    'rtne' mode does not carry into the exponent): bf16 is rounded on the fp32 bits instead
+    (round to nearest even; the values here are finite). fp16 casts go through numpy: exact."""
+    if dtype != tl.bfloat16:
+        return x.to(dtype).to(tl.float32)
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+def _set_reductions() -> None:
+    """Row max / row sum and the rounding helper for the kernels (module globals, looked up when
+    a kernel runs). Compiled: tl.max, tl.sum and a @triton.jit `_rounded_compiled` (jitted here, at
+    build time, so that it is built in the kernels' mode). Interpreted: plain functions (tl.max
+    and tl.sum are themselves @triton.jit functions, built interpreted only if TRITON_INTERPRET
+    was set before triton was first imported; selection_triton.py `_set_reductions` explains)."""
+    global _rowmax, _rowsum, _rounded, _built_interpreted
+    _built_interpreted = _interpreting()
+    if _built_interpreted:
+        _rowmax = lambda x, axis: tl.reduce(x, axis, tl.standard._elementwise_max)
+        _rowsum = lambda x, axis: tl.reduce(x, axis, tl.standard._sum_combine)
+        _rounded = _rounded_interpreted
+    else:
+        _rowmax, _rowsum = tl.max, tl.sum
+        _rounded = triton.jit(_rounded_compiled)
+
+
+_rowmax = _rowsum = _rounded = None
+_built_interpreted = False
+
+
+@functools.cache
+def _kernels():
+    """The @triton.jit kernels, built on first use: TRITON_INTERPRET is read when they are built,
+    not at import. (`tl` and the reductions must be module globals: the interpreter patches the
+    `tl` it finds in the kernel's globals, and the JIT resolves helpers there.)"""
+    _set_reductions()
+
+    @triton.jit
+    def fwd_kernel(
+        Q, K, V, O, LSE,
+        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sob, soh, sos, sod,
+        S, G, TC, BLK, STRIDE, scale, N_TILES,
+        HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        tile = N_TILES - 1 - tl.program_id(0)  # the last queries (most tokens) first
+        bg = tl.program_id(1)
+        b = (bg // G).to(tl.int64)
+        g = bg % G
+        n_pairs = S * HPG
+        p0 = tile * ROWS
+        pr = p0 + tl.arange(0, ROWS)  # [ROWS] (query, head) pairs, query-major
+        row_ok = pr < n_pairs
+        tq = pr // HPG  # [ROWS] query token
+        head = (g * HPG + pr % HPG).to(tl.int64)
+        t_min = p0 // HPG
+        t_max = (tl.minimum(p0 + ROWS, n_pairs) - 1) // HPG  # the tile's last query
+        # tokens < n_full are visible to every row, tokens >= n_vis to none: query t sees
+        # (t - BLK + 1) // STRIDE + 1 tokens when t >= BLK - 1, else none (written without a
+        # branch and without dividing a negative number)
+        n_full = tl.minimum(tl.maximum(t_min - BLK + 1 + STRIDE, 0) // STRIDE, TC)
+        n_vis = tl.minimum(tl.maximum(t_max - BLK + 1 + STRIDE, 0) // STRIDE, TC)
+
+        dk = tl.arange(0, DK_P)
+        dv = tl.arange(0, DV_P)
+        dk_ok = dk < DK
+        dv_ok = dv < DV
+        tq64 = tq.to(tl.int64)
+        q = tl.load(Q + b * sqb + head[:, None] * sqh + tq64[:, None] * sqs + dk[None, :] * sqd,
+                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
+        if UPCAST:
+            q = q.to(tl.float32)
+        k_base = K + b * skb + g.to(tl.int64) * skg
+        v_base = V + b * svb + g.to(tl.int64) * svg
+        cols = tl.arange(0, BLOCK_N)
+
+        # running max in log2 units from a finite floor: a row with nothing visible in a tile keeps
+        # its state (alpha = 1, p = 0) instead of making NaN; its first visible tile gets alpha = 0
+        m_i = tl.full([ROWS], -1.0e30, tl.float32)
+        l_i = tl.full([ROWS], 0.0, tl.float32)
+        acc = tl.full([ROWS, DV_P], 0.0, tl.float32)
+        full_end = (n_full // BLOCK_N) * BLOCK_N
+        for c0 in range(0, full_end, BLOCK_N):  # every row sees every token of these tiles
+            c64 = (c0 + cols).to(tl.int64)
+            k = tl.load(k_base + c64[:, None] * sks + dk[None, :] * skd, mask=dk_ok[None, :], other=0.0)
+            v = tl.load(v_base + c64[:, None] * svs + dv[None, :] * svd, mask=dv_ok[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            # the eager score: q @ k^T rounded to q's dtype, then scaled in fp32
+            s = _rounded(tl.dot(q, tl.trans(k), input_precision=PREC), Q.dtype.element_ty) * scale
+            s2 = s * 1.4426950408889634  # [ROWS, BLOCK_N], log2 units
+            m_new = tl.maximum(m_i, _rowmax(s2, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s2 - m_new[:, None])
+            l_i = l_i * alpha + _rowsum(p, 1)
+            pv = _rounded(p, V.dtype.element_ty) if UPCAST else p.to(V.dtype.element_ty)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PREC)
+            m_i = m_new
+        for c0 in range(full_end, n_vis, BLOCK_N):  # the diagonal: the staircase mask
+            c = c0 + cols
+            c_ok = c < n_vis
+            c64 = c.to(tl.int64)
+            k = tl.load(k_base + c64[:, None] * sks + dk[None, :] * skd, mask=c_ok[:, None] & dk_ok[None, :], other=0.0)
+            v = tl.load(v_base + c64[:, None] * svs + dv[None, :] * svd, mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = _rounded(tl.dot(q, tl.trans(k), input_precision=PREC), Q.dtype.element_ty) * scale
+            visible = c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
+            s2 = tl.where(visible, s * 1.4426950408889634, float("-inf"))
+            m_new = tl.maximum(m_i, _rowmax(s2, 1))  # finite: at least the floor
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s2 - m_new[:, None])  # 0 where invisible
+            l_i = l_i * alpha + _rowsum(p, 1)
+            pv = _rounded(p, V.dtype.element_ty) if UPCAST else p.to(V.dtype.element_ty)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PREC)
+            m_i = m_new
+
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # ln(2): log2 -> ln
+        tl.store(O + b * sob + head[:, None] * soh + tq64[:, None] * sos + dv[None, :] * sod,
+                 o.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(LSE + (b * G * HPG + head) * S + tq64, lse, mask=row_ok)
+
+    @triton.jit
+    def dq_kernel(
+        Q, K, V, DO, O, LSE, DELTA, DQ,
+        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
+        sdob, sdoh, sdos, sdod, sob, soh, sos, sod, sdqb, sdqh, sdqs, sdqd,
+        S, G, TC, BLK, STRIDE, scale, N_TILES,
+        HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        tile = N_TILES - 1 - tl.program_id(0)
+        bg = tl.program_id(1)
+        b = (bg // G).to(tl.int64)
+        g = bg % G
+        n_pairs = S * HPG
+        p0 = tile * ROWS
+        pr = p0 + tl.arange(0, ROWS)
+        row_ok = pr < n_pairs
+        tq = pr // HPG
+        head = (g * HPG + pr % HPG).to(tl.int64)
+        t_min = p0 // HPG
+        t_max = (tl.minimum(p0 + ROWS, n_pairs) - 1) // HPG  # the tile's last query
+        n_full = tl.minimum(tl.maximum(t_min - BLK + 1 + STRIDE, 0) // STRIDE, TC)
+        n_vis = tl.minimum(tl.maximum(t_max - BLK + 1 + STRIDE, 0) // STRIDE, TC)
+
+        dk = tl.arange(0, DK_P)
+        dv = tl.arange(0, DV_P)
+        dk_ok = dk < DK
+        dv_ok = dv < DV
+        tq64 = tq.to(tl.int64)
+        q = tl.load(Q + b * sqb + head[:, None] * sqh + tq64[:, None] * sqs + dk[None, :] * sqd,
+                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
+        rv_mask = row_ok[:, None] & dv_ok[None, :]
+        do = tl.load(DO + b * sdob + head[:, None] * sdoh + tq64[:, None] * sdos + dv[None, :] * sdod,
+                     mask=rv_mask, other=0.0)  # [ROWS, DV_P]
+        o = tl.load(O + b * sob + head[:, None] * soh + tq64[:, None] * sos + dv[None, :] * sod,
+                    mask=rv_mask, other=0.0)
+        delta = _rowsum(do.to(tl.float32) * o.to(tl.float32), 1)  # [ROWS]
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        row_lin = (b * G * HPG + head) * S + tq64
+        tl.store(DELTA + row_lin, delta, mask=row_ok)
+        lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
+
+        k_base = K + b * skb + g.to(tl.int64) * skg
+        v_base = V + b * svb + g.to(tl.int64) * svg
+        cols = tl.arange(0, BLOCK_N)
+        acc = tl.full([ROWS, DK_P], 0.0, tl.float32)
+        full_end = (n_full // BLOCK_N) * BLOCK_N
+        # the forward's two loops; rows without a visible token never reach the first (their lse
+        # is -inf) and get p = 0 in the second
+        for c0 in range(0, full_end, BLOCK_N):
+            c64 = (c0 + cols).to(tl.int64)
+            k = tl.load(k_base + c64[:, None] * sks + dk[None, :] * skd, mask=dk_ok[None, :], other=0.0)
+            v = tl.load(v_base + c64[:, None] * svs + dv[None, :] * svd, mask=dv_ok[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = _rounded(tl.dot(q, tl.trans(k), input_precision=PREC), Q.dtype.element_ty) * scale
+            p = tl.exp2(s * 1.4426950408889634 - lse2[:, None])  # [ROWS, BLOCK_N]
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None]) * scale
+            ds = _rounded(ds, Q.dtype.element_ty) if UPCAST else ds.to(Q.dtype.element_ty)
+            acc += tl.dot(ds, k, input_precision=PREC)
+        for c0 in range(full_end, n_vis, BLOCK_N):
+            c = c0 + cols
+            c_ok = c < n_vis
+            c64 = c.to(tl.int64)
+            k = tl.load(k_base + c64[:, None] * sks + dk[None, :] * skd, mask=c_ok[:, None] & dk_ok[None, :], other=0.0)
+            v = tl.load(v_base + c64[:, None] * svs + dv[None, :] * svd, mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = _rounded(tl.dot(q, tl.trans(k), input_precision=PREC), Q.dtype.element_ty) * scale
+            visible = row_ok[:, None] & c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
+            p = tl.where(visible, tl.exp2(s * 1.4426950408889634 - lse2[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None]) * scale
+            ds = _rounded(ds, Q.dtype.element_ty) if UPCAST else ds.to(Q.dtype.element_ty)
+            acc += tl.dot(ds, k, input_precision=PREC)
+        tl.store(DQ + b * sdqb + head[:, None] * sdqh + tq64[:, None] * sdqs + dk[None, :] * sdqd,
+                 acc.to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok[None, :])
+
+    @triton.jit
+    def dkdv_kernel(
+        Q, K, V, DO, LSE, DELTA, DK, DV, PK, PV, ITEM_TILE, ITEM_SEG, TILE_NSEG,
+        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
+        sdob, sdoh, sdos, sdod, sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
+        S, G, TC, BLK, STRIDE, scale, SEG, N_ITEMS,
+        HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        item = tl.program_id(0)
+        bg = tl.program_id(1)
+        b = (bg // G).to(tl.int64)
+        g = bg % G
+        tile = tl.load(ITEM_TILE + item)
+        seg = tl.load(ITEM_SEG + item)
+        nseg = tl.load(TILE_NSEG + tile)
+        n_pairs = S * HPG
+        c0 = tile * BLOCK_N
+        c = c0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] compression tokens
+        c_ok = c < TC
+        c_last = tl.minimum(c0 + BLOCK_N, TC) - 1
+        # pairs [p_lo, n_pairs) see some token of the tile, pairs >= p_full see all of them; the
+        # masked tiles end at p_mid, a whole number of ROWS after p_lo (as the segments are)
+        p_lo = tl.minimum(c0 * STRIDE + BLK - 1, S) * HPG
+        p_full = tl.minimum(c_last * STRIDE + BLK - 1, S) * HPG
+        p_mid = p_lo + (p_full - p_lo + ROWS - 1) // ROWS * ROWS
+        a = p_lo + seg * SEG
+        e = tl.minimum(a + SEG, n_pairs)
+
+        dk = tl.arange(0, DK_P)
+        dv = tl.arange(0, DV_P)
+        dk_ok = dk < DK_
+        dv_ok = dv < DV_
+        c64 = c.to(tl.int64)
+        kmask = c_ok[:, None] & dk_ok[None, :]
+        vmask = c_ok[:, None] & dv_ok[None, :]
+        k = tl.load(K + b * skb + g.to(tl.int64) * skg + c64[:, None] * sks + dk[None, :] * skd,
+                    mask=kmask, other=0.0)  # [BLOCK_N, DK_P]
+        v = tl.load(V + b * svb + g.to(tl.int64) * svg + c64[:, None] * svs + dv[None, :] * svd,
+                    mask=vmask, other=0.0)  # [BLOCK_N, DV_P]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
+        acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
+        rows = tl.arange(0, ROWS)
+        # the diagonal pair tiles: the staircase mask (and rows past the end of the sequence)
+        for r0 in range(a, tl.minimum(e, p_mid), ROWS):
+            pr = r0 + rows
+            row_ok = pr < n_pairs
+            tq = pr // HPG
+            tq64 = tq.to(tl.int64)
+            head = (g * HPG + pr % HPG).to(tl.int64)
+            q = tl.load(Q + b * sqb + head[:, None] * sqh + tq64[:, None] * sqs + dk[None, :] * sqd,
+                        mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
+            do = tl.load(DO + b * sdob + head[:, None] * sdoh + tq64[:, None] * sdos + dv[None, :] * sdod,
+                         mask=row_ok[:, None] & dv_ok[None, :], other=0.0)  # [ROWS, DV_P]
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            row_lin = (b * G * HPG + head) * S + tq64
+            lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + row_lin, mask=row_ok, other=0.0)
+            s = _rounded(tl.dot(q, tl.trans(k), input_precision=PREC), Q.dtype.element_ty) * scale
+            visible = row_ok[:, None] & c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
+            p = tl.where(visible, tl.exp2(s * 1.4426950408889634 - lse2[:, None]), 0.0)  # [ROWS, BLOCK_N]
+            pv = _rounded(p, DO.dtype.element_ty) if UPCAST else p.to(DO.dtype.element_ty)
+            acc_v += tl.dot(tl.trans(pv), do, input_precision=PREC)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None]) * scale
+            ds = _rounded(ds, Q.dtype.element_ty) if UPCAST else ds.to(Q.dtype.element_ty)
+            acc_k += tl.dot(tl.trans(ds), q, input_precision=PREC)
+        # every row sees every token of the tile: no visibility mask (rows past the end load
+        # q = dO = 0 and add nothing; columns past Tc are not stored)
+        for r0 in range(tl.maximum(a, p_mid), e, ROWS):
+            pr = r0 + rows
+            row_ok = pr < n_pairs
+            tq64 = (pr // HPG).to(tl.int64)
+            head = (g * HPG + pr % HPG).to(tl.int64)
+            q = tl.load(Q + b * sqb + head[:, None] * sqh + tq64[:, None] * sqs + dk[None, :] * sqd,
+                        mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
+            do = tl.load(DO + b * sdob + head[:, None] * sdoh + tq64[:, None] * sdos + dv[None, :] * sdod,
+                         mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            row_lin = (b * G * HPG + head) * S + tq64
+            lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + row_lin, mask=row_ok, other=0.0)
+            s = _rounded(tl.dot(q, tl.trans(k), input_precision=PREC), Q.dtype.element_ty) * scale
+            p = tl.exp2(s * 1.4426950408889634 - lse2[:, None])
+            pv = _rounded(p, DO.dtype.element_ty) if UPCAST else p.to(DO.dtype.element_ty)
+            acc_v += tl.dot(tl.trans(pv), do, input_precision=PREC)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None]) * scale
+            ds = _rounded(ds, Q.dtype.element_ty) if UPCAST else ds.to(Q.dtype.element_ty)
+            acc_k += tl.dot(tl.trans(ds), q, input_precision=PREC)
+
+        # one segment: the final value; several: an fp32 partial per item, summed by reduce_kernel
+        # (the scalar conditions become column limits: block masks only)
+        direct = (c < tl.where(nseg == 1, TC, 0))[:, None]
+        split = (c < tl.where(nseg > 1, TC, 0))[:, None]
+        tl.store(DK + b * sdkb + g.to(tl.int64) * sdkg + c64[:, None] * sdks + dk[None, :] * sdkd,
+                 acc_k.to(DK.dtype.element_ty), mask=kmask & direct)
+        tl.store(DV + b * sdvb + g.to(tl.int64) * sdvg + c64[:, None] * sdvs + dv[None, :] * sdvd,
+                 acc_v.to(DV.dtype.element_ty), mask=vmask & direct)
+        # partials [B*G, items, BLOCK_N, D]
+        slot = (bg.to(tl.int64) * N_ITEMS + item) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+        tl.store(PK + slot[:, None] * DK_ + dk[None, :], acc_k, mask=kmask & split)
+        tl.store(PV + slot[:, None] * DV_ + dv[None, :], acc_v, mask=vmask & split)
+
+    @triton.jit
+    def reduce_kernel(
+        PK, PV, DK, DV, TILE_NSEG, TILE_FIRST,
+        sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
+        G, TC, N_ITEMS,
+        DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+        TILE_N: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # program (tile, chunk of BLOCK_N of its TILE_N tokens, batch*group)
+        tile = tl.program_id(0)
+        chunk = tl.program_id(1)
+        bg = tl.program_id(2)
+        b = (bg // G).to(tl.int64)
+        g = (bg % G).to(tl.int64)
+        nseg = tl.load(TILE_NSEG + tile)
+        first = tl.load(TILE_FIRST + tile).to(tl.int64)
+        j = chunk * BLOCK_N + tl.arange(0, BLOCK_N)  # offset in the tile
+        c = tile * TILE_N + j
+        c_ok = (j < TILE_N) & (c < TC)
+        c64 = c.to(tl.int64)
+        dk = tl.arange(0, DK_P)
+        dv = tl.arange(0, DV_P)
+        kmask = c_ok[:, None] & (dk < DK_)[None, :]
+        vmask = c_ok[:, None] & (dv < DV_)[None, :]
+        acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
+        acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
+        # in segment order: deterministic (a one-item tile reads a slot it never wrote, and
+        # stores nothing: `split` below)
+        for i in range(nseg):
+            slot = (bg.to(tl.int64) * N_ITEMS + first + i) * TILE_N + j.to(tl.int64)
+            acc_k += tl.load(PK + slot[:, None] * DK_ + dk[None, :], mask=kmask, other=0.0)
+            acc_v += tl.load(PV + slot[:, None] * DV_ + dv[None, :], mask=vmask, other=0.0)
+        split = (j < tl.where(nseg > 1, TILE_N, 0))[:, None]
+        tl.store(DK + b * sdkb + g * sdkg + c64[:, None] * sdks + dk[None, :] * sdkd,
+                 acc_k.to(DK.dtype.element_ty), mask=kmask & split)
+        tl.store(DV + b * sdvb + g * sdvg + c64[:, None] * sdvs + dv[None, :] * sdvd,
+                 acc_v.to(DV.dtype.element_ty), mask=vmask & split)
+
+    return fwd_kernel, dq_kernel, dkdv_kernel, reduce_kernel
+
+
+def _require(q, k, v, block, stride) -> None:
+    why = unsupported_reason(q, k, v, block, stride)
+    if why is not None:
+        raise ValueError(f"compressed_attention (triton): cannot run these inputs: {why}")
+
+
+def compressed_forward(q, k, v, block: int, stride: int, scale: float, *, tiles: dict | None = None):
+    """o [B, H, S, Dv] (v's dtype) and lse [B, H, S] float32 (natural log, -inf on empty rows).
+    `tiles`: an override of `_tiles` (tools/bench_compressed.py); None, the default tiles."""
+    _require(q, k, v, block, stride)
+    B, H, S, Dk = q.shape
+    G, Tc, Dv = k.shape[1], k.shape[2], v.shape[3]
+    h = H // G
+    o = bshd_empty(B, H, S, Dv, v)  # the op's output layout: [B, S, H, Dv] memory
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    if B * H * S == 0:
+        return o, lse
+    if Tc == 0:  # no query sees a block (S < block)
+        return o.zero_(), lse.fill_(float("-inf"))
+    T = _tiles(Dk, Dv, q.dtype == torch.float32, tiles)
+    cfg = T["fwd"]
+    n_tiles = _cdiv(S * h, cfg["ROWS"])
+    fwd_kernel = _kernels()[0]
+    fwd_kernel[(n_tiles, B * G)](
+        q, k, v, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        S, G, Tc, block, stride, scale, n_tiles,
+        HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=_dot_precision(q.dtype),
+        UPCAST=_upcast_dots(q), **_launch_options(cfg),
+    )  # fmt: skip
+    return o, lse
+
+
+def _segment(S: int, h: int, Tc: int, block: int, stride: int, BG: int, cfg: dict, device) -> int:
+    """Pairs per dk/dv work item, a multiple of ROWS: cfg["SEGMENT"] if given; on CUDA, the
+    total pair work over ITEMS_PER_SM items per SM (at least 4 pair tiles per item); elsewhere
+    (the interpreter) one item per key tile."""
+    rows = cfg["ROWS"]
+    n_pairs = S * h
+    if cfg.get("SEGMENT") is not None:
+        return max(rows, _cdiv(int(cfg["SEGMENT"]), rows) * rows)
+    if device.type != "cuda":
+        return max(rows, _cdiv(n_pairs, rows) * rows)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    n_tiles = _cdiv(Tc, cfg["BLOCK_N"])
+    work = sum(max(0, n_pairs - min(i * cfg["BLOCK_N"] * stride + block - 1, S) * h) for i in range(n_tiles))
+    per_item = _cdiv(work * BG, ITEMS_PER_SM * sms)
+    return max(4 * rows, _cdiv(per_item, rows) * rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _work_items(S: int, h: int, Tc: int, block: int, stride: int, block_n: int, segment: int, device):
+    """The dk/dv work items, built on the host from the shapes alone (no device sync):
+        item_tile, item_seg [U] int32: each item's key tile and segment, the heaviest tiles first
+        tile_nseg, tile_first [n_tiles] int32: each tile's number of items (>= 1, so every tile is
+                                              written) and its first item
+    A tile i is seen by the pairs [min(i * block_n * stride + block - 1, S) * h, S * h). Cached
+    per shape and device (the tensors are only read), so a training step copies nothing."""
+    n_pairs = S * h
+    n_tiles = _cdiv(Tc, block_n)
+    nseg = [max(1, _cdiv(n_pairs - min(i * block_n * stride + block - 1, S) * h, segment)) for i in range(n_tiles)]
+    first = [0] * n_tiles
+    for i in range(1, n_tiles):
+        first[i] = first[i - 1] + nseg[i - 1]
+    item_tile = [i for i in range(n_tiles) for _ in range(nseg[i])]
+    item_seg = [s for i in range(n_tiles) for s in range(nseg[i])]
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)
+    return i32(item_tile), i32(item_seg), i32(nseg), i32(first), len(item_tile), max(nseg)
+
+
+def compressed_backward(grad_o, q, k, v, o, lse, block: int, stride: int, scale: float, *, tiles: dict | None = None):
+    """dq (like q, [B, S, H, Dk] memory), dk (like k), dv (like v): gradients of
+    `compressed_forward`'s o, given its o and lse. dk/dv are summed over the group's heads in
+    fp32 without atomics (deterministic). `tiles`: an override of `_tiles`."""
+    _require(q, k, v, block, stride)
+    B, H, S, Dk = q.shape
+    G, Tc, Dv = k.shape[1], k.shape[2], v.shape[3]
+    h = H // G
+    if grad_o.dtype != v.dtype:
+        grad_o = grad_o.to(v.dtype)
+    dq, dk, dv = bshd_empty(B, H, S, Dk, q), bshd_empty(B, G, Tc, Dk, k), bshd_empty(B, G, Tc, Dv, v)
+    if B * H * S == 0 or Tc == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    lse = lse.contiguous()
+    T = _tiles(Dk, Dv, q.dtype == torch.float32, tiles)
+    _, dq_kernel, dkdv_kernel, reduce_kernel = _kernels()
+    prec, upcast = _dot_precision(q.dtype), _upcast_dots(q)
+
+    delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    n_tiles = _cdiv(S * h, T["dq"]["ROWS"])
+    dq_kernel[(n_tiles, B * G)](
+        q, k, v, grad_o, o, lse, delta, dq,
+        *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *o.stride(), *dq.stride(),
+        S, G, Tc, block, stride, scale, n_tiles,
+        HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=prec, UPCAST=upcast, **_launch_options(T["dq"]),
+    )  # fmt: skip
+
+    cfg = T["dkdv"]
+    segment = _segment(S, h, Tc, block, stride, B * G, cfg, q.device)
+    item_tile, item_seg, tile_nseg, tile_first, n_items, max_seg = _work_items(
+        S, h, Tc, block, stride, cfg["BLOCK_N"], segment, q.device
+    )
+    # fp32 partials only when some tile has several items
+    part_rows = B * G * n_items * cfg["BLOCK_N"] if max_seg > 1 else 0
+    pk = torch.empty(part_rows, Dk, dtype=torch.float32, device=q.device)
+    pv = torch.empty(part_rows, Dv, dtype=torch.float32, device=q.device)
+    dkdv_kernel[(n_items, B * G)](
+        q, k, v, grad_o, lse, delta, dk, dv, pk, pv, item_tile, item_seg, tile_nseg,
+        *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
+        S, G, Tc, block, stride, scale, segment, n_items,
+        HPG=h, DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=prec, UPCAST=upcast, **_launch_options(cfg),
+    )  # fmt: skip
+    if max_seg > 1:
+        rcfg = T["reduce"]
+        reduce_kernel[(_cdiv(Tc, cfg["BLOCK_N"]), _cdiv(cfg["BLOCK_N"], rcfg["BLOCK_N"]), B * G)](
+            pk, pv, dk, dv, tile_nseg, tile_first,
+            *dk.stride(), *dv.stride(),
+            G, Tc, n_items,
+            DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], TILE_N=cfg["BLOCK_N"], **rcfg,
+        )  # fmt: skip
+    return dq, dk, dv

@@ -1,0 +1,265 @@
+"""The Linear projections of one input as one GEMM, with RoPE applied to some of them, as a
+functional custom op (NSA section 1).
+
+    outs = torch.ops.nsa.projection_rope(x, weight, bias, cos, sin, widths, head_dims, style, backend)
+
+x [*lead, K]; weight [N, K]: the projections' weights one after another (N = sum(widths); the
+pass concatenates the module's own parameters in the graph, so autograd splits dW back onto
+them); bias [N] or None. outs[i] [*lead, widths[i]] (x's dtype, contiguous) is projection i,
+x @ weight[rows of i]^T + bias[rows of i], and, when head_dims[i] = D > 0, it is rotated: x is
+[B, S, K], each head of D columns has its first R = 2 * cos.shape[-1] columns rotated by the
+angle of its token's position, the other D - R pass through (partial rotary). Pairs are
+(j, j + R/2) for style 'half' (rotate-half) and (2j, 2j + 1) for 'interleaved':
+
+    out_a = y_a * cos[b, s, f] - y_b * sin[b, s, f]
+    out_b = y_b * cos[b, s, f] + y_a * sin[b, s, f]        # f: the pair's frequency index
+
+cos, sin: [S, R/2] or [Bt, S, R/2] with Bt 1 or B, any float dtype (the values are inputs: the
+op rotates by whatever angles they hold); None when no piece is rotated. head_dims[i] = 0 leaves
+piece i unrotated. The tables get no gradient.
+
+Numerics: the rotation runs in the upcast dtype (fp16/bf16 -> fp32) with the tables in it, and
+rounds once (the eager code casts the tables to the projection's dtype and rounds each product).
+
+Backward: `nsa::projection_rope_backward(grads, cos, sin, head_dims, style, backend) -> dy`, the
+gradient of x @ weight^T + bias (before the rotation: the inverse rotation of the pieces'
+gradients, concatenated), [*lead, N]; the autograd formula then takes dx = dy @ weight,
+dW = dy^T x and db = sum(dy) with torch matmuls (cuBLAS on CUDA, visible to Inductor).
+
+Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
+- `triton` (CUDA, fp16/bf16 under auto): one GEMM kernel with the rotation in its epilogue,
+  writing each piece straight into its own tensor; the backward's inverse rotation in one pass
+  (nsa_compile/ops/rope_triton.py).
+- `reference` (every device and dtype): F.linear, then the rotation of each rotated piece with
+  torch ops in the upcast dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import rope_triton
+from .common import upcast_dtype
+
+__all__ = ["BACKENDS", "STYLES", "choose_backend", "projection_rope", "projection_rope_backward", "rotate"]
+
+BACKENDS = ("auto", "triton", "reference")
+STYLES = ("half", "interleaved")
+
+
+def why_not_triton(x, weight, bias, cos, sin, widths, head_dims) -> str | None:
+    """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
+    if x.device.type != "cuda":
+        return f"the Triton kernel runs on CUDA (tensors on {x.device.type})"
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return f"{x.dtype}: cuBLAS runs fp32 GEMMs faster than the kernel's IEEE fp32 dots"
+    return rope_triton.unsupported_reason(x, weight, bias, cos, sin, widths, head_dims)
+
+
+def choose_backend(x, weight, bias, cos, sin, widths, head_dims, backend: str = "auto") -> str:
+    """The backend that computes these inputs: `backend` itself, or for 'auto' triton where it
+    can run on CUDA in fp16/bf16 and reference elsewhere. ValueError if a named backend cannot
+    run them (with why). Named explicitly, triton also runs fp32, and on the CPU under
+    TRITON_INTERPRET=1 (the tests do that)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"projection_rope: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend == "triton":
+        why = rope_triton.unsupported_reason(x, weight, bias, cos, sin, widths, head_dims)
+        if why:
+            raise ValueError(f"projection_rope: backend 'triton' cannot run these inputs: {why}")
+    if backend == "auto":
+        return "reference" if why_not_triton(x, weight, bias, cos, sin, widths, head_dims) else "triton"
+    return backend
+
+
+def _check(x, weight, bias, cos, sin, widths, head_dims, style, backend) -> str:
+    """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
+    dtypes, layout and backend are valid."""
+    op = "projection_rope"
+    if not x.is_floating_point() or x.dim() < 1:
+        raise ValueError(f"{op}: x must be a floating-point tensor [*lead, K], got {x.dtype} {tuple(x.shape)}")
+    K = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != K:
+        raise ValueError(f"{op}: weight must be [N, K] with K = {K} (x's last dim), got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"{op}: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}"
+                         f"{'' if bias is None else ', ' + str(bias.dtype)}")
+    if len(widths) == 0 or len(widths) != len(head_dims):
+        raise ValueError(f"{op}: widths and head_dims must list the same pieces (at least one), got "
+                         f"{len(widths)} and {len(head_dims)}")
+    if any(isinstance(w, bool) or not isinstance(w, (int, torch.SymInt)) or w < 1 for w in widths):
+        raise ValueError(f"{op}: widths must be ints >= 1, got {list(widths)}")
+    N = sum(widths)
+    if weight.shape[0] != N:
+        raise ValueError(f"{op}: weight has {weight.shape[0]} rows, the pieces {N} (sum of widths {list(widths)})")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"{op}: bias must be [N] = [{N}], got {tuple(bias.shape)}")
+    tensors = [t for t in (x, weight, bias, cos, sin) if t is not None]
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"{op}: tensors on several devices: {sorted({str(t.device) for t in tensors})}")
+    if style not in STYLES:
+        raise ValueError(f"{op}: unknown style {style!r}; valid: {', '.join(STYLES)}")
+    if any(isinstance(d, bool) or not isinstance(d, (int, torch.SymInt)) or d < 0 for d in head_dims):
+        raise ValueError(f"{op}: head_dims must be ints >= 0 (0: not rotated), got {list(head_dims)}")
+    if any(head_dims):
+        _check_rotation(x, cos, sin, widths, head_dims)
+    elif cos is not None or sin is not None:
+        raise ValueError(f"{op}: cos and sin are given but no piece is rotated (all head_dims 0)")
+    return choose_backend(x, weight, bias, cos, sin, widths, head_dims, backend)
+
+
+def _check_rotation(x, cos, sin, widths, head_dims) -> None:
+    op = "projection_rope"
+    if x.dim() != 3:
+        raise ValueError(f"{op}: rotated pieces need x of shape [B, S, K], got {tuple(x.shape)}")
+    B, S = x.shape[:2]
+    if cos is None or sin is None:
+        raise ValueError(f"{op}: rotated pieces need both cos and sin")
+    if cos.shape != sin.shape or not cos.is_floating_point() or not sin.is_floating_point():
+        raise ValueError(f"{op}: cos and sin must be float tensors of one shape, got {cos.dtype} "
+                         f"{tuple(cos.shape)} and {sin.dtype} {tuple(sin.shape)}")
+    lead = tuple(cos.shape[:-1])
+    if lead != (S,) and lead not in ((1, S), (B, S)):
+        raise ValueError(f"{op}: cos and sin must be [S, R/2] or [1 or B, S, R/2] with B, S = {B}, {S}, "
+                         f"got {tuple(cos.shape)}")
+    R = 2 * cos.shape[-1]
+    for i, (w, d) in enumerate(zip(widths, head_dims)):
+        if d and (w % d or R > d or R == 0):
+            raise ValueError(f"{op}: piece {i} (width {w}, head dim {d}) must be whole heads of at least the "
+                             f"rotary dim R = {R} (> 0)")
+
+
+def _table(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cos or sin [S, R/2] / [Bt, S, R/2] -> [Bt, S, 1, R/2] in dtype (broadcasts over heads)."""
+    t = t if t.dim() == 3 else t[None]
+    return t[:, :, None, :].to(dtype)
+
+
+def rotate(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, style: str,
+           inverse: bool = False) -> torch.Tensor:
+    """y [B, S, width] -> y rotated per head of head_dim columns (first R = 2 * cos.shape[-1]
+    of each), in the upcast dtype; `inverse` rotates by the opposite angle (the backward)."""
+    up = upcast_dtype(y.dtype)
+    B, S, width = y.shape
+    h = y.reshape(B, S, width // head_dim, head_dim).to(up)
+    R2 = cos.shape[-1]
+    c, s = _table(cos, up), _table(sin, up)
+    if inverse:
+        s = -s
+    if style == "half":
+        a, b = h[..., :R2], h[..., R2 : 2 * R2]
+        rotated = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+    else:
+        a, b = h[..., 0 : 2 * R2 : 2], h[..., 1 : 2 * R2 : 2]
+        rotated = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+    return torch.cat([rotated, h[..., 2 * R2 :]], dim=-1).reshape(B, S, width)
+
+
+def _reference_forward(x, weight, bias, cos, sin, widths, head_dims, style) -> list[torch.Tensor]:
+    y = F.linear(x, weight, bias)  # [*lead, N]
+    outs, start = [], 0
+    for width, dim in zip(widths, head_dims):
+        piece = y[..., start : start + width]
+        # contiguous: a column slice is copied out (outputs may not alias each other)
+        outs.append(rotate(piece, cos, sin, dim, style).to(x.dtype) if dim else piece.contiguous())
+        start += width
+    return outs
+
+
+def _reference_backward(grads, cos, sin, head_dims, style) -> torch.Tensor:
+    parts = [rotate(g, cos, sin, dim, style, inverse=True).to(g.dtype) if dim else g
+             for g, dim in zip(grads, head_dims)]
+    return torch.cat(parts, dim=-1)
+
+
+@torch.library.custom_op("nsa::projection_rope", mutates_args=())
+def _projection_rope_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor | None,
+    sin: torch.Tensor | None, widths: list[int], head_dims: list[int], style: str, backend: str = "auto",
+) -> list[torch.Tensor]:
+    """Projections of x [*lead, K] by weight [N, K] (+ bias [N]) split into pieces [*lead, widths[i]],
+    piece i rotated per head of head_dims[i] columns when that is > 0 (module docstring)."""
+    if _check(x, weight, bias, cos, sin, widths, head_dims, style, backend) == "triton":
+        K = x.shape[-1]
+        S = x.shape[1] if any(head_dims) else 1
+        outs = rope_triton.projection_rope_forward(x.reshape(-1, K), weight, bias, cos, sin, list(widths),
+                                                   list(head_dims), style, S)
+        return [o.view(*x.shape[:-1], o.shape[1]) for o in outs]
+    return _reference_forward(x, weight, bias, cos, sin, widths, head_dims, style)
+
+
+@_projection_rope_op.register_fake
+def _projection_rope_fake(x, weight, bias, cos, sin, widths, head_dims, style, backend="auto"):
+    _check(x, weight, bias, cos, sin, widths, head_dims, style, backend)
+    return [x.new_empty((*x.shape[:-1], w)) for w in widths]
+
+
+def _check_grads(grads, cos, sin, head_dims, style, backend) -> str:
+    op = "projection_rope_backward"
+    if len(grads) == 0 or len(grads) != len(head_dims):
+        raise ValueError(f"{op}: one gradient per piece: {len(grads)} gradients, {len(head_dims)} head dims")
+    lead, dtype = tuple(grads[0].shape[:-1]), grads[0].dtype
+    for i, g in enumerate(grads):
+        if tuple(g.shape[:-1]) != lead or g.dtype != dtype:
+            raise ValueError(f"{op}: gradient {i} is {g.dtype} {tuple(g.shape)}; all must be {dtype} [*{lead}, width]")
+    widths = [g.shape[-1] for g in grads]
+    N = sum(widths)
+    # the forward's checks, on a stand-in x and weight of the gradients' lead dims and dtype
+    x = grads[0].new_empty((*lead, 1))
+    return _check(x, x.new_empty((N, 1)), None, cos, sin, widths, list(head_dims), style, backend)
+
+
+@torch.library.custom_op("nsa::projection_rope_backward", mutates_args=())
+def projection_rope_backward(
+    grads: list[torch.Tensor], cos: torch.Tensor | None, sin: torch.Tensor | None, head_dims: list[int],
+    style: str, backend: str = "auto",
+) -> torch.Tensor:
+    """The gradient [*lead, N] of the projection before the rotation, from the pieces' gradients
+    grads[i] [*lead, widths[i]]: inverse-rotated where head_dims[i] > 0, concatenated."""
+    if _check_grads(grads, cos, sin, head_dims, style, backend) == "triton":
+        lead = grads[0].shape[:-1]
+        widths = [g.shape[-1] for g in grads]
+        S = lead[1] if any(head_dims) else 1
+        dy = rope_triton.projection_rope_grad([g.reshape(-1, g.shape[-1]) for g in grads], cos, sin, widths,
+                                              list(head_dims), style, S)
+        return dy.view(*lead, dy.shape[1])
+    return _reference_backward(grads, cos, sin, head_dims, style)
+
+
+@projection_rope_backward.register_fake
+def _projection_rope_backward_fake(grads, cos, sin, head_dims, style, backend="auto"):
+    _check_grads(grads, cos, sin, head_dims, style, backend)
+    return grads[0].new_empty((*grads[0].shape[:-1], sum(g.shape[-1] for g in grads)))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, cos, sin, widths, head_dims, style, *backend = inputs
+    ctx.save_for_backward(x, weight, cos, sin)
+    ctx.has_bias = bias is not None
+    ctx.piece_shapes = [(*x.shape[:-1], w) for w in widths]
+    ctx.head_dims, ctx.style, ctx.backend = list(head_dims), style, (backend or ["auto"])[0]
+
+
+def _backward(ctx, grads):
+    x, weight, cos, sin = ctx.saved_tensors
+    # a piece that got no gradient contributes zeros
+    grads = [g if g is not None else x.new_zeros(shape) for g, shape in zip(grads, ctx.piece_shapes)]
+    dy = torch.ops.nsa.projection_rope_backward(list(grads), cos, sin, ctx.head_dims, ctx.style, ctx.backend)
+    N, K = weight.shape
+    dy2 = dy.reshape(-1, N)  # [M, N]
+    dx = (dy2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+    dw = dy2.t() @ x.reshape(-1, K) if ctx.needs_input_grad[1] else None
+    db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return dx, dw, db, None, None, None, None, None, None
+
+
+_projection_rope_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def projection_rope(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor | None,
+    sin: torch.Tensor | None, widths, head_dims, style: str = "half", backend: str = "auto",
+) -> list[torch.Tensor]:
+    """`torch.ops.nsa.projection_rope` (see the module docstring)."""
+    return torch.ops.nsa.projection_rope(x, weight, bias, cos, sin, list(widths), list(head_dims), style, backend)

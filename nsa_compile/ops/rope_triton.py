@@ -1,0 +1,534 @@
+"""Triton kernels for `nsa::projection_rope`: the projections of one input as one GEMM with RoPE
+in its epilogue, and the backward's inverse rotation.
+
+    outs = projection_rope_forward(x2, weight, bias, cos, sin, widths, head_dims, style, S)
+    dy = projection_rope_grad(grads, cos, sin, widths, head_dims, style, S)
+    why = unsupported_reason(x, weight, bias, cos, sin, widths, head_dims)   # None when they can run
+
+Same semantics as the `reference` backend of nsa_compile/ops/rope.py: x2 [M, K] (M = B * S rows,
+row m is token m % S of batch m // S), weight [N, K] (the pieces' weights one after another,
+N = sum(widths)), bias [N] or None; piece i is x2 @ weight[rows of i]^T + bias, [M, widths[i]],
+and when head_dims[i] = D > 0 each head of D columns has its first R = 2 * cos.shape[-1] columns
+rotated by the angle of the row's position (pairs (j, j + R/2) for style 'half', (2j, 2j + 1) for
+'interleaved'; the remaining D - R columns pass through). cos, sin: [Bt, S, R/2] with Bt 1 or B.
+
+Forward kernel, a 1-D grid over (row tile, column tile), the column tile fastest (the programs
+of one row tile run together and share its x rows in L2; the weights, a few MB, stay in L2).
+Column tiles never straddle pieces; a host-built table (`_tile_table`, cached per layout) gives
+each its piece, first column, weight row offset, rotated flag and the piece's width. A rotated
+tile covers HT whole heads and holds three accumulators, all fed by the same x tile:
+    acc_a [BM, NA]  the first column of every rotation pair (NA = HT * R/2),
+    acc_b [BM, NA]  the partner column of the same pair,
+    acc_p [BM, NP]  the pass-through columns (NP = HT * (D - R); none when R = D),
+so the rotation is elementwise on registers: out_a = a*cos - b*sin, out_b = b*cos + a*sin, in
+fp32 on the fp32 accumulators (one rounding, where the eager code rounds the projection and
+then each product). The weight rows of a pair are gathered by index (each row is contiguous
+along K, so the loads stay vectorized). A raw (unrotated) tile uses the same accumulators as
+three windows of consecutive columns (NA, NA, NP wide). Bias is added before the rotation.
+Each piece is its own output tensor (a custom op's outputs may not alias each other): the
+kernel takes up to MAX_PIECES output pointers and picks its tile's with a scalar branch.
+Loads in the K loop are unmasked: rows past M and padded columns read row 0 (their results
+are never stored); K is masked only when BK does not divide it. When every tile is full and
+every width a multiple of 16 (`_aligned`: the seed model, where HT = 2 heads of 64 tile the 768
+q columns and the 128-column k/v pieces exactly), the kernels drop the column masks and hint
+16-alignment, so the stores are 16-byte vectors, and read each table once per row ([BM, R/2],
+repeated over the tile's heads). Compiled for sm_90 without a GPU (Triton 3.6, ptxas): the seed
+layout at the default tiles uses 128 registers, no spills, 96 KB of shared memory (3 stages).
+
+Backward kernel: the gradient of the projection before the rotation, dy [M, N], from the
+pieces' gradients in one elementwise pass over the same tiles: for a pair,
+dy_a = g_a*cos + g_b*sin, dy_b = g_b*cos - g_a*sin (the inverse rotation); the rest is copied.
+dx = dy @ W and dW = dy^T @ x are left to cuBLAS (the op's autograd formula).
+
+Supported (`unsupported_reason` says why not): CUDA tensors (or any device with
+TRITON_INTERPRET=1); x, weight, bias all fp16, bf16 or fp32 (fp32 uses IEEE dots: correct, not
+fast; `auto` gives fp32 to the reference backend); tables of any float dtype; at most
+MAX_PIECES pieces; one head dim D <= 256 for all rotated pieces.
+
+CPU interpreter: kernels are built on first use (`_kernels`), as in selection_triton.py, and bf16
+tl.dot operands are cast to fp32 there (the interpreter multiplies bf16 bits as integers).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the module still imports; unsupported_reason says why the kernels cannot run
+    triton = tl = None
+
+__all__ = ["MAX_PIECES", "projection_rope_forward", "projection_rope_grad", "unsupported_reason"]
+
+MAX_PIECES = 8
+MAX_HEAD_DIM = 256
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A tile of raw columns when no piece is rotated: two windows of RAW_WINDOW columns.
+RAW_WINDOW = 64
+
+
+def _interpreting() -> bool:
+    """Whether triton.jit builds kernels for Triton's CPU interpreter (Triton's own setting)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def unsupported_reason(x, weight, bias, cos, sin, widths, head_dims) -> str | None:
+    """Why the Triton kernels cannot run these inputs, or None when they can."""
+    if triton is None:
+        return "triton is not installed"
+    tensors = [t for t in (x, weight, bias, cos, sin) if t is not None]
+    devices = {t.device.type for t in tensors}
+    if len(devices) != 1:
+        return f"tensors on several devices: {sorted(devices)}"
+    if devices != {"cuda"} and not _interpreting():
+        return f"device {devices.pop()} (needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter)"
+    dtypes = {x.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
+    if len(dtypes) != 1 or x.dtype not in _DTYPES:
+        return f"dtypes {sorted(map(str, dtypes))} (x, weight and bias must share one of fp16, bf16, fp32)"
+    if len(widths) > MAX_PIECES:
+        return f"{len(widths)} pieces (the kernel writes at most {MAX_PIECES} outputs)"
+    dims = {d for d in head_dims if d}
+    if len(dims) > 1:
+        return f"rotated pieces with different head dims {sorted(dims)} (the kernel takes one)"
+    if dims and dims.pop() > MAX_HEAD_DIM:
+        return f"head dim over {MAX_HEAD_DIM}"
+    return None
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _layout(widths, head_dims, rot_half: int, heads_per_tile: int | None = None) -> dict:
+    """Column geometry of a tile: D, R2 = R/2, HT heads per rotated tile, NA pairs and NP pass
+    columns per tile (JA, JP: their power-of-two register widths, at least 16 for tl.dot), the
+    tile width TW, and ALIGNED (`_aligned`). HT: `heads_per_tile` if given, else the largest
+    tile of at most 128 columns that is ALIGNED, else 128 // D heads."""
+    D = max(head_dims)
+    if D == 0:  # no rotation: raw tiles of two windows
+        lay = {"D": 1, "R2": 1, "HT": 1, "NA": RAW_WINDOW, "NP": 0, "JA": RAW_WINDOW, "JP": 0, "TW": 2 * RAW_WINDOW}
+        return lay | {"ALIGNED": _aligned(widths, lay)}
+    R2 = rot_half
+    widest = max(1, 128 // D)
+    for HT in [heads_per_tile] if heads_per_tile else [*range(widest, 0, -1), widest]:
+        NA, NP = HT * R2, HT * (D - 2 * R2)
+        lay = {"D": D, "R2": R2, "HT": HT, "NA": NA, "NP": NP, "JA": max(16, _next_pow2(NA)),
+               "JP": max(16, _next_pow2(NP)) if NP else 0, "TW": HT * D}
+        lay["ALIGNED"] = _aligned(widths, lay)
+        if lay["ALIGNED"]:
+            break
+    return lay
+
+
+def _aligned(widths, lay: dict) -> bool:
+    """Whether every tile is full and unpadded and every piece's width a multiple of 16: then the
+    kernels drop column masks and hint 16-alignment, so column accesses are vectorized."""
+    return (lay["NA"] == lay["JA"] and lay["NP"] == lay["JP"] and lay["TW"] % 16 == 0
+            and all(w % lay["TW"] == 0 for w in widths))
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_table(widths: tuple, head_dims: tuple, tile_width: int) -> tuple[tuple[int, ...], int]:
+    """Per column tile (flattened, 5 ints each): piece, first column in the piece, the piece's
+    first weight row, rotated (0/1), the piece's width. Tiles of a piece are tile_width wide (a
+    rotated piece's tiles start at head boundaries: tile_width is a whole number of heads)."""
+    table, row0 = [], 0
+    for piece, (width, dim) in enumerate(zip(widths, head_dims)):
+        for c0 in range(0, width, tile_width):
+            table += [piece, c0, row0, 1 if dim else 0, width]
+        row0 += width
+    return tuple(table), len(table) // 5
+
+
+_device_tables: dict = {}
+
+
+def _tiles_on(device, widths, head_dims, tile_width) -> tuple[torch.Tensor, int]:
+    """The tile table as an int32 tensor on `device`, made once per layout and device (no host
+    to device copy, and no synchronization, on later calls)."""
+    key = (str(device), tuple(widths), tuple(head_dims), tile_width)
+    if key not in _device_tables:
+        flat, count = _tile_table(tuple(widths), tuple(head_dims), tile_width)
+        _device_tables[key] = (torch.tensor(flat, dtype=torch.int32, device=device), count)
+    return _device_tables[key]
+
+
+def _config(dtype: torch.dtype, override: dict | None) -> dict:
+    """Launch parameters of the forward (`fwd`) and backward (`bwd`) kernels. `override`
+    ({"fwd": {...}, "bwd": {...}}; HT, BM, BK, num_warps, num_stages) replaces single entries,
+    for tools/bench_projections.py. BM and BK must be powers of two >= 16."""
+    if dtype == torch.float32:
+        cfg = {"fwd": {"BM": 64, "BK": 32, "num_warps": 4, "num_stages": 2}, "bwd": {"BM": 32, "num_warps": 4}}
+    else:
+        cfg = {"fwd": {"BM": 128, "BK": 64, "num_warps": 8, "num_stages": 3}, "bwd": {"BM": 32, "num_warps": 4}}
+    for kernel, params in (override or {}).items():
+        if kernel not in cfg:
+            raise ValueError(f"projection_rope (triton): unknown kernel {kernel!r} in override; valid: fwd, bwd")
+        cfg[kernel] = cfg[kernel] | params
+    return cfg
+
+
+@functools.cache
+def _kernels():
+    """The @triton.jit kernels, built on first use: TRITON_INTERPRET is read when they are built."""
+    global _built_interpreted
+    _built_interpreted = _interpreting()
+
+    @triton.jit
+    def fwd_kernel(
+        X, W, BIAS, COS, SIN, TILES, O0, O1, O2, O3, O4, O5, O6, O7,
+        M, K, S, NT, sxm, sxk, swn, swk, scb, scs, scf,
+        D: tl.constexpr, R2: tl.constexpr, HT: tl.constexpr, NA: tl.constexpr, NP: tl.constexpr,
+        JA: tl.constexpr, JP: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_TABLE: tl.constexpr, NOUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+        EVEN_K: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        mt = pid // NT
+        tile = TILES + (pid - mt * NT) * 5
+        piece = tl.load(tile)
+        c0 = tl.load(tile + 1)
+        row0 = tl.load(tile + 2)
+        rot_flag = tl.load(tile + 3)
+        width = tl.load(tile + 4)
+        if ALIGNED:  # host-checked: every tile full, widths and tile starts multiples of 16
+            c0 = tl.multiple_of(c0, 16)
+            row0 = tl.multiple_of(row0, 16)
+            width = tl.multiple_of(width, 16)
+
+        rows = mt * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        rows64 = tl.where(row_ok, rows, 0).to(tl.int64)  # rows past M read row 0, never stored
+
+        # columns of the tile, relative to the piece: pair firsts (a), partners (b), pass-through (p)
+        ja = tl.arange(0, JA)
+        rot = (ja * 0 + rot_flag) != 0  # [JA] (a vector: the interpreter rejects scalar bools in masks)
+        if HAS_TABLE:
+            head = ja // R2
+            f = ja % R2  # frequency index of the pair
+            if HALF:
+                ca_rot = head * D + f
+                cb_rot = ca_rot + R2
+            else:
+                ca_rot = head * D + 2 * f
+                cb_rot = ca_rot + 1
+            ca = c0 + tl.where(rot, ca_rot, ja)
+            cb = c0 + tl.where(rot, cb_rot, NA + ja)
+        else:
+            ca = c0 + ja
+            cb = c0 + NA + ja
+        if ALIGNED:  # no column masks: stores and loads of consecutive columns are vectorized
+            ok_a = ja < JA
+            ok_b = ok_a
+        else:
+            ok_a = (ja < NA) & (ca < width)
+            ok_b = (ja < NA) & (cb < width)
+        kk = tl.arange(0, BK)
+        # pointers advanced by BK each step (the Triton tutorial's form: no per-step broadcasts)
+        x_ptrs = X + rows64[:, None] * sxm + kk[None, :] * sxk  # [BM, BK]
+        wa_ptrs = W + (row0 + tl.where(ok_a, ca, 0))[:, None] * swn + kk[None, :] * swk  # [JA, BK]
+        wb_ptrs = W + (row0 + tl.where(ok_b, cb, 0))[:, None] * swn + kk[None, :] * swk
+        acc_a = tl.full([BM, JA], 0.0, tl.float32)
+        acc_b = tl.full([BM, JA], 0.0, tl.float32)
+        if NP > 0:
+            jp = tl.arange(0, JP)
+            # rotated: head jp // P, its pass-through column R + jp % P (P = D - R); raw: the third window
+            cp_rot = (jp // (D - 2 * R2)) * D + 2 * R2 + jp % (D - 2 * R2)
+            cp = c0 + tl.where((jp * 0 + rot_flag) != 0, cp_rot, 2 * NA + jp)
+            ok_p = jp < JP if ALIGNED else (jp < NP) & (cp < width)
+            wp_ptrs = W + (row0 + tl.where(ok_p, cp, 0))[:, None] * swn + kk[None, :] * swk
+            acc_p = tl.full([BM, JP], 0.0, tl.float32)
+
+        for k0 in range(0, K, BK):
+            if EVEN_K:
+                xt = tl.load(x_ptrs)
+                wa = tl.load(wa_ptrs)
+                wb = tl.load(wb_ptrs)
+            else:
+                k_ok = (k0 + kk < K)[None, :]
+                xt = tl.load(x_ptrs, mask=k_ok, other=0.0)
+                wa = tl.load(wa_ptrs, mask=k_ok, other=0.0)
+                wb = tl.load(wb_ptrs, mask=k_ok, other=0.0)
+            if UPCAST:
+                xt = xt.to(tl.float32)
+                wa = wa.to(tl.float32)
+                wb = wb.to(tl.float32)
+            acc_a = tl.dot(xt, tl.trans(wa), acc_a, input_precision=PREC)
+            acc_b = tl.dot(xt, tl.trans(wb), acc_b, input_precision=PREC)
+            if NP > 0:
+                if EVEN_K:
+                    wp = tl.load(wp_ptrs)
+                else:
+                    wp = tl.load(wp_ptrs, mask=(k0 + kk < K)[None, :], other=0.0)
+                if UPCAST:
+                    wp = wp.to(tl.float32)
+                acc_p = tl.dot(xt, tl.trans(wp), acc_p, input_precision=PREC)
+                wp_ptrs += BK * swk
+            x_ptrs += BK * sxk
+            wa_ptrs += BK * swk
+            wb_ptrs += BK * swk
+
+        if HAS_BIAS:
+            acc_a += tl.load(BIAS + row0 + ca, mask=ok_a, other=0.0).to(tl.float32)[None, :]
+            acc_b += tl.load(BIAS + row0 + cb, mask=ok_b, other=0.0).to(tl.float32)[None, :]
+            if NP > 0:
+                acc_p += tl.load(BIAS + row0 + cp, mask=ok_p, other=0.0).to(tl.float32)[None, :]
+        if HAS_TABLE:
+            # the row's position: batch m // S, token m % S (a table of batch 1 has stride 0)
+            rows32 = tl.where(row_ok, rows, 0)
+            bidx = rows32 // S
+            t_off = bidx * scb + (rows32 - bidx * S) * scs  # int32: a table is small
+            # f < R/2 and rows clamped: every table address is valid (no column mask)
+            if ALIGNED:  # one [BM, R/2] load per table, repeated over the tile's HT heads
+                fr = tl.arange(0, R2)
+                t_ptr = t_off[:, None] + fr[None, :] * scf
+                c = tl.reshape(tl.broadcast_to(tl.load(COS + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
+                s = tl.reshape(tl.broadcast_to(tl.load(SIN + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
+            else:
+                t_ptr = t_off[:, None] + f[None, :] * scf
+                c = tl.load(COS + t_ptr)
+                s = tl.load(SIN + t_ptr)
+            # raw tiles rotate by nothing: cos 1, sin 0
+            c = tl.where(rot[None, :], c.to(tl.float32), 1.0)
+            s = tl.where(rot[None, :], s.to(tl.float32), 0.0)
+            out_a = acc_a * c - acc_b * s
+            out_b = acc_b * c + acc_a * s
+        else:
+            out_a = acc_a
+            out_b = acc_b
+
+        # the tile's output tensor (pieces are separate tensors)
+        out = O0
+        if NOUT > 1:
+            if piece == 1:
+                out = O1
+        if NOUT > 2:
+            if piece == 2:
+                out = O2
+        if NOUT > 3:
+            if piece == 3:
+                out = O3
+        if NOUT > 4:
+            if piece == 4:
+                out = O4
+        if NOUT > 5:
+            if piece == 5:
+                out = O5
+        if NOUT > 6:
+            if piece == 6:
+                out = O6
+        if NOUT > 7:
+            if piece == 7:
+                out = O7
+        # int32 offsets unless a piece passes 2^31 elements (fewer registers in the epilogue)
+        if WIDE:
+            o_row = rows64[:, None] * width
+        else:
+            o_row = tl.where(row_ok, rows, 0)[:, None] * width
+        tl.store(out + o_row + ca[None, :], out_a.to(O0.dtype.element_ty), mask=row_ok[:, None] & ok_a[None, :])
+        tl.store(out + o_row + cb[None, :], out_b.to(O0.dtype.element_ty), mask=row_ok[:, None] & ok_b[None, :])
+        if NP > 0:
+            tl.store(out + o_row + cp[None, :], acc_p.to(O0.dtype.element_ty), mask=row_ok[:, None] & ok_p[None, :])
+
+    @triton.jit
+    def grad_kernel(
+        G0, G1, G2, G3, G4, G5, G6, G7, DY, COS, SIN, TILES,
+        M, N, S, NT, scb, scs, scf,
+        D: tl.constexpr, R2: tl.constexpr, HT: tl.constexpr, NA: tl.constexpr, NP: tl.constexpr,
+        JA: tl.constexpr, JP: tl.constexpr, HALF: tl.constexpr, HAS_TABLE: tl.constexpr,
+        NOUT: tl.constexpr, BM: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        mt = pid // NT
+        tile = TILES + (pid - mt * NT) * 5
+        piece = tl.load(tile)
+        c0 = tl.load(tile + 1)
+        row0 = tl.load(tile + 2)
+        rot_flag = tl.load(tile + 3)
+        width = tl.load(tile + 4)
+        if ALIGNED:  # host-checked: every tile full, widths and tile starts multiples of 16
+            c0 = tl.multiple_of(c0, 16)
+            row0 = tl.multiple_of(row0, 16)
+            width = tl.multiple_of(width, 16)
+        rows = mt * BM + tl.arange(0, BM)
+        row_ok = rows < M
+        rows_c = tl.where(row_ok, rows, 0)
+        # int32 offsets unless a tensor passes 2^31 elements (fewer registers)
+        rows_w = rows_c.to(tl.int64) if WIDE else rows_c
+
+        ja = tl.arange(0, JA)
+        rot = (ja * 0 + rot_flag) != 0  # [JA] (a vector: the interpreter rejects scalar bools in masks)
+        if HAS_TABLE:
+            head = ja // R2
+            f = ja % R2
+            if HALF:
+                ca_rot = head * D + f
+                cb_rot = ca_rot + R2
+            else:
+                ca_rot = head * D + 2 * f
+                cb_rot = ca_rot + 1
+            ca = c0 + tl.where(rot, ca_rot, ja)
+            cb = c0 + tl.where(rot, cb_rot, NA + ja)
+        else:
+            ca = c0 + ja
+            cb = c0 + NA + ja
+        if ALIGNED:  # no column masks: stores and loads of consecutive columns are vectorized
+            ok_a = ja < JA
+            ok_b = ok_a
+        else:
+            ok_a = (ja < NA) & (ca < width)
+            ok_b = (ja < NA) & (cb < width)
+
+        grad = G0
+        if NOUT > 1:
+            if piece == 1:
+                grad = G1
+        if NOUT > 2:
+            if piece == 2:
+                grad = G2
+        if NOUT > 3:
+            if piece == 3:
+                grad = G3
+        if NOUT > 4:
+            if piece == 4:
+                grad = G4
+        if NOUT > 5:
+            if piece == 5:
+                grad = G5
+        if NOUT > 6:
+            if piece == 6:
+                grad = G6
+        if NOUT > 7:
+            if piece == 7:
+                grad = G7
+        g_row = grad + rows_w[:, None] * width
+        a_mask = row_ok[:, None] & ok_a[None, :]
+        b_mask = row_ok[:, None] & ok_b[None, :]
+        ga = tl.load(g_row + ca[None, :], mask=a_mask, other=0.0).to(tl.float32)
+        gb = tl.load(g_row + cb[None, :], mask=b_mask, other=0.0).to(tl.float32)
+        if HAS_TABLE:
+            bidx = rows_c // S
+            t_off = bidx * scb + (rows_c - bidx * S) * scs  # int32: a table is small
+            if ALIGNED:  # one [BM, R/2] load per table, repeated over the tile's HT heads
+                fr = tl.arange(0, R2)
+                t_ptr = t_off[:, None] + fr[None, :] * scf
+                c = tl.reshape(tl.broadcast_to(tl.load(COS + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
+                s = tl.reshape(tl.broadcast_to(tl.load(SIN + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
+            else:
+                t_ptr = t_off[:, None] + f[None, :] * scf
+                c = tl.load(COS + t_ptr)
+                s = tl.load(SIN + t_ptr)
+            c = tl.where(rot[None, :], c.to(tl.float32), 1.0)
+            s = tl.where(rot[None, :], s.to(tl.float32), 0.0)
+            da = ga * c + gb * s
+            db = gb * c - ga * s
+        else:
+            da = ga
+            db = gb
+        dy_row = DY + rows_w[:, None] * N + row0
+        tl.store(dy_row + ca[None, :], da.to(DY.dtype.element_ty), mask=a_mask)
+        tl.store(dy_row + cb[None, :], db.to(DY.dtype.element_ty), mask=b_mask)
+        if NP > 0:
+            jp = tl.arange(0, JP)
+            # rotated: head jp // P, its pass-through column R + jp % P (P = D - R); raw: the third window
+            cp_rot = (jp // (D - 2 * R2)) * D + 2 * R2 + jp % (D - 2 * R2)
+            cp = c0 + tl.where((jp * 0 + rot_flag) != 0, cp_rot, 2 * NA + jp)
+            p_mask = row_ok[:, None] & (jp < JP if ALIGNED else (jp < NP) & (cp < width))[None, :]
+            gp = tl.load(g_row + cp[None, :], mask=p_mask, other=0.0)
+            tl.store(dy_row + cp[None, :], gp.to(DY.dtype.element_ty), mask=p_mask)
+
+    return fwd_kernel, grad_kernel
+
+
+_built_interpreted = False
+
+
+def _table_strides(cos) -> tuple[int, int, int]:
+    """(batch, token, frequency) strides of a table [S, R/2] or [Bt, S, R/2] (batch stride 0 when
+    the table serves every batch)."""
+    if cos.dim() == 2:
+        return 0, cos.stride(0), cos.stride(1)
+    return (0 if cos.shape[0] == 1 else cos.stride(0)), cos.stride(1), cos.stride(2)
+
+
+def _same_strides(cos, sin):
+    """The kernels index cos and sin with one set of strides."""
+    if cos is None or cos.stride() == sin.stride():
+        return cos, sin
+    return cos.contiguous(), sin.contiguous()
+
+
+def _pad_outputs(tensors: list) -> list:
+    return tensors + [tensors[0]] * (MAX_PIECES - len(tensors))
+
+
+def projection_rope_forward(x2, weight, bias, cos, sin, widths, head_dims, style: str, S: int,
+                            *, override: dict | None = None) -> list[torch.Tensor]:
+    """The pieces [M, widths[i]] (x2's dtype, contiguous); see the module docstring. S is the
+    sequence length (rows per batch) when a piece is rotated."""
+    why = unsupported_reason(x2, weight, bias, cos, sin, widths, head_dims)
+    if why is not None:
+        raise ValueError(f"projection_rope (triton): cannot run these inputs: {why}")
+    M, K = x2.shape
+    bias = bias.contiguous() if bias is not None else None  # the kernel reads it with stride 1
+    outs = [x2.new_empty((M, w)) for w in widths]
+    if M == 0:
+        return outs
+    rotated = any(head_dims)
+    rot_half = cos.shape[-1] if rotated else 0
+    cfg = _config(x2.dtype, override)["fwd"]
+    lay = _layout(widths, head_dims, rot_half, cfg.get("HT"))
+    table, NT = _tiles_on(x2.device, widths, head_dims, lay["TW"])
+    cos, sin = _same_strides(cos, sin)
+    scb, scs, scf = _table_strides(cos) if rotated else (0, 0, 0)
+    kernel = _kernels()[0]
+    launch = {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
+    BM, BK = cfg["BM"], cfg["BK"]
+    kernel[(_cdiv(M, BM) * NT,)](
+        x2, weight, bias if bias is not None else weight, cos if rotated else weight, sin if rotated else weight,
+        table, *_pad_outputs(outs),
+        M, K, max(S, 1), NT, *x2.stride(), *weight.stride(), scb, scs, scf,
+        D=lay["D"], R2=lay["R2"], HT=lay["HT"], NA=lay["NA"], NP=lay["NP"], JA=lay["JA"], JP=lay["JP"],
+        HALF=style == "half", HAS_BIAS=bias is not None, HAS_TABLE=rotated, NOUT=len(widths), BM=BM, BK=BK,
+        EVEN_K=K % BK == 0, WIDE=M * max(widths) >= 2**31, ALIGNED=lay["ALIGNED"],
+        PREC="ieee" if x2.dtype == torch.float32 else "tf32",
+        UPCAST=x2.dtype == torch.bfloat16 and _built_interpreted, **launch,
+    )  # fmt: skip
+    return outs
+
+
+def projection_rope_grad(grads, cos, sin, widths, head_dims, style: str, S: int,
+                         *, override: dict | None = None) -> torch.Tensor:
+    """dy [M, N] (the pieces' dtype): the gradient of the projection before the rotation, from the
+    pieces' gradients grads[i] [M, widths[i]] (any row stride; columns contiguous)."""
+    grads = [g if g.stride(-1) == 1 and g.stride(0) == g.shape[1] else g.contiguous() for g in grads]
+    M = grads[0].shape[0]
+    N = sum(widths)
+    dy = grads[0].new_empty((M, N))
+    if M == 0:
+        return dy
+    rotated = any(head_dims)
+    rot_half = cos.shape[-1] if rotated else 0
+    cfg = _config(grads[0].dtype, override)
+    lay = _layout(widths, head_dims, rot_half, cfg["fwd"].get("HT"))
+    table, NT = _tiles_on(dy.device, widths, head_dims, lay["TW"])
+    cos, sin = _same_strides(cos, sin)
+    scb, scs, scf = _table_strides(cos) if rotated else (0, 0, 0)
+    kernel = _kernels()[1]
+    BM = cfg["bwd"]["BM"]
+    launch = {k: v for k, v in cfg["bwd"].items() if k in ("num_warps", "num_stages")}
+    kernel[(_cdiv(M, BM) * NT,)](
+        *_pad_outputs(grads), dy, cos if rotated else dy, sin if rotated else dy, table,
+        M, N, max(S, 1), NT, scb, scs, scf,
+        D=lay["D"], R2=lay["R2"], HT=lay["HT"], NA=lay["NA"], NP=lay["NP"], JA=lay["JA"], JP=lay["JP"],
+        HALF=style == "half", HAS_TABLE=rotated, NOUT=len(widths), BM=BM, WIDE=M * N >= 2**31, ALIGNED=lay["ALIGNED"],
+        **launch,
+    )  # fmt: skip
+    return dy

@@ -1,0 +1,723 @@
+"""nsa::compressed_attention (+ its backward op): the reference backend against the eager formula
+of models/nsa.py (float64 oracle), the Triton kernels (nsa_compile/ops/compressed_triton.py)
+against the reference backend, on CUDA when there is one, else through Triton's interpreter
+(TRITON_INTERPRET=1, set by a class fixture for the Triton tests only and restored after them),
+and GPU-marked checks at larger sizes (`gpu`; the issue sizes also under `sweep`).
+"""
+
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import nsa_compile
+import nsa_compile.ops
+from nsa_compile.models.config import ModelConfig
+from nsa_compile.models.nsa import NSAAttention
+from nsa_compile.ops import compressed as cmp_mod
+from nsa_compile.ops import compressed_attention, compressed_attention_backward
+from nsa_compile.ops import compressed_triton as ct
+
+B, G, DK, DV = 2, 2, 16, 24
+FLOORS = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+NAMES = ("o", "dq", "dk", "dv")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def upcast(x):
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def n_blocks(S, l, d):
+    """Tc of NSA_SEMANTICS.md section 2."""
+    return (S - l) // d + 1 if S >= l else 0
+
+
+def eager_scores(q, k, l, d, scale):
+    """The eager scores [B, H, S, Tc] (upcast(q @ k^T) * scale, K repeated per head) and the
+    visibility [S, Tc]."""
+    S, Tc, h = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    scores = upcast(q @ k.repeat_interleave(h, dim=1).transpose(-1, -2)) * scale
+    visible = torch.arange(Tc)[None, :] * d + l - 1 <= torch.arange(S)[:, None]
+    return scores, visible
+
+
+def eager_compressed(q, k, v, l, d, scale):
+    """NSAAttention.compressed_attention's attention step, heads first, on compression tokens:
+    q [B, H, S, Dk], k [B, G, Tc, Dk], v [B, G, Tc, Dv] -> o [B, H, S, Dv]."""
+    h = q.shape[1] // k.shape[1]
+    scores, visible = eager_scores(q, k, l, d, scale)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    has_block = visible.any(dim=-1, keepdim=True)
+    p = torch.softmax(scores.masked_fill(~has_block, 0.0), dim=-1) * visible
+    return p.to(v.dtype) @ v.repeat_interleave(h, dim=1)
+
+
+def make_inputs(S, h, dtype, l=8, d=4, seed=0, b=B, g=G, dk=DK, dv=DV, Tc=None):
+    """q in the model's layout ([B, S, H, Dk] memory) transposed to heads-first, k and v as
+    [B, Tc, G, D] memory (what compression produces) transposed, a fixed output gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    Tc = n_blocks(S, l, d) if Tc is None else Tc
+    q = torch.randn(b, S, g * h, dk, generator=gen).to(dtype).transpose(1, 2)
+    k = torch.randn(b, Tc, g, dk, generator=gen).to(dtype).transpose(1, 2)
+    v = torch.randn(b, Tc, g, dv, generator=gen).to(dtype).transpose(1, 2)
+    grad_o = torch.randn(b, g * h, S, dv, generator=gen).to(dtype)
+    return q, k, v, grad_o
+
+
+def run(fn, q, k, v, grad_o, l, d, scale, *extra):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o = fn(*leaves, l, d, scale, *extra)
+    grads = torch.autograd.grad(o, leaves, grad_o, allow_unused=True)
+    return (o.detach(), *(torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves, grads)))
+
+
+def rel_rms(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_close_all(ours, ref, what, **tol):
+    for name, a, r in zip(NAMES, ours, ref):
+        assert a.shape == r.shape and a.dtype == r.dtype, f"{what} {name}"
+        torch.testing.assert_close(a, r, **tol, msg=lambda m, name=name: f"{what} {name}: {m}")
+
+
+# --- the reference backend against the eager formula ------------------------------------------
+
+# S, (l, d), h: S not a multiple of l, d != l and d == l, batch 2, Dk 16 != Dv 24
+SEQ_LENS = (31, 32, 63, 100)
+BLOCKS = ((8, 4), (6, 3), (8, 8))
+GROUP_SIZES = (1, 4, 6)
+
+
+def test_test_formula_is_the_models_method():
+    """eager_compressed on mean-pooled K/V == NSAAttention.compressed_attention (sequence first)."""
+    h, S, l, d = 3, 70, 16, 8
+    cfg = ModelConfig(dim=32, n_heads=G * h, n_kv_groups=G, head_dim=DK, head_dim_v=DV, cmp_block=l, cmp_stride=d,
+                      sel_block=16, n_selected=3)  # fmt: skip
+    attn = NSAAttention(cfg).double()
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(B, S, G * h, DK, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, S, G, DK, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, S, G, DV, generator=gen, dtype=torch.float64)
+    want_o, want_p = attn.compressed_attention(q, k, v)
+    k_cmp, v_cmp = attn.compress(k, None).transpose(1, 2), attn.compress(v, None).transpose(1, 2)  # [B, G, Tc, D]
+    assert k_cmp.shape[2] == n_blocks(S, l, d)
+    ours = eager_compressed(q.transpose(1, 2), k_cmp, v_cmp, l, d, attn.scale).transpose(1, 2)
+    torch.testing.assert_close(ours, want_o, rtol=1e-13, atol=1e-13)
+    o, lse = torch.ops.nsa.compressed_attention(q.transpose(1, 2), k_cmp, v_cmp, l, d, attn.scale)
+    torch.testing.assert_close(o.transpose(1, 2), want_o, rtol=1e-12, atol=1e-12)
+    # lse rebuilds the model's p_cmp (float32 for float64 inputs, as nsa::selected_attention)
+    assert lse.dtype == torch.float32
+    scores, visible = eager_scores(q.transpose(1, 2), k_cmp, l, d, attn.scale)
+    p = torch.where(visible, torch.exp(scores - lse.double()[..., None]), 0.0)  # 0 on empty rows
+    torch.testing.assert_close(p, want_p, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_matches_eager_fp32_fp64(dtype):
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    for S, (l, d), h in itertools.product(SEQ_LENS, BLOCKS, GROUP_SIZES):
+        seed = S * 7 + l + d + h
+        q, k, v, grad_o = make_inputs(S, h, dtype, l, d, seed=seed)
+        ours = run(compressed_attention, q, k, v, grad_o, l, d, DK**-0.5)
+        ref = run(eager_compressed, q, k, v, grad_o, l, d, DK**-0.5)
+        assert ours[0].shape == (B, G * h, S, DV) and ours[0].dtype == dtype
+        assert_close_all(ours, ref, f"S={S} l={l} d={d} h={h}", **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_error_vs_fp64_oracle(dtype):
+    worst = 0.0
+    for S, (l, d), h in itertools.product((31, 100), ((8, 4), (6, 3)), GROUP_SIZES):
+        seed = S + l + h
+        q, k, v, grad_o = make_inputs(S, h, dtype, l, d, seed=seed)
+        oracle = run(eager_compressed, *(x.double() for x in (q, k, v, grad_o)), l, d, DK**-0.5)
+        ours = run(compressed_attention, q, k, v, grad_o, l, d, DK**-0.5)
+        eager = run(eager_compressed, q, k, v, grad_o, l, d, DK**-0.5)
+        for name, a, e, r in zip(NAMES, ours, eager, oracle):
+            assert a.dtype == dtype, name
+            err, eager_err = rel_rms(a, r), rel_rms(e, r)
+            where = f"{name} S={S} l={l} d={d} h={h}: ours {err:.2e}, eager {eager_err:.2e}"
+            assert err <= FLOORS[dtype], where
+            assert err <= 2 * eager_err + 1e-6, where
+            worst = max(worst, err)
+    assert worst > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lse_is_the_log_sum_exp_of_the_eager_scores(dtype):
+    """q @ k^T rounded to the input dtype, then scaled: exp(score - lse) is the eager p (the block
+    selection rebuilds p this way), -inf exactly on the rows without a visible block."""
+    S, h, l, d = 63, 4, 8, 4
+    q, k, v, _ = make_inputs(S, h, dtype, l, d, seed=8)
+    _, lse = torch.ops.nsa.compressed_attention(q, k, v, l, d, 0.3)
+    scores, visible = eager_scores(q, k, l, d, 0.3)
+    want = torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    assert lse.dtype == torch.float32 and lse.shape == (B, G * h, S)
+    assert torch.equal(lse.isneginf(), want.isneginf()) and lse.isneginf()[:, :, : l - 1].all()
+    fin = want.isfinite()
+    torch.testing.assert_close(lse[fin], want[fin], rtol=1e-6, atol=1e-6)
+    if dtype == torch.bfloat16:  # unrounded scores give a different lse: the rounding is tested
+        exact = (q.float() @ k.float().repeat_interleave(h, 1).transpose(-1, -2)) * 0.3
+        off = torch.logsumexp(exact.masked_fill(~visible, float("-inf")), -1)[fin]
+        assert (off - lse[fin]).abs().max() > 1e-3
+
+
+def test_rows_without_a_visible_block_and_blocks_never_visible():
+    """t < l - 1: o = 0, lse = -inf, dq = 0, no NaN anywhere; k and v with more compression tokens
+    than any query sees (Tc past the end): those tokens get zero gradient."""
+    S, h, l, d = 30, 3, 8, 4
+    Tc = n_blocks(S, l, d) + 3  # 3 tokens that no t < S sees
+    q, k, v, grad_o = make_inputs(S, h, torch.float64, l, d, seed=4, Tc=Tc)
+    ours = run(compressed_attention, q, k, v, grad_o, l, d, 0.4)
+    ref = run(eager_compressed, q, k, v, grad_o, l, d, 0.4)
+    assert not any(x.isnan().any() for x in ours)
+    assert_close_all(ours, ref, "extra blocks", rtol=1e-12, atol=1e-12)
+    o, dq, dk, dv = ours
+    _, lse = torch.ops.nsa.compressed_attention(q, k, v, l, d, 0.4)
+    assert torch.equal(o[:, :, : l - 1], torch.zeros_like(o[:, :, : l - 1]))
+    assert torch.equal(dq[:, :, : l - 1], torch.zeros_like(dq[:, :, : l - 1]))
+    assert lse[:, :, : l - 1].isneginf().all() and lse[:, :, l - 1 :].isfinite().all()
+    assert (o[:, :, l - 1] != 0).all()  # the first query that sees block 0
+    assert torch.equal(dk[:, :, -3:], torch.zeros_like(dk[:, :, -3:]))
+    assert torch.equal(dv[:, :, -3:], torch.zeros_like(dv[:, :, -3:]))
+
+
+def test_sequence_shorter_than_a_block_gives_zeros():
+    """S < l: Tc = 0 is valid input; o = 0, lse = -inf, dq = 0 and empty dk, dv (the eager model
+    returns zeros there and its compression parameters get no gradient)."""
+    for S, l in ((5, 8), (1, 2)):
+        q, k, v, grad_o = make_inputs(S, 2, torch.float32, l, 4, seed=S)
+        assert k.shape[2] == 0
+        o, dq, dk, dv = run(compressed_attention, q, k, v, grad_o, l, 4, 0.5)
+        _, lse = torch.ops.nsa.compressed_attention(q, k, v, l, 4, 0.5)
+        assert lse.isneginf().all()
+        assert o.shape == (B, 2 * G, S, DV) and torch.equal(o, torch.zeros_like(o))
+        assert torch.equal(dq, torch.zeros_like(dq)) and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_chunk_boundaries(monkeypatch):
+    """Small chunks (not dividing S, not aligned with blocks, chunks whose rows see no block):
+    same result as the oracle, to float64 rounding."""
+    for chunk in (1, 5, 16):
+        monkeypatch.setattr(cmp_mod, "REFERENCE_CHUNK", chunk)
+        for S, h in ((31, 3), (100, 1)):
+            q, k, v, grad_o = make_inputs(S, h, torch.float64, 8, 4, seed=S + chunk)
+            ours = run(compressed_attention, q, k, v, grad_o, 8, 4, 0.3)
+            ref = run(eager_compressed, q, k, v, grad_o, 8, 4, 0.3)
+            assert_close_all(ours, ref, f"S={S} chunk={chunk}", rtol=1e-12, atol=1e-12)
+
+
+def test_chunk_size_follows_the_budget(monkeypatch):
+    monkeypatch.setattr(cmp_mod, "REFERENCE_BUDGET", 2 * 4 * 7 * 100)
+    chunks = list(cmp_mod._chunks(50, 2, 4, 7, 8, 4, None))
+    assert [(t0, t1) for t0, t1, _ in chunks] == [(0, 50)]
+    monkeypatch.setattr(cmp_mod, "REFERENCE_BUDGET", 2 * 4 * 7 * 20)
+    chunks = list(cmp_mod._chunks(50, 2, 4, 7, 8, 4, None))
+    assert [(t0, t1) for t0, t1, _ in chunks] == [(0, 20), (20, 40), (40, 50)]
+    # the number of blocks the last row of each chunk sees: (t - 7) // 4 + 1, capped at Tc = 7
+    assert [n for *_, n in chunks] == [4, 7, 7]
+    assert cmp_mod.visible_blocks(6, 8, 4, 7) == 0 and cmp_mod.visible_blocks(7, 8, 4, 7) == 1
+
+
+class Spy(TorchDispatchMode):
+    """Fills every fresh allocation with NaN, records the largest computed intermediate, the
+    operand shapes of every bmm and every op name."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel, self.names, self.bmm_shapes = 0, set(), set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.names.add(name)
+        if name in ("empty", "empty_like", "new_empty", "empty_strided"):
+            out.fill_(float("nan"))
+        elif isinstance(out, torch.Tensor) and func._schema.returns[0].alias_info is None:
+            self.max_numel = max(self.max_numel, out.numel())
+        if name == "bmm":
+            self.bmm_shapes.add((tuple(args[0].shape), tuple(args[1].shape)))
+        return out
+
+
+def test_memory_bounded_gqa_native_and_fully_written():
+    S, h, l, d, chunk, D = 1024, 4, 16, 8, 64, 8
+    q, k, v, grad_o = make_inputs(S, h, torch.float32, l, d, b=1, dk=D, dv=D)
+    Tc = k.shape[2]
+    spy = Spy()
+    with spy:
+        o, lse = cmp_mod._reference_forward(q, k, v, l, d, 0.25, chunk)
+        dq, dk, dv = cmp_mod._reference_backward(grad_o, q, k, v, l, d, 0.25, chunk)
+    # largest intermediate: one chunk's scores [1, G, h * chunk, Tc] or the full-size outputs;
+    # never the [1, H, S, Tc] scores of all queries at once
+    per_chunk = G * h * chunk * Tc
+    assert spy.max_numel <= max(per_chunk, G * h * S * D) < G * h * S * Tc // 4
+    # K and V are never repeated per head: q @ k^T is one bmm per (batch, group) whose rows are
+    # the group's h heads; the last chunk reads only the blocks its rows can see (a prefix)
+    assert "repeat_interleave" not in spy.names
+    assert ((G, h * chunk, D), (G, D, Tc)) in spy.bmm_shapes
+    assert ((G, h * chunk, D), (G, D, 7)) in spy.bmm_shapes  # rows 0..63 see blocks 0..6
+    ref = run(eager_compressed, q, k, v, grad_o, l, d, 0.25)
+    assert_close_all((o, dq, dk, dv), ref, "spy", rtol=1e-5, atol=1e-5)
+    assert not lse.isnan().any()
+
+
+def test_low_precision_dk_dv_accumulate_in_fp32(monkeypatch):
+    """Every query adds to block 0's gradient; with 64 chunks the sums must not round to bf16."""
+    monkeypatch.setattr(cmp_mod, "REFERENCE_CHUNK", 8)
+    S, l, d = 512, 4, 4
+    q, k, v, grad_o = make_inputs(S, 1, torch.bfloat16, l, d, seed=3, b=1, g=1, dk=8, dv=8)
+    oracle = run(eager_compressed, *(x.double() for x in (q, k, v, grad_o)), l, d, 0.3)
+    ours = run(compressed_attention, q, k, v, grad_o, l, d, 0.3)
+    for i in (2, 3):
+        err = rel_rms(ours[i][:, :, :4], oracle[i][:, :, :4])
+        assert err < 4e-3, f"{NAMES[i]}: {err:.2e}"
+
+
+def test_mixed_dtypes_follow_eager():
+    """q, k in bf16 and v in fp32: p is cast to v's dtype, the output is fp32, grads keep dtypes."""
+    q, k, _, _ = make_inputs(63, 3, torch.bfloat16, seed=1)
+    _, _, v, grad_o = make_inputs(63, 3, torch.float32, seed=2)
+    ours = run(compressed_attention, q, k, v, grad_o, 8, 4, 0.25)
+    ref = run(eager_compressed, q, k, v, grad_o, 8, 4, 0.25)
+    for name, a, r in zip(NAMES, ours, ref):
+        assert a.dtype == r.dtype, name
+        assert rel_rms(a, r) < 5e-3, name
+
+
+def test_opcheck_forward_and_backward_ops():
+    for S, h, l, d, v_dtype in ((7, 3, 8, 4, torch.float32), (33, 2, 6, 3, torch.float64)):  # Tc = 0 and Tc = 10
+        q, k, v, grad_o = make_inputs(S, h, torch.float32, l, d, dk=8, dv=5)
+        v, grad_o = v.to(v_dtype), grad_o.to(v_dtype)
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        torch.library.opcheck(torch.ops.nsa.compressed_attention.default, (q, k, v, l, d, 0.5, "reference"))
+        o, lse = torch.ops.nsa.compressed_attention(q, k, v, l, d, 0.5)
+        torch.library.opcheck(
+            torch.ops.nsa.compressed_attention_backward.default,
+            (grad_o, *(x.detach() for x in (q, k, v, o, lse)), l, d, 0.5, "reference"),
+        )
+
+
+def model_loss(x_q, k, v):
+    o = compressed_attention(x_q.transpose(1, 2), k, v, 8, 4, 0.3)
+    return (o.transpose(1, 2).sin() * 1.5).sum()
+
+
+def eager_loss(x_q, k, v):
+    o = eager_compressed(x_q.transpose(1, 2), k, v, 8, 4, 0.3)
+    return (o.transpose(1, 2).sin() * 1.5).sum()
+
+
+def model_inputs(S, h=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    Tc = n_blocks(S, 8, 4)
+    shapes = ((B, S, G * h, DK), (B, G, Tc, DK), (B, G, Tc, DV))
+    return [torch.randn(*s, generator=gen) for s in shapes]
+
+
+def loss_and_grads(fn, inputs):
+    inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    loss = fn(*inputs)
+    return (loss.detach(), *torch.autograd.grad(loss, inputs))
+
+
+def test_compile_fullgraph_aot_eager_forward_backward():
+    torch._dynamo.reset()
+    inputs = model_inputs(90)
+    compiled = torch.compile(model_loss, fullgraph=True, backend="aot_eager")
+    for got, want in zip(loss_and_grads(compiled, inputs), loss_and_grads(eager_loss, inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_graphs_hold_the_ops_and_fakes_take_dynamic_shapes():
+    torch._dynamo.reset()
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(fw_compiler=capture, bw_compiler=capture)
+    compiled = torch.compile(model_loss, fullgraph=True, backend=backend, dynamic=True)
+    for S in (40, 77):
+        inputs = model_inputs(S, seed=S)
+        for got, want in zip(loss_and_grads(compiled, inputs), loss_and_grads(eager_loss, inputs)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(graphs) == 2
+    fw, bw = (set(n.target for n in gm.graph.nodes if n.op == "call_function") for gm in graphs)
+    assert torch.ops.nsa.compressed_attention.default in fw
+    assert torch.ops.nsa.compressed_attention_backward.default in bw
+    assert torch.ops.nsa.compressed_attention.default not in bw
+
+
+def bad_args(**change):
+    q, k, v, _ = make_inputs(20, 2, torch.float32)  # Tc = 4
+    args = dict(q=q, k=k, v=v, block=8, stride=4, scale=0.5)
+    args.update(change)
+    return args
+
+
+BAD = [
+    (dict(q=torch.randn(2, 4, 20)), "q must be 4-D"),
+    (dict(k=torch.randn(2, 2, 4, 16, 1)), "k must be 4-D"),
+    (dict(v=torch.randn(2, 2, 4)), "v must be 4-D"),
+    (dict(q=torch.ones(2, 4, 20, 16, dtype=torch.int64)), "floating-point"),
+    (dict(k=torch.randn(2, 2, 4, 16, dtype=torch.float64)), "share a dtype"),
+    (dict(q=torch.randn(3, 4, 20, 16)), "batch sizes differ"),
+    (dict(v=torch.randn(2, 2, 5, 24)), "same number of compression tokens"),
+    (dict(k=torch.randn(2, 2, 4, 12)), "head dims differ"),
+    (dict(v=torch.randn(2, 4, 4, 24)), "same number of KV heads"),
+    (dict(q=torch.randn(2, 5, 20, 16)), "H=5 must be a multiple of KV heads G=2"),
+    (dict(k=torch.randn(2, 0, 4, 16), v=torch.randn(2, 0, 4, 24)), "at least one KV head"),
+    (dict(block=0), "block must be >= 1"),
+    (dict(stride=-4), "stride must be >= 1"),
+    (dict(backend="cuda"), "unknown backend 'cuda'; valid: auto, triton, reference"),
+]
+
+
+@pytest.mark.parametrize("change,match", BAD, ids=[m for _, m in BAD])
+def test_argument_validation(change, match):
+    args = bad_args(**change)
+    with pytest.raises(ValueError, match=match):
+        compressed_attention(**args)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode, pytest.raises(ValueError, match=match):
+        fake = {n: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for n, x in args.items()}
+        compressed_attention(**fake)
+
+
+def test_backward_op_validates_grad_shape():
+    q, k, v, grad_o = make_inputs(20, 2, torch.float32)
+    o, lse = torch.ops.nsa.compressed_attention(q, k, v, 8, 4, 0.5)
+    compressed_attention_backward(grad_o, q, k, v, o, lse, 8, 4, 0.5)
+    with pytest.raises(ValueError, match="grad_o must have shape"):
+        compressed_attention_backward(grad_o[:, :, :7], q, k, v, o, lse, 8, 4, 0.5)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        compressed_attention_backward(grad_o[:, :3], q[:, :3], k, v, o, lse, 8, 4, 0.5)
+    with pytest.raises(ValueError, match="stride must be >= 1"):
+        compressed_attention_backward(grad_o, q, k, v, o, lse, 8, 0, 0.5)
+
+
+def test_backend_choice_on_the_cpu(monkeypatch):
+    q, k, v, _ = make_inputs(20, 2, torch.float32)
+    assert cmp_mod.choose_backend(q, k, v, 8, 4) == "reference"  # the CPU: auto never interprets
+    assert "run on CUDA" in cmp_mod.why_not_triton(q, k, v, 8, 4)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend 'triton' cannot run these inputs: device cpu"):
+        compressed_attention(q, k, v, 8, 4, 0.5, "triton")
+
+
+def test_outputs_keep_the_layout_the_fakes_promise():
+    """Inductor trusts a custom op's fake strides: the real outputs must have the same ones."""
+    q, k, v, grad_o = make_inputs(50, 3, torch.float32)
+    o, lse = torch.ops.nsa.compressed_attention(q, k, v, 8, 4, 0.5)
+    grads = compressed_attention_backward(grad_o, q, k, v, o, lse, 8, 4, 0.5)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fq, fk, fv, fg = (mode.from_tensor(x) for x in (q, k, v, grad_o))
+        fo, flse = torch.ops.nsa.compressed_attention(fq, fk, fv, 8, 4, 0.5)
+        fgrads = compressed_attention_backward(fg, fq, fk, fv, fo, flse, 8, 4, 0.5)
+    for real, fake in zip((o, lse, *grads), (fo, flse, *fgrads)):
+        assert real.shape == fake.shape and real.stride() == fake.stride() and real.dtype == fake.dtype
+    assert o.transpose(1, 2).is_contiguous()  # [B, S, H, Dv] memory
+
+
+def test_public_surface_and_config():
+    assert nsa_compile.ops.compressed_attention is compressed_attention
+    assert nsa_compile.ops.compressed_attention_backward is compressed_attention_backward
+    schema = torch.ops.nsa.compressed_attention.default._schema
+    assert [a.name for a in schema.arguments] == ["q", "k", "v", "block", "stride", "scale", "backend"]
+    assert len(schema.returns) == 2  # o and the log-sum-exp
+    schema = torch.ops.nsa.compressed_attention_backward.default._schema
+    assert [a.name for a in schema.arguments][:6] == ["grad_o", "q", "k", "v", "o", "lse"]
+    assert cmp_mod.BACKENDS == ("auto", "triton", "reference")
+    assert nsa_compile.OptimizeConfig().compressed_backend == "auto"
+    assert nsa_compile.OptimizeConfig(compressed_backend="reference").compressed_backend == "reference"
+    with pytest.raises(ValueError, match="unknown compressed_backend 'flash'; valid: auto, triton, reference"):
+        nsa_compile.OptimizeConfig(compressed_backend="flash")
+
+
+# --- the Triton kernels (interpreted on the CPU) ------------------------------------------------
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="class")
+def triton_device():
+    """On a machine without CUDA: TRITON_INTERPRET=1 while the class runs, kernels rebuilt."""
+    pytest.importorskip("triton")
+    before = os.environ.get("TRITON_INTERPRET")
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+        ct._kernels.cache_clear()
+    yield DEVICE
+    if DEVICE == "cpu":
+        ct._kernels.cache_clear()
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+def reference(q, k, v, grad_o, l, d, scale):
+    """o, lse, dq, dk, dv of the reference backend in float32 at the same inputs."""
+    f = lambda x: x.float()
+    o, lse = cmp_mod._reference_forward(f(q), f(k), f(v), l, d, scale)
+    return (o, lse, *cmp_mod._reference_backward(f(grad_o), f(q), f(k), f(v), l, d, scale))
+
+
+def run_triton(q, k, v, grad_o, l, d, scale, tiles=None):
+    o, lse = ct.compressed_forward(q, k, v, l, d, scale, tiles=tiles)
+    return (o, lse, *ct.compressed_backward(grad_o, q, k, v, o, lse, l, d, scale, tiles=tiles))
+
+
+def check_triton(ours, ref, dtype, what):
+    """ours, ref: (o, lse, dq, dk, dv)."""
+    o_lse_ok = torch.equal(ours[1].isneginf(), ref[1].isneginf())
+    assert o_lse_ok and ours[1].dtype == torch.float32, f"{what}: lse -inf rows differ"
+    fin = ref[1].isfinite()
+    lse_tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours[1][fin], ref[1][fin], rtol=lse_tol, atol=lse_tol, msg=lambda m: f"{what} lse: {m}")
+    for name, a, r in zip(NAMES, (ours[0], *ours[2:]), (ref[0], *ref[2:])):
+        assert a.dtype == dtype and a.shape == r.shape, f"{what} {name}"
+        assert not a.isnan().any(), f"{what} {name}: NaN"
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{what} {name}: {m}")
+        else:
+            assert rel_rms(a, r) <= 1e-2, f"{what} {name}: rel rms {rel_rms(a, r):.2e}"
+
+
+def assert_rows_sum_to_one(sums, max_fraction=0.05):
+    """Rows of p = exp(score - lse) sum to 1 to fp32 rounding, except some: where the kernel's
+    fp32 dot and the eager matmul sum in different orders, a product can round to the
+    neighbouring fp16/bf16 value (the row is then off by that entry's p times one ulp; on the GPU,
+    with cuBLAS's own summation order and ~255 blocks per row, in up to a few percent of rows).
+    Without the rounding to the input dtype nearly every row would be off by more than 1e-5."""
+    off = (sums - 1).abs()
+    assert off.max() < 1e-2, off.max()
+    assert (off > 1e-5).double().mean() < max_fraction, (off > 1e-5).double().mean()
+
+
+def p_sums(q, k, lse, l, d, scale):
+    """sum over the visible blocks of exp(eager score - lse), per row (1 where lse is finite)."""
+    scores, visible = eager_scores(q.cpu(), k.cpu(), l, d, scale)
+    p = torch.where(visible, torch.exp(scores.double() - lse.cpu().double()[..., None]), 0.0)
+    return p.sum(-1)
+
+
+# S, h, G, l, d, Dv, dtype, tiles: every case has rows without a visible block; the fp32 tiles
+# (ROWS 32 / BLOCK_N 16 in fwd and dq, BLOCK_N 16 in dkdv) give unmasked and diagonal tiles at
+# S = 100, l 4, d 2
+TRITON_CASES = [
+    (100, 1, 2, 4, 2, 24, torch.float32, None),
+    (33, 3, 2, 8, 4, 8, torch.float32, None),
+    (63, 6, 1, 6, 3, 24, torch.float32, {"fwd": {"ROWS": 16}, "dq": {"ROWS": 16}, "dkdv": {"SEGMENT": 16}}),
+    (50, 4, 2, 8, 8, 8, torch.bfloat16, None),
+    (40, 2, 1, 4, 2, 24, torch.float16, {"dkdv": {"SEGMENT": 32}}),
+]
+
+
+@pytest.mark.usefixtures("triton_device")
+class TestTriton:
+    @pytest.mark.parametrize(
+        "S,h,g,l,d,dv,dtype,tiles", TRITON_CASES, ids=[str(c[:7]).replace(" ", "") for c in TRITON_CASES]
+    )
+    def test_matches_reference(self, S, h, g, l, d, dv, dtype, tiles):
+        q, k, v, grad_o = (x.to(DEVICE) for x in make_inputs(S, h, dtype, l, d, seed=S + h, g=g, dv=dv))
+        ours = run_triton(q, k, v, grad_o, l, d, DK**-0.5, tiles)
+        check_triton(ours, reference(q, k, v, grad_o, l, d, DK**-0.5), dtype, f"S={S} h={h} l={l} d={d}")
+        assert ours[1][:, :, : l - 1].isneginf().all()
+        assert torch.equal(ours[0][:, :, : l - 1], torch.zeros_like(ours[0][:, :, : l - 1]))
+        assert torch.equal(ours[2][:, :, : l - 1], torch.zeros_like(ours[2][:, :, : l - 1]))
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    def test_lse_reproduces_the_eager_probabilities(self, dtype):
+        """The kernel rounds q @ k^T to the input dtype before scaling, as eager does: p rebuilt
+        from its lse and the eager scores sums to 1 per row (without the rounding, ~1e-3 off)."""
+        S, h, l, d = 60, 3, 8, 4
+        q, k, v, _ = (x.to(DEVICE) for x in make_inputs(S, h, dtype, l, d, seed=21, dk=32))
+        _, lse = ct.compressed_forward(q, k, v, l, d, 0.4)
+        fin = lse.cpu().isfinite()
+        assert_rows_sum_to_one(p_sums(q, k, lse, l, d, 0.4)[fin])
+        assert torch.equal(fin, torch.arange(S)[None, None, :].expand_as(fin) >= l - 1)
+
+    def test_edge_shapes(self):
+        """Tc = 0 (no launch), more compression tokens than any query sees, h = 17 > every ROWS
+        tile's query count, head dims not powers of two, Dk > 128."""
+        q, k, v, grad_o = (x.to(DEVICE) for x in make_inputs(5, 2, torch.float32, 8, 4))
+        o, lse, dq, dk, dv = run_triton(q, k, v, grad_o, 8, 4, 0.5)
+        assert lse.isneginf().all() and not o.any() and not dq.any()
+        assert dk.shape == k.shape == (B, G, 0, DK) and dv.shape == v.shape
+        for S, h, g, l, d, dk_, dv_, extra in ((30, 3, 2, 8, 4, 16, 24, 3), (21, 17, 1, 4, 4, 24, 8, 0),
+                                                (18, 2, 1, 4, 2, 136, 40, 0)):  # fmt: skip
+            Tc = n_blocks(S, l, d) + extra
+            inputs = make_inputs(S, h, torch.float32, l, d, seed=h, g=g, dk=dk_, dv=dv_, Tc=Tc)
+            q, k, v, grad_o = (x.to(DEVICE) for x in inputs)
+            ours = run_triton(q, k, v, grad_o, l, d, 0.3)
+            check_triton(ours, reference(q, k, v, grad_o, l, d, 0.3), torch.float32, f"S={S} h={h} Dk={dk_}")
+            if extra:
+                assert not ours[3][:, :, -extra:].any() and not ours[4][:, :, -extra:].any()
+
+    def test_dkdv_segments_are_exact_and_deterministic(self):
+        """Key tiles split into many work items (fp32 partials summed in segment order): the same
+        result as one item per tile, and bit for bit the same on a rerun."""
+        S, h, l, d = 40, 2, 4, 2
+        q, k, v, grad_o = (x.to(DEVICE) for x in make_inputs(S, h, torch.float32, l, d, seed=8))
+        whole = run_triton(q, k, v, grad_o, l, d, 0.25, {"dkdv": {"SEGMENT": 10**6}})
+        split = run_triton(q, k, v, grad_o, l, d, 0.25, {"dkdv": {"SEGMENT": 16}})
+        block_n = ct._tiles(DK, DV, fp32=True)["dkdv"]["BLOCK_N"]
+        items = ct._work_items(S, h, k.shape[2], l, d, block_n, 16, q.device)
+        assert items[5] > 3  # several items per tile
+        for a, b in zip(whole, split):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        check_triton(split, reference(q, k, v, grad_o, l, d, 0.25), torch.float32, "segments")
+        again = run_triton(q, k, v, grad_o, l, d, 0.25, {"dkdv": {"SEGMENT": 16}})
+        assert all(torch.equal(a, b) for a, b in zip(split, again))
+
+    def test_unsupported_reason(self, monkeypatch):
+        q, k, v, _ = (x.to(DEVICE) for x in make_inputs(20, 2, torch.float32))
+        assert ct.unsupported_reason(q, k, v, 8, 4) is None
+        assert "dtype" in ct.unsupported_reason(q.double(), k.double(), v.double(), 8, 4)
+        assert "dtype" in ct.unsupported_reason(q, k, v.half(), 8, 4)
+        assert "head dim" in ct.unsupported_reason(q.new_zeros(B, 4, 20, 300), k.new_zeros(B, G, 4, 300), v, 8, 4)
+        assert "stride" in ct.unsupported_reason(q, k, v, 8, 0)
+        assert "block" in ct.unsupported_reason(q, k, v, True, 4)
+        if DEVICE == "cpu":
+            monkeypatch.setenv("TRITON_INTERPRET", "0")
+            assert "device cpu" in ct.unsupported_reason(q, k, v, 8, 4)
+            with pytest.raises(ValueError, match="device cpu"):
+                ct.compressed_forward(q, k, v, 8, 4, 0.5)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_the_op_with_backend_triton_matches_backend_reference_through_autograd(self, dtype):
+        """The op's plumbing around the kernels: (o, lse) saved for the backward, the layouts the
+        fakes promise, gradients for q, k, v; against the reference backend on the same inputs."""
+        S, h, l, d = 37, 3, 8, 4
+        q, k, v, grad_o = (x.to(DEVICE) for x in make_inputs(S, h, dtype, l, d, seed=11, dv=8))
+        results = {}
+        for backend in ("triton", "reference"):
+            leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+            o, lse = torch.ops.nsa.compressed_attention(*leaves, l, d, 0.4, backend)
+            grads = torch.autograd.grad(o, leaves, grad_o)
+            results[backend] = (o, lse, *grads)
+            with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+                fake = torch.ops.nsa.compressed_attention(*(mode.from_tensor(x) for x in leaves), l, d, 0.4, backend)
+            assert o.stride() == fake[0].stride() and lse.stride() == fake[1].stride()
+            for real, x in zip(grads, leaves):
+                assert real.shape == x.shape and real.dtype == x.dtype
+        tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
+        for name, a, r in zip(("o", "lse", "dq", "dk", "dv"), results["triton"], results["reference"]):
+            torch.testing.assert_close(a.float(), r.float(), **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_triton_module_imports_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from nsa_compile.ops import compressed_triton as ct\n"
+        "x = torch.zeros(1, 1, 4, 8)\n"
+        "print(ct.unsupported_reason(x, x, x, 4, 2))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "triton is not installed" in out.stdout
+
+
+# --- on the GPU ---------------------------------------------------------------------------------
+
+
+def _cuda_case(S, h, dtype, l, d, dk, dv, seed, b=2, g=2):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    Tc = n_blocks(S, l, d)
+    q = torch.randn(b, S, g * h, dk, device="cuda", generator=gen).to(dtype).transpose(1, 2)
+    k = torch.randn(b, Tc, g, dk, device="cuda", generator=gen).to(dtype).transpose(1, 2)
+    v = torch.randn(b, Tc, g, dv, device="cuda", generator=gen).to(dtype).transpose(1, 2)
+    grad_o = torch.randn(b, g * h, S, dv, device="cuda", generator=gen).to(dtype)
+    return q, k, v, grad_o
+
+
+def _check_against_oracle(S, h, dtype, backend, l=32, d=16, dk=64, dv=32, seed=0):
+    """The op with `backend` and the eager formula in `dtype` against the float64 oracle: within
+    2x eager's own error (or the floor); lse rebuilds eager's p; triton deterministic."""
+    q, k, v, grad_o = _cuda_case(S, h, dtype, l, d, dk, dv, seed)
+    scale = dk**-0.5
+
+    def op(q, k, v, l, d, scale):
+        return torch.ops.nsa.compressed_attention(q, k, v, l, d, scale, backend)[0]
+
+    def eager(q, k, v, l, d, scale):  # eager_compressed on the GPU
+        Tc, hh = k.shape[2], q.shape[1] // k.shape[1]
+        scores = upcast(q @ k.repeat_interleave(hh, 1).transpose(-1, -2)) * scale
+        t = torch.arange(q.shape[2], device="cuda")[:, None]
+        visible = torch.arange(Tc, device="cuda")[None, :] * d + l - 1 <= t
+        scores = scores.masked_fill(~visible, float("-inf"))
+        p = torch.softmax(scores.masked_fill(~visible.any(-1, keepdim=True), 0.0), -1) * visible
+        return p.to(v.dtype) @ v.repeat_interleave(hh, 1)
+
+    ref = run(eager, *(x.double() for x in (q, k, v, grad_o)), l, d, scale)
+    got, exp = run(op, q, k, v, grad_o, l, d, scale), run(eager, q, k, v, grad_o, l, d, scale)
+    for name, a, e, r in zip(NAMES, got, exp, ref):
+        assert a.shape == e.shape and a.dtype == e.dtype == dtype, name
+        assert rel_rms(a, r) <= max(2 * rel_rms(e, r), FLOORS[dtype]), (name, rel_rms(a, r), rel_rms(e, r))
+    _, lse = torch.ops.nsa.compressed_attention(q, k, v, l, d, scale, backend)
+    scores = upcast(q @ k.repeat_interleave(h, 1).transpose(-1, -2)) * scale
+    visible = torch.arange(k.shape[2], device="cuda")[None, :] * d + l - 1 <= torch.arange(S, device="cuda")[:, None]
+    sums = torch.where(visible, torch.exp(scores.double() - lse.double()[..., None]), 0.0).sum(-1)
+    fin = lse.isfinite()
+    assert torch.equal(fin[0, 0], torch.arange(S, device="cuda") >= l - 1)
+    if fin.any():  # the eager scores, rounded as eager rounds them
+        assert_rows_sum_to_one(sums[fin], max_fraction=0.25)
+    if backend == "triton":  # deterministic: no atomics in the backward
+        again = run(op, q, k, v, grad_o, l, d, scale)
+        assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype, backend, h",
+    [(torch.bfloat16, "triton", 1), (torch.bfloat16, "triton", 4), (torch.float16, "triton", 6),
+     (torch.bfloat16, "triton", 16), (torch.float32, "triton", 6), (torch.bfloat16, "reference", 6),
+     (torch.float32, "reference", 16)],
+)  # fmt: skip
+def test_on_cuda_matches_the_eager_formula(dtype, backend, h):
+    _check_against_oracle(1000, h, dtype, backend, seed=h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_on_cuda_at_the_paper_head_shape(dtype):
+    """h 16, D 128, l 32, d 16 at S 4096: the default tiles of the paper shape, the dk/dv split
+    into several work items per key tile (CUDA's default segment)."""
+    _check_against_oracle(4096, 16, dtype, "triton", dk=128, dv=128, seed=7)
+
+
+@pytest.mark.gpu
+def test_triton_auto_on_cuda():
+    q, k, v, _ = _cuda_case(100, 2, torch.bfloat16, 32, 16, 64, 64, 0)
+    assert cmp_mod.choose_backend(q, k, v, 32, 16) == "triton"
+    assert cmp_mod.choose_backend(q.double(), k.double(), v.double(), 32, 16) == "reference"
+
+
+@pytest.mark.gpu
+@pytest.mark.sweep
+@pytest.mark.parametrize("S", [31, 100, 1000, 4096])
+@pytest.mark.parametrize("h", [1, 4, 6, 16])
+def test_triton_at_the_issue_sizes(S, h):
+    """Batch 2, Dk 64 != Dv 32, l 32 d 16 (S = 31: no block at all; 100: not a multiple of l),
+    every dtype: triton within 2x the eager error of the float64 oracle (or the floor)."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        _check_against_oracle(S, h, dtype, "triton", seed=S * 31 + h)
