@@ -88,6 +88,15 @@ def make_backend(state: OptimizeState):
     compiler = state.config.compiler
 
     def nsa_backend(gm: fx.GraphModule, example_inputs):
+        seen = len(state.graphs)
+        try:
+            return compile_graph(gm, example_inputs)
+        except BaseException:
+            # a compile that failed (an OOM, a compiler error) never runs: report() must not count it
+            del state.graphs[seen:]
+            raise
+
+    def compile_graph(gm: fx.GraphModule, example_inputs):
         if compiler == "inductor":
             from torch._inductor import config as inductor_config
             from torch._inductor.compile_fx import compile_fx

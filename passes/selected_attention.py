@@ -267,6 +267,8 @@ def evaluate(nodes: list[fx.Node], block_idx: fx.Node, probe: torch.Tensor, root
                 env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
             else:
                 env[node] = node.target(*args, **kwargs)
+        except torch.OutOfMemoryError:  # not a property of the user's code: never a refusal
+            raise
         except Exception as error:  # the user's code, run on block ids it may not expect
             raise Refused(f"evaluating the token ids and the mask on probe block ids failed at {node.name} "
                           f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
@@ -446,6 +448,9 @@ class SelectionAttention(RewritePass):
             if not torch.equal(tokens[0], tokens[1]):
                 raise Refused("K and V are gathered at different token ids")
             verify(keep, tokens[0], probe, block, H // G)
+            if bool((tokens[0] < 0).any()) or bool((tokens[0] >= S).any()):  # eager's gather raises there
+                raise Refused("the gather index leaves [0, S) on probe block ids (eager's gather would raise; "
+                              "the op would ignore them)")
         verified.add(key)
         fakes = [value(x) for x in (q, k, v, block_idx)]
         try:

@@ -48,15 +48,17 @@ def test_explain_json_has_passes_near_misses_and_breaks():
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     by_name = {p["name"]: p for p in data["passes"]}
-    assert [p["name"] for p in data["passes"]] == ["window_attention", "selection_attention", "gqa_grouped_matmul"]
-    assert by_name["window_attention"]["matches"] == 2 and by_name["selection_attention"]["matches"] == 2
-    assert by_name["gqa_grouped_matmul"]["matches"] == 4
-    assert by_name["gqa_grouped_matmul"]["where"] == ["blocks.0.attn", "blocks.1.attn"]
-    # per layer: the compressed, selected and gate softmaxes (window pass); the compressed and gate
-    # softmaxes (selection pass); the gate copy (GQA)
+    assert tuple(p["name"] for p in data["passes"]) == nsa_compile.pass_names()
+    # every NSA structure of both layers is rewritten; no K/V copy is left for the GQA pass
+    assert {name: p["matches"] for name, p in by_name.items()} == {
+        "projections_rope": 2, "window_attention": 2, "compressed_attention": 2, "block_selection": 2,
+        "selection_attention": 2, "gated_combine": 2, "gqa_grouped_matmul": 0}
+    assert by_name["block_selection"]["where"] == ["blocks.0.attn", "blocks.1.attn"]
+    # per layer: the compressed, selected and gate softmaxes (window pass); the selected and gate
+    # softmaxes (compressed pass); the gate softmax (selection pass)
     misses = [m["pass"] for m in data["near_misses"]]
-    assert misses.count("window_attention") == 6 and misses.count("selection_attention") == 4
-    assert misses.count("gqa_grouped_matmul") == 2
+    assert (misses.count("window_attention"), misses.count("compressed_attention"),
+            misses.count("selection_attention"), len(misses)) == (6, 4, 2, 12)
     assert {m["where"] for m in data["near_misses"]} == {"blocks.0.attn", "blocks.1.attn"}
     assert data["graph_breaks"] == []
 
@@ -64,7 +66,9 @@ def test_explain_json_has_passes_near_misses_and_breaks():
 def test_explain_dense_twin_has_nothing_to_rewrite():
     data = json.loads(invoke("explain", "--model", "tiny-dense", "--device", "cpu", "--seq-len", "20",
                              "--format", "json").output)
-    assert [p["matches"] for p in data["passes"]] == [0, 0, 0]
+    # no attention rewrite; the dense layer's q, k, v projections do become one GEMM (+ RoPE)
+    assert {p["name"]: p["matches"] for p in data["passes"]} == {name: 2 if name == "projections_rope" else 0
+                                                                 for name in nsa_compile.pass_names()}
     assert data["near_misses"] == []
 
 
@@ -73,18 +77,20 @@ def test_explain_a_user_file_shows_its_graph_break_with_the_source_line():
     assert result.exit_code == 0, result.output
     assert "2 graph(s) compiled" in result.output
     assert f"{USER_FILE}:33" in result.output and "if x.sum() > 0:" in result.output
-    data = json.loads(invoke("explain", "--model", f"{USER_FILE}:make", "--format", "json").output)
+    data = json.loads(invoke("explain", "--model", f"{USER_FILE}:make", "--pass", "window_attention",
+                             "--format", "json").output)
     assert data["passes"][0]["name"] == "window_attention" and data["passes"][0]["matches"] == 1
     assert data["graph_breaks"] == []
 
 
 def test_explain_package_module_spec():
-    data = json.loads(invoke("explain", "--model", "user_models.gqa_block:make", "--format", "json").output)
+    data = json.loads(invoke("explain", "--model", "user_models.gqa_block:make", "--pass", "window_attention",
+                             "--format", "json").output)
     assert data["passes"][0]["matches"] == 1
 
 
 def test_explain_diff_shows_source_gone_and_target_added():
-    result = invoke("explain", "--model", f"{USER_FILE}:make", "--diff")
+    result = invoke("explain", "--model", f"{USER_FILE}:make", "--pass", "window_attention", "--diff")
     assert result.exit_code == 0, result.output
     assert "# graph_0_window_attention.diff" in result.output
     removed = [ln for ln in result.output.splitlines() if ln.startswith("-") and "repeat_interleave" in ln]
@@ -93,9 +99,10 @@ def test_explain_diff_shows_source_gone_and_target_added():
 
 
 def test_explain_exports_dot_and_graphml_with_rewritten_nodes_marked(tmp_path):
-    dot = invoke("explain", "--model", f"{USER_FILE}:make", "--format", "dot").output
+    # the window rewrite alone (projections_rope also fuses this model's K and V projections)
+    dot = invoke("explain", "--model", f"{USER_FILE}:make", "--pass", "window_attention", "--format", "dot").output
     assert dot.startswith('digraph "graph_0"') and 'fillcolor="#ffd27f"' in dot
-    result = invoke("explain", "--model", f"{USER_FILE}:make", "--out", str(tmp_path))
+    result = invoke("explain", "--model", f"{USER_FILE}:make", "--pass", "window_attention", "--out", str(tmp_path))
     assert "wrote 6 file(s)" in result.output
     backward = (tmp_path / "graph_0_aten_backward.py").read_text()
     assert "nsa.window_attention_backward" in backward and "repeat_interleave" not in backward
@@ -165,8 +172,9 @@ def test_bench_runs_side_by_side():
     assert "parity (float32, seq-len 40) PASS" in result.output
     assert re.search(r"\| optimize \|\s+[\d,]+ \|.*\|\s+[\d.]+x\s+\|", result.output), result.output
     # the rewrites the timed model ran with (a refused branch would run as eager code)
-    assert ("optimize ran with: window_attention 2 (refused 6), selection_attention 2 (refused 4), "
-            "gqa_grouped_matmul 4 (refused 2)") in result.output, result.output
+    assert ("optimize ran with: projections_rope 2, window_attention 2 (refused 6), compressed_attention 2 "
+            "(refused 4), block_selection 2, selection_attention 2 (refused 2), gated_combine 2, "
+            "gqa_grouped_matmul 0") in result.output, result.output
 
 
 def test_bench_refuses_speedups_when_parity_fails(wrong_pass):
@@ -182,9 +190,9 @@ def test_demo_runs_end_to_end_on_cpu():
     assert result.exit_code == 0, result.output
     assert "nsa_compile demo: tiny on cpu" in result.output
     assert "PASS" in result.output
-    assert "| window_attention    |         2 |" in result.output
-    assert "| selection_attention |         2 |" in result.output
-    assert "| gqa_grouped_matmul  |         4 |" in result.output
+    for name in ("projections_rope", "window_attention", "compressed_attention", "block_selection",
+                 "selection_attention", "gated_combine"):
+        assert re.search(rf"\| {name} +\| +2 \|", result.output), (name, result.output)
     assert "| optimize |" in result.output and "| eager    |" in result.output
 
 
@@ -199,7 +207,8 @@ def test_demo_runs_end_to_end_on_cpu():
         (["explain", "--model", f"{USER_FILE}:raises"], "error: "),
         (["explain", "--model", f"{USER_FILE}:module_only"], "error: "),
         (["explain", "--pass", "bogus"],
-         "error: unknown pass 'bogus'; valid: window_attention, selection_attention, gqa_grouped_matmul"),
+         "error: unknown pass 'bogus'; valid: projections_rope, window_attention, compressed_attention, "
+         "block_selection, selection_attention, gated_combine, gqa_grouped_matmul"),
         (["parity", "--dtypes", "fp8", "--device", "cpu"], "error: unknown dtype(s) fp8; valid: fp32, bf16, fp16"),
         (["bench", "--variants", "eager,jit"], "error: unknown variant(s) jit; valid:"),
         (["explain", "--seq-len", "0"], "error: --batch and --seq-len must be positive"),

@@ -47,10 +47,12 @@ def test_gqa_rewrite_parity_on_cuda(preset_name, dtype, optimize_fn):
     assert report.ok, [r.as_dict() for r in report.failures()]
     model = optimize_fn(copy.deepcopy(eager).to(dtype))
     model.loss(batch).backward()
-    # per layer: the window and selected branches to their ops; K and V of the compressed branch
-    assert row(model, "window_attention")["matches"] == eager.cfg.n_layers
-    assert row(model, "selection_attention")["matches"] == eager.cfg.n_layers
-    assert row(model, "gqa_grouped_matmul")["matches"] == 2 * eager.cfg.n_layers
+    # every layer: each branch to its op, the projections fused, the gate with the combine; no
+    # K/V copy is left for the GQA pass
+    for name in ("projections_rope", "window_attention", "compressed_attention", "block_selection",
+                 "selection_attention", "gated_combine"):
+        assert row(model, name)["matches"] == eager.cfg.n_layers, name
+    assert row(model, "gqa_grouped_matmul")["matches"] == 0
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,8 @@ status=0
 python3 -m pytest -q -p no:cacheprovider -p no:logging --durations=12 "${selection[@]}" tests 2>&1 | tee "$out/pytest.log" | tail -15 || status=1
 if [ -z "${1:-}" ]; then
   # the Triton kernels on CUDA (on the CPU the same file runs them interpreted)
-  python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_selection_triton.py 2>&1 \
+  python3 -m pytest -q -p no:cacheprovider -p no:logging -m "not sweep" tests/test_selection_triton.py tests/test_compressed_op.py \
+    tests/test_block_select_op.py tests/test_gated_combine.py tests/test_fused_projections.py 2>&1 \
     | tee "$out/triton.log" | tail -5 || status=1
 fi
 if [ "${1:-}" != "--sweep" ]; then

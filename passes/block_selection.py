@@ -1,0 +1,399 @@
+"""block_selection: NSA's block importance and top-n choice from the compressed probabilities
+-> one block-selection op that recomputes them from the compressed op's log-sum-exp.
+
+Matches (torch IR), anchored at the descending sort (models/nsa.py `NSAAttention.select_blocks`):
+    p_slc = p @ overlap                               # p [B, H, S, Tc]: compressed_attention's probabilities
+    p_grp = p_slc.view(B, G, h, S, Ns).sum(2)          # or unflatten/reshape; none when h = 1 and H = G
+    key = torch.where(forced, inf, torch.where(candidate, p_grp, -inf))   # or masked_fill(.., +-inf), either order
+    key = F.pad(key, (0, max(0, n - Ns)), value=-inf)  # optional
+    values, order = torch.sort(key, dim=-1, descending=True, stable=True)
+    chosen = torch.where(values[..., :n] > -inf, order[..., :n], past_end)   # or != -inf; past_end >= Ns
+    chosen = torch.sort(chosen, dim=-1).values
+    block_idx = torch.where(chosen == past_end, -1, chosen)                  # or masked_fill(.., -1)
+where overlap [Tc, Ns], forced and candidate [S, Ns] are computed from positions only.
+
+Verified, not assumed: p must be exactly compressed_attention's probabilities (the same chain and
+mask checks as that pass, for the pooling's (l, d)), and an `nsa.compressed_attention` node must
+already compute them from the same q, pooled K, (l, d) and scale: the new op takes its lse. The
+position-only subgraphs are evaluated at compile time (a proof for the shape compiled): overlap
+must be overlap(i, j) / l (the tokens shared by [i*d, i*d + l) and [j*l', j*l' + l'), float
+rounding aside), and the key must put +inf exactly on blocks 0, t // l', t // l' - 1 and -inf
+exactly on the blocks with j*l' > t (NSA_SEMANTICS.md section 3), with l' read from when block 1
+enters (any l' >= S when Ns = 1). n comes from the slice (capped by the key's width).
+
+Becomes `torch.ops.nsa.select_blocks(q, k_cmp, lse, l, d, l', n, c, backend)` (nsa_compile/ops/
+block_select.py), [B, G, S, n] int64. The importance chain, the sorts and then, once nothing
+else reads them, the [B, H, S, Tc] probabilities and scores of the compressed branch are erased.
+The op's importance differs from eager's by float32 rounding only (exp(s - lse) for a softmax):
+blocks within ~1e-6 relative of each other may be ranked the other way; exact ties go to the
+lower block, as the stable sort does.
+
+Refuses (graph unchanged), with the reason shown by `explain`:
+- compressed_attention did not rewrite the branch (disabled, or refused: its reason is repeated);
+- p used by anything else (a third consumer keeps the [B, H, S, Tc] tensor: nothing to gain);
+- a map that is not the overlap / l (weights all 1, another stride), forced or candidate blocks
+  that differ from NSA's (e.g. block 0 not forced), padding that is not -inf;
+- a sort that is not stable, and torch.topk: both leave the order of tied keys at the n-th place
+  unspecified, and eager's choice among exact ties (equal scores, e.g. zero keys) cannot be
+  proven to be the lower block's;
+- intermediate tensors used elsewhere, symbolic sizes, a verification larger than the cap.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+
+import torch
+import torch.fx as fx
+
+import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
+from nsa_compile.attention_match import Refused, erase_replaced, only_user
+from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.ops.block_select import choose_backend, why_not_triton
+from nsa_compile.rewrite import PassLog, RewritePass
+
+from . import compressed_attention as cmp
+
+KERNEL = ("nsa.select_blocks[{backend}] (l'={block}, n={n}, from the compressed lse, no [B, H, S, Tc] "
+          "probabilities{why})")
+INF = float("inf")
+
+
+def single(node: fx.Node, what: str) -> fx.Node:
+    return only_user(node, what, "it must stay as it is")
+
+
+def first_n(node: fx.Node) -> int | None:
+    """x[..., :n] or x[:, :, :, :n] on a 4-D x -> n; None for anything else."""
+    index = arg(node, 1, "index")
+    if op_name(node) != "getitem" or not isinstance(index, tuple) or not index:
+        return None
+    cut, whole = index[-1], slice(None, None, None)
+    lead = index[:-1]
+    if not (lead == (Ellipsis,) or len(lead) == 3 and all(s == whole for s in lead)):
+        return None
+    if isinstance(cut, slice) and cut.start in (None, 0) and cut.step in (None, 1) and isinstance(cut.stop, int):
+        return cut.stop
+    return None
+
+
+def item_users(node: fx.Node, what: str) -> dict[int, fx.Node]:
+    """{i: getitem(node, i)} for a node whose users all take one item of its tuple, each once."""
+    items = {}
+    for user in node.users:
+        i = user.args[1] if op_name(user) == "getitem" and len(user.args) == 2 else None
+        if not isinstance(i, int) or i in items:
+            raise Refused(f"the {what} result is used other than by taking its values and indices")
+        items[i] = user
+    return items
+
+
+def compressed_op(probs: cmp.Probabilities, block: int, stride: int) -> fx.Node | None:
+    """The nsa.compressed_attention node computing these probabilities' row statistics, if any."""
+    targets = (torch.ops.nsa.compressed_attention, torch.ops.nsa.compressed_attention.default)
+    for user in probs.q.users:
+        if (user.op == "call_function" and user.target in targets and user.args[1] is probs.k
+                and tuple(user.args[3:6]) == (block, stride, probs.scale)):
+            return user
+    return None
+
+
+def key_classes(forced: torch.Tensor, excluded: torch.Tensor, forced_outside: bool) -> torch.Tensor:
+    """[S, Ns] int: 2 where the key is +inf, 0 where -inf, 1 where it is the importance, from the
+    cells the +inf and the -inf fills apply to. `forced_outside`: the +inf fill is applied last."""
+    cls = torch.ones(forced.shape, dtype=torch.int8, device=forced.device)
+    if forced_outside:
+        return cls.masked_fill(excluded, 0).masked_fill(forced, 2)
+    return cls.masked_fill(forced, 2).masked_fill(excluded, 0)
+
+
+def nsa_classes(S: int, Ns: int, block: int, device) -> torch.Tensor:
+    t = torch.arange(S, device=device)[:, None]
+    j = torch.arange(Ns, device=device)[None, :]
+    current = t // block
+    forced = (j == 0) | (j == current) | (j == current - 1)
+    return key_classes(forced, ~(j * block <= t), forced_outside=True)
+
+
+def classes_reason(got: torch.Tensor, want: torch.Tensor, block: int) -> str:
+    """Which of NSA's ranking rules the key breaks."""
+    S = got.shape[0]
+    t = torch.arange(S, device=got.device)
+    current = t // block
+    forced = got == 2
+    prefix = f"the key's forced (+inf) and excluded (-inf) blocks are not NSA's for l' = {block}"
+    if not bool(forced[:, 0].all()):
+        return f"{prefix}: block 0 is not forced"
+    if not bool(forced[t, current].all()):
+        return f"{prefix}: the current block t // l' is not forced"
+    previous = current >= 1
+    if not bool(forced[t[previous], current[previous] - 1].all()):
+        return f"{prefix}: the block before the current one is not forced"
+    if bool((forced & (want != 2)).any()):
+        return f"{prefix}: blocks other than 0, t // l' and t // l' - 1 are forced"
+    return f"{prefix}: the candidates (finite keys) are not the blocks with j * l' <= t"
+
+
+def overlap_matrix(Tc: int, Ns: int, l: int, d: int, ls: int, device) -> torch.Tensor:
+    """overlap(i, j) / l in float64: tokens shared by [i*d, i*d + l) and [j*l', j*l' + l')."""
+    i = torch.arange(Tc, device=device, dtype=torch.float64)[:, None]
+    j = torch.arange(Ns, device=device, dtype=torch.float64)[None, :]
+    shared = torch.minimum(i * d + l, (j + 1) * ls) - torch.maximum(i * d, j * ls)
+    return shared.clamp(min=0) / l
+
+
+class BlockSelection(RewritePass):
+    name = "block_selection"
+    summary = "importance map + top-n sort over the compressed probabilities -> nsa.select_blocks from the lse"
+
+    def apply(self, graph: fx.Graph, log: PassLog) -> None:
+        subgraphs, data = cmp.PositionSubgraphs(), cmp.data_nodes(graph)
+        config = log.config
+        requested = config.block_select_backend if config else "auto"
+        cmp_requested = config.compressed_backend if config else "auto"
+        for node in list(graph.nodes):
+            if op_name(node) not in ("sort", "topk") or node._erased:
+                continue
+            key = value(first_arg(node))
+            if key is None or key.dim() != 4 or not key.is_floating_point():
+                continue  # the ascending sort of the chosen ids, or a sort of something else
+            try:
+                plan = self.check(node, subgraphs, data, requested, cmp_requested)
+            except Refused as why:
+                log.refused(node, str(why))
+                continue
+            self.rewrite(graph, plan)
+            data = cmp.data_nodes(graph)  # the graph changed
+            why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
+            # with one selection block every l' >= S selects the same: say so rather than print S
+            block = plan["block"] if plan["Ns"] > 1 else f">={plan['block']}"
+            log.matched(node, KERNEL.format(block=block, n=plan["n"], backend=plan["backend"], why=why))
+
+    def check(self, sort: fx.Node, subgraphs, data: set, requested: str = "auto", cmp_requested: str = "auto") -> dict:
+        if not all(isinstance(size, int) for size in value(first_arg(sort)).shape):
+            raise Refused("the ranking key has symbolic sizes (dynamic shapes): not verified yet")
+        B, G, S, width = value(first_arg(sort)).shape
+        # backward from the sort: [pad] <- key <- group sum <- p @ overlap <- p
+        padded = first_arg(sort)
+        single(padded, "ranking key")
+        key, pad = padded, 0
+        if op_name(padded) == "pad":
+            key, pad = self.read_pad(padded)
+            single(key, "ranking key")
+        Ns = width - pad
+        outer_inf = cmp.fill_of(key, INF)
+        outer = outer_inf or cmp.fill_of(key, -INF)
+        if outer is None:
+            raise Refused("the ranking key is not the importance with +inf (forced) and -inf (not a candidate) "
+                          "blocks filled in")
+        forced_outside = outer_inf is not None  # the +inf fill is applied last
+        inner = cmp.fill_of(outer[0], -INF if forced_outside else INF)
+        if inner is None:
+            raise Refused("the ranking key does not fill both +inf (forced) and -inf (not a candidate) blocks")
+        single(outer[0], "ranking key")
+        forced_fill, cand_fill = (outer, inner) if forced_outside else (inner, outer)
+        p_grp = inner[0]
+        single(p_grp, "group importance")
+        chain = [key, outer[0]]
+        if op_name(p_grp) == "sum":
+            grouped = first_arg(p_grp)
+            dims = arg(p_grp, 1, "dim")
+            if (arg(p_grp, 2, "keepdim", False) or arg(p_grp, 3, "dtype") is not None or not isinstance(dims, int)
+                    or dims % 5 != 2 or op_name(grouped) not in ("view", "reshape", "unflatten")):
+                raise Refused("the importance is not summed over the group's heads (p_slc.view(B, G, h, S, Ns).sum(2))")
+            single(grouped, "importance per head")
+            p_slc = first_arg(grouped)
+            if value(grouped) is None or value(grouped).dim() != 5 or value(p_slc) is None:
+                raise Refused("the importance is not summed over the group's heads (p_slc.view(B, G, h, S, Ns).sum(2))")
+            h = value(grouped).shape[2]
+            if tuple(value(grouped).shape) != (B, G, h, S, Ns) or tuple(value(p_slc).shape) != (B, G * h, S, Ns):
+                raise Refused(f"the heads are not grouped as [B, G, h, S, Ns]: {tuple(value(grouped).shape)}")
+            chain += [p_grp, grouped]
+        else:
+            p_slc, h = p_grp, 1
+        if op_name(p_slc) not in MATMULS or not all(isinstance(x, fx.Node) for x in p_slc.args[:2]):
+            raise Refused("the importance is not the probabilities times a block map (p @ overlap)")
+        single(p_slc, "importance per head")
+        chain.append(p_slc)
+        p, overlap = p_slc.args
+        softmax = cmp.probabilities_softmax(p)
+        if softmax is None:
+            raise Refused("the importance does not read softmax probabilities (p @ overlap)")
+        try:
+            probs = cmp.read_probabilities(softmax)
+        except Refused as why:
+            raise Refused(f"compressed_attention did not rewrite these probabilities ({why}): no lse to select "
+                          "from") from None
+        if probs.p is not p:
+            raise Refused("the importance reads the softmax before its final mask, not the probabilities")
+        Bp, H, Sp, Tc = probs.shape
+        Gk = value(probs.k).shape[1]
+        if (Bp, Sp) != (B, S) or G != Gk or G * h != H or h != probs.h:
+            raise Refused(f"the importance groups {H} heads as {G} x {h}; the compressed keys have {Gk} groups")
+        try:
+            pooling = cmp.read_pooling(probs.k, "keys", data)
+            op = compressed_op(probs, pooling.block, pooling.stride)
+            if op is None:  # ask the pass why, for the reason
+                cmp.PASS.check(softmax, subgraphs, data, cmp_requested)
+                raise Refused("disabled")
+            cmp.verify_probabilities(probs, pooling, subgraphs)  # the op exists, so this passed there
+        except Refused as why:
+            raise Refused(f"compressed_attention did not rewrite these probabilities ({why}): no lse to select "
+                          "from") from None
+        l, d = pooling.block, pooling.stride
+        others = [u for u in p.users if u is not p_slc]
+        if others:
+            names = ", ".join(op_name(u) or u.op for u in others)
+            raise Refused(f"the compressed probabilities are also used by {names}: the [B, H, S, Tc] tensor stays, "
+                          "and the selection reads it as it is")
+        # forward from the sort: values/indices -> first n -> > -inf filter -> ascending sort -> -1 padding
+        n, tail = self.read_choice(sort, Ns, width)
+        final = tail[0]
+        # the position-only subgraphs
+        cls = key_classes(self.grid(subgraphs, forced_fill, S, Ns, "forced-block mask"),
+                          self.grid(subgraphs, cand_fill, S, Ns, "candidate mask"), forced_outside)  # [S, Ns]
+        block = self.selection_block(cls)
+        want = nsa_classes(S, Ns, block, cls.device)
+        if not torch.equal(cls, want):
+            raise Refused(classes_reason(cls, want, block))
+        got = subgraphs.evaluate(overlap, "block map")
+        expected = overlap_matrix(Tc, Ns, l, d, block, got.device)
+        if (tuple(got.shape) != (Tc, Ns) or not got.is_floating_point() or not torch.equal(got != 0, expected != 0)
+                or not torch.allclose(got.double(), expected, rtol=1e-6, atol=0)):
+            raise Refused(f"the block map is not overlap(i, j) / l (the tokens compression block i shares with "
+                          f"selection block j, over l = {l}; d = {d}, l' = {block})")
+        order = {node: i for i, node in enumerate(sort.graph.nodes)}
+        if order[op] > order[final] and any(order[x] > order[final] for x in op.all_input_nodes):
+            raise Refused("the compressed branch's V is computed after the block selection")
+        lse_fake = op.meta["example_value"][1]
+        fakes = (value(probs.q), value(probs.k), lse_fake, l, d, block, n)
+        try:
+            backend = choose_backend(*fakes, requested)
+        except ValueError as why:  # a backend named in the config that cannot run these tensors
+            raise Refused(f"OptimizeConfig(block_select_backend={requested!r}): {why}") from None
+        return {"probs": probs, "op": op, "final": final, "block": block, "Ns": Ns, "n": n, "l": l, "d": d,
+                "backend": backend, "chain": tail + [sort] + ([padded] if padded is not key else []) + chain,
+                "roots": [overlap, forced_fill[1], cand_fill[1], p],
+                "why_not_triton": why_not_triton(*fakes) if requested == "auto"
+                else f"block_select_backend={requested!r} in OptimizeConfig"}
+
+    def source_files(self) -> tuple[str, ...]:
+        return super().source_files() + (inspect.getfile(cmp),)  # its matchers and checks are ours too
+
+    @staticmethod
+    def read_pad(padded: fx.Node) -> tuple[fx.Node, int]:
+        """F.pad(key, (0, P), value=-inf) -> (key, P)."""
+        amounts, mode, fill = arg(padded, 1, "pad"), arg(padded, 2, "mode", "constant"), arg(padded, 3, "value")
+        if (not isinstance(amounts, (tuple, list)) or len(amounts) < 2 or amounts[0] != 0
+                or any(a != 0 for a in amounts[2:]) or not isinstance(amounts[1], int) or amounts[1] < 0
+                or mode != "constant"):
+            raise Refused("the ranking key is padded other than at the end of its last dim")
+        if not cmp.is_const(fill, -INF):
+            raise Refused(f"the ranking key is padded with {fill}, not -inf (padded columns could be chosen)")
+        return first_arg(padded), amounts[1]
+
+    @staticmethod
+    def read_choice(sort: fx.Node, Ns: int, width: int) -> tuple[int, list[fx.Node]]:
+        """The chain after the descending sort -> (n, [block_idx, ..., values, order]) consumers first."""
+        if op_name(sort) == "topk":
+            raise Refused("torch.topk leaves the order of tied keys unspecified, so eager's choice among exactly "
+                          "equal scores at the n-th place is not provably the lower block's (the op's, as a stable "
+                          "sort): write torch.sort(key, dim=-1, descending=True, stable=True) and take [..., :n]")
+        dim, descending = arg(sort, 1, "dim", -1), arg(sort, 2, "descending", False)
+        if not isinstance(dim, int) or dim % 4 != 3 or descending is not True:
+            raise Refused("the ranking key is not sorted in descending order over its last dim")
+        if sort.kwargs.get("stable") is not True:
+            raise Refused("the sort is not stable (stable=True): the order of tied keys at the n-th place is "
+                          "unspecified, the op takes the lower block")
+        items = item_users(sort, "sort")
+        if set(items) != {0, 1}:
+            raise Refused("the sort's values and indices are not both used")
+        values, order = items[0], items[1]
+        values_n, order_n = single(values, "sorted key"), single(order, "sort order")
+        n = first_n(values_n)
+        if n is None or first_n(order_n) != n or n < 1:
+            raise Refused("the sorted values and order are not cut to the same first n columns")
+        valid = single(values_n, "first n keys")
+        if (cmp.name_of(valid) not in ("gt", "ne") or len(valid.args) != 2 or valid.args[0] is not values_n
+                or not cmp.is_const(valid.args[1], -INF)):
+            raise Refused("the first n blocks are not filtered by key > -inf")
+        chosen = single(valid, "filter")
+        if (op_name(chosen) != "where" or len(chosen.args) != 3 or chosen.args[0] is not valid
+                or chosen.args[1] is not order_n or not isinstance(chosen.args[2], int)):
+            raise Refused("the unchosen slots are not marked with one constant (torch.where(keep, order, past_end))")
+        past_end = chosen.args[2]
+        if past_end < Ns:
+            raise Refused(f"unchosen slots are marked {past_end}, which is a block id (< {Ns})")
+        if single(order_n, "first n blocks") is not chosen:
+            raise Refused("the first n blocks are used elsewhere")
+        ascending = single(chosen, "chosen blocks")
+        dim = arg(ascending, 1, "dim", -1)
+        if (op_name(ascending) != "sort" or arg(ascending, 2, "descending", False) or not isinstance(dim, int)
+                or dim % 4 != 3):
+            raise Refused("the chosen blocks are not sorted ascending over their last dim")
+        items = item_users(ascending, "ascending sort")
+        dead = [items.pop(1)] if 1 in items and not items[1].users else []  # Dynamo may take it unused
+        if set(items) != {0}:
+            raise Refused("the ascending sort's indices are used")
+        ids = items[0]
+        users = list(ids.users)
+        final = next((u for u in users if op_name(u) in ("where", "masked_fill")), None)
+        if final is None or len(users) != 2:
+            raise Refused("the sorted chosen blocks are not padded with -1 (torch.where(ids == past_end, -1, ids))")
+        eq = next(u for u in users if u is not final)
+        if (cmp.name_of(eq) != "eq" or len(eq.args) != 2 or eq.args[0] is not ids or not isinstance(eq.args[1], int)
+                or eq.args[1] != past_end or list(eq.users) != [final]):
+            raise Refused("the -1 padding does not replace exactly the unchosen slots (ids == past_end)")
+        filled = cmp.fill_of(final, -1)
+        if filled is None or filled[0] is not ids or filled[1] is not eq or filled[2] is not True:
+            raise Refused("the unchosen slots are not set to -1")
+        out = value(final)
+        if out is None or out.dtype != torch.int64 or out.shape[-1] != min(n, width):
+            raise Refused("the block ids are not int64 [B, G, S, n]")
+        return out.shape[-1], [final, eq, ids, *dead, ascending, chosen, valid, values_n, order_n, values, order]
+
+    @staticmethod
+    def grid(subgraphs, fill: tuple, S: int, Ns: int, what: str) -> torch.Tensor:
+        """The [S, Ns] cells a key fill applies to, from its position-only mask."""
+        mask = subgraphs.evaluate(fill[1], what)
+        if mask.dtype != torch.bool:
+            raise Refused(f"the {what} is {mask.dtype}, not bool")
+        return cmp.as_grid(mask if fill[2] else ~mask, S, Ns, what)
+
+    @staticmethod
+    def selection_block(classes: torch.Tensor) -> int:
+        """l': the first t where block 1 is forced or a candidate (any l' >= S when Ns = 1)."""
+        S, Ns = classes.shape
+        if Ns == 1:
+            return S
+        enters = (classes[:, 1] != 0).nonzero()
+        if not len(enters):
+            raise Refused("block 1 is never forced nor a candidate")
+        block = int(enters[0])
+        if block < 1 or -(-S // block) != Ns:
+            raise Refused(f"the key has {Ns} blocks, not ceil(S / l') = {-(-S // max(block, 1))} for the l' = {block} "
+                          "its masks imply")
+        return block
+
+    def rewrite(self, graph: fx.Graph, plan: dict) -> None:
+        probs, op, final = plan["probs"], plan["op"], plan["final"]
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        if order[op] > order[final]:
+            final.prepend(op)  # its inputs come earlier (checked); the selection needs its lse
+        lse = next((u for u in op.users if op_name(u) == "getitem" and u.args[1] == 1), None)
+        if lse is None or order.get(lse, len(order)) > order[final]:
+            lse = call(graph, operator.getitem, op, 1, anchor=final)
+        chosen = call(graph, torch.ops.nsa.select_blocks, probs.q, probs.k, lse, plan["l"], plan["d"], plan["block"],
+                      plan["n"], probs.scale, plan["backend"], anchor=final)
+        final.replace_all_uses_with(chosen)
+        # the selection chain, then what only it used: the masks, and the compressed branch's
+        # probabilities and scores (the op computes o and the lse without them)
+        erase_replaced(graph, plan["chain"], plan["roots"])
+
+
+def first_arg(node: fx.Node):
+    return arg(node, 0, "input")
+
+
+PASS = BlockSelection()

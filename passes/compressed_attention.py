@@ -1,0 +1,691 @@
+"""compressed_attention: NSA's compressed branch (attention over pooled block tokens under a
+staircase mask) -> one GQA-native compressed-attention op.
+
+Matches (torch IR), anchored at the softmax (models/nsa.py `NSAAttention.compressed_attention`):
+    k_cmp = pool(k)                                  # [B, Tc, G, Dk], see "pooling" below
+    k_rep = k_cmp.transpose(1, 2).repeat_interleave(h, dim=1)   # or [:, :, None].expand(..).reshape(..), or none
+    scores = upcast(q @ k_rep.transpose(-1, -2)) * c  # q [B, H, S, Dk]; upcast .float()/.to(float32)/none
+    scores = scores.masked_fill(~visible, -inf)        # or torch.where(visible, scores, -inf)
+    p = softmax(scores.masked_fill(~has_block, 0.0), dim=-1) * visible   # [B, H, S, Tc]
+    o = p.to(v.dtype) @ v_rep                         # v_rep as k_rep; .to optional
+Pooling: the compression blocks are read from the window view that cuts the key sequence into
+blocks, `x.unfold(1, l, d)` (mean pooling `.mean(-1)`, or the MLP BlockCompressor on it), an
+`as_strided` view with unfold's layout, or `x[:, :Tc*l].view(B, Tc, l, ..)` (l = d). Every op
+from that view to k_cmp must keep the block axis apart (elementwise ops, linear / norms over the
+feature dims, reductions and reshapes that do not touch it) and read no other sequence data
+(parameters and constants only): then compressed token i depends on tokens [i*d, i*d + l) alone,
+and (l, d) are the block and stride. A pooling they cannot be read from is refused.
+
+Verified, not assumed: the position-only subgraphs of the three masks (the -inf mask, the
+has_block zeroing, the final `* visible`) are evaluated at compile time (no inputs, so this is a
+proof for the shape compiled). The -inf mask must be the staircase i*d + l - 1 <= t of the
+pooling's (l, d); the zeroing must hit exactly the rows without a visible block (eager's softmax
+would give NaN there), and the final mask must keep every visible block and clear those rows
+(else eager gives them 1/Tc each); the op gives those rows 0. Both may be absent only when no
+row lacks a block (l = 1).
+
+Becomes `o, lse = torch.ops.nsa.compressed_attention(q, k_cmp^T, v_cmp^T, l, d, c, backend)` on
+the un-repeated pooled K/V [B, G, Tc, D] (nsa_compile/ops/compressed.py); o replaces the p @ v
+product. The pooling stays in the graph (cheap; Inductor fuses it). p usually has another user,
+the block selection: p and what computes it stay for it (block_selection, the next pass, takes
+the lse from this op and removes them); only what became dead is erased.
+
+Refuses (graph unchanged), with the reason shown by `explain`:
+- a softmax that is not over [B, H, S, Tc] scores masked with -inf, or not followed by p @ v;
+- scores or masked scores used anywhere else (the dense tensor is needed);
+- fp16/bf16 scores without the upcast (the op computes the softmax in float32);
+- a mask that depends on data, is not one [S, Tc] pattern, or is not the pooling's staircase (off
+  by one either way: a block seen one token early or late); a missing or wrong has_block zeroing
+  or final `* visible`;
+- a pooling without a readable (l, d), one that mixes blocks or reads other sequence data, K and
+  V pooled with different (l, d), or over a sequence that is not the queries';
+- symbolic sizes (dynamic shapes); a verification larger than the cap.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
+from nsa_compile.attention_match import Refused, erase_replaced, only_user, strip_upcast, unrepeat
+from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.ops.common import upcast_dtype
+from nsa_compile.ops.compressed import choose_backend, why_not_triton
+from nsa_compile.rewrite import PassLog, RewritePass
+
+# The masks are evaluated at compile time: more elements than this (summed over the evaluated
+# nodes that materialize a tensor) are not verified. The -inf mask alone is S * Tc ~ S^2 / d
+# elements: 2.7e8 at S = 64k, d = 16, so the cap covers the paper's lengths.
+MAX_VERIFIED_ELEMENTS = 2**31
+KERNEL = "nsa.compressed_attention[{backend}] (l={block}, d={stride}, GQA-native, no repeated K/V{why})"
+
+# Ops that return a view (no new elements) when the position subgraphs are evaluated.
+_VIEWS = {"expand", "expand_as", "broadcast_to", "view", "unsqueeze", "squeeze", "getitem", "transpose",
+          "permute", "unflatten", "movedim", "swapaxes", "as_strided", "t", "reshape", "flatten"}
+_RANDOM = ("rand", "bernoulli", "dropout", "multinomial", "normal", "poisson", "uniform", "exponential")
+
+
+def first(node: fx.Node):
+    """The tensor a unary op / method works on (positional or `input=`)."""
+    return arg(node, 0, "input")
+
+
+def name_of(node) -> str | None:
+    """op_name without the dunder of a method form: Dynamo on PyTorch 2.11 records `a == b` on a
+    tensor as the method `a.__eq__(b)`, later versions as operator.eq ('eq' either way)."""
+    name = op_name(node) if isinstance(node, fx.Node) else None
+    if name and node.op == "call_method" and name.startswith("__") and name.endswith("__"):
+        return name[2:-2]
+    return name
+
+
+def is_const(x, want: float) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and float(x) == want
+
+
+def fill_of(node: fx.Node, fill: float) -> tuple[fx.Node, fx.Node, bool] | None:
+    """(x, mask, sense) when `node` sets x to the constant `fill` where mask == sense:
+    x.masked_fill(mask, fill) (sense True), torch.where(mask, x, fill) (sense False) or
+    torch.where(mask, fill, x) (sense True); None for anything else."""
+    name = op_name(node)
+    if name == "masked_fill":
+        x, mask, val = first(node), arg(node, 1, "mask"), arg(node, 2, "value")
+        if isinstance(x, fx.Node) and isinstance(mask, fx.Node) and is_const(val, fill):
+            return x, mask, True
+    if name == "where" and len(node.args) == 3 and not node.kwargs and isinstance(node.args[0], fx.Node):
+        cond, a, b = node.args
+        if isinstance(a, fx.Node) and is_const(b, fill):
+            return a, cond, False
+        if isinstance(b, fx.Node) and is_const(a, fill):
+            return b, cond, True
+    return None
+
+
+def split_scale(node: fx.Node) -> tuple[fx.Node, float]:
+    """scores * c, c * scores, scores / c -> (scores, c); anything else is unscaled (c = 1)."""
+    name, (a, b) = name_of(node), (node.args + (None, None))[:2]
+    if name == "mul" and isinstance(b, (int, float)) and isinstance(a, fx.Node):
+        return a, float(b)
+    if name == "mul" and isinstance(a, (int, float)) and isinstance(b, fx.Node):
+        return b, float(a)
+    if name in ("truediv", "div") and isinstance(b, (int, float)) and isinstance(a, fx.Node) and not node.kwargs:
+        return a, 1.0 / float(b)
+    if name in ("mul", "truediv", "div"):
+        raise Refused("the scores are not scaled by a constant (q @ k^T * c)")
+    return node, 1.0
+
+
+def ungroup(node: fx.Node) -> tuple[fx.Node, int]:
+    """K/V expanded for the query heads -> (K/V [B, G, T, D], h): x.repeat_interleave(h, dim=1), or
+    x[:, :, None].expand(B, G, h, T, D).reshape(B, G*h, T, D) (head g*h + r reads group g, as the
+    repeat); (node, 1) for anything else."""
+    x, h = unrepeat(node)
+    if x is not node:
+        return x, h
+    if op_name(node) not in ("reshape", "view", "flatten") or op_name(first(node)) not in ("expand", "broadcast_to"):
+        return node, 1
+    expanded = first(node)
+    unsqueezed = first(expanded)
+    if not isinstance(unsqueezed, fx.Node) or not isinstance(first(unsqueezed), fx.Node):
+        return node, 1
+    name, index = op_name(unsqueezed), arg(unsqueezed, 1, "dim")
+    if not (name == "unsqueeze" and isinstance(index, int) and index % 5 == 2 or
+            name == "getitem" and index in ((slice(None), slice(None), None),
+                                            (slice(None), slice(None), None, Ellipsis))):
+        return node, 1
+    x, vals = first(unsqueezed), [value(n) for n in (first(unsqueezed), expanded, node)]
+    if any(v is None for v in vals) or [v.dim() for v in vals] != [4, 5, 4]:
+        return node, 1
+    (B, G, T, D), big, out = vals[0].shape, tuple(vals[1].shape), tuple(vals[2].shape)
+    h = big[2]
+    if big != (B, G, h, T, D) or out != (B, G * h, T, D):
+        return node, 1
+    return x, h
+
+
+# --- position-only subgraphs ----------------------------------------------------------------
+
+
+class PositionSubgraphs:
+    """Evaluates subgraphs computed from positions only (aranges, comparisons, arithmetic) at
+    compile time: once per structure (each layer repeats the same one), with a cost cap."""
+
+    def __init__(self):
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def evaluate(self, root: fx.Node, what: str) -> torch.Tensor:
+        nodes, index, stack = [], {}, [(root, False)]
+        while stack:  # post-order: inputs before users
+            node, done = stack.pop()
+            if done:
+                if node not in index:
+                    index[node] = len(nodes)
+                    nodes.append(node)
+                continue
+            if node in index:
+                continue
+            if node.op not in ("call_function", "call_method"):
+                raise Refused(f"the {what} depends on {node.op} {node.name} (data, not positions)")
+            name = op_name(node) or ""
+            if any(word in name for word in _RANDOM):
+                raise Refused(f"the {what} uses {name} (random, not positions)")
+            stack.append((node, True))
+            stack.extend((x, False) for x in reversed(node.all_input_nodes) if x not in index)
+        ops = []
+        for node in nodes:
+            args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
+            if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+                   for x in torch.utils._pytree.tree_leaves(args)):
+                raise Refused(f"the {what} has symbolic sizes (dynamic shapes): not verified yet")
+            ops.append((node.op, node.target, args))
+        key = repr(ops)
+        if key in self.cache:
+            return self.cache[key]
+        cost = sum(value(n).numel() for n in nodes if value(n) is not None and op_name(n) not in _VIEWS)
+        if cost > MAX_VERIFIED_ELEMENTS:
+            raise Refused(f"verifying the {what} takes {cost:,} elements, over the cap of "
+                          f"{MAX_VERIFIED_ELEMENTS:,}: not verified at this size yet")
+        last_use = {x: i for i, node in enumerate(nodes) for x in node.all_input_nodes}
+        env = {}
+        for i, node in enumerate(nodes):
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            try:
+                if node.op == "call_method":
+                    env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+                else:
+                    env[node] = node.target(*args, **kwargs)
+            except torch.OutOfMemoryError:  # not a property of the user's code: never a refusal
+                raise
+            except Exception as error:  # the user's code, run at compile time
+                first_line = str(error).splitlines()[0] if str(error) else ""
+                raise Refused(f"evaluating the {what} failed at {node.name} ({type(error).__name__}: "
+                              f"{first_line})") from None
+            del args, kwargs
+            for x in node.all_input_nodes:  # free what no later node reads (S x Tc tensors at long S)
+                if last_use[x] == i:
+                    env.pop(x, None)
+        result = env[root]
+        if not isinstance(result, torch.Tensor):
+            raise Refused(f"the {what} is not a tensor")
+        self.cache[key] = result
+        return result
+
+
+def as_grid(mask: torch.Tensor, rows: int, cols: int, what: str) -> torch.Tensor:
+    """A position mask as one [rows, cols] pattern (leading dims must be 1: the same for every
+    batch row and head)."""
+    if mask.dim() > 2:
+        if any(size != 1 for size in mask.shape[:-2]):
+            raise Refused(f"the {what} is {tuple(mask.shape)}: not one [S, Tc] pattern for all rows and heads")
+        mask = mask.reshape(mask.shape[-2:])
+    try:
+        return torch.broadcast_to(mask, (rows, cols))
+    except RuntimeError:
+        raise Refused(f"the {what} {tuple(mask.shape)} does not broadcast to [S, Tc] = {(rows, cols)}") from None
+
+
+def staircase(S: int, Tc: int, block: int, stride: int, device) -> torch.Tensor:
+    """visible[t, i] = i*d + l - 1 <= t: compression block i lies entirely in t's past."""
+    t = torch.arange(S, device=device)[:, None]
+    i = torch.arange(Tc, device=device)[None, :]
+    return i * stride + block - 1 <= t
+
+
+def staircase_reason(keep: torch.Tensor, block: int, stride: int) -> str:
+    """Why `keep` [S, Tc] is not the staircase of (l, d): an offset when it is one, else in general."""
+    S, Tc = keep.shape
+    seen = keep[:, 0].nonzero()
+    if len(seen):
+        shift = int(seen[0]) - (block - 1)
+        if shift and torch.equal(keep, staircase(S, Tc, block + shift, stride, keep.device)):
+            if shift < 0:
+                return (f"the visibility mask is off by {-shift}: block i is visible from t = i*d + l - 1 - {-shift}, "
+                        f"before its last token (a later token leaks in; pooling l={block}, d={stride})")
+            return (f"the visibility mask is off by {shift}: block i becomes visible at t = i*d + l - 1 + {shift}, "
+                    f"not at its last token (pooling l={block}, d={stride})")
+    return f"the visibility mask is not the staircase i*d + l - 1 <= t of the pooling (l={block}, d={stride})"
+
+
+# --- the pooling ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pooling:
+    source: fx.Node  # the unpooled sequence [.., S at seq_dim, ..]
+    seq_dim: int
+    block: int  # l
+    stride: int  # d
+
+
+def data_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes that depend on a graph input other than a parameter (the sequence's data)."""
+    data = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if not isinstance(node.meta.get("example_value", node.meta.get("val")), torch.nn.Parameter):
+                data.add(node)
+        elif any(x in data for x in node.all_input_nodes):
+            data.add(node)
+    return data
+
+
+def _prefix_slice_source(node: fx.Node, dim: int) -> fx.Node:
+    """x[:, :N] (a prefix of dim `dim`, every other dim whole) -> x; otherwise node itself."""
+    index = arg(node, 1, "index")
+    if op_name(node) != "getitem" or not isinstance(first(node), fx.Node) or not isinstance(index, tuple):
+        return node
+    whole = slice(None, None, None)
+    if len(index) == dim + 1 and all(s == whole for s in index[:dim]):
+        cut = index[dim]
+        if isinstance(cut, slice) and cut.start in (None, 0) and cut.step in (None, 1):
+            return first(node)
+    return node
+
+
+def window_view(node: fx.Node, axis: int) -> Pooling | None:
+    """The Pooling when `node` cuts a sequence into blocks along its dim `axis`: x.unfold(axis, l, d),
+    x.as_strided with unfold's layout, or x[.., :Tc*l].view/reshape/unflatten(.., Tc, l, ..) (l = d)."""
+    name, out = op_name(node), value(node)
+    src = first(node)
+    if out is None or not isinstance(src, fx.Node) or value(src) is None:
+        return None
+    x = value(src)
+    if name == "unfold":
+        dim, size, step = arg(node, 1, "dimension"), arg(node, 2, "size"), arg(node, 3, "step")
+        if isinstance(dim, int) and isinstance(size, int) and isinstance(step, int) and dim % x.dim() == axis:
+            return Pooling(src, axis, size, step)
+        return None
+    if name == "as_strided":
+        size, stride = arg(node, 1, "size"), arg(node, 2, "stride")
+        offset = arg(node, 3, "storage_offset")
+        if (not x.is_contiguous() or offset not in (None, x.storage_offset()) or axis >= x.dim()
+                or len(size) != x.dim() + 1 or len(stride) != x.dim() + 1):
+            return None
+        step, rem = divmod(stride[axis], x.stride(axis))
+        shape, strides = list(x.shape), list(x.stride())
+        shape[axis], strides[axis] = size[axis], stride[axis]
+        if rem or step < 1 or list(size) != shape + [size[-1]] or list(stride) != strides + [x.stride(axis)]:
+            return None
+        return Pooling(src, axis, size[-1], step)
+    if name in ("view", "reshape", "unflatten") and out.dim() == x.dim() + 1 and axis < x.dim():
+        xs, os = tuple(x.shape), tuple(out.shape)
+        if xs[:axis] == os[:axis] and xs[axis + 1:] == os[axis + 2:] and os[axis] * os[axis + 1] == xs[axis]:
+            return Pooling(_prefix_slice_source(src, axis), axis, os[axis + 1], os[axis + 1])
+    return None
+
+
+def _dims(spec, rank: int) -> set[int] | None:
+    if isinstance(spec, int):
+        return {spec % rank}
+    if isinstance(spec, (tuple, list)) and all(isinstance(d, int) for d in spec):
+        return {d % rank for d in spec}
+    return None
+
+
+_SAME_SHAPE = {"contiguous", "clone", "float", "half", "bfloat16", "double", "neg", "silu",
+               "gelu", "relu", "sigmoid", "tanh", "exp", "abs", "sqrt", "rsqrt", "square", "softplus", "mish"}
+_BINARY = {"add", "sub", "mul", "truediv", "div"}
+
+
+def block_axis_inputs(node: fx.Node, axis: int, data: set, what: str = "keys") -> list[tuple[fx.Node, int | None]]:
+    """The inputs of `node` with the dim that carries its block axis `axis` (None for inputs that
+    carry no sequence data: parameters, constants), or Refused if the op mixes blocks."""
+    name, out = name_of(node) or node.op, value(node)
+    src = first(node) if node.op in ("call_function", "call_method") else None
+    x = value(src)
+    why = f"the pooled {what} are not a per-block function of the blocks ({name} on the way"
+    if out is None or x is None and name not in _BINARY:
+        raise Refused(f"{why})")
+    rank = out.dim()
+    side = [(n, None) for n in node.all_input_nodes if n is not src]
+
+    def tracked(a: int) -> list:
+        return [(src, a)] + side
+
+    if name in ("transpose", "swapaxes"):
+        d0, d1 = (d % rank for d in (arg(node, 1, "dim0"), arg(node, 2, "dim1")))
+        return tracked(d1 if axis == d0 else d0 if axis == d1 else axis)
+    if name == "permute":
+        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        dims = dims or arg(node, 1, "dims")
+        return tracked(dims[axis] % rank)
+    if name in ("to", "type_as") and x.dim() == rank:
+        return [(src, axis)]  # another tensor given here only lends its dtype / device
+    if name in _SAME_SHAPE and x.dim() == rank:
+        return tracked(axis)
+    if name in _BINARY:
+        inputs = []
+        for operand in (node.args[0], node.args[1]) if len(node.args) >= 2 else ():
+            if not isinstance(operand, fx.Node):
+                continue
+            if operand not in data:
+                inputs.append((operand, None))
+                continue
+            shape = value(operand).shape
+            a = axis - (rank - len(shape))
+            if a < 0 or shape[a] != out.shape[axis]:
+                raise Refused(f"{why}: an operand is broadcast over the blocks)")
+            inputs.append((operand, a))
+        return inputs
+    if name == "linear" and axis != rank - 1:
+        return tracked(axis)
+    if name in ("rms_norm", "layer_norm"):
+        normalized = arg(node, 1, "normalized_shape")
+        if isinstance(normalized, (tuple, list)) and axis < rank - len(normalized):
+            return tracked(axis)
+    if name in ("mean", "sum", "amax", "amin"):
+        reduced = _dims(arg(node, 1, "dim"), x.dim())
+        if reduced is not None:
+            keep = arg(node, 2, "keepdim", False)
+            kept = list(range(x.dim())) if keep else [d for d in range(x.dim()) if d not in reduced]
+            if kept[axis] not in reduced:
+                return tracked(kept[axis])
+    if name == "flatten":
+        start, end = (d % x.dim() for d in (arg(node, 1, "start_dim", 0), arg(node, 2, "end_dim", -1)))
+        if axis < start or axis == start == end:
+            return tracked(axis)
+        if axis > start:
+            return tracked(axis + end - start)
+    if name == "unflatten":
+        dim, sizes = arg(node, 1, "dim") % x.dim(), arg(node, 2, "sizes")
+        if axis < dim:
+            return tracked(axis)
+        if axis >= dim + len(sizes):
+            return tracked(axis - len(sizes) + 1)
+    if name == "unsqueeze":
+        dim = arg(node, 1, "dim") % rank
+        if axis != dim:
+            return tracked(axis if axis < dim else axis - 1)
+    if name in ("view", "reshape") and tuple(x.shape[:axis + 1]) == tuple(out.shape[:axis + 1]):
+        return tracked(axis)  # row-major: the leading dims up to the block axis keep their indices
+    raise Refused(f"{why})")
+
+
+def read_pooling(kv: fx.Node, what: str, data: set) -> Pooling:
+    """The pooling that makes kv [B, G, Tc, D] (block axis 2) from a sequence, or Refused."""
+    found, seen, stack = set(), set(), [(kv, 2)]
+    while stack:
+        node, axis = stack.pop()
+        if (node, axis) in seen:
+            continue
+        seen.add((node, axis))
+        if node.op not in ("call_function", "call_method"):
+            raise Refused(f"the compressed {what} is not pooled from the sequence by a window view "
+                          f"(unfold, as_strided, view into blocks): it reads {node.op} {node.name} directly")
+        try:  # the user's arguments, read as the ops define them; anything unexpected refuses
+            pooling = window_view(node, axis)
+            inputs = [] if pooling is not None else block_axis_inputs(node, axis, data, what)
+        except (TypeError, ValueError, IndexError, AttributeError):
+            raise Refused(f"the pooled {what} are not a per-block function of the blocks ({op_name(node)} "
+                          "with arguments not understood)") from None
+        if pooling is not None:
+            found.add(pooling)
+            continue
+        for inp, a in inputs:
+            if a is None:
+                if inp in data:
+                    raise Refused(f"the compressed {what} also reads {inp.name}, sequence data outside its "
+                                  "pooling window")
+                continue
+            stack.append((inp, a))
+    if len(found) != 1:
+        raise Refused(f"the compressed {what} is pooled by {len(found)} window views, not one")
+    return found.pop()
+
+
+# --- the compressed probabilities -------------------------------------------------------------
+
+
+@dataclass
+class Probabilities:
+    """What `read_probabilities` found from one softmax (graph nodes and constants)."""
+
+    softmax: fx.Node
+    p: fx.Node  # the probabilities (after the final mask, or the softmax itself)
+    q: fx.Node  # [B, H, S, Dk]
+    k: fx.Node  # un-repeated pooled keys [B, G, Tc, Dk]
+    h: int
+    scale: float
+    masks: dict  # name -> (node, sense): the node is True where the fill / keep applies per sense
+    shape: tuple  # B, H, S, Tc
+
+
+def probabilities_softmax(p: fx.Node) -> fx.Node | None:
+    """The softmax behind probabilities p (p itself, or p = softmax * mask / masked by 0)."""
+    if op_name(p) == "softmax":
+        return p
+    if name_of(p) == "mul":
+        for operand in p.args[:2]:
+            if isinstance(operand, fx.Node) and op_name(operand) == "softmax":
+                return operand
+    filled = fill_of(p, 0.0)
+    if filled is not None and op_name(filled[0]) == "softmax":
+        return filled[0]
+    return None
+
+
+def final_mask(softmax: fx.Node) -> tuple[fx.Node, tuple | None]:
+    """(p, (mask, sense) or None): the softmax output times a mask, or masked to 0 after the softmax."""
+    users = list(softmax.users)
+    if len(users) != 1:
+        return softmax, None
+    user = users[0]
+    if name_of(user) == "mul" and len(user.args) == 2 and not user.kwargs:
+        a, b = user.args
+        other = b if a is softmax else a
+        if isinstance(other, fx.Node) and other is not softmax:
+            return user, ("mul", other)
+    filled = fill_of(user, 0.0)
+    if filled is not None and filled[0] is softmax:
+        return user, ("fill", filled[1], filled[2])
+    return softmax, None
+
+
+def read_probabilities(softmax: fx.Node) -> Probabilities:
+    """Read the compressed branch's probability chain ending at `softmax` (structure only; the
+    masks are checked by `verify_probabilities`), or Refused."""
+    probs = value(softmax)
+    dim = arg(softmax, 1, "dim")
+    if probs is None or probs.dim() != 4 or not isinstance(dim, int) or dim % 4 != 3:
+        raise Refused("not a softmax over the last dim of [B, H, S, Tc] scores")
+    if arg(softmax, 2, "dtype") is not None:
+        raise Refused("the softmax has a dtype argument")
+    if not all(isinstance(s, int) for s in probs.shape):
+        raise Refused("the scores have symbolic sizes (dynamic shapes): not verified yet")
+    B, H, S, Tc = probs.shape
+    masks = {}
+    node = first(softmax)
+    if not isinstance(node, fx.Node):
+        raise Refused("the softmax input is not a tensor computed in the graph")
+    zeroed = fill_of(node, 0.0)
+    if zeroed is not None:
+        masks["zero"] = zeroed[1:]
+        only_user(node, "zeroed score tensor", "the dense tensor is needed")
+        node = zeroed[0]
+    masked = fill_of(node, float("-inf"))
+    if masked is None:
+        raise Refused(f"the softmax input is {op_name(node)}, not scores masked with -inf")
+    scaled, mask, sense = masked
+    if fill_of(scaled, 0.0) is not None:
+        raise Refused("the rows without a visible block are zeroed before the -inf mask, which makes them "
+                      "all -inf again (NaN in eager code)")
+    masks["inf"] = (mask, sense)
+    only_user(node, "masked score tensor", "the dense tensor is needed")
+    only_user(scaled, "score tensor", "the dense tensor is needed")
+    raw, scale = split_scale(scaled)
+    qk = strip_upcast(raw)
+    for n in dict.fromkeys((raw, qk)):
+        only_user(n, "score tensor", "the dense tensor is needed")
+    if op_name(qk) not in MATMULS:
+        raise Refused("the scores are not q @ k^T")
+    low, high = value(qk), value(scaled)
+    if low is None or high is None:
+        raise Refused("the score dtypes are unknown")
+    if high.dtype != upcast_dtype(low.dtype):
+        raise Refused(f"the softmax runs in {high.dtype} on {low.dtype} scores; the op computes it in "
+                      f"{upcast_dtype(low.dtype)}")
+    q, kt = qk.args[0], qk.args[1]
+    swapped = (arg(kt, 1, "dim0"), arg(kt, 2, "dim1")) if isinstance(kt, fx.Node) else ()
+    if (not swapped or op_name(kt) not in ("transpose", "swapaxes") or not all(isinstance(x, int) for x in swapped)
+            or {x % 4 for x in swapped} != {2, 3}):
+        raise Refused("the keys are not transposed over their last two dims (q @ k.transpose(-1, -2))")
+    k, h = ungroup(first(kt))
+    qv, kv = value(q), value(k)
+    if qv is None or kv is None or qv.dim() != 4 or kv.dim() != 4:
+        raise Refused("q and the compressed keys are not [B, heads, S or Tc, D]")
+    if tuple(qv.shape[:3]) != (B, H, S) or kv.shape[0] != B or kv.shape[2] != Tc or kv.shape[1] * h != H:
+        raise Refused(f"q {tuple(qv.shape)} and the compressed keys {tuple(kv.shape)} (x{h}) do not make "
+                      f"[B, H, S, Tc] = {(B, H, S, Tc)} scores")
+    if Tc == 0:
+        raise Refused("no compression block (S < l): nothing to attend to")
+    p, final = final_mask(softmax)
+    if final is not None:
+        masks["final"] = final[1:] if final[0] == "fill" else (final[1], None)
+    return Probabilities(softmax, p, q, k, h, scale, masks, (B, H, S, Tc))
+
+
+def verify_probabilities(probs: Probabilities, pooling: Pooling, subgraphs: PositionSubgraphs) -> None:
+    """Refused unless the masks of `probs` are exactly NSA's for the pooling's (l, d)."""
+    _, _, S, Tc = probs.shape
+    l, d = pooling.block, pooling.stride
+    mask, sense = probs.masks["inf"]
+    filled = subgraphs.evaluate(mask, "visibility mask")
+    if filled.dtype != torch.bool:
+        raise Refused(f"the visibility mask is {filled.dtype}, not bool")
+    keep = as_grid(filled if not sense else ~filled, S, Tc, "visibility mask")
+    visible = staircase(S, Tc, l, d, keep.device)
+    if not torch.equal(keep, visible):
+        raise Refused(staircase_reason(keep, l, d))
+    empty = ~visible.any(-1, keepdim=True)  # [S, 1]: rows without a visible block (t < l - 1)
+    has_empty = bool(empty.any())
+    if "zero" not in probs.masks:
+        if has_empty:
+            raise Refused(f"the rows without a visible block (t < {l - 1}) are not zeroed before the softmax "
+                          "(scores.masked_fill(~has_block, 0.0)): eager gives NaN there, the op 0")
+    else:
+        mask, sense = probs.masks["zero"]
+        zero = subgraphs.evaluate(mask, "has_block mask")
+        if zero.dtype != torch.bool:
+            raise Refused(f"the has_block mask is {zero.dtype}, not bool")
+        zero = as_grid(zero if sense else ~zero, S, Tc, "has_block mask")
+        if bool((zero & ~empty).any()):
+            raise Refused("the zeroing before the softmax also hits rows that see a block (it must hit exactly "
+                          "the rows without one)")
+        if not bool(zero.any(-1, keepdim=True)[empty].all()):
+            raise Refused("the zeroing before the softmax misses rows without a visible block (eager gives NaN there)")
+    if "final" not in probs.masks:
+        if has_empty:
+            raise Refused("the probabilities are not multiplied by the visibility mask after the softmax: rows "
+                          "without a visible block get 1/Tc each in eager code, 0 from the op")
+        return
+    mask, sense = probs.masks["final"]
+    kept = subgraphs.evaluate(mask, "mask after the softmax")
+    if sense is None:  # p = softmax * mask: a bool mask, or a float one of zeros and ones
+        if kept.is_floating_point() and bool(((kept == 0) | (kept == 1)).all()):
+            kept = kept == 1
+        elif kept.dtype != torch.bool:
+            raise Refused("the probabilities are multiplied by something other than a 0/1 mask after the softmax")
+    elif kept.dtype != torch.bool:
+        raise Refused(f"the mask after the softmax is {kept.dtype}, not bool")
+    else:
+        kept = ~kept if sense else kept
+    kept = as_grid(kept, S, Tc, "mask after the softmax")
+    if bool((visible & ~kept).any()):
+        raise Refused("the mask after the softmax clears visible blocks")
+    if bool((kept & empty).any()):
+        raise Refused("the mask after the softmax keeps rows without a visible block (eager gives them 1/Tc each, "
+                      "the op 0)")
+
+
+def output_product(probs: Probabilities) -> tuple[fx.Node, fx.Node | None, fx.Node]:
+    """(p @ v matmul, the cast of p or None, v_rep) among the users of p, or Refused."""
+    B, H, _, Tc = probs.shape
+    found = []
+    for user in probs.p.users:
+        cast, mm = None, user
+        if op_name(user) in ("to", "type_as") and len(user.users) == 1:
+            cast, mm = user, next(iter(user.users))
+        if op_name(mm) not in MATMULS or mm.args[0] is not (cast or probs.p) or not isinstance(mm.args[1], fx.Node):
+            continue
+        v_rep = value(mm.args[1])
+        if v_rep is not None and v_rep.dim() == 4 and tuple(v_rep.shape[:3]) == (B, H, Tc):
+            found.append((mm, cast, mm.args[1]))
+    if len(found) != 1:
+        raise Refused("the probabilities are not multiplied by V (p @ v)" if not found else
+                      f"the probabilities are multiplied by {len(found)} V tensors")
+    return found[0]
+
+
+class CompressedAttention(RewritePass):
+    name = "compressed_attention"
+    summary = "pooled-block attention under the staircase mask -> nsa.compressed_attention, no repeated K/V"
+
+    def apply(self, graph: fx.Graph, log: PassLog) -> None:
+        subgraphs, data = PositionSubgraphs(), data_nodes(graph)
+        requested = log.config.compressed_backend if log.config else "auto"
+        for softmax in list(graph.nodes):
+            if op_name(softmax) != "softmax" or softmax._erased:
+                continue
+            try:
+                plan = self.check(softmax, subgraphs, data, requested)
+            except Refused as why:
+                log.refused(softmax, str(why))
+                continue
+            self.rewrite(graph, plan)
+            data = data_nodes(graph)  # the graph changed
+            why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
+            log.matched(softmax, KERNEL.format(block=plan["block"], stride=plan["stride"], backend=plan["backend"],
+                                               why=why))
+
+    def check(self, softmax: fx.Node, subgraphs: PositionSubgraphs, data: set, requested: str = "auto") -> dict:
+        probs = read_probabilities(softmax)
+        pv, cast, v_rep = output_product(probs)
+        v, h_v = ungroup(v_rep)
+        S = probs.shape[2]
+        vv = value(v)
+        if h_v != probs.h or vv is None or vv.dim() != 4 or tuple(vv.shape[:3]) != tuple(value(probs.k).shape[:3]):
+            raise Refused(f"the compressed values {None if vv is None else tuple(vv.shape)} (x{h_v}) do not match "
+                          f"the keys {tuple(value(probs.k).shape)} (x{probs.h})")
+        if not vv.is_floating_point():
+            raise Refused("V is not floating point")
+        if cast is not None and value(cast).dtype != vv.dtype:
+            raise Refused(f"the probabilities are cast to {value(cast).dtype}, not to V's {vv.dtype}")
+        if cast is None and value(probs.p).dtype != vv.dtype:
+            raise Refused(f"the {value(probs.p).dtype} probabilities multiply {vv.dtype} V without a cast")
+        if value(probs.q).dtype != value(probs.k).dtype:
+            raise Refused("q and the compressed keys differ in dtype")
+        pooling = read_pooling(probs.k, "keys", data)
+        v_pooling = read_pooling(v, "values", data)
+        if (pooling.block, pooling.stride) != (v_pooling.block, v_pooling.stride):
+            raise Refused(f"K and V are pooled with different blocks: (l, d) = {(pooling.block, pooling.stride)} "
+                          f"and {(v_pooling.block, v_pooling.stride)}")
+        for pool, what in ((pooling, "keys"), (v_pooling, "values")):
+            length = value(pool.source).shape[pool.seq_dim]
+            if length != S:
+                raise Refused(f"the {what} are pooled from a sequence of {length} tokens, not the {S} queries")
+        verify_probabilities(probs, pooling, subgraphs)
+        fakes = (value(probs.q), value(probs.k), vv)
+        try:  # from the fake tensors: device, dtype, head dims
+            backend = choose_backend(*fakes, pooling.block, pooling.stride, requested)
+        except ValueError as why:  # a backend named in the config that cannot run these tensors
+            raise Refused(f"OptimizeConfig(compressed_backend={requested!r}): {why}") from None
+        return {"probs": probs, "v": v, "pv": pv, "cast": cast, "block": pooling.block, "stride": pooling.stride,
+                "backend": backend,
+                "why_not_triton": why_not_triton(*fakes, pooling.block, pooling.stride) if requested == "auto"
+                else f"compressed_backend={requested!r} in OptimizeConfig"}
+
+    def rewrite(self, graph: fx.Graph, plan: dict) -> None:
+        probs, pv = plan["probs"], plan["pv"]
+        both = call(graph, torch.ops.nsa.compressed_attention, probs.q, probs.k, plan["v"], plan["block"],
+                    plan["stride"], probs.scale, plan["backend"], anchor=pv)
+        out = call(graph, operator.getitem, both, 0, anchor=pv)  # o; block_selection takes the lse (item 1)
+        pv.replace_all_uses_with(out)
+        # erase p @ v, then whatever only it used: the V copy, and p's chain unless p has other users
+        erase_replaced(graph, [pv], [plan["cast"] or probs.p])
+
+
+PASS = CompressedAttention()

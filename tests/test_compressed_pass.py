@@ -1,0 +1,480 @@
+"""Graph tests of compressed_attention and block_selection: both fire on every layer of the tiny
+model (exact counts) with the [B, H, S, Tc] softmax, sort and K/V copies gone and the two ops
+present, parity of outputs and gradients, block ids equal to eager's, the accepted forms, and near
+misses refused with the graph unchanged and a reason."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from click.testing import CliRunner
+from helpers import optimize_fresh, only_graph, row, tokens
+
+import nsa_compile
+from nsa_compile.models import build_model, preset
+from nsa_compile.models.nsa import NSAAttention, upcast
+from nsa_compile.parity import check_parity
+
+CMP, SEL = "compressed_attention", "block_selection"
+TINY = preset("tiny")
+NOT_TRITON_CMP = "; not triton: the Triton kernels run on CUDA (tensors on cpu)"
+NOT_TRITON_SEL = "; not triton: the Triton kernel runs on CUDA (tensors on cpu)"
+LAYERS = ["blocks.0.attn", "blocks.1.attn"]
+
+
+def aten_nodes(gm, target):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def float_nodes_ending_in(gm, shape):
+    """Nodes of an ATen graph whose value is a float tensor whose last dims are `shape`."""
+    out = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and tuple(val.shape[-len(shape):]) == shape:
+            out.append(node)
+    return out
+
+
+def n_blocks(S, cfg=TINY):
+    return (S - cfg.cmp_block) // cfg.cmp_stride + 1
+
+
+# --- the tiny model: counts, what is gone, parity -----------------------------------------------
+
+
+def optimized_with_parity(eager, S, dtype, config=nsa_compile.OptimizeConfig(compiler="aot_eager")):
+    """check_parity of the optimized model (all passes) against eager, and the optimized model."""
+    kept = []
+
+    def optimize(m):
+        kept.append(optimize_fresh(m, config))
+        return kept[-1]
+
+    device = next(eager.parameters()).device
+    report = check_parity(eager, optimize, tokens(2, S, seed=4).to(device), dtype)
+    assert report.ok, [r.as_dict() for r in report.failures()]
+    return kept[0]
+
+
+@pytest.mark.parametrize(
+    "changes, S, dtype",
+    [({}, 100, torch.float32), ({}, 40, torch.bfloat16), ({}, 100, torch.float16),
+     ({"compression": "mlp", "gate": "head", "shared_kv": True}, 40, torch.float32),
+     ({"n_heads": 2, "n_kv_groups": 2, "compression": "mlp"}, 100, torch.float32)],
+    ids=["fp32-S100", "bf16-S40", "fp16-S100", "mlp-head-gate-shared-kv", "h1-mlp"],
+)
+def test_fires_on_every_layer_with_parity_and_the_dense_probabilities_gone(changes, S, dtype):
+    torch.manual_seed(1)
+    eager = build_model("tiny", **changes)
+    model = optimized_with_parity(eager, S, dtype)
+    cfg = eager.cfg
+    r = row(model, CMP)
+    assert (r["matches"], r["where"]) == (2, LAYERS)
+    assert r["kernels"] == [f"nsa.compressed_attention[reference] (l={cfg.cmp_block}, d={cfg.cmp_stride}, "
+                            f"GQA-native, no repeated K/V{NOT_TRITON_CMP})"]
+    r = row(model, SEL)
+    assert (r["matches"], r["where"], r["refused"]) == (2, LAYERS, 0)
+    assert r["kernels"] == [f"nsa.select_blocks[reference] (l'={cfg.sel_block}, n={cfg.n_selected}, from the "
+                            f"compressed lse, no [B, H, S, Tc] probabilities{NOT_TRITON_SEL})"]
+    record = only_graph(model)
+    assert record.code_after.count("torch.ops.nsa.compressed_attention(") == 2
+    assert record.code_after.count("torch.ops.nsa.select_blocks(") == 2
+    assert record.code_before.count("torch.sort(") == 4 and "torch.sort(" not in record.code_after
+    assert ".unfold(" in record.code_after  # the pooling stays
+    Tc, Ns = n_blocks(S, cfg), -(-S // cfg.sel_block)
+    fwd, bwd = record.aten["forward"], record.aten["backward"]
+    for gm in (fwd, bwd):
+        assert float_nodes_ending_in(gm, (S, Tc)) == []  # no scores or probabilities [B, H, S, Tc]
+        assert float_nodes_ending_in(gm, (S, Ns)) == []  # no importance [B, G, S, Ns]
+        assert aten_nodes(gm, torch.ops.aten.sort.stable) == aten_nodes(gm, torch.ops.aten.sort.default) == []
+    assert len(aten_nodes(fwd, torch.ops.nsa.compressed_attention.default)) == 2
+    assert len(aten_nodes(fwd, torch.ops.nsa.select_blocks.default)) == 2
+    assert len(aten_nodes(bwd, torch.ops.nsa.compressed_attention_backward.default)) == 2
+
+
+def test_explain_names_both_rewrites():
+    from nsa_compile.cli import cli
+
+    result = CliRunner().invoke(cli, ["explain", "--model", "tiny", "--device", "cpu", "--seq-len", "40",
+                                      "--format", "json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    by_name = {p["name"]: p for p in json.loads(result.output)["passes"]}
+    for name, kernel in ((CMP, "nsa.compressed_attention[reference] (l=8, d=4, "),
+                         (SEL, "nsa.select_blocks[reference] (l'=16, n=3, ")):
+        assert by_name[name]["matches"] == 2 and by_name[name]["where"] == LAYERS, by_name[name]
+        assert str(by_name[name]).count(kernel) == 1, by_name[name]
+
+
+# --- the branch on its own: block ids, accepted forms, near misses -------------------------------
+
+L, D, LS, N = 4, 2, 8, 3  # l, d, l', n of the module tests
+
+
+class Branch(nn.Module):
+    """NSAAttention.compressed_attention + select_blocks (models/nsa.py) on q [B, S, H, Dk] and
+    k, v [B, S, G, D], returning (o_cmp, block_idx), written the model's way except for `change`."""
+
+    def __init__(self, change=None, h=2, sizes=(L, D, LS, N)):
+        super().__init__()
+        self.change, self.h = change, h
+        self.l, self.d, self.ls, self.n = sizes
+
+    def pool(self, x):  # [B, S, G, D] -> [B, Tc, G, D]
+        l, d = self.l, self.d
+        if self.change == "as-strided":
+            B, S, G, Dh = x.shape
+            x = x.contiguous()
+            Tc = (S - l) // d + 1
+            return x.as_strided((B, Tc, G, Dh, l), (S * G * Dh, d * G * Dh, Dh, 1, G * Dh)).mean(-1)
+        if self.change == "view-blocks":  # non-overlapping blocks: l = d = 4
+            B, S, G, Dh = x.shape
+            Tc = S // l
+            return x[:, :Tc * l].reshape(B, Tc, l, G, Dh).mean(2)
+        blocks = x.unfold(1, l, d)  # [B, Tc, G, D, l]
+        if self.change == "cumsum-pooling":
+            return blocks.mean(-1).cumsum(1)
+        return blocks.mean(-1)
+
+    def forward(self, q, k, v):
+        change, h = self.change, self.h
+        B, S, _, Dk = q.shape
+        l, d = (self.l, self.l) if change == "view-blocks" else (self.l, self.d)
+        k_cmp, v_cmp = self.pool(k), self.pool(v)
+        if change == "raw-keys-in-pooling":  # token i of the raw keys, not block i
+            k_cmp = k_cmp + k[:, : k_cmp.shape[1]]
+        if change == "sequence-mean-in-pooling":  # every token, future ones included
+            k_cmp = k_cmp + k.mean(1, keepdim=True)
+        Tc = k_cmp.shape[1]
+        if change == "expand-gqa":
+            G = k_cmp.shape[2]
+            k_rep = k_cmp.transpose(1, 2)[:, :, None].expand(B, G, h, Tc, Dk).reshape(B, G * h, Tc, Dk)
+            v_rep = v_cmp.transpose(1, 2).unsqueeze(2).expand(B, G, h, Tc, v.shape[3]).reshape(B, G * h, Tc, -1)
+        else:
+            k_rep = k_cmp.transpose(1, 2).repeat_interleave(h, dim=1)  # [B, H, Tc, Dk]
+            v_rep = torch.repeat_interleave(v_cmp.transpose(1, 2), h, dim=1)
+        raw = q.transpose(1, 2) @ k_rep.transpose(-1, -2)
+        scores = (raw if change == "no-upcast" else upcast(raw)) * Dk**-0.5  # [B, H, S, Tc]
+        t = torch.arange(S, device=q.device)[:, None]
+        i = torch.arange(Tc, device=q.device)[None, :]
+        last = {"late-by-one": i * d + l, "early-by-one": i * d + l - 2}.get(change, i * d + l - 1)
+        visible = last <= t
+        if change == "where":
+            scores = torch.where(visible, scores, float("-inf"))
+        else:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        has_block = visible.any(dim=-1, keepdim=True)
+        if change != "no-has-block-zeroing":
+            scores = scores.masked_fill(~has_block, 0.0)
+        p = torch.softmax(scores, dim=-1)
+        if change != "no-final-mask":
+            p = p * visible  # [B, H, S, Tc]
+        o = (p.to(v_rep.dtype) @ v_rep).transpose(1, 2)  # [B, S, H, Dv]
+        return o, self.select(p, S, l, d)
+
+    def select(self, p, S, l, d):
+        change, ls, n = self.change, self.ls, self.n
+        B, H, _, Tc = p.shape
+        G = H // self.h
+        Ns = (S + ls - 1) // ls
+        i = torch.arange(Tc, device=p.device)[:, None]
+        j = torch.arange(Ns, device=p.device)[None, :]
+        overlap = torch.minimum(i * d + l, (j + 1) * ls) - torch.maximum(i * d, j * ls)
+        overlap = overlap.clamp(min=0).to(p.dtype) / l  # [Tc, Ns]
+        if change == "weights-all-one":
+            overlap = (overlap > 0).to(p.dtype)
+        p_grp = (p @ overlap).view(B, G, H // G, S, Ns).sum(2)  # [B, G, S, Ns]
+        t = torch.arange(S, device=p.device)[:, None]
+        current = t // ls
+        forced = (j == current) | (j == current - 1)
+        if change != "forced-without-block-0":
+            forced = forced | (j == 0)
+        candidate = j * ls <= t
+        if change == "masked-fill-key":
+            key = p_grp.masked_fill(~candidate, float("-inf")).masked_fill(forced, float("inf"))
+        else:
+            key = torch.where(forced, float("inf"), torch.where(candidate, p_grp, float("-inf")))
+        key = F.pad(key, (0, max(0, n - Ns)), value=float("-inf"))
+        if change == "topk":
+            values, order = torch.topk(key, n, dim=-1)
+        else:
+            values, order = torch.sort(key, dim=-1, descending=True, stable=change != "unstable-sort")
+        past_end = key.shape[-1]
+        chosen = torch.where(values[..., :n] > float("-inf"), order[..., :n], past_end)
+        chosen = torch.sort(chosen, dim=-1).values
+        block_idx = torch.where(chosen == past_end, -1, chosen)
+        if change == "p-third-consumer":
+            return block_idx, p.sum()
+        return block_idx
+
+
+def branch_inputs(B=2, S=29, G=2, h=2, Dk=8, Dv=6, dtype=torch.float32, zero_keys=False):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, S, G * h, Dk, generator=g)
+    k = torch.zeros(B, S, G, Dk) if zero_keys else torch.randn(B, S, G, Dk, generator=g)
+    v = torch.randn(B, S, G, Dv, generator=g)
+    return [x.to(dtype) for x in (q, k, v)]
+
+
+def run_both(module, args, config=nsa_compile.OptimizeConfig(compiler="aot_eager")):
+    """(eager outputs and leaves, optimized outputs and leaves, the optimized module)."""
+    def leaves():
+        return [x.clone().requires_grad_() for x in args]
+
+    eager_args, opt_args = leaves(), leaves()
+    expected = module(*eager_args)
+    optimized = optimize_fresh(copy.deepcopy(module), config)
+    return (expected, eager_args), (optimized(*opt_args), opt_args), optimized
+
+
+@pytest.mark.parametrize(
+    "change, h, dtype, zero_keys",
+    [(None, 2, torch.float32, False), (None, 1, torch.float32, False), (None, 3, torch.bfloat16, False),
+     (None, 2, torch.float32, True), ("where", 2, torch.float32, False), ("expand-gqa", 2, torch.float32, False),
+     ("masked-fill-key", 2, torch.float32, False), ("as-strided", 2, torch.float32, False),
+     ("view-blocks", 2, torch.float32, False)],
+    ids=["model", "h1", "bf16-h3", "zero-keys-exact-ties", "where-mask", "expand-reshape-gqa", "masked-fill-key",
+         "as-strided-pooling", "view-pooling-l-eq-d"],
+)
+def test_accepted_forms_give_eager_block_ids_and_gradients(change, h, dtype, zero_keys):
+    args = branch_inputs(h=h, dtype=dtype, zero_keys=zero_keys)
+    (expected, eager_args), (got, opt_args), optimized = run_both(Branch(change, h), args)
+    for name in (CMP, SEL):
+        assert row(optimized, name)["matches"] == 1, row(optimized, name)
+    assert "torch.sort(" not in only_graph(optimized).code_after
+    assert torch.equal(got[1], expected[1])  # block ids: exactly eager's (ties to the lower block)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[0], expected[0], **tol)
+    grads = torch.autograd.grad(expected[0].float().square().sum(), eager_args)
+    got_grads = torch.autograd.grad(got[0].float().square().sum(), opt_args)
+    for a, b in zip(got_grads, grads):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_the_models_own_functions_give_eager_block_ids():
+    """NSAAttention.compressed_attention and select_blocks themselves (S = 100 > n * l', odd)."""
+
+    class ModelBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = NSAAttention(TINY)
+
+        def forward(self, q, k, v):
+            o, p = self.attn.compressed_attention(q, k, v)
+            return o, self.attn.select_blocks(p, q.shape[1])
+
+    args = branch_inputs(S=100, Dk=TINY.head_dim, Dv=TINY.head_dim)
+    (expected, _), (got, _), optimized = run_both(ModelBranch(), args)
+    assert row(optimized, CMP)["matches"] == row(optimized, SEL)["matches"] == 1
+    assert torch.equal(got[1], expected[1]) and (got[1] >= 0).sum(-1).max() == TINY.n_selected
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+
+
+def test_inside_an_activation_checkpoint():
+    """Under torch.utils.checkpoint the branch sits in a higher-order op's body graph, where Dynamo
+    also takes the ascending sort's unused indices."""
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.branch = Branch(h=2)
+
+        def forward(self, q, k, v):
+            return torch.utils.checkpoint.checkpoint(self.branch, q, k, v, use_reentrant=False)
+
+    (expected, eager_args), (got, opt_args), optimized = run_both(Checkpointed(), branch_inputs())
+    assert row(optimized, CMP)["matches"] == row(optimized, SEL)["matches"] == 1
+    assert torch.equal(got[1], expected[1])
+    grads = torch.autograd.grad(expected[0].square().sum(), eager_args)
+    for a, b in zip(torch.autograd.grad(got[0].square().sum(), opt_args), grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+NO_GQA = nsa_compile.OptimizeConfig(compiler="aot_eager", disabled_passes=("gqa_grouped_matmul",))
+
+
+@pytest.mark.parametrize(
+    "change, dtype, reason",
+    [
+        ("late-by-one", torch.float32, "the visibility mask is off by 1: block i becomes visible at "
+                                       "t = i*d + l - 1 + 1, not at its last token (pooling l=4, d=2)"),
+        ("early-by-one", torch.float32, "the visibility mask is off by 1: block i is visible from "
+                                        "t = i*d + l - 1 - 1, before its last token"),
+        ("no-upcast", torch.bfloat16, "the softmax runs in torch.bfloat16 on torch.bfloat16 scores; the op "
+                                      "computes it in torch.float32"),
+        ("no-has-block-zeroing", torch.float32, "the rows without a visible block (t < 3) are not zeroed before "
+                                                "the softmax"),
+        ("no-final-mask", torch.float32, "the probabilities are not multiplied by the visibility mask after the "
+                                         "softmax"),
+        ("cumsum-pooling", torch.float32, "the pooled keys are not a per-block function of the blocks (cumsum "
+                                          "on the way)"),
+        ("raw-keys-in-pooling", torch.float32, "the pooled keys are not a per-block function of the blocks "
+                                               "(getitem on the way)"),
+        ("sequence-mean-in-pooling", torch.float32, "the pooled keys are not a per-block function of the blocks "
+                                                    "(add on the way: an operand is broadcast over the blocks)"),
+    ],
+    ids=["late-by-one", "early-by-one", "bf16-no-upcast", "no-has-block-zeroing", "no-final-mask",
+         "pooling-mixes-blocks", "pooling-reads-raw-keys", "pooling-reads-the-whole-sequence"],
+)
+def test_compressed_near_misses_are_refused_with_the_graph_unchanged(change, dtype, reason):
+    args = branch_inputs(dtype=dtype)
+    (expected, _), (got, _), optimized = run_both(Branch(change), args, NO_GQA)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # the same eager code ran
+    record = only_graph(optimized)
+    assert record.code_before == record.code_after
+    r = row(optimized, CMP)
+    assert r["matches"] == 0 and any(reason in text for text in r["reasons"]), r["reasons"]
+    r = row(optimized, SEL)
+    assert r["matches"] == 0 and r["reasons"][0].startswith("compressed_attention did not rewrite these "
+                                                            "probabilities ("), r["reasons"]
+    assert reason in r["reasons"][0]
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ("weights-all-one", "the block map is not overlap(i, j) / l"),
+        ("forced-without-block-0", "the key's forced (+inf) and excluded (-inf) blocks are not NSA's for l' = 8: "
+                                   "block 0 is not forced"),
+        ("unstable-sort", "the sort is not stable (stable=True)"),
+        ("topk", "torch.topk leaves the order of tied keys unspecified"),
+        ("p-third-consumer", "the compressed probabilities are also used by sum: the [B, H, S, Tc] tensor stays"),
+    ],
+)
+def test_selection_near_misses_are_refused_and_the_compressed_pass_still_fires(change, reason):
+    args = branch_inputs()
+    (expected, _), (got, _), optimized = run_both(Branch(change), args, NO_GQA)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    r = row(optimized, SEL)
+    assert r["matches"] == 0 and any(reason in text for text in r["reasons"]), r["reasons"]
+    assert row(optimized, CMP)["matches"] == 1  # o_cmp from the op; p stays for the eager selection
+    record = only_graph(optimized)
+    sorts = "torch.topk(" if change == "topk" else "torch.sort("
+    assert record.code_after.count(sorts) == record.code_before.count(sorts)
+    assert "select_blocks" not in record.code_after and "torch.softmax(" in record.code_after
+
+
+def test_disabled_compressed_pass_leaves_the_selection_with_a_reason():
+    config = nsa_compile.OptimizeConfig(compiler="aot_eager", disabled_passes=(CMP,))
+    (expected, _), (got, _), optimized = run_both(Branch(), branch_inputs(), config)
+    assert torch.equal(got[1], expected[1])
+    r = row(optimized, SEL)
+    assert r["matches"] == 0 and r["reasons"] == [
+        "compressed_attention did not rewrite these probabilities (disabled): no lse to select from"]
+    record = only_graph(optimized)
+    assert "select_blocks" not in record.code_after
+    assert record.code_after.count("torch.sort(") == record.code_before.count("torch.sort(") == 2
+
+
+def test_a_mask_from_data_is_refused():
+    class DataMask(Branch):
+        def forward(self, q, k, v, visible):
+            k_rep = k.unfold(1, L, D).mean(-1).transpose(1, 2).repeat_interleave(2, dim=1)
+            v_rep = v.unfold(1, L, D).mean(-1).transpose(1, 2).repeat_interleave(2, dim=1)
+            scores = (q.transpose(1, 2) @ k_rep.transpose(-1, -2)) * 0.5
+            scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~visible.any(-1, keepdim=True), 0.0)
+            return (torch.softmax(scores, dim=-1) * visible) @ v_rep
+
+    q, k, v = branch_inputs()
+    S, Tc = q.shape[1], (q.shape[1] - L) // D + 1
+    visible = torch.arange(Tc)[None, :] * D + L - 1 <= torch.arange(S)[:, None]
+    optimized = optimize_fresh(DataMask())
+    torch.testing.assert_close(optimized(q, k, v, visible), DataMask()(q, k, v, visible))
+    r = row(optimized, CMP)
+    assert r["matches"] == 0 and r["reasons"] == ["the visibility mask depends on placeholder l_visible_ "
+                                                  "(data, not positions)"], r["reasons"]
+
+
+def test_verification_cap_is_a_reason(monkeypatch):
+    import nsa_compile.passes.compressed_attention as compressed
+
+    monkeypatch.setattr(compressed, "MAX_VERIFIED_ELEMENTS", 100)
+    (expected, _), (got, _), optimized = run_both(Branch(), branch_inputs())
+    assert torch.equal(got[1], expected[1])
+    r = row(optimized, CMP)
+    assert r["matches"] == 0 and "elements, over the cap of 100: not verified" in r["reasons"][0], r["reasons"]
+
+
+def test_backends_named_in_the_config_are_used_or_the_rewrite_refused():
+    config = nsa_compile.OptimizeConfig(compiler="aot_eager", compressed_backend="reference",
+                                        block_select_backend="triton")
+    (expected, _), (got, _), optimized = run_both(Branch(), branch_inputs(), config)
+    assert torch.equal(got[1], expected[1])
+    r = row(optimized, CMP)
+    assert r["matches"] == 1
+    assert r["kernels"][0].endswith("not triton: compressed_backend='reference' in OptimizeConfig)")
+    r = row(optimized, SEL)
+    assert r["matches"] == 0 and r["reasons"][0].startswith(
+        "OptimizeConfig(block_select_backend='triton'): select_blocks: backend 'triton' cannot run these inputs:")
+
+
+@pytest.mark.inductor
+def test_inductor_smoke_compressed_and_selection():
+    args = branch_inputs()
+    torch._dynamo.reset()
+    optimized = nsa_compile.optimize(Branch())
+    got, expected = optimized(*args), Branch()(*args)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], expected[1])
+    assert row(optimized, CMP)["matches"] == row(optimized, SEL)["matches"] == 1
+
+
+# --- GPU (tools/gpu_check.sh runs these on the H100) ----------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_seed_layers_fire_with_the_cuda_backends_and_parity(dtype):
+    """Two seed-config layers at S = 2048 (> n * l' = 1024, so the ranking decides): both passes
+    fire on every layer and the optimized model trains with eager's numbers."""
+    torch.manual_seed(0)
+    eager = build_model("seed", n_layers=2).cuda()
+    model = optimized_with_parity(eager, 2048, dtype)
+    for name in (CMP, SEL):
+        r = row(model, name)
+        print(name, r["kernels"], f"{r['time_ms']} ms")
+        assert (r["matches"], r["where"]) == (2, LAYERS), r
+
+
+@pytest.mark.gpu
+def test_gpu_seed_shape_block_ids_match_eager_but_for_near_ties():
+    """The branch at the seed shape in bf16: the op's importance is exp(s - lse), eager's a softmax,
+    so only near-tied blocks may be ranked the other way (nsa_compile/ops/block_select.py)."""
+    args = [x.cuda() for x in branch_inputs(B=2, S=4096, G=2, h=6, Dk=64, Dv=64, dtype=torch.bfloat16)]
+    module = Branch(h=6, sizes=(32, 16, 64, 16))
+    with torch.no_grad():
+        expected = module(*args)
+        optimized = optimize_fresh(copy.deepcopy(module))
+        got = optimized(*args)
+    assert row(optimized, CMP)["matches"] == row(optimized, SEL)["matches"] == 1
+    differ = (got[1] != expected[1]).any(-1).float().mean().item()
+    print(f"rows whose blocks differ from eager's: {differ:.2e}")
+    assert differ < 1e-3
+    torch.testing.assert_close(got[0], expected[0], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_paper_shape_64k_is_verified_and_runs_without_the_dense_probabilities():
+    """H 64, G 4, D 128, l 32, d 16, l' 64, n 16 at S = 65536, bf16: the masks are verified at
+    compile time within the cap (the eager branch itself would need 68 GB for p), and the rewritten
+    graph runs."""
+    S = 65536
+    args = [x.cuda() for x in branch_inputs(B=1, S=S, G=4, h=16, Dk=128, Dv=128, dtype=torch.bfloat16)]
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        optimized = optimize_fresh(Branch(h=16, sizes=(32, 16, 64, 16)))
+        o, block_idx = optimized(*args)
+    for name in (CMP, SEL):
+        r = row(optimized, name)
+        print(name, r["kernels"], r["reasons"], f"{r['time_ms']} ms")
+        assert r["matches"] == 1, r
+    print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    assert tuple(block_idx.shape) == (1, 4, S, 16) and bool(torch.isfinite(o).all())
+    assert bool((block_idx[..., 0] == 0).all())  # block 0 is always forced

@@ -1,0 +1,534 @@
+"""projections_rope and nsa::projection_rope: graph tests (fired, exact count; the separate GEMMs
+and the RoPE arithmetic gone, the op in place), parity of outputs and every gradient in fp32, bf16
+and fp16, the parameters staying the module's own, accepted forms, near misses refused with the
+graph unchanged, opcheck of both ops, and the Triton kernels (on CUDA when there is one, else on
+the CPU through Triton's interpreter, TRITON_INTERPRET=1 set by a fixture for those tests only)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import only_graph, optimize_fresh, row, tokens
+
+import nsa_compile
+from nsa_compile.models import build_model
+from nsa_compile.models.nsa import apply_rope, rope_tables
+from nsa_compile.ops import rope as rope_op
+from nsa_compile.parity import check_parity
+
+PASS = "projections_rope"
+ONLY = nsa_compile.OptimizeConfig(
+    compiler="aot_eager", disabled_passes=tuple(p for p in nsa_compile.pass_names() if p != PASS))
+NOT_TRITON = "; not triton: the Triton kernel runs on CUDA (tensors on cpu)"
+
+
+def aten_count(gm, *targets) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
+
+
+def gemms_reading_the_op_input(gm) -> list:
+    """mm / addmm nodes of an ATen graph that read (a view of) a projection_rope op's input."""
+    views = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.nsa.projection_rope.default:
+            views.add(node.args[0])
+    aten = torch.ops.aten
+    for node in gm.graph.nodes:  # graph order: a view's source comes first
+        if node.op == "call_function" and node.args and node.args[0] in views and node.target in (
+                aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            views.add(node)
+    gemms = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in gemms
+            and any(a in views for a in n.args if isinstance(a, torch.fx.Node))]
+
+
+# --- the tiny model ---------------------------------------------------------------------------------
+
+
+def test_fires_once_per_layer_with_parity_and_the_gemms_and_rope_arithmetic_gone():
+    """The tiny model with every pass (the attention passes read the op's pieces), bf16."""
+    torch.manual_seed(1)
+    eager = build_model("tiny")
+    holder = {}
+
+    def optimize(m):
+        holder["model"] = optimize_fresh(m)
+        return holder["model"]
+
+    report = check_parity(eager, optimize, tokens(2, 37, seed=4), torch.bfloat16)
+    assert report.ok, [r.as_dict() for r in report.failures()]
+    assert len(report.rows) == 2 + len(list(eager.parameters()))
+    model = holder["model"]
+    r = row(model, PASS)
+    assert (r["matches"], r["where"], r["refused"]) == (2, ["blocks.0.attn", "blocks.1.attn"], 0), r
+    assert r["kernels"] == [f"nsa.projection_rope[reference] (7 projections -> 1 GEMM of 256 columns; RoPE half "
+                            f"r=16 on 4 of them{NOT_TRITON})"]
+    record = only_graph(model)
+    (log,) = [log for log in record.logs if log.pass_name == PASS]
+    before, after = record.code_before, log.code_after
+    # per layer 7 projections of the normed input became one op; wo, the gate and MLP stay
+    assert before.count("torch._C._nn.linear(") - after.count("torch._C._nn.linear(") == 14
+    assert after.count("torch.ops.nsa.projection_rope(") == 2
+    # the RoPE arithmetic: 4 per layer, each a neg and 4 cats (cos, sin, halves, pass-through)
+    negs = re.compile(r"^\s*neg\w* = -", re.M)
+    assert len(negs.findall(before)) == 8 and len(negs.findall(after)) == 0
+    assert before.count("torch.cat(") - after.count("torch.cat(") == 2 * 4 * 4 - 2  # 2 weight cats added
+    fwd, bwd = record.aten["forward"], record.aten["backward"]
+    assert aten_count(fwd, torch.ops.nsa.projection_rope.default) == 2
+    assert aten_count(bwd, torch.ops.nsa.projection_rope_backward.default) == 2
+    # no other GEMM reads the projections' input, and no RoPE arithmetic is left
+    assert gemms_reading_the_op_input(fwd) == []
+    assert aten_count(fwd, torch.ops.aten.neg.default) == 0
+
+
+# --- a module with NSAAttention's projection lines ------------------------------------------------
+
+
+class Projections(nn.Module):
+    """The projection and RoPE lines of NSAAttention.forward (models/nsa.py), all outputs returned
+    as one tensor (check_parity's loss reads the first output)."""
+
+    def __init__(self, dim=32, H=4, G=2, D=8, style="half", shared_kv=False, bias=False):
+        super().__init__()
+        self.H, self.G, self.D, self.style = H, G, D, style
+        self.wq = nn.Linear(dim, H * D, bias=bias)
+        names = ("shared",) if shared_kv else ("cmp", "sel", "win")
+        self.wk = nn.ModuleDict({n: nn.Linear(dim, G * D, bias=bias) for n in names})
+        self.wv = nn.ModuleDict({n: nn.Linear(dim, G * D, bias=bias) for n in names})
+
+    def forward(self, x, cos, sin):
+        B, S, _ = x.shape
+        q = apply_rope(self.wq(x).view(B, S, self.H, self.D), cos, sin, self.style)  # [B, S, H, D]
+        ks = [apply_rope(w(x).view(B, S, self.G, self.D), cos, sin, self.style) for w in self.wk.values()]
+        vs = [w(x).view(B, S, self.G, self.D) for w in self.wv.values()]
+        return torch.cat([t.flatten(2) for t in (q, *ks, *vs)], dim=-1)
+
+
+def projection_inputs(B=2, S=11, dim=32, rot=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cos, sin = rope_tables(S, rot, 10000.0, "cpu")
+    return torch.randn(B, S, dim, generator=g), cos, sin
+
+
+@pytest.mark.parametrize(
+    "kwargs, rot, dtype",
+    [({}, 8, torch.float32), ({}, 8, torch.bfloat16), ({}, 8, torch.float16),
+     ({"style": "interleaved"}, 8, torch.bfloat16), ({}, 4, torch.float16), ({"shared_kv": True}, 8, torch.float32),
+     ({"bias": True}, 8, torch.bfloat16)],
+    ids=["half-fp32", "half-bf16", "half-fp16", "interleaved-bf16", "partial-rotary-fp16", "shared-kv-fp32",
+         "bias-bf16"],
+)
+def test_parity_outputs_and_every_gradient(kwargs, rot, dtype):
+    torch.manual_seed(2)
+    eager = Projections(**kwargs)
+    holder = {}
+
+    def optimize(m):
+        holder["model"] = optimize_fresh(m, ONLY)
+        return holder["model"]
+
+    report = check_parity(eager, optimize, projection_inputs(rot=rot), dtype, is_lm=False)
+    assert report.ok, [r.as_dict() for r in report.failures()]
+    assert len(report.rows) == 2 + len(list(eager.parameters()))
+    r = row(holder["model"], PASS)
+    pieces = 3 if kwargs.get("shared_kv") else 7
+    assert (r["matches"], r["refused"]) == (1, 0), r
+    assert r["kernels"][0].startswith(f"nsa.projection_rope[reference] ({pieces} projections")
+    style = kwargs.get("style", "half")
+    assert f"RoPE {style} r={rot} on {pieces // 2 + 1} of them" in r["kernels"][0]
+
+
+def test_parameters_and_state_dict_stay_the_modules_own():
+    torch.manual_seed(3)
+    model = Projections(bias=True)
+    eager = copy.deepcopy(model)
+    params = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    optimized = optimize_fresh(model, ONLY)
+    x, cos, sin = projection_inputs()
+    optimized(x, cos, sin).square().sum().backward()
+    eager(x, cos, sin).square().sum().backward()
+    assert list(optimized.state_dict()) == keys
+    assert all(p is params[name] for name, p in optimized.named_parameters())
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-5, atol=1e-5)
+    # a step on the parameters shows in the next call: nothing was copied at compile time
+    with torch.no_grad():
+        params["wq.weight"].add_(1.0)
+        eager.wq.weight.add_(1.0)
+    torch.testing.assert_close(optimized(x, cos, sin), eager(x, cos, sin), rtol=1e-5, atol=1e-5)
+
+
+# --- accepted forms and near misses on one projection ---------------------------------------------------
+
+
+class OneRope(nn.Module):
+    """One projection and its RoPE written with `change`."""
+
+    def __init__(self, change=None, dim=16, H=2, D=8):
+        super().__init__()
+        self.change, self.H, self.D = change, H, D
+        self.w = nn.Linear(dim, H * D, bias=False)
+        if change == "learned-tables":
+            self.table_scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x, cos, sin):
+        B, S, _ = x.shape
+        change, r = self.change, 2 * cos.shape[-1]
+        if change == "learned-tables":
+            cos, sin = cos * self.table_scale, sin * self.table_scale
+        if change == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = self.w(x)
+        else:
+            y = self.w(x)
+        y = y.view(B, S, self.H, self.D)
+        c, s = cos[:, None, :].to(y.dtype), sin[:, None, :].to(y.dtype)
+        x_rot, x_pass = y[..., :r], y[..., r:]
+        x1, x2 = x_rot.chunk(2, dim=-1) if change == "chunk" else (x_rot[..., : r // 2], x_rot[..., r // 2 :])
+        cc, ss = torch.cat([c, c], dim=-1), torch.cat([s, s], dim=-1)
+        if change == "missing-neg":
+            rotated = torch.cat([x2, x1], dim=-1)
+        elif change == "wrong-partner":
+            rotated = torch.cat([-x1, x2], dim=-1)
+        else:
+            rotated = torch.cat([-x2, x1], dim=-1)
+        if change == "same-table-twice":
+            out = x_rot * cc + rotated * cc
+        elif change == "opposite-angle":
+            out = x_rot * cc - rotated * ss
+        elif change == "sin-as-cos":
+            out = x_rot * ss + rotated * cc
+        else:
+            out = x_rot * cc + rotated * ss
+        out = torch.cat([out, x_pass], dim=-1)
+        if change == "scaled-after":
+            out = out * 0.5
+        if change == "rot-returned":
+            return out, x_rot
+        return out
+
+
+def run_both(module, args, config=ONLY):
+    expected = module(*args)
+    optimized = optimize_fresh(copy.deepcopy(module), config)
+    return expected, optimized(*args), optimized
+
+
+@pytest.mark.parametrize("change", [None, "chunk", "opposite-angle", "sin-as-cos", "scaled-after"])
+def test_accepted_rope_forms(change):
+    x, cos, sin = projection_inputs(dim=16, rot=6)
+    expected, got, optimized = run_both(OneRope(change), (x, cos, sin))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    r = row(optimized, PASS)
+    assert r["matches"] == 1 and r["kernels"][0].startswith(
+        "nsa.projection_rope[reference] (1 projection -> 1 GEMM of 16 columns; RoPE half r=6 on 1"), r
+    assert "torch.cat(" not in only_graph(optimized).code_after
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ("missing-neg", "the arithmetic on the projection is not a RoPE rotation"),
+        ("wrong-partner", "the arithmetic on the projection is not a RoPE rotation"),
+        ("same-table-twice", "the arithmetic reads 1 tables besides the projection"),
+        ("learned-tables", "require grad; the op gives them none"),
+        ("rot-returned", "values inside the RoPE arithmetic (or the projection) are used elsewhere"),
+        ("autocast", "the projection mixes dtypes"),
+    ],
+)
+def test_near_misses_refused_with_the_graph_unchanged(change, reason):
+    x, cos, sin = projection_inputs(dim=16, rot=6)
+    expected, got, optimized = run_both(OneRope(change), (x, cos, sin))
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same eager code
+    record = only_graph(optimized)
+    assert record.code_before == record.code_after
+    r = row(optimized, PASS)
+    assert r["matches"] == 0 and any(reason in text for text in r["reasons"]), r["reasons"]
+
+
+# --- what the projections share, or do not ---------------------------------------------------------
+
+
+class TwoInputs(nn.Module):
+    """q from x, k and v from another input (cross-attention): two groups."""
+
+    def __init__(self, dim=16, D=8):
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(dim, 2 * D, bias=False) for _ in range(3))
+
+    def forward(self, x, mem, cos, sin):
+        B, S, _ = x.shape
+        q = apply_rope(self.wq(x).view(B, S, 2, 8), cos, sin, "half")
+        k = apply_rope(self.wk(mem).view(B, S, 2, 8), cos, sin, "half")
+        return torch.cat([q.flatten(2), k.flatten(2), self.wv(mem)], dim=-1)
+
+
+def test_projections_of_different_inputs_are_separate_groups():
+    x, cos, sin = projection_inputs(dim=16)
+    mem = torch.randn_like(x)
+    expected, got, optimized = run_both(TwoInputs(), (x, mem, cos, sin))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    r = row(optimized, PASS)
+    assert r["matches"] == 2 and sorted(k.split(";")[0] for k in r["kernels"]) == [
+        "nsa.projection_rope[reference] (1 projection -> 1 GEMM of 16 columns",
+        "nsa.projection_rope[reference] (2 projections -> 1 GEMM of 32 columns"], r
+
+
+class SharedUse(nn.Module):
+    """wq's weight also used elsewhere (tied), and the raw k projection returned too."""
+
+    def __init__(self, dim=16, D=8, late_weight=False):
+        super().__init__()
+        self.late_weight = late_weight
+        self.wq, self.wk = nn.Linear(dim, 2 * D, bias=False), nn.Linear(dim, 2 * D, bias=True)
+
+    def forward(self, x, cos, sin):
+        B, S, _ = x.shape
+        q = apply_rope(self.wq(x).view(B, S, 2, 8), cos, sin, "half")
+        # a weight computed after the first projection cannot join its GEMM
+        wk = self.wk.weight * 2 if self.late_weight else self.wk.weight
+        k_raw = nn.functional.linear(x, wk, self.wk.bias)
+        k = apply_rope(k_raw.view(B, S, 2, 8), cos, sin, "half")
+        tied = self.wq.weight.sum()
+        return torch.cat([q.flatten(2), k.flatten(2), k_raw], dim=-1) * tied
+
+
+def test_a_tied_weight_and_a_raw_output_used_elsewhere():
+    x, cos, sin = projection_inputs(dim=16)
+    module = SharedUse()
+    args = [x.clone().requires_grad_(), cos, sin]
+    expected, got, optimized = run_both(module, args)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(expected.square().sum(), [args[0], *module.parameters()])
+    got_grads = torch.autograd.grad(got.square().sum(), [args[0], *optimized.parameters()])
+    for a, b in zip(got_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    r = row(optimized, PASS)
+    # merged with its bias; k's RoPE stays eager on its piece (the raw projection is used too)
+    assert r["matches"] == 1 and "(2 projections -> 1 GEMM of 32 columns; RoPE half r=8 on 1 of" in r["kernels"][0]
+    assert r["reasons"] == ["RoPE left eager: values inside the RoPE arithmetic (or the projection) are used elsewhere"]
+
+
+def test_a_weight_computed_after_the_first_projection_is_left_out():
+    x, cos, sin = projection_inputs(dim=16)
+    expected, got, optimized = run_both(SharedUse(late_weight=True), (x, cos, sin))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    r = row(optimized, PASS)
+    # q alone keeps its RoPE rewrite; k's projection stays eager
+    assert r["matches"] == 1 and r["kernels"][0].startswith("nsa.projection_rope[reference] (1 projection"), r
+    assert any(text.startswith("its wk is computed after the group's first projection") for text in r["reasons"])
+
+
+def test_dynamic_shapes_merge_the_gemms_and_leave_rope_eager():
+    """The RoPE probe runs at static shapes only; the merged GEMM works at any size."""
+    module = Projections()
+    optimized = optimize_fresh(copy.deepcopy(module), ONLY.replace(dynamic=True))
+    for S in (11, 13, 17):
+        x, cos, sin = projection_inputs(S=S)
+        torch.testing.assert_close(optimized(x, cos, sin), module(x, cos, sin), rtol=1e-5, atol=1e-5)
+    r = row(optimized, PASS)
+    assert r["matches"] >= 1 and all("(7 projections -> 1 GEMM of 128 columns; no RoPE;" in k for k in r["kernels"])
+    assert all(text.startswith("RoPE left eager: the projection has symbolic sizes") for text in r["reasons"]), r
+
+
+# --- the op -----------------------------------------------------------------------------------------------
+
+
+def op_args(B=2, S=5, K=12, widths=(16, 8, 8), head_dims=(8, 8, 0), rot=4, bias=True, table_batch=None,
+            dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, S, K, generator=g)
+    w = torch.randn(sum(widths), K, generator=g) / K**0.5
+    b = torch.randn(sum(widths), generator=g) if bias else None
+    if any(head_dims):
+        shape = (S, rot // 2) if table_batch is None else (table_batch, S, rot // 2)
+        cos, sin = torch.randn(shape, generator=g), torch.randn(shape, generator=g)  # any values: tables are inputs
+    else:
+        cos = sin = None
+    move = lambda t: None if t is None else t.to(device)
+    return [move(x).to(dtype), move(w).to(dtype), None if b is None else move(b).to(dtype), move(cos), move(sin),
+            list(widths), list(head_dims)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, style",
+    [({}, "half"), ({"table_batch": 2, "bias": False, "head_dims": (4, 0, 4)}, "interleaved")],
+    ids=["half-bias-partial", "interleaved-batch-tables-full"],
+)
+def test_opcheck(kwargs, style):
+    x, w, b, cos, sin, widths, head_dims = op_args(**kwargs)
+    for t in (x, w, b):
+        if t is not None:
+            t.requires_grad_()
+    torch.library.opcheck(torch.ops.nsa.projection_rope, (x, w, b, cos, sin, widths, head_dims, style, "reference"))
+    grads = [torch.randn(*x.shape[:-1], n) for n in widths]
+    torch.library.opcheck(torch.ops.nsa.projection_rope_backward,
+                          (grads, cos, sin, head_dims, style, "reference"))
+
+
+def test_the_op_checks_its_arguments():
+    x, w, b, cos, sin, widths, head_dims = op_args()
+    with pytest.raises(ValueError, match="weight has 32 rows, the pieces 31"):
+        rope_op.projection_rope(x, w, b, cos, sin, [16, 8, 7], head_dims)
+    with pytest.raises(ValueError, match=r"piece 1 \(width 8, head dim 3\) must be whole heads"):
+        rope_op.projection_rope(x, w, b, cos, sin, widths, [8, 3, 0])
+    with pytest.raises(ValueError, match="unknown style 'full'"):
+        rope_op.projection_rope(x, w, b, cos, sin, widths, head_dims, style="full")
+    with pytest.raises(ValueError, match="backend 'triton' cannot run these inputs: device cpu"):
+        rope_op.projection_rope(x, w, b, cos, sin, widths, head_dims, backend="triton")
+
+
+# --- the Triton kernels -------------------------------------------------------------------------------
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """On a machine without CUDA: TRITON_INTERPRET=1 for the kernel tests, kernels rebuilt."""
+    pytest.importorskip("triton")
+    from nsa_compile.ops import rope_triton
+
+    before = os.environ.get("TRITON_INTERPRET")
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+        rope_triton._kernels.cache_clear()
+    yield
+    if DEVICE == "cpu":
+        rope_triton._kernels.cache_clear()
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+def float64(args):
+    return [t.double() if isinstance(t, torch.Tensor) else t for t in args]
+
+
+TRITON_CASES = {
+    # layout: (B, S, K, widths, head_dims, rot, bias, table_batch)
+    "nsa-like-aligned": (2, 9, 32, (64, 32, 32, 32), (16, 16, 0, 16), 16, False, None),
+    "partial-rotary": (2, 5, 24, (32, 16, 16), (16, 16, 0), 8, True, None),
+    "odd-sizes": (1, 7, 40, (48, 24, 10), (24, 24, 0), 12, False, 1),
+    "batch-tables": (2, 6, 20, (64, 64), (16, 0), 16, True, 2),
+    "no-rotation": (3, 3, 20, (10, 7), (0, 0), 0, True, None),
+}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize(
+    "case, dtype, style",
+    [("nsa-like-aligned", torch.float32, "half"), ("nsa-like-aligned", torch.bfloat16, "half"),
+     ("nsa-like-aligned", torch.float16, "interleaved"), ("partial-rotary", torch.bfloat16, "interleaved"),
+     ("partial-rotary", torch.float32, "half"), ("odd-sizes", torch.float16, "half"),
+     ("odd-sizes", torch.float32, "interleaved"), ("batch-tables", torch.bfloat16, "half"),
+     ("no-rotation", torch.float16, "half")],
+    ids=lambda v: str(v).replace("torch.", ""),
+)
+def test_triton_forward_and_backward_match_float64(interpreter, case, dtype, style):
+    B, S, K, widths, head_dims, rot, bias, table_batch = TRITON_CASES[case]
+    args = op_args(B, S, K, widths, head_dims, rot, bias, table_batch, dtype, DEVICE)
+    leaves = [t.requires_grad_() if t is not None and i < 3 else t for i, t in enumerate(args)]
+    outs = rope_op.projection_rope(*leaves, style=style, backend="triton")
+    ref_leaves = [t.detach().double().requires_grad_() if t is not None and i < 3 else t for i, t in enumerate(args)]
+    ref_leaves[3:5] = float64(args[3:5])
+    refs = rope_op.projection_rope(*ref_leaves, style=style, backend="reference")
+    tol = TOLERANCE[dtype]
+    for o, ref in zip(outs, refs):
+        assert o.dtype == dtype and o.is_contiguous() and o.shape == ref.shape
+        assert rel_err(o, ref) < tol
+    g = [torch.randn(o.shape, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEVICE) for o in outs]
+    got = torch.autograd.grad(outs, [t for t in leaves[:3] if t is not None], g)
+    want = torch.autograd.grad(refs, [t for t in ref_leaves[:3] if t is not None], [x.double() for x in g])
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < tol
+
+
+def rel_err(x, ref) -> float:
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+def test_triton_writes_every_element(interpreter):
+    """Outputs and dy filled with NaN first (torch.empty could hold zeros by luck): all overwritten."""
+    from nsa_compile.ops import rope_triton
+
+    args = op_args(2, 9, 32, (64, 32, 32, 32), (16, 16, 0, 16), 16, True, None, torch.float32, DEVICE)
+    x, w, b, _, _, widths, head_dims = args
+    cos, sin = rope_tables(9, 16, 10000.0, DEVICE)  # true angles: the inverse rotation undoes the rotation
+    real_empty = torch.Tensor.new_empty
+
+    def nan_empty(self, *size, **kw):
+        t = real_empty(self, *size, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.Tensor.new_empty = nan_empty
+    try:
+        outs = rope_triton.projection_rope_forward(x.reshape(-1, 32), w, b, cos, sin, widths, head_dims, "half", 9)
+        dy = rope_triton.projection_rope_grad(outs, cos, sin, widths, head_dims, "half", 9)
+    finally:
+        torch.Tensor.new_empty = real_empty
+    assert not any(o.isnan().any() for o in outs) and not dy.isnan().any()
+    # the inverse rotation undoes the rotation: dy of the outputs is the unrotated projection
+    y = torch.nn.functional.linear(x.reshape(-1, 32), w, b)
+    torch.testing.assert_close(dy, y, rtol=1e-5, atol=1e-5)
+
+
+# --- CUDA ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("S", [100, 2048])
+def test_triton_at_the_seed_shape_on_cuda(dtype, S):
+    """The seed model's projections (dim 768, 12 heads, 2 KV groups, head dim 64, 7 projections)."""
+    widths = (768, 128, 128, 128, 128, 128, 128)
+    head_dims = (64, 64, 0, 64, 0, 64, 0)
+    args = op_args(2, S, 768, widths, head_dims, 64, False, None, dtype, "cuda")
+    x, w, b, cos, sin, widths, head_dims = args
+    cos, sin = rope_tables(S, 64, 10000.0, "cuda")
+    outs = rope_op.projection_rope(x, w, b, cos, sin, widths, head_dims, backend="triton")
+    refs = rope_op.projection_rope(x.double(), w.double(), None, cos.double(), sin.double(), widths, head_dims,
+                                   backend="reference")
+    for o, ref in zip(outs, refs):
+        assert rel_err(o, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+def test_seed_model_parity_on_cuda_with_the_pass():
+    torch.manual_seed(0)
+    eager = build_model("seed", n_layers=2).cuda()
+    holder = {}
+
+    def optimize(m):
+        holder["model"] = optimize_fresh(m, ONLY)
+        return holder["model"]
+
+    report = check_parity(eager, optimize, tokens(2, 256, seed=1).cuda(), torch.bfloat16)
+    assert report.ok, [r.as_dict() for r in report.failures()]
+    r = row(holder["model"], PASS)
+    assert r["matches"] == 2 and r["kernels"][0].startswith("nsa.projection_rope[triton] (7 projections"), r
+
+
+@pytest.mark.inductor
+def test_inductor_smoke_projections():
+    torch.manual_seed(4)
+    eager = Projections(shared_kv=True)  # q, k, v: three GEMMs in one (fewer kernels for the CPU compiler)
+    holder = {}
+
+    def with_inductor(m):
+        torch._dynamo.reset()
+        holder["model"] = nsa_compile.optimize(m, nsa_compile.OptimizeConfig(disabled_passes=ONLY.disabled_passes))
+        return holder["model"]
+
+    report = check_parity(eager, with_inductor, projection_inputs(), torch.float32, is_lm=False)
+    assert report.ok, [r.as_dict() for r in report.failures()]
+    assert row(holder["model"], PASS)["matches"] == 1
