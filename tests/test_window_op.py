@@ -346,8 +346,10 @@ def test_outputs_keep_the_layout_the_fakes_promise():
 
 
 def test_public_surface():
-    assert nsa_compile.ops.__all__ == [
-        "selected_attention", "selected_attention_backward", "window_attention", "window_attention_backward"]
+    assert sorted(nsa_compile.ops.__all__) == sorted([
+        "compressed_attention", "compressed_attention_backward", "gated_combine_backward", "gated_sum",
+        "projection_rope", "projection_rope_backward", "select_blocks", "selected_attention",
+        "selected_attention_backward", "window_attention", "window_attention_backward"])
     assert nsa_compile.ops.window_attention is window_attention
     schema = torch.ops.nsa.window_attention.default._schema
     assert [a.name for a in schema.arguments] == ["q", "k", "v", "window", "scale", "backend"]

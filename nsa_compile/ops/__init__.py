@@ -1,11 +1,17 @@
 """Custom ops that rewrite passes put in place of eager subgraphs (functional, with fakes and
 autograd, so they trace under torch.compile fullgraph and AOTAutograd).
 
-    torch.ops.nsa.window_attention(q, k, v, window, scale, backend)   # -> (o, lse): sliding-window causal GQA attention
+    torch.ops.nsa.projection_rope(x, weight, bias, cos, sin, widths, head_dims, style, backend)  # -> pieces: one GEMM for the projections of x, RoPE in its epilogue
+    torch.ops.nsa.window_attention(q, k, v, window, scale, backend)                 # -> (o, lse): sliding-window causal GQA attention
+    torch.ops.nsa.compressed_attention(q, k_cmp, v_cmp, block, stride, scale, backend)   # -> (o, lse): NSA compressed branch over the pooled tokens
+    torch.ops.nsa.select_blocks(q, k_cmp, lse, l, d, l_sel, n, scale, backend)        # -> block_idx [B, G, S, n]: eager's top-n, recomputed from the lse
     torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend)   # -> (o, lse): NSA selected branch
+    torch.ops.nsa.gated_combine(gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation, normalize, backend)  # -> (o, gates)
 
 The passes choose each op's backend from the fake tensors at compile time and write it into the
-graph: window `flash` | `reference`, selection `triton` | `reference` (see each module).
+graph: window `flash` | `reference`; compressed, block selection, gated combine, projection
+`triton` | `reference`; selection `triton` | `reference` | `varlen` | `varlen_flash_attn` (see
+each module).
 """
 
 from .block_select import select_blocks
