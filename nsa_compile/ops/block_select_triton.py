@@ -74,24 +74,13 @@ try:
 except ImportError:  # the module still imports; unsupported_reason says why the kernel cannot run
     triton = tl = None
 
+from .triton_support import cdiv as _cdiv, interpreting as _interpreting, next_pow2 as _next_pow2
+
 __all__ = ["select_blocks_forward", "unsupported_reason"]
 
 MAX_HEAD_DIM = 256
 MAX_SELECTED = 128
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _interpreting() -> bool:
-    """Whether triton.jit builds kernels for Triton's CPU interpreter (Triton's own setting)."""
-    return bool(triton.knobs.runtime.interpret)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _tiles(h: int, Dk: int, cmp_stride: int, sel_block: int, n_selected: int, fp32: bool,

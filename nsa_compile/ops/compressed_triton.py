@@ -69,6 +69,10 @@ try:
 except ImportError:  # the module still imports; unsupported_reason says why the kernels cannot run
     triton = tl = None
 
+from .triton_support import (
+    cdiv as _cdiv, dot_precision as _dot_precision, interpreting as _interpreting, next_pow2 as _next_pow2,
+)
+
 __all__ = ["compressed_backward", "compressed_forward", "unsupported_reason"]
 
 MAX_HEAD_DIM = 256
@@ -76,12 +80,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The dk/dv kernel's default segment on CUDA: enough work items for this many per SM.
 ITEMS_PER_SM = 4
 LOG2E = 1.4426950408889634
-
-
-def _interpreting() -> bool:
-    """Whether triton.jit builds kernels for Triton's CPU interpreter (Triton's own setting, read
-    through its knobs as triton.jit reads it; this project reads no environment itself)."""
-    return bool(triton.knobs.runtime.interpret)
 
 
 def unsupported_reason(q, k, v, block, stride) -> str | None:
@@ -106,14 +104,6 @@ def unsupported_reason(q, k, v, block, stride) -> str | None:
     if G >= 1 and q.shape[2] * (q.shape[1] // G) >= 2**31 - 2**20:
         return f"{q.shape[2]} queries x {q.shape[1] // G} heads per group (pair ids are int32)"
     return None
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _tiles(Dk: int, Dv: int, fp32: bool = False, override: dict | None = None) -> dict:
@@ -161,10 +151,6 @@ def _tiles(Dk: int, Dv: int, fp32: bool = False, override: dict | None = None) -
 def _launch_options(cfg: dict) -> dict:
     """The kernel's tile parameters and Triton's launch options (not SEGMENT: a host-side value)."""
     return {name: value for name, value in cfg.items() if name != "SEGMENT"}
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp16/bf16 operands ignore it
 
 
 def _upcast_dots(q: torch.Tensor) -> bool:

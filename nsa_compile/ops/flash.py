@@ -16,17 +16,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["flash_forward", "flash_backward", "unsupported_reason", "max_q_bound"]
+__all__ = ["flash_forward", "flash_backward", "unsupported_reason"]
 
 MAX_HEAD_DIM = 256
-
-
-def max_q_bound(max_q: int) -> int:
-    """The max_seqlen_q to pass FA-2: at least 2. With max_seqlen_q == 1 and GQA (and no window)
-    FA-2 swaps query heads into the sequence dim and returns its lse in that swapped layout,
-    which its own backward, given our [H, total] lse, misreads: dq came back as 5.7e31 at S = 1
-    (H200, torch 2.11). The value is only an upper bound on the segment lengths, so 2 is exact."""
-    return max(int(max_q), 2)
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -79,8 +71,7 @@ def flash_forward(q, k, v, scale: float, window: int | None = None) -> tuple[tor
     B, H, S, _ = q.shape
     cu = _cu_seqlens(B, S, q.device)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        _flat(q), _flat(k), _flat(v), cu, cu, max_q_bound(S), max_q_bound(S), 0.0, True, False, scale=scale,
-        **_window_args(window)
+        _flat(q), _flat(k), _flat(v), cu, cu, S, S, 0.0, True, False, scale=scale, **_window_args(window)
     )
     # lse comes as [H, B * S] in the varlen form
     return _unflat(out, B, S), lse.view(H, B, S).transpose(0, 1).contiguous()
@@ -94,7 +85,7 @@ def flash_backward(grad_o, q, k, v, o, lse, scale: float, window: int | None = N
     unused = torch.empty(0, device=q.device)
     lse_flat = lse.transpose(0, 1).reshape(H, B * S)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        _flat(grad_o.to(q.dtype)), _flat(q), _flat(k), _flat(v), _flat(o), lse_flat, cu, cu, max_q_bound(S), max_q_bound(S), 0.0, True,
+        _flat(grad_o.to(q.dtype)), _flat(q), _flat(k), _flat(v), _flat(o), lse_flat, cu, cu, S, S, 0.0, True,
         rng_state, unused, scale=scale, **_window_args(window)
     )
     return _unflat(dq, B, S), _unflat(dk, B, S), _unflat(dv, B, S)

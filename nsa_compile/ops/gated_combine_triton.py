@@ -65,6 +65,10 @@ try:
 except ImportError:  # the module still imports; unsupported_reason says why the kernels cannot run
     triton = tl = None
 
+from .triton_support import (
+    cdiv as _cdiv, dot_precision as _dot_precision, interpreting as _interpreting, next_pow2 as _next_pow2,
+)
+
 __all__ = ["MAX_DV", "MAX_FUSED_WEIGHT", "combine_backward", "combine_forward", "unsupported_reason"]
 
 MAX_DV = 256
@@ -74,19 +78,6 @@ PROGRAMS_PER_SM = 4  # persistent backward grid with a hidden layer
 INTERPRETED_PROGRAMS = 3  # the same on the CPU interpreter (small, so tests cover several tiles per program)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACT = {"silu": 1, "relu": 2, "gelu": 3, "none": 0}
-
-
-def _interpreting() -> bool:
-    """Whether triton.jit builds kernels for Triton's CPU interpreter (Triton's own setting)."""
-    return bool(triton.knobs.runtime.interpret)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _pad(x: int) -> int:
@@ -483,10 +474,6 @@ def _require(gate_in, w1, w2, o_cmp, activation) -> None:
     why = unsupported_reason(gate_in, w1, w2, o_cmp, activation)
     if why is not None:
         raise ValueError(f"gated_combine (triton): cannot run these inputs: {why}")
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp16/bf16 operands ignore it
 
 
 def _upcast_dots(gate_in: torch.Tensor) -> bool:

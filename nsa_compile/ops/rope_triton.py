@@ -61,6 +61,8 @@ try:
 except ImportError:  # the module still imports; unsupported_reason says why the kernels cannot run
     triton = tl = None
 
+from .triton_support import cdiv as _cdiv, interpreting as _interpreting, next_pow2 as _next_pow2
+
 __all__ = ["MAX_PIECES", "projection_rope_forward", "projection_rope_grad", "unsupported_reason"]
 
 MAX_PIECES = 8
@@ -68,11 +70,6 @@ MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A tile of raw columns when no piece is rotated: two windows of RAW_WINDOW columns.
 RAW_WINDOW = 64
-
-
-def _interpreting() -> bool:
-    """Whether triton.jit builds kernels for Triton's CPU interpreter (Triton's own setting)."""
-    return bool(triton.knobs.runtime.interpret)
 
 
 def unsupported_reason(x, weight, bias, cos, sin, widths, head_dims) -> str | None:
@@ -96,14 +93,6 @@ def unsupported_reason(x, weight, bias, cos, sin, widths, head_dims) -> str | No
     if dims and dims.pop() > MAX_HEAD_DIM:
         return f"head dim over {MAX_HEAD_DIM}"
     return None
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _layout(widths, head_dims, rot_half: int, heads_per_tile: int | None = None) -> dict:

@@ -88,19 +88,16 @@ try:
 except ImportError:  # the module still imports; unsupported_reason says why the kernels cannot run
     triton = tl = None
 
+from .triton_support import (
+    cdiv as _cdiv, dot_precision as _dot_precision, interpreting as _interpreting, next_pow2 as _next_pow2,
+)
+
 __all__ = ["DKV_SEGMENT", "selected_backward", "selected_forward", "unsupported_reason"]
 
 # Query entries per dk/dv work item (a module constant so tests can shrink it).
 DKV_SEGMENT = 1024
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _interpreting() -> bool:
-    """Whether triton.jit builds kernels for Triton's CPU interpreter: Triton's own setting
-    (TRITON_INTERPRET, read through its knobs exactly as triton.jit reads it); this project
-    reads no environment itself."""
-    return bool(triton.knobs.runtime.interpret)
 
 
 def unsupported_reason(q, k, v, block_idx, block_size) -> str | None:
@@ -125,14 +122,6 @@ def unsupported_reason(q, k, v, block_idx, block_size) -> str | None:
     if block_idx.numel() >= 2**31 or q.shape[2] >= 2**31:
         return f"{block_idx.numel()} block ids (the inverted selection indexes them in int32)"
     return None
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, override: dict | None = None) -> dict:
@@ -182,10 +171,6 @@ def _override_tiles(tiles: dict, override: dict | None) -> dict:
             raise ValueError(f"_tiles: unknown kernel {kernel!r} in override")
         tiles[kernel] = tiles[kernel] | params  # a new dict: fp32's fwd and dq share one
     return tiles
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp16/bf16 operands ignore it
 
 
 def _upcast_dots(q: torch.Tensor) -> bool:

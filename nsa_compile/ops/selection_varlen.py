@@ -142,7 +142,7 @@ class SegmentAttention(NamedTuple):
 
 def _fa2_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
     o, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, flash.max_q_bound(max_q), flash.max_q_bound(max_k), 0.0, causal, False, scale=scale
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
     )
     return o, lse
 
@@ -151,8 +151,7 @@ def _fa2_backward(grad_o, q, k, v, o, lse, cu_q, cu_k, max_q: int, max_k: int, s
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: never read
     unused = torch.empty(0, device=q.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        grad_o, q, k, v, o, lse, cu_q, cu_k, flash.max_q_bound(max_q), flash.max_q_bound(max_k), 0.0, causal, rng_state, unused,
-        scale=scale
+        grad_o, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale
     )
     return dq, dk, dv
 
