@@ -1,0 +1,157 @@
+"""Where the time of one training step goes: torch.profiler around the steps of the e2e benchmark.
+
+    python3 tools/profile_step.py --seq-len 2048 --batch 32 --variant optimize --variant dense
+
+Per variant: the step's wall time, how much of it the GPU was busy (union of kernel intervals),
+the device time under each NSA op (forward and backward, kernels launched inside included), and
+the GPU time by kernel family (cuBLAS GEMMs, flash attention, Inductor's Triton kernels, our
+Triton kernels, the rest), then the top kernels. The step is bench.time_training's: forward,
+backward and fused AdamW under bf16 autocast. --trace DIR writes a Chrome trace per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nsa_compile import OptimizeConfig, optimize  # noqa: E402
+from nsa_compile.workload import load_workload, loss_of  # noqa: E402
+
+VARIANTS = ("eager", "compile", "optimize", "dense")
+# Kernel families by name (the first that matches): what library or compiler wrote the kernel.
+FAMILIES = (
+    ("flash attention", ("flash", "fmha", "cudnn")),
+    ("cuBLAS GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "sm80_xmma", "cublas")),
+    ("Inductor Triton", ("triton_",)),
+    ("AdamW", ("adam",)),
+    ("copies/fills", ("copy", "fill", "elementwise_kernel", "vectorized_elementwise")),
+)
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for label, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return label
+    return "other (ours: *_kernel)" if low.endswith("kernel") else "other"
+
+
+def device_time(evt) -> float:
+    """Device time of an event and its children, in us (the attribute was renamed in 2.4)."""
+    return getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+
+
+def build(variant: str, args, device):
+    spec = f"{args.model}-dense" if variant == "dense" else args.model
+    wl = load_workload(spec, batch=args.batch, seq_len=args.seq_len).to(device)
+    if variant == "compile" or variant == "dense":
+        wl.model.compile()
+    elif variant == "optimize":
+        optimize(wl.model, OptimizeConfig())
+    return wl
+
+
+def profile_variant(variant: str, args, device) -> None:
+    wl = build(variant, args, device)
+    opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = loss_of(wl.model, wl.inputs, wl.is_lm)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(args.steps):
+            with torch.profiler.record_function("train_step"):
+                step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    steps = [e for e in events if e.name == "train_step"]
+    wall_us = sum(e.time_range.end - e.time_range.start for e in steps) / len(steps)
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = union_us([(k.time_range.start, k.time_range.end) for k in kernels]) / args.steps
+    tokens = wl.tokens_per_step
+    print(f"\n## {variant}: {args.model}, S {args.seq_len}, batch {args.batch} ({tokens:,} tokens/step)")
+    print(f"step wall {wall_us / 1e3:.1f} ms ({tokens / wall_us * 1e6:,.0f} tok/s), GPU busy "
+          f"{busy / 1e3:.1f} ms ({100 * busy / wall_us:.0f}%), {len(kernels) / args.steps:,.0f} kernels/step")
+
+    per_op = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.name.startswith("nsa::") and e.device_type != torch.autograd.DeviceType.CUDA:
+            per_op[e.name][0] += 1
+            per_op[e.name][1] += device_time(e)
+    # nested nsa:: events (an op calling another) would count twice: keep only outermost names
+    if per_op:
+        print("\nNSA ops (device time incl. the kernels they launch), per step:")
+        for name, (count, us) in sorted(per_op.items(), key=lambda kv: -kv[1][1]):
+            print(f"  {name:42s} {count // args.steps:4d} calls {us / args.steps / 1e3:8.2f} ms")
+        total = sum(us for _, us in per_op.values()) / args.steps
+        print(f"  {'all NSA ops':42s}            {total / 1e3:8.2f} ms")
+
+    fams = collections.defaultdict(float)
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for k in kernels:
+        dur = k.time_range.end - k.time_range.start
+        fams[family(k.name)] += dur
+        by_name[k.name][0] += 1
+        by_name[k.name][1] += dur
+    print("\nGPU time by kernel family, per step:")
+    for label, us in sorted(fams.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:28s} {us / args.steps / 1e3:8.2f} ms")
+    print(f"\nTop {args.top} kernels, per step:")
+    for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[: args.top]:
+        print(f"  {us / args.steps / 1e3:8.2f} ms {count // args.steps:5d}x  {name[:110]}")
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(args.trace) / f"{variant}_S{args.seq_len}.json"))
+    del wl, opt
+    torch.cuda.empty_cache()
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="seed")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--variant", action="append", choices=VARIANTS, help="repeatable (default: optimize, dense)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first compiles)")
+    ap.add_argument("--steps", type=int, default=2, help="profiled steps")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--trace", default=None, help="write Chrome traces into this folder")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_step needs a CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for variant in args.variant or ["optimize", "dense"]:
+        profile_variant(variant, args, device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
