@@ -18,10 +18,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from nsa_compile import OptimizeConfig, optimize  # noqa: E402
-from nsa_compile.workload import load_workload, loss_of  # noqa: E402
+from nsa_compile import OptimizeConfig, optimize
+from nsa_compile.workload import load_workload, loss_of
 
 VARIANTS = ("eager", "compile", "optimize", "dense")
 # Kernel families by name (the first that matches): what library or compiler wrote the kernel.
