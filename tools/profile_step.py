@@ -74,11 +74,13 @@ def profile_variant(variant: str, args, device) -> None:
         for _ in range(args.steps):
             with torch.profiler.record_function("train_step"):
                 step()
-        torch.cuda.synchronize()
+                torch.cuda.synchronize()  # the range then spans the step's GPU work too
     events = prof.events()
-    steps = [e for e in events if e.name == "train_step"]
+    cpu = torch.autograd.DeviceType.CPU
+    steps = [e for e in events if e.name == "train_step" and e.device_type == cpu]  # not its GPU twin
     wall_us = sum(e.time_range.end - e.time_range.start for e in steps) / len(steps)
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    # the GPU side of the record_function range is listed as a CUDA event too: not a kernel
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "train_step"]
     busy = union_us([(k.time_range.start, k.time_range.end) for k in kernels]) / args.steps
     tokens = wl.tokens_per_step
     print(f"\n## {variant}: {args.model}, S {args.seq_len}, batch {args.batch} ({tokens:,} tokens/step)")
