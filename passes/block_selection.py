@@ -1,13 +1,15 @@
 """block_selection: NSA's block importance and top-n choice from the compressed probabilities
 -> one block-selection op that recomputes them from the compressed op's log-sum-exp.
 
-Matches (torch IR), anchored at the descending sort (models/nsa.py `NSAAttention.select_blocks`):
+Matches (torch IR), anchored at the descending sort or topk (models/nsa.py `NSAAttention.select_blocks`):
     p_slc = p @ overlap                               # p [B, H, S, Tc]: compressed_attention's probabilities
     p_grp = p_slc.view(B, G, h, S, Ns).sum(2)          # or unflatten/reshape; none when h = 1 and H = G
     key = torch.where(forced, inf, torch.where(candidate, p_grp, -inf))   # or masked_fill(.., +-inf), either order
     key = F.pad(key, (0, max(0, n - Ns)), value=-inf)  # optional
     values, order = torch.sort(key, dim=-1, descending=True, stable=True)
-    chosen = torch.where(values[..., :n] > -inf, order[..., :n], past_end)   # or != -inf; past_end >= Ns
+    values, order = values[..., :n], order[..., :n]
+    # or, for the two lines above: values, order = torch.topk(key, n, dim=-1)   (sorted or not; [..., :n] optional)
+    chosen = torch.where(values > -inf, order, past_end)                     # or != -inf; past_end >= Ns
     chosen = torch.sort(chosen, dim=-1).values
     block_idx = torch.where(chosen == past_end, -1, chosen)                  # or masked_fill(.., -1)
 where overlap [Tc, Ns], forced and candidate [S, Ns] are computed from positions only.
@@ -19,23 +21,26 @@ position-only subgraphs are evaluated at compile time (a proof for the shape com
 must be overlap(i, j) / l (the tokens shared by [i*d, i*d + l) and [j*l', j*l' + l'), float
 rounding aside), and the key must put +inf exactly on blocks 0, t // l', t // l' - 1 and -inf
 exactly on the blocks with j*l' > t (NSA_SEMANTICS.md section 3), with l' read from when block 1
-enters (any l' >= S when Ns = 1). n comes from the slice (capped by the key's width).
+enters (any l' >= S when Ns = 1). n comes from the slice (capped by the key's width), or is topk's k.
 
 Becomes `torch.ops.nsa.select_blocks(q, k_cmp, lse, l, d, l', n, c, backend)` (nsa_compile/ops/
 block_select.py), [B, G, S, n] int64. The importance chain, the sorts and then, once nothing
 else reads them, the [B, H, S, Tc] probabilities and scores of the compressed branch are erased.
 The op's importance differs from eager's by float32 rounding only (exp(s - lse) for a softmax):
 blocks within ~1e-6 relative of each other may be ranked the other way; exact ties go to the
-lower block, as the stable sort does.
+lower block, as the stable sort does. That is also a valid torch.topk result: where keys tie at the
+n-th place, topk may return any of the tied blocks (its choice is unspecified), and the sets can
+differ only there; `explain` notes this on every topk match.
 
 Refuses (graph unchanged), with the reason shown by `explain`:
 - compressed_attention did not rewrite the branch (disabled, or refused: its reason is repeated);
 - p used by anything else (a third consumer keeps the [B, H, S, Tc] tensor: nothing to gain);
 - a map that is not the overlap / l (weights all 1, another stride), forced or candidate blocks
   that differ from NSA's (e.g. block 0 not forced), padding that is not -inf;
-- a sort that is not stable, and torch.topk: both leave the order of tied keys at the n-th place
-  unspecified, and eager's choice among exact ties (equal scores, e.g. zero keys) cannot be
-  proven to be the lower block's;
+- a sort that is not stable (it leaves the order of tied keys at the n-th place unspecified);
+- torch.topk with largest=False (the lowest-ranked blocks), over another dim, with a k that is not
+  the n kept (topk(key, k)[..., :n] with n < k), or with its values used beyond the > -inf filter
+  (the op returns block ids only);
 - intermediate tensors used elsewhere, symbolic sizes, a verification larger than the cap.
 """
 
@@ -56,7 +61,9 @@ from nsa_compile.rewrite import PassLog, RewritePass
 from . import compressed_attention as cmp
 
 KERNEL = ("nsa.select_blocks[{backend}] (l'={block}, n={n}, from the compressed lse, no [B, H, S, Tc] "
-          "probabilities{why})")
+          "probabilities{note}{why})")
+# On every topk match: the op's choice is one of the results topk may give, not necessarily eager's.
+TOPK_NOTE = "; torch.topk: ties at the n-th place go to the lower block (eager's topk leaves them unspecified)"
 INF = float("inf")
 
 
@@ -168,14 +175,16 @@ class BlockSelection(RewritePass):
             why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
             # with one selection block every l' >= S selects the same: say so rather than print S
             block = plan["block"] if plan["Ns"] > 1 else f">={plan['block']}"
-            log.matched(node, KERNEL.format(block=block, n=plan["n"], backend=plan["backend"], why=why))
+            note = TOPK_NOTE if op_name(node) == "topk" else ""
+            log.matched(node, KERNEL.format(block=block, n=plan["n"], backend=plan["backend"], note=note, why=why))
 
-    def check(self, sort: fx.Node, subgraphs, data: set, requested: str = "auto", cmp_requested: str = "auto") -> dict:
-        if not all(isinstance(size, int) for size in value(first_arg(sort)).shape):
+    def check(self, ranking: fx.Node, subgraphs, data: set, requested: str = "auto",
+              cmp_requested: str = "auto") -> dict:
+        if not all(isinstance(size, int) for size in value(first_arg(ranking)).shape):
             raise Refused("the ranking key has symbolic sizes (dynamic shapes): not verified yet")
-        B, G, S, width = value(first_arg(sort)).shape
-        # backward from the sort: [pad] <- key <- group sum <- p @ overlap <- p
-        padded = first_arg(sort)
+        B, G, S, width = value(first_arg(ranking)).shape
+        # backward from the sort or topk: [pad] <- key <- group sum <- p @ overlap <- p
+        padded = first_arg(ranking)
         single(padded, "ranking key")
         key, pad = padded, 0
         if op_name(padded) == "pad":
@@ -247,8 +256,8 @@ class BlockSelection(RewritePass):
             names = ", ".join(op_name(u) or u.op for u in others)
             raise Refused(f"the compressed probabilities are also used by {names}: the [B, H, S, Tc] tensor stays, "
                           "and the selection reads it as it is")
-        # forward from the sort: values/indices -> first n -> > -inf filter -> ascending sort -> -1 padding
-        n, tail = self.read_choice(sort, Ns, width)
+        # forward from the sort or topk: values/indices -> first n -> > -inf filter -> ascending sort -> -1 padding
+        n, tail = self.read_choice(ranking, Ns, width)
         final = tail[0]
         # the position-only subgraphs
         cls = key_classes(self.grid(subgraphs, forced_fill, S, Ns, "forced-block mask"),
@@ -263,7 +272,7 @@ class BlockSelection(RewritePass):
                 or not torch.allclose(got.double(), expected, rtol=1e-6, atol=0)):
             raise Refused(f"the block map is not overlap(i, j) / l (the tokens compression block i shares with "
                           f"selection block j, over l = {l}; d = {d}, l' = {block})")
-        order = {node: i for i, node in enumerate(sort.graph.nodes)}
+        order = {node: i for i, node in enumerate(ranking.graph.nodes)}
         if order[op] > order[final] and any(order[x] > order[final] for x in op.all_input_nodes):
             raise Refused("the compressed branch's V is computed after the block selection")
         lse_fake = op.meta["example_value"][1]
@@ -273,7 +282,7 @@ class BlockSelection(RewritePass):
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(block_select_backend={requested!r}): {why}") from None
         return {"probs": probs, "op": op, "final": final, "block": block, "Ns": Ns, "n": n, "l": l, "d": d,
-                "backend": backend, "chain": tail + [sort] + ([padded] if padded is not key else []) + chain,
+                "backend": backend, "chain": tail + [ranking] + ([padded] if padded is not key else []) + chain,
                 "roots": [overlap, forced_fill[1], cand_fill[1], p],
                 "why_not_triton": why_not_triton(*fakes) if requested == "auto"
                 else f"block_select_backend={requested!r} in OptimizeConfig"}
@@ -294,12 +303,9 @@ class BlockSelection(RewritePass):
         return first_arg(padded), amounts[1]
 
     @staticmethod
-    def read_choice(sort: fx.Node, Ns: int, width: int) -> tuple[int, list[fx.Node]]:
-        """The chain after the descending sort -> (n, [block_idx, ..., values, order]) consumers first."""
-        if op_name(sort) == "topk":
-            raise Refused("torch.topk leaves the order of tied keys unspecified, so eager's choice among exactly "
-                          "equal scores at the n-th place is not provably the lower block's (the op's, as a stable "
-                          "sort): write torch.sort(key, dim=-1, descending=True, stable=True) and take [..., :n]")
+    def read_sort(sort: fx.Node) -> tuple[int, list[fx.Node]]:
+        """torch.sort(key, dim=-1, descending=True, stable=True), both cut to [..., :n]
+        -> (n, [first n keys, first n blocks, values, order])."""
         dim, descending = arg(sort, 1, "dim", -1), arg(sort, 2, "descending", False)
         if not isinstance(dim, int) or dim % 4 != 3 or descending is not True:
             raise Refused("the ranking key is not sorted in descending order over its last dim")
@@ -314,6 +320,48 @@ class BlockSelection(RewritePass):
         n = first_n(values_n)
         if n is None or first_n(order_n) != n or n < 1:
             raise Refused("the sorted values and order are not cut to the same first n columns")
+        return n, [values_n, order_n, values, order]
+
+    @staticmethod
+    def read_topk(topk: fx.Node) -> tuple[int, list[fx.Node]]:
+        """torch.topk(key, n, dim=-1), each result optionally cut to [..., :m] with m >= n
+        -> (n, [top keys, top blocks, values, indices]). `sorted` does not matter: the chosen
+        blocks are sorted ascending afterwards (checked by the caller)."""
+        k, dim, largest = arg(topk, 1, "k"), arg(topk, 2, "dim", -1), arg(topk, 3, "largest", True)
+        if largest is not True:
+            raise Refused("torch.topk(largest=False) takes the lowest-ranked blocks, not the n best")
+        if not isinstance(dim, int) or dim % 4 != 3:
+            raise Refused(f"torch.topk runs over dim {dim}, not over the blocks (the ranking key's last dim)")
+        if not isinstance(k, int) or k < 1:
+            raise Refused(f"torch.topk's k is {k}, not a positive constant")
+        items = item_users(topk, "torch.topk")
+        if set(items) != {0, 1}:
+            raise Refused("torch.topk's values and indices are not both used")
+        values, order = items[0], items[1]
+        values_n = BlockSelection.whole_topk(values, k, "values", "the op returns the block ids, not the keys")
+        order_n = BlockSelection.whole_topk(order, k, "indices", "it must stay as it is")
+        return k, [values_n, order_n, values, order]
+
+    @staticmethod
+    def whole_topk(item: fx.Node, k: int, what: str, why: str) -> fx.Node:
+        """A topk result, or its one [..., :m] cut when that keeps all k columns; else Refused."""
+        user = only_user(item, f"torch.topk {what} tensor", why)
+        if op_name(user) != "getitem":
+            return item
+        m = first_n(user)
+        if m is None:
+            raise Refused(f"torch.topk's {what} are indexed other than by [..., :n]")
+        if m < k:
+            raise Refused(f"torch.topk takes k = {k} blocks but its {what} are cut to the first {m}: k is not "
+                          "the n blocks kept")
+        return user
+
+    @staticmethod
+    def read_choice(ranking: fx.Node, Ns: int, width: int) -> tuple[int, list[fx.Node]]:
+        """The chain after the descending sort or topk -> (n, [block_idx, ..., values, order]) consumers first."""
+        read = BlockSelection.read_topk if op_name(ranking) == "topk" else BlockSelection.read_sort
+        n, head = read(ranking)
+        values_n, order_n = head[0], head[1]
         valid = single(values_n, "first n keys")
         if (cmp.name_of(valid) not in ("gt", "ne") or len(valid.args) != 2 or valid.args[0] is not values_n
                 or not cmp.is_const(valid.args[1], -INF)):
@@ -351,7 +399,7 @@ class BlockSelection(RewritePass):
         out = value(final)
         if out is None or out.dtype != torch.int64 or out.shape[-1] != min(n, width):
             raise Refused("the block ids are not int64 [B, G, S, n]")
-        return out.shape[-1], [final, eq, ids, *dead, ascending, chosen, valid, values_n, order_n, values, order]
+        return out.shape[-1], [final, eq, ids, *dead, ascending, chosen, valid, *head]
 
     @staticmethod
     def grid(subgraphs, fill: tuple, S: int, Ns: int, what: str) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Graph tests of compressed_attention and block_selection: both fire on every layer of the tiny
 model (exact counts) with the [B, H, S, Tc] softmax, sort and K/V copies gone and the two ops
-present, parity of outputs and gradients, block ids equal to eager's, the accepted forms, and near
-misses refused with the graph unchanged and a reason."""
+present, parity of outputs and gradients, block ids equal to eager's, the accepted forms (torch.topk
+among them, with its note on ties in explain), and near misses refused with the graph unchanged and
+a reason."""
 
 from __future__ import annotations
 
@@ -114,6 +115,10 @@ def test_explain_names_both_rewrites():
 # --- the branch on its own: block ids, accepted forms, near misses -------------------------------
 
 L, D, LS, N = 4, 2, 8, 3  # l, d, l', n of the module tests
+TOPK_FORMS = ("topk", "topk-cut-unsorted", "topk-named-results", "topk-smallest", "topk-k-above-n",
+              "topk-over-queries", "topk-values-kept")
+# what explain adds to a topk match's kernel text
+TOPK_NOTE = "; torch.topk: ties at the n-th place go to the lower block (eager's topk leaves them unspecified)"
 
 
 class Branch(nn.Module):
@@ -178,6 +183,45 @@ class Branch(nn.Module):
         return o, self.select(p, S, l, d)
 
     def select(self, p, S, l, d):
+        change, n = self.change, self.n
+        key = self.ranking_key(p, S, l, d)  # [B, G, S, max(Ns, n)]
+        if change in TOPK_FORMS:
+            values, order = self.topk(key, n)
+        else:
+            values, order = torch.sort(key, dim=-1, descending=True, stable=change != "unstable-sort")
+            values, order = values[..., :n], order[..., :n]
+        past_end = key.shape[-1]
+        chosen = torch.where(values > float("-inf"), order, past_end)
+        chosen = torch.sort(chosen, dim=-1).values
+        block_idx = torch.where(chosen == past_end, -1, chosen)
+        if change == "p-third-consumer":
+            return block_idx, p.sum()
+        if change == "topk-values-kept":  # e.g. to log the scores of the chosen blocks
+            return block_idx, values
+        return block_idx
+
+    def topk(self, key, n):
+        """The eager topk forms: (values, indices) of the n best blocks, [B, G, S, n] (any order)."""
+        change = self.change
+        if change in ("topk", "topk-values-kept"):  # the plain form (TopkAttention's)
+            return torch.topk(key, n, dim=-1)
+        if change == "topk-cut-unsorted":  # the sort form's [..., :n] kept, a method call, unsorted
+            values, order = key.topk(n, sorted=False)
+            return values[..., :n], order[..., :n]
+        if change == "topk-named-results":
+            top = torch.topk(key, k=n, dim=3, largest=True, sorted=True)
+            return top.values, top.indices
+        if change == "topk-smallest":
+            return torch.topk(key, n, dim=-1, largest=False)
+        if change == "topk-k-above-n":  # the n + 1 best, cut to n: right here, but k is not n
+            values, order = torch.topk(key, n + 1, dim=-1)
+            return values[..., :n], order[..., :n]
+        if change == "topk-over-queries":
+            return torch.topk(key, n, dim=2)
+        raise ValueError(f"no topk form {change!r}")
+
+    def ranking_key(self, p, S, l, d):
+        """+inf (forced), -inf (not a candidate) or the group importance, -inf padded to n columns."""
         change, ls, n = self.change, self.ls, self.n
         B, H, _, Tc = p.shape
         G = H // self.h
@@ -199,18 +243,7 @@ class Branch(nn.Module):
             key = p_grp.masked_fill(~candidate, float("-inf")).masked_fill(forced, float("inf"))
         else:
             key = torch.where(forced, float("inf"), torch.where(candidate, p_grp, float("-inf")))
-        key = F.pad(key, (0, max(0, n - Ns)), value=float("-inf"))
-        if change == "topk":
-            values, order = torch.topk(key, n, dim=-1)
-        else:
-            values, order = torch.sort(key, dim=-1, descending=True, stable=change != "unstable-sort")
-        past_end = key.shape[-1]
-        chosen = torch.where(values[..., :n] > float("-inf"), order[..., :n], past_end)
-        chosen = torch.sort(chosen, dim=-1).values
-        block_idx = torch.where(chosen == past_end, -1, chosen)
-        if change == "p-third-consumer":
-            return block_idx, p.sum()
-        return block_idx
+        return F.pad(key, (0, max(0, n - Ns)), value=float("-inf"))
 
 
 def branch_inputs(B=2, S=29, G=2, h=2, Dk=8, Dv=6, dtype=torch.float32, zero_keys=False):
@@ -237,16 +270,22 @@ def run_both(module, args, config=nsa_compile.OptimizeConfig(compiler="aot_eager
     [(None, 2, torch.float32, False), (None, 1, torch.float32, False), (None, 3, torch.bfloat16, False),
      (None, 2, torch.float32, True), ("where", 2, torch.float32, False), ("expand-gqa", 2, torch.float32, False),
      ("masked-fill-key", 2, torch.float32, False), ("as-strided", 2, torch.float32, False),
-     ("view-blocks", 2, torch.float32, False)],
+     ("view-blocks", 2, torch.float32, False), ("topk", 2, torch.float32, False), ("topk", 1, torch.float32, False),
+     ("topk-cut-unsorted", 3, torch.bfloat16, False), ("topk-named-results", 2, torch.float32, False)],
     ids=["model", "h1", "bf16-h3", "zero-keys-exact-ties", "where-mask", "expand-reshape-gqa", "masked-fill-key",
-         "as-strided-pooling", "view-pooling-l-eq-d"],
+         "as-strided-pooling", "view-pooling-l-eq-d", "topk", "topk-h1", "bf16-h3-topk-method-cut-unsorted",
+         "topk-named-results"],
 )
 def test_accepted_forms_give_eager_block_ids_and_gradients(change, h, dtype, zero_keys):
     args = branch_inputs(h=h, dtype=dtype, zero_keys=zero_keys)
     (expected, eager_args), (got, opt_args), optimized = run_both(Branch(change, h), args)
     for name in (CMP, SEL):
         assert row(optimized, name)["matches"] == 1, row(optimized, name)
-    assert "torch.sort(" not in only_graph(optimized).code_after
+    # the topk forms, and only they, carry the note on ties
+    assert (TOPK_NOTE in row(optimized, SEL)["kernels"][0]) == (change in TOPK_FORMS)
+    record = only_graph(optimized)
+    assert ("topk(" in record.code_before) == (change in TOPK_FORMS)
+    assert "torch.sort(" not in record.code_after and "topk(" not in record.code_after
     assert torch.equal(got[1], expected[1])  # block ids: exactly eager's (ties to the lower block)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got[0], expected[0], **tol)
@@ -343,8 +382,13 @@ def test_compressed_near_misses_are_refused_with_the_graph_unchanged(change, dty
         ("forced-without-block-0", "the key's forced (+inf) and excluded (-inf) blocks are not NSA's for l' = 8: "
                                    "block 0 is not forced"),
         ("unstable-sort", "the sort is not stable (stable=True)"),
-        ("topk", "torch.topk leaves the order of tied keys unspecified"),
         ("p-third-consumer", "the compressed probabilities are also used by sum: the [B, H, S, Tc] tensor stays"),
+        ("topk-smallest", "torch.topk(largest=False) takes the lowest-ranked blocks, not the n best"),
+        ("topk-k-above-n", "torch.topk takes k = 4 blocks but its values are cut to the first 3: k is not the n "
+                           "blocks kept"),
+        ("topk-over-queries", "torch.topk runs over dim 2, not over the blocks (the ranking key's last dim)"),
+        ("topk-values-kept", "the torch.topk values tensor is used by 2 nodes (gt, output); the op returns the "
+                             "block ids, not the keys"),
     ],
 )
 def test_selection_near_misses_are_refused_and_the_compressed_pass_still_fires(change, reason):
@@ -356,8 +400,10 @@ def test_selection_near_misses_are_refused_and_the_compressed_pass_still_fires(c
     assert r["matches"] == 0 and any(reason in text for text in r["reasons"]), r["reasons"]
     assert row(optimized, CMP)["matches"] == 1  # o_cmp from the op; p stays for the eager selection
     record = only_graph(optimized)
-    sorts = "torch.topk(" if change == "topk" else "torch.sort("
-    assert record.code_after.count(sorts) == record.code_before.count(sorts)
+    for sorts in ("torch.sort(", "torch.topk("):
+        assert record.code_after.count(sorts) == record.code_before.count(sorts)
+    if change.startswith("topk"):
+        assert record.code_after.count("torch.topk(") == 1
     assert "select_blocks" not in record.code_after and "torch.softmax(" in record.code_after
 
 
@@ -426,6 +472,91 @@ def test_inductor_smoke_compressed_and_selection():
     assert row(optimized, CMP)["matches"] == row(optimized, SEL)["matches"] == 1
 
 
+# --- the torch.topk form (issue 3): accepted, with a note on ties at the n-th place -----------------
+
+TOPK_TINY_KERNEL = (f"nsa.select_blocks[reference] (l'={TINY.sel_block}, n={TINY.n_selected}, from the compressed "
+                    f"lse, no [B, H, S, Tc] probabilities{TOPK_NOTE}{NOT_TRITON_SEL})")
+
+
+class TopkAttention(NSAAttention):
+    """NSAAttention whose select_blocks ranks with torch.topk(key, n, dim=-1) instead of the stable
+    sort (Branch's "topk" form, the model's code otherwise)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.ranking = Branch("topk", cfg.group_size, (cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_selected))
+
+    def select_blocks(self, p_cmp, S):
+        return self.ranking.select(p_cmp, S, self.cfg.cmp_block, self.cfg.cmp_stride)
+
+
+def topk_model(**changes):
+    """The tiny model with TopkAttention in every layer."""
+    model = build_model("tiny", **changes)
+    for block in model.blocks:
+        block.attn = TopkAttention(model.cfg)
+    return model
+
+
+def topk_tiny_model():
+    """A model factory for `explain --model path/to/this_file.py:topk_tiny_model`: (model, tokens [1, 40])."""
+    torch.manual_seed(0)
+    return topk_model(), tokens(1, 40)[:, :-1]
+
+
+def test_topk_model_fires_on_every_layer_with_parity_and_the_note():
+    """S = 100 > n * l' = 48: the ranking decides which blocks are chosen (bf16: the branch tests)."""
+    torch.manual_seed(1)
+    model = optimized_with_parity(topk_model(), 100, torch.float32)
+    r = row(model, SEL)
+    assert (r["matches"], r["where"], r["refused"], r["kernels"]) == (2, LAYERS, 0, [TOPK_TINY_KERNEL])
+    record = only_graph(model)
+    assert record.code_before.count("torch.topk(") == 2 and "torch.topk(" not in record.code_after
+    assert record.code_before.count("torch.sort(") == 2 and "torch.sort(" not in record.code_after
+    assert record.code_after.count("torch.ops.nsa.select_blocks(") == 2
+    fwd = record.aten["forward"]
+    assert aten_nodes(fwd, torch.ops.aten.topk.default) == aten_nodes(fwd, torch.ops.aten.sort.default) == []
+    assert len(aten_nodes(fwd, torch.ops.nsa.select_blocks.default)) == 2
+
+
+def test_topk_with_ties_at_the_nth_place_takes_the_lower_block_a_result_topk_may_give():
+    """Zero keys make every fully visible block's importance equal, so candidates tie at the n-th
+    place (n = 4, S = 45: from block 4 on, blocks 1-3 compete for the slot the three forced blocks
+    leave). The op takes the lower block, as the stable sort does, and its blocks' keys are exactly
+    torch.topk's values row by row: a result torch.topk itself may return."""
+    n, S = 4, 45
+    args = branch_inputs(S=S, zero_keys=True)
+    (_, _), (got, _), optimized = run_both(Branch("topk", sizes=(L, D, LS, n)), args)
+    assert row(optimized, SEL)["matches"] == 1
+    block_idx = got[1].detach()
+
+    class RankingKey(Branch):
+        def select(self, p, S, l, d):
+            return self.ranking_key(p, S, l, d)
+
+    with torch.no_grad():
+        key = RankingKey("topk", sizes=(L, D, LS, n))(*args)[1]  # eager's [B, G, S, max(Ns, n)]
+        stable = Branch(sizes=(L, D, LS, n))(*args)[1]  # the sort form: ties to the lower block
+    top = torch.topk(key, n + 1, dim=-1).values
+    tied = (top[..., n - 1] == top[..., n]) & top[..., n].isfinite()
+    # torch.topk's choice is unspecified from block 4 on (t >= 4 * l'), where blocks 1-3 compete
+    assert bool(tied[:, :, 4 * LS:].all()) and not bool(tied[:, :, :4 * LS].any())
+    assert torch.equal(block_idx, stable)
+    keys_of_chosen = key.gather(-1, block_idx.clamp(min=0)).masked_fill(block_idx < 0, float("-inf"))
+    assert torch.equal(keys_of_chosen.sort(-1, descending=True).values, torch.topk(key, n, dim=-1).values)
+
+
+def test_explain_shows_the_topk_note():
+    from nsa_compile.cli import cli
+
+    result = CliRunner().invoke(cli, ["explain", "--model", f"{__file__}:topk_tiny_model", "--device", "cpu"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    (line,) = [x for x in result.output.splitlines() if x.startswith(f"| {SEL} ")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1:5] == ["2", ", ".join(LAYERS), TOPK_TINY_KERNEL, "0"], cells
+
+
 # --- GPU (tools/gpu_check.sh runs these on the H100) ----------------------------------------------
 
 
@@ -444,16 +575,20 @@ def test_gpu_seed_layers_fire_with_the_cuda_backends_and_parity(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_seed_shape_block_ids_match_eager_but_for_near_ties():
+@pytest.mark.parametrize("change", [None, "topk"], ids=["sort", "topk"])
+def test_gpu_seed_shape_block_ids_match_eager_but_for_near_ties(change):
     """The branch at the seed shape in bf16: the op's importance is exp(s - lse), eager's a softmax,
-    so only near-tied blocks may be ranked the other way (nsa_compile/ops/block_select.py)."""
+    so only near-tied blocks may be ranked the other way (nsa_compile/ops/block_select.py); the
+    topk form likewise (CUDA's topk also breaks exact ties its own way)."""
     args = [x.cuda() for x in branch_inputs(B=2, S=4096, G=2, h=6, Dk=64, Dv=64, dtype=torch.bfloat16)]
-    module = Branch(h=6, sizes=(32, 16, 64, 16))
+    module = Branch(change, h=6, sizes=(32, 16, 64, 16))
     with torch.no_grad():
         expected = module(*args)
         optimized = optimize_fresh(copy.deepcopy(module))
         got = optimized(*args)
     assert row(optimized, CMP)["matches"] == row(optimized, SEL)["matches"] == 1
+    kernel = row(optimized, SEL)["kernels"][0]
+    assert kernel.startswith("nsa.select_blocks[triton]") and (TOPK_NOTE in kernel) == (change == "topk"), kernel
     differ = (got[1] != expected[1]).any(-1).float().mean().item()
     print(f"rows whose blocks differ from eager's: {differ:.2e}")
     assert differ < 1e-3
