@@ -25,6 +25,7 @@ from nsa_compile.models.nsa import apply_rope, rope_tables
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import bench_e2e
 import bench_layer
+import train_agreement
 
 FAST = ["--compiler", "aot_eager", "--device", "cpu"]
 
@@ -359,3 +360,16 @@ def test_layer_on_cuda_times_nsa_against_cudnn_and_fa2(tmp_path, capsys):
                for r in records.values()), records
     for name in ("cudnn", "fa2"):
         assert records[name]["note"].startswith(("GQA-native", "K/V repeated to 12 heads")), records[name]
+
+
+def test_train_agreement_compares_optimize_and_a_control_with_eager(tmp_path, capsys):
+    out = tmp_path / "agree.json"
+    assert train_agreement.main(["--model", "tiny", "--steps", "4", "--seq-len", "40", "--batch", "2", "--window", "2",
+                                 "--compiler", "aot_eager", "--device", "cpu", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "eager vs optimize" in text and "eager vs control" in text
+    runs = json.loads(out.read_text())
+    assert [len(runs[k]["losses"]) for k in ("eager", "optimize", "control")] == [4, 4, 4]
+    # fp32 on the CPU: the rewrites reproduce eager's first loss; the control's noise moves it
+    assert runs["optimize"]["losses"][0] == pytest.approx(runs["eager"]["losses"][0], rel=1e-5)
+    assert runs["control"]["losses"][0] != runs["eager"]["losses"][0]
