@@ -99,10 +99,11 @@ def _tiles(h: int, Dk: int, cmp_stride: int, sel_block: int, n_selected: int, fp
     else:
         hc = min(_next_pow2(h), 16)
         block_m = max(16, min(64, 128 // hc))  # rows of the score dot: 128, or 256 at h = 16
-        # sm_90 (ptxas, Triton 3.6, bf16, no GPU timing yet): 256 rows (h = 16) with TC 64 take
-        # 255 registers (one block per SM either way); 128 rows with TC 32 take 120-160, and at
-        # Dk 64 (the seed's h = 6) two blocks of 8 warps fit an SM
-        tc_cap, warps = (64 if hc * block_m >= 256 else 32), 8
+        # sm_90 (ptxas, Triton 3.6, bf16): 256 rows (h = 16) with TC 64 take 255 registers (one
+        # block per SM either way); 128 rows with TC 32 take 120-160. Timed on an H200 at 64k
+        # (BENCHMARKS.md): the seed shape 6.27 ms with 4 warps against 6.78 with 8, and TC 64
+        # slower (8.66); the paper shape the same with 4 or 8 warps (22.6 / 22.8)
+        tc_cap, warps = (64, 8) if hc * block_m >= 256 else (32, 4)
     tc = max(min(tc_cap, ks * m), m, 16)  # NS = tc / m <= ks, at least one selection block
     tiles = {"HC": hc, "BLOCK_M": block_m, "TC": tc, "KS": ks, "DK_P": max(16, _next_pow2(Dk)), "num_warps": warps}
     for name, value in (override or {}).items():
