@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from .backend import make_backend
 from .config import OptimizeConfig
+from .ddp import whole_graph_calls
 from .pass_manager import OptimizeState
 
 __all__ = ["optimize", "report", "state_of"]
@@ -20,6 +21,11 @@ def optimize(model: nn.Module, config: OptimizeConfig | None = None) -> nn.Modul
     parameters are the original's, `state_dict()` keys are unchanged (no `_orig_mod.` prefix)
     and an optimizer built before or after trains it. Calling optimize again recompiles with
     the new config. Rewrites happen at the first forward; `report(model)` lists them.
+
+    Under DistributedDataParallel (`DDP(optimize(model))` or `optimize(DDP(model))`) the passes
+    see whole graphs, which are then split at DDP's gradient buckets as Dynamo would split them
+    (see ddp.py), so DDP makes the same rewrites as one process and still overlaps its all-reduce
+    with the backward.
     """
     if isinstance(model, type) and issubclass(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module instance, not the class {model.__name__}")
@@ -30,6 +36,9 @@ def optimize(model: nn.Module, config: OptimizeConfig | None = None) -> nn.Modul
         raise TypeError(f"config must be an OptimizeConfig, not {type(config).__name__}")
     state = OptimizeState.for_config(config)
     model.compile(backend=make_backend(state), dynamic=config.dynamic, fullgraph=config.fullgraph)
+    # nn.Module.compile keeps the compiled call here; Dynamo's DDP split is decided per call, before
+    # the backend runs, so the wrapper around this call is where it can be moved behind the passes
+    model._compiled_call_impl = whole_graph_calls(model._compiled_call_impl, model)
     object.__setattr__(model, _STATE_ATTR, state)
     return model
 

@@ -12,6 +12,10 @@ backward pattern has to be matched (see docs/DESIGN.md).
   copy of the graph only to keep `report()` true.
 - compiler='aot_eager' / 'eager': the same composite pass runs here, then the rewritten graph
   goes through AOTAutograd with eager execution, or runs as it is.
+- Under DDP (see ddp.py) Dynamo hands over the whole graph; the passes run here, whatever the
+  compiler, and the rewritten graph is split at DDP's gradient buckets as Dynamo would have split
+  it; each piece is compiled without the passes (plain `compile_fx` for Inductor), so every
+  rewrite is made, and counted, once.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import operator
 
 import torch.fx as fx
 
+from .ddp import ddp_to_split_for, split_at_buckets
 from .pass_manager import NSAGraphPass, OptimizeState
 
 __all__ = ["make_backend"]
@@ -67,14 +72,15 @@ def _record_cache_hit(gm: fx.GraphModule, state: OptimizeState) -> None:
         record.from_cache = True
 
 
-def _aot_eager(gm: fx.GraphModule, example_inputs, keep: dict):
-    """AOTAutograd with eager execution, keeping each ATen graph it makes in `keep`."""
+def _aot_eager(gm: fx.GraphModule, example_inputs, keep: dict, prefix: str = ""):
+    """AOTAutograd with eager execution, keeping each ATen graph it makes in `keep` (under its kind,
+    'forward', 'backward' or 'inference', after `prefix`)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     def keeper(kind):
         def compiler(aten_gm, _inputs):
-            keep[kind] = aten_gm
+            keep[prefix + kind] = aten_gm
             return make_boxed_func(aten_gm.forward)
 
         return compiler
@@ -97,6 +103,9 @@ def make_backend(state: OptimizeState):
             raise
 
     def compile_graph(gm: fx.GraphModule, example_inputs):
+        ddp = ddp_to_split_for()
+        if ddp is not None:
+            return compile_for_ddp(gm, example_inputs, ddp)
         if compiler == "inductor":
             from torch._inductor import config as inductor_config
             from torch._inductor.compile_fx import compile_fx
@@ -111,5 +120,27 @@ def make_backend(state: OptimizeState):
         if compiler == "aot_eager":
             return _aot_eager(gm, example_inputs, state.graphs[-1].aten)
         return gm.forward
+
+    def compile_for_ddp(gm: fx.GraphModule, example_inputs, ddp):
+        _run_passes(gm, state)
+        record = state.graphs[-1]
+        pieces = 0
+
+        def compile_piece(piece: fx.GraphModule, piece_inputs):
+            nonlocal pieces
+            pieces += 1
+            if compiler == "inductor":
+                from torch._inductor.compile_fx import compile_fx
+
+                # no NSA passes here (they ran on the whole graph); a pass the user installed on
+                # pre_grad_custom_pass still runs on each piece, after ours as on one graph
+                return compile_fx(piece, piece_inputs)
+            if compiler == "aot_eager":
+                return _aot_eager(piece, piece_inputs, record.aten, prefix=f"piece{pieces - 1}_")
+            return piece.forward
+
+        compiled = split_at_buckets(gm, example_inputs, ddp, compile_piece)
+        record.ddp_pieces = pieces  # one per gradient bucket
+        return compiled
 
     return nsa_backend

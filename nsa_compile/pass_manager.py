@@ -35,6 +35,7 @@ class GraphRecord:
     # 'inference'), kept by compiler='aot_eager' for tests and `explain`.
     aten: dict[str, fx.GraphModule] = field(default_factory=dict)
     from_cache: bool = False  # Inductor served the compiled code from its cache
+    ddp_pieces: int = 0  # the pieces DDP's gradient buckets split this graph into (0: not split)
 
     # The rewritten graph as (name, op, target, input names), for networkx exports.
     nodes_after: list[tuple[str, str, str, tuple[str, ...]]] = field(default_factory=list)

@@ -3,19 +3,21 @@ model a few steps under DDP and under FSDP2, and one process trains on the same 
 Checked: nothing hangs (every wait has a deadline), the losses agree within 1 %, and the same
 rewrites run.
 
-Dynamo's DDPOptimizer compiles one graph per gradient bucket (boundaries just before a
-parameter's first use, counted backwards), and the NSA passes see those pieces. The attention
-patterns sit between parameters and survive; a pattern that spans parameters is cut when a
-boundary falls inside it: fused projections on the seed model with DDP's 25 MiB buckets (17
-partial fusions for 12 layers). The model here, tiny with dim 256, mlp_ratio 1 and 1 MiB
-buckets, is cut the same way (3 for 2). Without Dynamo's split (optimize_ddp='no_optimization')
-every rewrite stays. FSDP2's hooks break the graph at each block and every block runs the one
-graph compiled for the first, so report() counts a rewrite once for all blocks there: the nsa op
-calls of a step are what must agree.
+Under DDP, Dynamo's DDPOptimizer splits each graph at the gradient buckets (boundaries just
+before a parameter's first use, counted backwards) before the backend sees it, which cut patterns
+that span parameters (fused projections: 3 partial fusions for 2 layers here). nsa_compile turns
+that split off for its own calls, runs the passes on the whole graph, then splits the rewritten
+graph the same way (nsa_compile/ddp.py): the model here, tiny with dim 256, mlp_ratio 1 and 1 MiB
+buckets, must come out in several pieces with one process's rewrites, in both wrapping orders.
+FSDP2's hooks break the graph at each block and every block runs the one graph compiled for the
+first, so report() counts a rewrite once for all blocks there: the nsa op calls of a step are
+what must agree. The last tests use one in-process gloo rank to check that the switch is ours
+alone: a model the user compiled without nsa_compile is still split by Dynamo.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -26,6 +28,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+import nsa_compile
+from nsa_compile.api import state_of
+from nsa_compile.ddp import pieces_of
+from nsa_compile.models import build_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import ddp_train  # noqa: E402
@@ -34,8 +42,13 @@ WORLD = 2
 DEADLINE_S = 420  # the whole two-rank run; a collective that waits gives up after COLLECTIVE_S
 COLLECTIVE_S = 120
 STEPS = 3
-# name -> (ddp_train --mode, torch._dynamo.config.optimize_ddp or None for PyTorch's default)
-RUNS = {"ddp": ("ddp", None), "ddp-unsplit": ("ddp", "no_optimization"), "fsdp": ("fsdp", None)}
+# name -> (ddp_train flags, torch._dynamo.config.optimize_ddp or None for PyTorch's default)
+RUNS = {
+    "ddp": (["--mode", "ddp"], None),
+    "ddp-wrap-first": (["--mode", "ddp", "--wrap-first"], None),  # optimize(DDP(model))
+    "ddp-unsplit": (["--mode", "ddp"], "no_optimization"),
+    "fsdp": (["--mode", "fsdp"], None),
+}
 
 
 def worker(rank: int, init_file: str, argv: list[str], out_dir: str) -> None:
@@ -45,9 +58,9 @@ def worker(rank: int, init_file: str, argv: list[str], out_dir: str) -> None:
                             timeout=timedelta(seconds=COLLECTIVE_S))
     try:
         results = {}
-        for name, (mode, optimize_ddp) in RUNS.items():
+        for name, (flags, optimize_ddp) in RUNS.items():
             torch._dynamo.reset()
-            args = ddp_train.parse_args([*argv, "--mode", mode])
+            args = ddp_train.parse_args([*argv, *flags])
             with torch._dynamo.config.patch(optimize_ddp=optimize_ddp or torch._dynamo.config.optimize_ddp):
                 results[name] = ddp_train.train(args, rank, WORLD)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -95,33 +108,27 @@ def test_losses_match_one_process_on_the_same_global_batch(runs, name):
         assert_losses_agree(rank["losses"], single["losses"])
 
 
-def test_attention_rewrites_survive_the_ddp_split(runs):
+def test_one_process_makes_every_rewrite_in_one_graph(runs):
     single = runs["single"]
-    assert single["graphs"] == 1
+    assert single["graphs"] == 1 and single["pieces"] == 0
     assert single["rewrites"]["window_attention"] == single["rewrites"]["selection_attention"] == 2
-    for rank in runs["ddp"]:
-        assert rank["graphs"] > 1  # DDPOptimizer split at the 1 MiB buckets
-        for name in ("window_attention", "selection_attention"):
-            assert rank["rewrites"][name] == single["rewrites"][name]
-        for op in ("nsa::window_attention", "nsa::selected_attention"):
-            assert rank["calls"][op] == single["calls"][op] == 2
+    assert single["rewrites"]["projections_rope"] == 2
+    for op in ("nsa::window_attention", "nsa::selected_attention"):
+        assert single["calls"][op] == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Dynamo's DDPOptimizer hands the passes one graph per bucket: a boundary inside the projections "
-    "cuts projections_rope (3 partial fusions for 2 layers here, 17 for 12 on the seed model). Fix "
-    "in nsa_compile/backend.py + api.py: with optimize_ddp off around our compiled calls, nsa_backend "
-    "runs the passes on the whole graph, then, inside a DDP forward, splits the rewritten graph with "
-    "torch._dynamo.backends.distributed.DDPOptimizer(ddp.bucket_bytes_cap, <per-piece compiler>)."))
-def test_ddp_keeps_every_rewrite_of_one_process(runs):
-    for rank in runs["ddp"]:
+@pytest.mark.parametrize("name", ["ddp", "ddp-wrap-first"])
+def test_ddp_keeps_every_rewrite_of_one_process(runs, name):
+    for rank in runs[name]:
+        assert rank["graphs"] == 1  # the passes saw the whole graph ...
+        assert rank["pieces"] > 1  # ... which was then split at the 1 MiB buckets
         assert rank["rewrites"] == runs["single"]["rewrites"]
         assert rank["calls"] == runs["single"]["calls"]
 
 
 def test_ddp_without_dynamos_split_keeps_every_rewrite(runs):
     for rank in runs["ddp-unsplit"]:
-        assert rank["graphs"] == 1
+        assert rank["graphs"] == 1 and rank["pieces"] == 0  # the user's no_optimization is kept
         assert rank["rewrites"] == runs["single"]["rewrites"]
         assert rank["calls"] == runs["single"]["calls"]
 
@@ -131,6 +138,70 @@ def test_fsdp_runs_the_same_rewritten_ops(runs):
     assert single["calls"]["nsa::window_attention"] == single["calls"]["nsa::window_attention_backward"] == 2
     assert single["calls"]["nsa::selected_attention"] == 2
     for rank in runs["fsdp"]:
+        assert rank["pieces"] == 0  # FSDP2 never goes through DDPOptimizer
         assert rank["calls"] == single["calls"]
         # every pass that fired in one process fired in the block graph the blocks share
         assert {p for p, n in rank["rewrites"].items() if n} == {p for p, n in single["rewrites"].items() if n}
+
+
+# One in-process gloo rank: enough for DDP to be active (and Dynamo's split to apply) in this
+# process, cheap enough to check what the switch leaves alone.
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=COLLECTIVE_S))
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
+def test_dynamos_split_is_off_only_inside_our_calls(one_rank):
+    setting = torch._dynamo.config.optimize_ddp
+    assert torch._dynamo.utils.get_optimize_ddp_mode() == "ddp_optimizer"  # PyTorch's default
+    torch.manual_seed(0)
+    optimized = nsa_compile.optimize(build_model("tiny", dim=256, mlp_ratio=1),
+                                     nsa_compile.OptimizeConfig(compiler="aot_eager"))
+    model = DistributedDataParallel(torch.nn.Sequential(optimized), bucket_cap_mb=1)  # a submodule optimized
+    tokens = torch.randint(0, 256, (1, 65))
+    model(tokens[:, :-1]).float().square().mean().backward()
+    assert torch._dynamo.config.optimize_ddp == setting  # restored after the call
+    (graph,) = state_of(optimized).graphs
+    assert pieces_of(graph) > 1  # split by nsa_compile, after the passes
+    assert {row["name"]: row["matches"] for row in nsa_compile.report(optimized)}["projections_rope"] == 2
+
+    # a model the user compiled without nsa_compile, under DDP in the same process: Dynamo splits it
+    pieces = []
+
+    def counting_backend(gm, example_inputs):
+        pieces.append(gm)
+        return gm.forward
+
+    layers = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4)))  # 1 MiB each
+    theirs = DistributedDataParallel(torch.compile(layers, backend=counting_backend), bucket_cap_mb=1)
+    theirs(torch.randn(2, 512)).sum().backward()
+    assert len(pieces) > 1
+
+
+@pytest.mark.inductor
+def test_inductor_compiles_the_pieces_without_running_the_passes_again(runs, one_rank):
+    """compiler='inductor' under DDP: the passes run once on the whole graph (not again in each
+    piece's pre-grad hook), the pieces train as the eager model does."""
+    torch.manual_seed(0)
+    eager = build_model("tiny", dim=256, mlp_ratio=1)  # the model of `runs`
+    tokens = torch.randint(0, 256, (1, 65))
+    optimized = nsa_compile.optimize(copy.deepcopy(eager), nsa_compile.OptimizeConfig(compiler="inductor"))
+    DistributedDataParallel(optimized, bucket_cap_mb=1)(tokens[:, :-1]).float().square().mean().backward()
+    eager(tokens[:, :-1]).float().square().mean().backward()
+
+    (graph,) = state_of(optimized).graphs
+    assert pieces_of(graph) > 1
+    counts = {row["name"]: row["matches"] for row in nsa_compile.report(optimized)}
+    assert counts == runs["single"]["rewrites"]  # one process, aot_eager
+    assert counts["projections_rope"] == 2  # once per layer: neither cut nor counted twice
+    for (name, got), want in zip(optimized.named_parameters(), eager.parameters(), strict=True):
+        assert torch.linalg.vector_norm(got.grad - want.grad) <= 1e-4 * torch.linalg.vector_norm(want.grad), name

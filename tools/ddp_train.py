@@ -6,19 +6,19 @@ same global batch on one process (--single) for the loss comparison.
     python3 tools/ddp_train.py --single --steps 50               # the same global batches, one process
 
 Each rank builds the model from the same seed, passes it through `nsa_compile.optimize`, then
-wraps it: DDP (`DistributedDataParallel` around the compiled module, so that Dynamo's
-DDPOptimizer splits the graph at the gradient buckets), or FSDP2 (`fully_shard` on every block,
-then on the root). Step i trains on global batch i of the corpus (`nsa_compile.train.Corpus`);
+wraps it: DDP (`DistributedDataParallel` around the compiled module), or FSDP2 (`fully_shard` on
+every block, then on the root); --wrap-first wraps first and optimizes the DDP module instead
+(`optimize(DDP(model))`). Step i trains on global batch i of the corpus (`nsa_compile.train.Corpus`);
 rank r takes rows [r * B / W, (r + 1) * B / W). Printed per step: the global loss (the mean of the
 ranks' losses, which is the single-process loss of the same global batch) and tok/s (global tokens
-over the step's wall time). At the end each rank prints its graphs, what `report()` counted (the
-rewrites of every pass over all its graphs) and the nsa op calls of step 2 (the rewrites that ran,
-whatever the graphs: see kernel_calls).
+over the step's wall time). At the end each rank prints its graphs, the pieces DDP's buckets split
+them into, what `report()` counted (the rewrites of every pass over all its graphs) and the nsa op
+calls of step 2 (the rewrites that ran, whatever the graphs: see kernel_calls).
 
-What to compare: under DDP the passes see DDPOptimizer's pieces, one per bucket, so a pattern a
-bucket boundary cuts is rewritten in parts or not at all (fused projections on the seed model:
-17 partial fusions for 12 layers at DDP's 25 MiB buckets); --optimize-ddp no_optimization keeps
-one graph (every rewrite, no overlap of the gradient all-reduce with the backward).
+What to compare: under DDP the passes see the whole graph, which is then split at the gradient
+buckets (nsa_compile/ddp.py), so the rewrites are one process's, in more than one piece on a
+model larger than one bucket; --optimize-ddp no_optimization leaves the graph unsplit (the same
+rewrites, no overlap of the gradient all-reduce with the backward).
 
 On CUDA the ranks use NCCL and bf16 autocast (as `nsa-compile train`); on the CPU, gloo and fp32.
 --bucket-cap-mb shrinks DDP's buckets so that a small model is split as a large one would be.
@@ -42,6 +42,7 @@ import torch.nn as nn
 import nsa_compile
 from nsa_compile.api import state_of
 from nsa_compile.config import COMPILERS
+from nsa_compile.ddp import pieces_of
 from nsa_compile.models import build_model
 from nsa_compile.train import load_corpus
 from nsa_compile.workload import loss_of
@@ -68,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket size (default: DDP's 25)")
     p.add_argument("--optimize-ddp", choices=OPTIMIZE_DDP, default=None,
                    help="torch._dynamo.config.optimize_ddp for this run (default: PyTorch's)")
+    p.add_argument("--wrap-first", action="store_true",
+                   help="--mode ddp: optimize(DDP(model)) instead of DDP(optimize(model))")
     p.add_argument("--json", default=None, help="write each rank's result to this path (rank appended)")
     args = p.parse_args(argv)
     if any("=" not in item for item in args.set):
@@ -79,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--bucket-cap-mb must be at least DDP's first bucket, {first_bucket_mb:g}")
     if args.single:
         args.mode = "single"
+    if args.wrap_first and args.mode != "ddp":
+        p.error("--wrap-first applies to --mode ddp")
     return args
 
 
@@ -132,8 +137,9 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1, on_step=None)
     """Train args.steps steps on this rank; the process group must exist unless mode is 'single'.
 
     Returns losses (global, per step), tok_s (per step), rewrites (pass -> matches on this rank),
-    graphs (how many graphs this rank compiled) and calls (nsa op calls in step 2, see
-    kernel_calls; empty for a one-step run). on_step(step, loss, tok_s) after each step.
+    graphs (how many graphs this rank compiled), pieces (how many pieces DDP's buckets split them
+    into; 0 where none was split) and calls (nsa op calls in step 2, see kernel_calls; empty for
+    a one-step run). on_step(step, loss, tok_s) after each step.
     """
     if args.batch % world:
         raise ValueError(f"--batch {args.batch} does not divide among {world} ranks")
@@ -144,9 +150,12 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1, on_step=None)
     corpus = load_corpus(args.data)
     torch.manual_seed(args.seed)  # every rank starts from the same weights
     model = build_model(args.model, **args.changes).to(device)
-    nsa_compile.optimize(model, nsa_compile.OptimizeConfig(compiler=args.compiler))
-    optimized = model
-    model = wrap(model, args.mode, device, world, args.bucket_cap_mb)
+    config = nsa_compile.OptimizeConfig(compiler=args.compiler)
+    if args.wrap_first:
+        model = optimized = nsa_compile.optimize(wrap(model, args.mode, device, world, args.bucket_cap_mb), config)
+    else:
+        optimized = nsa_compile.optimize(model, config)
+        model = wrap(model, args.mode, device, world, args.bucket_cap_mb)
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=fused or None)
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if fused else contextlib.nullcontext
@@ -176,8 +185,10 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1, on_step=None)
             calls = kernel_calls(profile)
         if on_step:
             on_step(step, value, rate)
+    graphs = state_of(optimized).graphs
     return {"rank": rank, "world": world, "mode": args.mode, "losses": losses, "tok_s": rates,
-            "rewrites": rewrite_counts(optimized), "graphs": len(state_of(optimized).graphs), "calls": calls}
+            "rewrites": rewrite_counts(optimized), "graphs": len(graphs),
+            "pieces": sum(pieces_of(g) for g in graphs), "calls": calls}
 
 
 def main(argv=None) -> None:
@@ -207,7 +218,8 @@ def main(argv=None) -> None:
         counts = ", ".join(f"{name} {n}" for name, n in result["rewrites"].items())
         calls = ", ".join(f"{name} {n}" for name, n in result["calls"].items())
         calls = calls or ("none" if args.steps >= 2 else "not counted (one step)")
-        print(f"rank {rank}/{world} ({args.mode}): {result['graphs']} graph(s); rewrites: {counts}; "
+        split = f"split into {result['pieces']} piece(s) at DDP's buckets" if result["pieces"] else "not split"
+        print(f"rank {rank}/{world} ({args.mode}): {result['graphs']} graph(s), {split}; rewrites: {counts}; "
               f"nsa op calls per step: {calls}; median {sorted(rates)[len(rates) // 2]:,.0f} tok/s "
               "after the first two steps", flush=True)
         if args.json:
