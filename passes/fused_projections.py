@@ -19,10 +19,21 @@ conventions, either table as cos and either sign. Its ops being linear in y and 
 the tables, one random probe tells a rotation from anything else. Identical subgraphs (one per
 layer) are evaluated once per graph.
 
+Under autocast (`torch.autocast` around the compiled call, or a `with torch.autocast` inside
+it: Dynamo records no cast, only `torch.amp.autocast_mode._enter_autocast` / `_exit_autocast`
+nodes for a region inside the compiled code, on PyTorch 2.11 and 2.13 alike; AOTAutograd applies
+the casts later, when it traces the ATen graph under them) F.linear gets fp32 x and weights and
+computes in the autocast dtype A, which the recorded output value shows. The projections of one
+input are grouped by that compute dtype, and a group whose inputs are not in A gets the casts
+autocast would have made, x.to(A) and W_i.to(A) (b_i.to(A)), written into the graph before the
+op: a `.to` and the custom op are outside autocast's op lists, so the ATen graph computes
+exactly what autocast's linear computes, one GEMM in A for the group.
+
 Becomes, before the group's first projection:
     w = torch.cat([W_1, ..., W_n])                    # the module's own parameters, every call:
     b = torch.cat([b_i or zeros])                     #   autograd splits dW back onto each
     outs = torch.ops.nsa.projection_rope(x, w, b, cos, sin, widths, head_dims, style, backend)
+(x, W_i, b_i each cast to the group's compute dtype first where they are not in it: autocast)
 and each y_i (unrotated) or out_i (rotated, viewed as [B, S, heads, D]) is replaced by its piece:
 one GEMM instead of n, no eager RoPE arithmetic, each piece written straight into its own
 contiguous tensor, as the eager code laid it out. The backend is chosen from the fake tensors and
@@ -30,11 +41,18 @@ written into the graph (`triton` on CUDA in fp16/bf16, else `reference`; explain
 
 Refuses (that projection stays eager, or its RoPE stays eager on its merged piece), with the
 reason shown by `explain`:
-- a projection in another dtype than its input or weight (autocast), with a symbolic weight
-  shape, or whose weight or bias is computed after the group's first projection;
+- a projection whose input, weight or bias is in another dtype than it computes in, unless it
+  runs in an autocast region of that dtype for its device (the casts are then autocast's own);
+  with a symbolic weight shape, or whose weight or bias is computed after the group's first
+  projection;
+- a projection that computes in another dtype than the other projections of its input (autocast
+  disabled around it only, or another autocast dtype) is not merged with them: it joins a group
+  of its own dtype, and is refused when it is alone there (and has no RoPE);
 - RoPE-like arithmetic that is not a rotation on the probe (a wrong sign, a wrong partner, a
   scale, one table used twice), that reads other than two tables, tables that require grad or
-  have another layout, a rotary dim over the head dim, intermediate values used elsewhere, a
+  have another layout, a rotary dim over the head dim, a result in another dtype than the
+  projection (a bf16 projection times float32 tables is float32 by type promotion, the op's
+  pieces are in the projection's dtype), intermediate values used elsewhere, a
   second RoPE convention or table pair in the same group, or symbolic sizes (dynamic shapes:
   the projections still merge, their RoPE stays eager);
 - more than MAX_PIECES projections of one input are split into several groups (not refused).
@@ -43,6 +61,7 @@ reason shown by `explain`:
 from __future__ import annotations
 
 import heapq
+import inspect
 import operator
 
 import torch
@@ -60,7 +79,7 @@ MAX_PIECES = rope_triton.MAX_PIECES
 # The probe evaluates the RoPE subgraph at the real shape, in float64, on the graph's device:
 # larger projections are not verified (the seed model at batch 8, S = 8192: 50M elements).
 MAX_VERIFIED_ELEMENTS = 2**28
-KERNEL = "nsa.projection_rope[{backend}] ({n} projection{s} -> 1 GEMM of {N} columns; {rope}{why})"
+KERNEL = "nsa.projection_rope[{backend}] ({n} projection{s} -> 1 GEMM of {N} columns{cast}; {rope}{why})"
 
 # Ops the RoPE arithmetic may use on the projection (all linear in it, none random or in place).
 _ROPE_OPS = {
@@ -76,6 +95,10 @@ _TABLE_OPS = {
     "repeat_interleave", "flatten", "unflatten", "contiguous", "clone", "view_as", "narrow", "select", "neg",
 }
 _CASTS = {"float", "half", "bfloat16", "double"}
+# What Dynamo records for a `with torch.autocast(...)` inside the compiled code (2.11 and 2.13).
+_ENTER_AUTOCAST = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
+_EXIT_AUTOCAST = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
+_AUTOCAST_SIGNATURE = inspect.signature(torch.amp.autocast)
 
 
 def static_shape(node: fx.Node, what: str) -> tuple[int, ...]:
@@ -87,8 +110,64 @@ def static_shape(node: fx.Node, what: str) -> tuple[int, ...]:
     return tuple(int(d) for d in val.shape)
 
 
-def check_linear(linear: fx.Node) -> tuple[fx.Node, fx.Node | None]:
-    """(weight, bias) of F.linear(x, weight, bias), or Refused."""
+class AutocastRegions:
+    """The autocast state, per device type, that each linear of a graph runs under: the ambient
+    state the graph is compiled under (AOTAutograd traces the graph under it), changed by the
+    graph's own `_enter_autocast` / `_exit_autocast` nodes. A state is (enabled, dtype), or None
+    where the pass cannot read it (an enter node whose arguments do not bind)."""
+
+    UNKNOWN = "?"  # key of a state in which no device's autocast is known
+
+    def __init__(self, graph: fx.Graph):
+        self.at: dict[fx.Node, dict] = {}
+        current: dict = {}  # device type -> (enabled, dtype) set by enter nodes; absent: ambient
+        before: dict[fx.Node, dict] = {}
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            if _ENTER_AUTOCAST is not None and node.target is _ENTER_AUTOCAST:
+                before[node] = current
+                current = self.entered(current, node)
+            elif _EXIT_AUTOCAST is not None and node.target is _EXIT_AUTOCAST:
+                enter = node.args[0] if node.args else None
+                current = before.get(enter, {self.UNKNOWN: None})
+            elif op_name(node) == "linear":
+                self.at[node] = current
+
+    @staticmethod
+    def ambient(device: str) -> tuple[bool, torch.dtype] | None:
+        try:
+            return torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+        except (RuntimeError, TypeError, ValueError):  # a device type autocast does not know
+            return None
+
+    def state(self, node: fx.Node, device: str) -> tuple[bool, torch.dtype] | None:
+        current = self.at.get(node, {self.UNKNOWN: None})
+        if self.UNKNOWN in current:
+            return None
+        return current[device] if device in current else self.ambient(device)
+
+    def entered(self, current: dict, node: fx.Node) -> dict:
+        """The state inside `torch.autocast(*node.args, **node.kwargs)` entered in `current`."""
+        try:
+            bound = _AUTOCAST_SIGNATURE.bind(*node.args, **node.kwargs)
+        except TypeError:
+            return {self.UNKNOWN: None}
+        bound.apply_defaults()
+        device, dtype, enabled = (bound.arguments[k] for k in ("device_type", "dtype", "enabled"))
+        if not isinstance(device, str) or not isinstance(enabled, bool) or \
+                not (dtype is None or isinstance(dtype, torch.dtype)):
+            return {self.UNKNOWN: None}
+        outer = current[device] if device in current else self.ambient(device)
+        if dtype is None:  # torch.autocast keeps the dtype in effect when given none
+            if outer is None:
+                return {self.UNKNOWN: None}
+            dtype = outer[1]
+        return {**current, device: (enabled, dtype)}
+
+
+def check_linear(linear: fx.Node, regions: AutocastRegions) -> tuple[fx.Node, fx.Node | None, torch.dtype]:
+    """(weight, bias, the dtype it computes in) of F.linear(x, weight, bias), or Refused."""
     x, weight, bias = arg(linear, 0, "input"), arg(linear, 1, "weight"), arg(linear, 2, "bias")
     if not isinstance(x, fx.Node) or not isinstance(weight, fx.Node) or not (bias is None or isinstance(bias, fx.Node)):
         raise Refused("the projection's input, weight or bias is not a tensor in the graph")
@@ -97,12 +176,26 @@ def check_linear(linear: fx.Node) -> tuple[fx.Node, fx.Node | None]:
     ws, xs = static_shape(weight, "weight"), tuple(value(x).shape) if value(x) is not None else ()
     if len(ws) != 2 or len(xs) < 2 or not is_concrete_int(xs[-1]) or int(xs[-1]) != ws[1]:
         raise Refused(f"the projection is not x [..., K] by a weight [N, K] (x {xs}, weight {ws})")
-    dtypes = {value(n).dtype for n in (x, weight, linear) + ((bias,) if bias is not None else ())}
-    if len(dtypes) != 1 or not value(x).is_floating_point():
-        raise Refused(f"the projection mixes dtypes {sorted(map(str, dtypes))} (autocast?): the op computes in one")
     if bias is not None and static_shape(bias, "bias") != (ws[0],):
         raise Refused(f"the bias is {static_shape(bias, 'bias')}, not [{ws[0]}]")
-    return weight, bias
+    if value(linear) is None or not value(x).is_floating_point():
+        raise Refused("the projection is not a floating-point tensor")
+    computes_in = value(linear).dtype
+    inputs = (x, weight) + ((bias,) if bias is not None else ())
+    if any(value(n).dtype != computes_in for n in inputs):
+        # only autocast makes F.linear take other dtypes than it returns: its region's dtype is
+        # the output's, and it cast every input to it (the op gets the same casts in the graph)
+        dtypes = sorted({str(value(n).dtype) for n in (*inputs, linear)})
+        state = regions.state(linear, value(linear).device.type)
+        if state is None:
+            raise Refused(f"the projection mixes dtypes {dtypes} in an autocast region the pass cannot read: "
+                          "the op computes in one")
+        if not state[0]:
+            raise Refused(f"the projection mixes dtypes {dtypes} outside any autocast region: the op computes in one")
+        if state[1] != computes_in:
+            raise Refused(f"the projection mixes dtypes {dtypes} and returns {computes_in} in an autocast region "
+                          f"of {state[1]}: the op computes in one")
+    return weight, bias, computes_in
 
 
 class Probe:
@@ -159,26 +252,39 @@ class ProjectionsRope(RewritePass):
         for node in graph.nodes:
             if op_name(node) == "linear" and node.graph is graph and isinstance(arg(node, 0, "input"), fx.Node):
                 groups.setdefault(arg(node, 0, "input"), []).append(node)
+        regions = AutocastRegions(graph)
         verified: dict = {}  # structure of a RoPE subgraph -> its hypothesis (one per layer is the same)
         for linears in groups.values():
-            members = []
+            # one GEMM computes in one dtype: the projections of x are grouped by the dtype they
+            # compute in (they differ where autocast is on for some and off for others)
+            by_dtype: dict[torch.dtype, list[dict]] = {}
             for linear in linears:
                 try:
-                    weight, bias = check_linear(linear)
+                    weight, bias, dtype = check_linear(linear, regions)
                 except Refused as why:
                     log.refused(linear, str(why))
                     continue
-                members.append({"linear": linear, "weight": weight, "bias": bias, "rope": None})
-            # a lone projection is rewritten only for its RoPE
-            if len(members) > 1 or any(self.rope_candidate(m["linear"]) for m in members):
-                for m in members:  # (RoPE-less ones, the v projections, return None at once)
-                    try:
-                        m["rope"] = self.find_rope(m["linear"], order, verified)
-                    except Refused as why:
-                        log.refused(m["linear"], f"RoPE left eager: {why}")
-            for chunk in self.plan(members, order, log):
-                self.rewrite(graph, chunk, log)
-                order = {node: i for i, node in enumerate(graph.nodes)}  # the rewrite added nodes
+                by_dtype.setdefault(dtype, []).append(
+                    {"linear": linear, "weight": weight, "bias": bias, "dtype": dtype, "rope": None})
+            for dtype, members in by_dtype.items():
+                # a lone projection is rewritten only for its RoPE
+                if len(members) > 1 or any(self.rope_candidate(m["linear"]) for m in members):
+                    for m in members:  # (RoPE-less ones, the v projections, return None at once)
+                        try:
+                            m["rope"] = self.find_rope(m["linear"], order, verified)
+                        except Refused as why:
+                            log.refused(m["linear"], f"RoPE left eager: {why}")
+                chunks = self.plan(members, order, log)
+                if len(by_dtype) > 1:
+                    others = ", ".join(str(d) for d in by_dtype if d != dtype)
+                    for m in members:
+                        if not m.get("late") and not any(m in chunk for chunk in chunks):
+                            log.refused(m["linear"], f"it computes in {dtype}, the other projections of "
+                                                     f"{arg(m['linear'], 0, 'input').name} in {others} (autocast on for "
+                                                     "some, off for others?): one GEMM computes in one dtype")
+                for chunk in chunks:
+                    self.rewrite(graph, chunk, log)
+                    order = {node: i for i, node in enumerate(graph.nodes)}  # the rewrite added nodes
 
     # --- RoPE recognition -------------------------------------------------------------------------
 
@@ -314,6 +420,10 @@ class ProjectionsRope(RewritePass):
         R = 2 * layout[-1]
         if R == 0 or R > D:
             raise Refused(f"the rotary dim {R} (from the tables {shapes[0]}) exceeds the head dim {D}")
+        if value(out).dtype != value(linear).dtype:
+            raise Refused(f"the rotated projection is {value(out).dtype} (type promotion with the "
+                          f"{', '.join(sorted({str(v.dtype) for v in vals}))} tables), the op returns the projection's "
+                          f"{value(linear).dtype}")
         if B * S * N > MAX_VERIFIED_ELEMENTS:
             raise Refused(f"the projection has {B * S * N:,} elements, over the cap of {MAX_VERIFIED_ELEMENTS:,} "
                           "for the probe: not verified at this size yet")
@@ -375,6 +485,7 @@ class ProjectionsRope(RewritePass):
         for m in members:
             late = [n for n in (m["weight"], m["bias"]) if n is not None and order[n] >= order[anchor]]
             if late:
+                m["late"] = True
                 log.refused(m["linear"], f"its {late[0].name} is computed after the group's first projection "
                                          f"{anchor.name}: one GEMM cannot read it")
             else:
@@ -397,17 +508,29 @@ class ProjectionsRope(RewritePass):
 
     def rewrite(self, graph: fx.Graph, group: list[dict], log: PassLog) -> None:
         anchor = group[0]["linear"]
-        x = arg(anchor, 0, "input")
+        dtype = group[0]["dtype"]
+        casts = []
+
+        def cast(node: fx.Node) -> fx.Node:
+            """node in the group's compute dtype: autocast's cast of a linear's input, made explicit
+            (a .to is in no autocast op list: AOTAutograd traces it as it is)."""
+            if value(node).dtype == dtype:
+                return node
+            casts.append(node)
+            return call(graph, torch.Tensor.to, node, dtype, anchor=anchor)
+
+        x = cast(arg(anchor, 0, "input"))
         ropes = [m["rope"] for m in group if m["rope"]]
         rope = ropes[0] if ropes else None
         widths = [value(m["weight"]).shape[0] for m in group]
         head_dims = [m["rope"]["head_dim"] if m["rope"] else 0 for m in group]
-        weights = [m["weight"] for m in group]
+        # each piece cast before the cat, as autocast casts each weight (the cat then mixes no dtypes)
+        weights = [cast(m["weight"]) for m in group]
         weight = weights[0] if len(weights) == 1 else call(graph, torch.cat, weights, 0, anchor=anchor)
         bias = None
         if any(m["bias"] is not None for m in group):
-            parts = [m["bias"] if m["bias"] is not None else call(graph, torch.Tensor.new_zeros, x, (w,), anchor=anchor)
-                     for m, w in zip(group, widths)]
+            parts = [cast(m["bias"]) if m["bias"] is not None else
+                     call(graph, torch.Tensor.new_zeros, x, (w,), anchor=anchor) for m, w in zip(group, widths)]
             bias = parts[0] if len(parts) == 1 else call(graph, torch.cat, parts, 0, anchor=anchor)
         cos = sin = None
         style = rope["style"] if rope else "half"
@@ -446,8 +569,10 @@ class ProjectionsRope(RewritePass):
         why = "" if backend == "triton" else f"; not triton: {why_not_triton(*fakes, widths, head_dims)}"
         rope_text = (f"RoPE {rope['style']} r={rope['rotary']} on {len(ropes)} of them"
                      if rope else "no RoPE")
+        cast_text = f" in {dtype} (autocast: the inputs cast to it)" if casts else ""
         log.matches.append(Match(anchor.name, where or "<top>", KERNEL.format(
-            backend=backend, n=len(group), s="s" if len(group) > 1 else "", N=sum(widths), rope=rope_text, why=why)))
+            backend=backend, n=len(group), s="s" if len(group) > 1 else "", N=sum(widths), cast=cast_text,
+            rope=rope_text, why=why)))
 
 
 PASS = ProjectionsRope()

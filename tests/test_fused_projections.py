@@ -1,11 +1,13 @@
 """projections_rope and nsa::projection_rope: graph tests (fired, exact count; the separate GEMMs
 and the RoPE arithmetic gone, the op in place), parity of outputs and every gradient in fp32, bf16
-and fp16, the parameters staying the module's own, accepted forms, near misses refused with the
-graph unchanged, opcheck of both ops, and the Triton kernels (on CUDA when there is one, else on
-the CPU through Triton's interpreter, TRITON_INTERPRET=1 set by a fixture for those tests only)."""
+and fp16 and under bf16 autocast with fp32 parameters, the parameters staying the module's own,
+accepted forms, near misses refused with the graph unchanged, opcheck of both ops, and the Triton
+kernels (on CUDA when there is one, else on the CPU through Triton's interpreter, TRITON_INTERPRET=1
+set by a fixture for those tests only)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -19,7 +21,10 @@ import nsa_compile
 from nsa_compile.models import build_model
 from nsa_compile.models.nsa import apply_rope, rope_tables
 from nsa_compile.ops import rope as rope_op
-from nsa_compile.parity import check_parity
+from nsa_compile.parity import FLOORS, check_parity, relative_error
+from nsa_compile.passes.fused_projections import PASS as PASS_OBJECT
+from nsa_compile.rewrite import PassLog
+from nsa_compile.workload import cast_inputs, loss_of
 
 PASS = "projections_rope"
 ONLY = nsa_compile.OptimizeConfig(
@@ -32,15 +37,20 @@ def aten_count(gm, *targets) -> int:
 
 
 def gemms_reading_the_op_input(gm) -> list:
-    """mm / addmm nodes of an ATen graph that read (a view of) a projection_rope op's input."""
+    """mm / addmm nodes of an ATen graph that read (a view or a cast of) a projection_rope op's
+    input or what that input was cast from (under autocast each eager linear casts x itself)."""
+    aten = torch.ops.aten
     views = set()
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.nsa.projection_rope.default:
-            views.add(node.args[0])
-    aten = torch.ops.aten
+            x = node.args[0]
+            views.add(x)
+            while x.op == "call_function" and x.target is aten._to_copy.default:
+                x = x.args[0]
+                views.add(x)
     for node in gm.graph.nodes:  # graph order: a view's source comes first
         if node.op == "call_function" and node.args and node.args[0] in views and node.target in (
-                aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+                aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten._to_copy.default):
             views.add(node)
     gemms = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in gemms
@@ -182,13 +192,15 @@ class OneRope(nn.Module):
         change, r = self.change, 2 * cos.shape[-1]
         if change == "learned-tables":
             cos, sin = cos * self.table_scale, sin * self.table_scale
-        if change == "autocast":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+        if change in ("autocast", "autocast-float32-tables"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # y: bf16 from fp32 x and weight
                 y = self.w(x)
         else:
             y = self.w(x)
         y = y.view(B, S, self.H, self.D)
-        c, s = cos[:, None, :].to(y.dtype), sin[:, None, :].to(y.dtype)
+        c, s = cos[:, None, :], sin[:, None, :]
+        if change != "autocast-float32-tables":  # else bf16 y times fp32 tables: fp32 by type promotion
+            c, s = c.to(y.dtype), s.to(y.dtype)
         x_rot, x_pass = y[..., :r], y[..., r:]
         x1, x2 = x_rot.chunk(2, dim=-1) if change == "chunk" else (x_rot[..., : r // 2], x_rot[..., r // 2 :])
         cc, ss = torch.cat([c, c], dim=-1), torch.cat([s, s], dim=-1)
@@ -239,7 +251,8 @@ def test_accepted_rope_forms(change):
         ("same-table-twice", "the arithmetic reads 1 tables besides the projection"),
         ("learned-tables", "require grad; the op gives them none"),
         ("rot-returned", "values inside the RoPE arithmetic (or the projection) are used elsewhere"),
-        ("autocast", "the projection mixes dtypes"),
+        ("autocast-float32-tables", "RoPE left eager: the rotated projection is torch.float32 (type promotion with "
+                                    "the torch.float32 tables), the op returns the projection's torch.bfloat16"),
     ],
 )
 def test_near_misses_refused_with_the_graph_unchanged(change, reason):
@@ -336,6 +349,217 @@ def test_dynamic_shapes_merge_the_gemms_and_leave_rope_eager():
     r = row(optimized, PASS)
     assert r["matches"] >= 1 and all("(7 projections -> 1 GEMM of 128 columns; no RoPE;" in k for k in r["kernels"])
     assert all(text.startswith("RoPE left eager: the projection has symbolic sizes") for text in r["reasons"]), r
+
+
+# --- under autocast (fp32 parameters, bf16 compute) ------------------------------------------------
+
+CPU_BF16 = dict(device_type="cpu", dtype=torch.bfloat16)  # CPU autocast casts linear's inputs as CUDA's does
+
+
+def step_under(model, inputs, is_lm, autocast):
+    """(output, loss, {name: grad}) of one forward (with the loss) under `autocast`, and a backward
+    outside it, as training code writes it."""
+    model.zero_grad(set_to_none=True)
+    with autocast:
+        out, loss = loss_of(model, inputs, is_lm)
+    loss.backward()
+    return out.detach(), loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def autocast_parity_failures(eager, optimized, inputs, is_lm, device="cpu", eager_runs=1) -> list[dict]:
+    """check_parity's bar for bf16, under bf16 autocast on `device`: the float64 model without
+    autocast is the oracle; the optimized and the eager model, both fp32 under autocast, are
+    measured against it; err(optimized) <= max(2 * err(eager), the bf16 floor) for the output, the
+    loss and every gradient, err(eager) the largest of `eager_runs` runs (CUDA's eager backward is
+    not deterministic). Returns the rows that miss it (a gradient None in one and not the other
+    misses)."""
+    autocast = dict(device_type=device, dtype=torch.bfloat16)
+    oracle = step_under(copy.deepcopy(eager).double(), cast_inputs(inputs, torch.float64), is_lm,
+                        contextlib.nullcontext())
+    bases = [step_under(eager, inputs, is_lm, torch.autocast(**autocast)) for _ in range(eager_runs)]
+    got = step_under(optimized, inputs, is_lm, torch.autocast(**autocast))
+    rows = [("output", oracle[0], [b[0] for b in bases], got[0]), ("loss", oracle[1], [b[1] for b in bases], got[1])]
+    rows += [(f"grad {name}", ref, [b[2][name] for b in bases], got[2].get(name)) for name, ref in oracle[2].items()]
+    failures = []
+    for name, ref, base, g in rows:
+        if ref is None or g is None or any(b is None for b in base):
+            if not (ref is None and g is None and all(b is None for b in base)):
+                failures.append({"name": name, "missing": [x is None for x in (ref, *base, g)]})
+            continue
+        err_eager, err = max(relative_error(b, ref) for b in base), relative_error(g, ref)
+        if err > max(2 * err_eager, FLOORS[torch.bfloat16]):
+            failures.append({"name": name, "err_eager": err_eager, "err_optimized": err})
+    return failures
+
+
+def gemm_count(gm) -> int:
+    return aten_count(gm, torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+def test_tiny_model_under_autocast_fires_per_layer_with_parity_and_one_bf16_gemm_per_group():
+    """The usual training setup: fp32 parameters, bf16 autocast around forward and loss. The
+    linears see fp32 x and weights in Dynamo's graph and compute in bf16; the op gets autocast's
+    casts explicitly and computes the same bf16 GEMM, once per layer instead of 7 times."""
+    torch.manual_seed(1)
+    eager = build_model("tiny")
+    batch = (tokens(2, 37, seed=4),)
+    optimized = optimize_fresh(copy.deepcopy(eager), ONLY)
+    assert autocast_parity_failures(eager, optimized, batch, is_lm=True) == []
+    r = row(optimized, PASS)
+    assert (r["matches"], r["where"], r["refused"]) == (2, ["blocks.0.attn", "blocks.1.attn"], 0), r
+    assert r["kernels"] == ["nsa.projection_rope[reference] (7 projections -> 1 GEMM of 256 columns in "
+                            "torch.bfloat16 (autocast: the inputs cast to it); RoPE half r=16 on 4 of them"
+                            f"{NOT_TRITON})"]
+    record = only_graph(optimized)
+    before, after = record.code_before, record.code_after
+    assert before.count("torch._C._nn.linear(") - after.count("torch._C._nn.linear(") == 14
+    # per layer: the 7 weights and x cast to bf16 in front of the op
+    assert len(re.findall(r"torch_Tensor_to\(\w+_parameters_weight_, torch\.bfloat16\)", after)) == 14
+    xs = re.findall(r"torch\.ops\.nsa\.projection_rope\((\w+), ", after)
+    assert len(xs) == 2 and all(re.search(rf"^\s*{x} = torch_Tensor_to\(rms_norm\w*, torch\.bfloat16\)", after, re.M)
+                                for x in xs)
+    fwd, bwd = record.aten["forward"], record.aten["backward"]
+    ops = [n for n in fwd.graph.nodes if n.op == "call_function" and n.target is torch.ops.nsa.projection_rope.default]
+    assert len(ops) == 2 and aten_count(bwd, torch.ops.nsa.projection_rope_backward.default) == 2
+    for op in ops:  # autocast left the inserted casts and the op as they are: one GEMM in bf16
+        assert [op.args[i].meta["val"].dtype for i in (0, 1)] == [torch.bfloat16] * 2
+        assert {v.dtype for v in op.meta["val"]} == {torch.bfloat16}
+    assert gemms_reading_the_op_input(fwd) == []
+    # the 14 separate mm's of the same model compiled without the pass are gone, nothing else
+    baseline = optimize_fresh(copy.deepcopy(eager), ONLY.replace(disabled_passes=nsa_compile.pass_names()))
+    with torch.autocast(**CPU_BF16):
+        loss_of(baseline, batch, True)
+    assert gemm_count(only_graph(baseline).aten["forward"]) - gemm_count(fwd) == 14
+
+
+def test_an_autocast_region_inside_the_compiled_code_fires():
+    """`with torch.autocast` inside forward: Dynamo records _enter_autocast / _exit_autocast
+    nodes around the linear (no autocast around the call): the pass reads the region from them."""
+    x, cos, sin = projection_inputs(dim=16, rot=6)
+    expected, got, optimized = run_both(OneRope("autocast"), (x, cos, sin))
+    assert "_enter_autocast" in only_graph(optimized).code_before
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+    r = row(optimized, PASS)
+    assert r["matches"] == 1 and r["kernels"][0].startswith(
+        "nsa.projection_rope[reference] (1 projection -> 1 GEMM of 16 columns in torch.bfloat16 (autocast: the "
+        "inputs cast to it); RoPE half r=6 on 1"), r
+
+
+class MixedAutocast(nn.Module):
+    """Projections of one fp32 input (k rotated), each in its own `with torch.autocast("cpu",
+    enabled=...)` (no dtype given: the caller's bf16): those named in `off` with autocast
+    disabled, computed in fp32; the others in bf16."""
+
+    def __init__(self, names=("q", "k", "v", "u"), off=("v",), dim=16, D=8):
+        super().__init__()
+        self.names, self.off = names, off
+        self.w = nn.ModuleDict({name: nn.Linear(dim, 2 * D, bias=False) for name in names})
+
+    def forward(self, x, cos, sin):
+        B, S, _ = x.shape
+        outs = []
+        for name in self.names:
+            with torch.autocast("cpu", enabled=name not in self.off):
+                y = self.w[name](x)
+            if name == "k":
+                y = apply_rope(y.view(B, S, 2, 8), cos, sin, "half").flatten(2)
+            outs.append(y.float())
+        return torch.cat(outs, dim=-1)
+
+
+@pytest.mark.parametrize(
+    "off, kernels",
+    [
+        (("v",), ["nsa.projection_rope[reference] (3 projections -> 1 GEMM of 48 columns in torch.bfloat16 "
+                  "(autocast: the inputs cast to it); RoPE half r=8 on 1 of them"]),
+        # the fp32 pair: its own group, no casts
+        (("v", "u"), ["nsa.projection_rope[reference] (2 projections -> 1 GEMM of 32 columns in torch.bfloat16 "
+                      "(autocast: the inputs cast to it); RoPE half r=8 on 1 of them",
+                      "nsa.projection_rope[reference] (2 projections -> 1 GEMM of 32 columns; no RoPE"]),
+    ],
+    ids=["one-off", "two-off"],
+)
+def test_projections_with_autocast_disabled_are_not_merged_with_bf16_ones(off, kernels):
+    """One GEMM computes in one dtype: the fp32 projections form their own group (fp32, no casts)
+    or, alone there, stay eager with the reason; the bf16 ones merge with autocast's casts."""
+    torch.manual_seed(5)
+    eager = MixedAutocast(off=off)
+    inputs = projection_inputs(dim=16)
+    optimized = optimize_fresh(copy.deepcopy(eager), ONLY)
+    assert autocast_parity_failures(eager, optimized, inputs, is_lm=False) == []
+    r = row(optimized, PASS)
+    assert len(r["kernels"]) == len(kernels), r
+    assert all(got.startswith(want) for got, want in zip(sorted(r["kernels"]), sorted(kernels))), r
+    lone = [text for text in r["reasons"] if "one GEMM computes in one dtype" in text]
+    assert r["refused"] == len(lone) == (1 if off == ("v",) else 0), r
+    if lone:
+        assert lone[0].startswith("it computes in torch.float32, the other projections of l_x_ in torch.bfloat16")
+    code = only_graph(optimized).code_after
+    assert code.count("torch._C._nn.linear(") == (1 if off == ("v",) else 0)
+
+
+def test_a_lone_bf16_and_a_lone_fp32_projection_of_one_input_are_refused_with_the_graph_unchanged():
+    eager = MixedAutocast(names=("q", "v"), off=("v",))  # q alone in bf16, v alone in fp32
+    x, cos, sin = projection_inputs(dim=16)
+    with torch.autocast(**CPU_BF16):
+        expected = eager(x, cos, sin)
+        optimized = optimize_fresh(copy.deepcopy(eager), ONLY)
+        got = optimized(x, cos, sin)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # the same eager code
+    record = only_graph(optimized)
+    assert record.code_before == record.code_after
+    r = row(optimized, PASS)
+    assert (r["matches"], r["refused"]) == (0, 2) and sorted(r["reasons"]) == [
+        f"it computes in torch.{a}, the other projections of l_x_ in torch.{b} (autocast on for some, off for "
+        "others?): one GEMM computes in one dtype" for a, b in (("bfloat16", "float32"), ("float32", "bfloat16"))], r
+
+
+def dynamo_graph(module, args, autocast) -> torch.fx.GraphModule:
+    """The Dynamo (torch IR) graph of module(*args) traced under `autocast`, as the passes see it."""
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with autocast:
+        torch.compile(module, backend=keep, fullgraph=True)(*args)
+    (gm,) = graphs
+    return gm
+
+
+@pytest.mark.parametrize(
+    "autocast, reason",
+    [
+        (contextlib.nullcontext(), "outside any autocast region: the op computes in one"),
+        (torch.autocast("cpu", dtype=torch.float16), "and returns torch.bfloat16 in an autocast region of torch.float16"),
+        (torch.autocast("cpu", dtype=torch.bfloat16), None),
+    ],
+    ids=["no-autocast", "fp16-autocast", "bf16-autocast"],
+)
+def test_mixed_dtypes_are_taken_only_in_an_autocast_region_of_the_projections_dtype(autocast, reason):
+    """The pass on a graph traced under bf16 autocast (fp32 in, bf16 out), run under another
+    autocast state than the graph's: only autocast of that dtype explains the mixed dtypes."""
+    module = Projections(shared_kv=True)
+    gm = dynamo_graph(module, projection_inputs(), torch.autocast(**CPU_BF16))
+    before = gm.code
+    log = PassLog(PASS, 0)
+    with autocast:
+        PASS_OBJECT.apply(gm.graph, log)
+    gm.graph.lint()
+    if reason is None:
+        assert len(log.matches) == 1 and not log.refusals
+        assert "3 projections -> 1 GEMM of 64 columns in torch.bfloat16 (autocast" in log.matches[0].kernel
+        gm.recompile()
+        assert "torch.ops.nsa.projection_rope(" in gm.code and "torch._C._nn.linear(" not in gm.code
+    else:
+        assert not log.matches and len(log.refusals) == 3
+        assert all(f.reason.startswith("the projection mixes dtypes ['torch.bfloat16', 'torch.float32'] ")
+                   and reason in f.reason for f in log.refusals), log.refusals
+        gm.recompile()
+        assert gm.code == before
 
 
 # --- the op -----------------------------------------------------------------------------------------------
@@ -516,6 +740,21 @@ def test_seed_model_parity_on_cuda_with_the_pass():
     assert report.ok, [r.as_dict() for r in report.failures()]
     r = row(holder["model"], PASS)
     assert r["matches"] == 2 and r["kernels"][0].startswith("nsa.projection_rope[triton] (7 projections"), r
+
+
+@pytest.mark.gpu
+def test_seed_model_under_cuda_autocast_with_the_pass():
+    """The training setup of the end-to-end benchmark: fp32 parameters, bf16 autocast: the
+    projections merge (2 layers), the Triton kernel runs on autocast's bf16 casts."""
+    torch.manual_seed(0)
+    eager = build_model("seed", n_layers=2).cuda()
+    optimized = optimize_fresh(copy.deepcopy(eager), ONLY)
+    failures = autocast_parity_failures(eager, optimized, (tokens(2, 256, seed=1).cuda(),), is_lm=True,
+                                        device="cuda", eager_runs=3)
+    assert failures == []
+    r = row(optimized, PASS)
+    assert r["matches"] == 2 and all(k.startswith("nsa.projection_rope[triton] (7 projections") and
+                                     "in torch.bfloat16 (autocast" in k for k in r["kernels"]), r
 
 
 @pytest.mark.inductor
