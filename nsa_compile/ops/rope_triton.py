@@ -16,10 +16,11 @@ Forward kernel, a 1-D grid over (row tile, column tile), the column tile fastest
 of one row tile run together and share its x rows in L2; the weights, a few MB, stay in L2).
 Column tiles never straddle pieces; a host-built table (`_tile_table`, cached per layout) gives
 each its piece, first column, weight row offset, rotated flag and the piece's width. A rotated
-tile covers HT whole heads and holds three accumulators, all fed by the same x tile:
-    acc_a [BM, NA]  the first column of every rotation pair (NA = HT * R/2),
-    acc_b [BM, NA]  the partner column of the same pair,
-    acc_p [BM, NP]  the pass-through columns (NP = HT * (D - R); none when R = D),
+tile covers HT whole heads and holds two accumulators, fed by the same x tile:
+    acc   [BM, 2 NA]  the first column of every rotation pair (NA = HT * R/2), then the partner
+                      column of each pair: one dot per K step over both (the weight rows of a
+                      and b stacked), split into acc_a and acc_b [BM, NA] after the K loop,
+    acc_p [BM, NP]    the pass-through columns (NP = HT * (D - R); none when R = D),
 so the rotation is elementwise on registers: out_a = a*cos - b*sin, out_b = b*cos + a*sin, in
 fp32 on the fp32 accumulators (one rounding, where the eager code rounds the projection and
 then each product). The weight rows of a pair are gathered by index (each row is contiguous
@@ -222,10 +223,11 @@ def _kernels():
         kk = tl.arange(0, BK)
         # pointers advanced by BK each step (the Triton tutorial's form: no per-step broadcasts)
         x_ptrs = X + rows64[:, None] * sxm + kk[None, :] * sxk  # [BM, BK]
-        wa_ptrs = W + (row0 + tl.where(ok_a, ca, 0))[:, None] * swn + kk[None, :] * swk  # [JA, BK]
-        wb_ptrs = W + (row0 + tl.where(ok_b, cb, 0))[:, None] * swn + kk[None, :] * swk
-        acc_a = tl.full([BM, JA], 0.0, tl.float32)
-        acc_b = tl.full([BM, JA], 0.0, tl.float32)
+        # the a and b weight rows stacked, [a_0 .. a_{JA-1}, b_0 .. b_{JA-1}]: one dot of 2 JA
+        # columns per step instead of two of JA (wider MMAs, x read once from shared memory)
+        c_ab = tl.reshape(tl.permute(tl.join(tl.where(ok_a, ca, 0), tl.where(ok_b, cb, 0)), (1, 0)), [2 * JA])
+        w_ptrs = W + (row0 + c_ab)[:, None] * swn + kk[None, :] * swk  # [2 JA, BK]
+        acc = tl.full([BM, 2 * JA], 0.0, tl.float32)
         if NP > 0:
             jp = tl.arange(0, JP)
             # rotated: head jp // P, its pass-through column R + jp % P (P = D - R); raw: the third window
@@ -238,19 +240,15 @@ def _kernels():
         for k0 in range(0, K, BK):
             if EVEN_K:
                 xt = tl.load(x_ptrs)
-                wa = tl.load(wa_ptrs)
-                wb = tl.load(wb_ptrs)
+                wt = tl.load(w_ptrs)
             else:
                 k_ok = (k0 + kk < K)[None, :]
                 xt = tl.load(x_ptrs, mask=k_ok, other=0.0)
-                wa = tl.load(wa_ptrs, mask=k_ok, other=0.0)
-                wb = tl.load(wb_ptrs, mask=k_ok, other=0.0)
+                wt = tl.load(w_ptrs, mask=k_ok, other=0.0)
             if UPCAST:
                 xt = xt.to(tl.float32)
-                wa = wa.to(tl.float32)
-                wb = wb.to(tl.float32)
-            acc_a = tl.dot(xt, tl.trans(wa), acc_a, input_precision=PREC)
-            acc_b = tl.dot(xt, tl.trans(wb), acc_b, input_precision=PREC)
+                wt = wt.to(tl.float32)
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PREC)
             if NP > 0:
                 if EVEN_K:
                     wp = tl.load(wp_ptrs)
@@ -261,8 +259,9 @@ def _kernels():
                 acc_p = tl.dot(xt, tl.trans(wp), acc_p, input_precision=PREC)
                 wp_ptrs += BK * swk
             x_ptrs += BK * sxk
-            wa_ptrs += BK * swk
-            wb_ptrs += BK * swk
+            w_ptrs += BK * swk
+        # back to the a and b halves: [BM, 2, JA] -> [BM, JA, 2] -> two [BM, JA]
+        acc_a, acc_b = tl.split(tl.permute(tl.reshape(acc, [BM, 2, JA]), (0, 2, 1)))
 
         if HAS_BIAS:
             acc_a += tl.load(BIAS + row0 + ca, mask=ok_a, other=0.0).to(tl.float32)[None, :]
