@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 
 import pytest
 import torch
+from oracles import assert_raises_eager_and_fake, triton_interpreter, upcast
+from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nsa_compile.models.config import ModelConfig
@@ -39,27 +40,11 @@ NEAR_TIE = 1e-6  # relative difference of eager's p_grp that float32 rounding ma
 @pytest.fixture(autouse=True, scope="module")
 def interpreter_on_cpu():
     """Without CUDA: TRITON_INTERPRET=1 while this module runs (the kernel is rebuilt for it)."""
-    before = os.environ.get("TRITON_INTERPRET")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    if DEVICE == "cpu" and HAVE_TRITON:
-        os.environ["TRITON_INTERPRET"] = "1"
-        bst._kernels.cache_clear()
-    yield
-    if DEVICE == "cpu" and HAVE_TRITON:
-        bst._kernels.cache_clear()
-        if before is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-    torch.set_num_threads(threads)
+    with triton_interpreter(bst, on=DEVICE == "cpu" and HAVE_TRITON):
+        yield
 
 
 # --- the eager side --------------------------------------------------------------------------------
-
-
-def upcast(x):
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 @functools.cache
@@ -479,11 +464,7 @@ BAD = [
 
 @pytest.mark.parametrize("change,match", BAD, ids=[m for _, m in BAD])
 def test_argument_validation(change, match):
-    args = bad_args(**change)
-    with pytest.raises(ValueError, match=match):
-        select_blocks(**args)
-    with torch._subclasses.fake_tensor.FakeTensorMode() as mode, pytest.raises(ValueError, match=match):
-        select_blocks(**{n: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for n, x in args.items()})
+    assert_raises_eager_and_fake(select_blocks, bad_args(**change), match)
 
 
 # --- GPU: the Triton kernel at larger sizes -------------------------------------------------------------

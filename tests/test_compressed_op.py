@@ -6,15 +6,16 @@ and GPU-marked checks at larger sizes (`gpu`; the issue sizes also under `sweep`
 """
 
 import itertools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
-from torch.utils._python_dispatch import TorchDispatchMode
+from oracles import (
+    FLOORS, NAMES, AllocationSpy, assert_backend_matches_reference, assert_close_all, assert_compiles_like_eager,
+    assert_fakes_promise_the_layout, assert_graphs_hold_the_ops, assert_kernel_matches_reference, assert_lse_close,
+    assert_raises_eager_and_fake, assert_within_twice_eager, attention_inputs, gqa_argument_errors,
+    opcheck_forward_and_backward, rel_rms, run_without_triton, triton_interpreter, upcast,
+)
+from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
 
 import nsa_compile
 import nsa_compile.ops
@@ -25,20 +26,6 @@ from nsa_compile.ops import compressed_attention, compressed_attention_backward
 from nsa_compile.ops import compressed_triton as ct
 
 B, G, DK, DV = 2, 2, 16, 24
-FLOORS = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
-NAMES = ("o", "dq", "dk", "dv")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def upcast(x):
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def n_blocks(S, l, d):
@@ -69,13 +56,7 @@ def eager_compressed(q, k, v, l, d, scale):
 def make_inputs(S, h, dtype, l=8, d=4, seed=0, b=B, g=G, dk=DK, dv=DV, Tc=None):
     """q in the model's layout ([B, S, H, Dk] memory) transposed to heads-first, k and v as
     [B, Tc, G, D] memory (what compression produces) transposed, a fixed output gradient."""
-    gen = torch.Generator().manual_seed(seed)
-    Tc = n_blocks(S, l, d) if Tc is None else Tc
-    q = torch.randn(b, S, g * h, dk, generator=gen).to(dtype).transpose(1, 2)
-    k = torch.randn(b, Tc, g, dk, generator=gen).to(dtype).transpose(1, 2)
-    v = torch.randn(b, Tc, g, dv, generator=gen).to(dtype).transpose(1, 2)
-    grad_o = torch.randn(b, g * h, S, dv, generator=gen).to(dtype)
-    return q, k, v, grad_o
+    return attention_inputs(b, S, h, g, dk, dv, dtype, seed, kv_len=n_blocks(S, l, d) if Tc is None else Tc)
 
 
 def run(fn, q, k, v, grad_o, l, d, scale, *extra):
@@ -83,17 +64,6 @@ def run(fn, q, k, v, grad_o, l, d, scale, *extra):
     o = fn(*leaves, l, d, scale, *extra)
     grads = torch.autograd.grad(o, leaves, grad_o, allow_unused=True)
     return (o.detach(), *(torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves, grads)))
-
-
-def rel_rms(x, ref):
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def assert_close_all(ours, ref, what, **tol):
-    for name, a, r in zip(NAMES, ours, ref):
-        assert a.shape == r.shape and a.dtype == r.dtype, f"{what} {name}"
-        torch.testing.assert_close(a, r, **tol, msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
 # --- the reference backend against the eager formula ------------------------------------------
@@ -149,13 +119,7 @@ def test_low_precision_error_vs_fp64_oracle(dtype):
         oracle = run(eager_compressed, *(x.double() for x in (q, k, v, grad_o)), l, d, DK**-0.5)
         ours = run(compressed_attention, q, k, v, grad_o, l, d, DK**-0.5)
         eager = run(eager_compressed, q, k, v, grad_o, l, d, DK**-0.5)
-        for name, a, e, r in zip(NAMES, ours, eager, oracle):
-            assert a.dtype == dtype, name
-            err, eager_err = rel_rms(a, r), rel_rms(e, r)
-            where = f"{name} S={S} l={l} d={d} h={h}: ours {err:.2e}, eager {eager_err:.2e}"
-            assert err <= FLOORS[dtype], where
-            assert err <= 2 * eager_err + 1e-6, where
-            worst = max(worst, err)
+        worst = max(worst, assert_within_twice_eager(ours, eager, oracle, dtype, f"S={S} l={l} d={d} h={h}"))
     assert worst > 0
 
 
@@ -235,32 +199,11 @@ def test_chunk_size_follows_the_budget(monkeypatch):
     assert cmp_mod.visible_blocks(6, 8, 4, 7) == 0 and cmp_mod.visible_blocks(7, 8, 4, 7) == 1
 
 
-class Spy(TorchDispatchMode):
-    """Fills every fresh allocation with NaN, records the largest computed intermediate, the
-    operand shapes of every bmm and every op name."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel, self.names, self.bmm_shapes = 0, set(), set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        self.names.add(name)
-        if name in ("empty", "empty_like", "new_empty", "empty_strided"):
-            out.fill_(float("nan"))
-        elif isinstance(out, torch.Tensor) and func._schema.returns[0].alias_info is None:
-            self.max_numel = max(self.max_numel, out.numel())
-        if name == "bmm":
-            self.bmm_shapes.add((tuple(args[0].shape), tuple(args[1].shape)))
-        return out
-
-
 def test_memory_bounded_gqa_native_and_fully_written():
     S, h, l, d, chunk, D = 1024, 4, 16, 8, 64, 8
     q, k, v, grad_o = make_inputs(S, h, torch.float32, l, d, b=1, dk=D, dv=D)
     Tc = k.shape[2]
-    spy = Spy()
+    spy = AllocationSpy()
     with spy:
         o, lse = cmp_mod._reference_forward(q, k, v, l, d, 0.25, chunk)
         dq, dk, dv = cmp_mod._reference_backward(grad_o, q, k, v, l, d, 0.25, chunk)
@@ -305,13 +248,8 @@ def test_opcheck_forward_and_backward_ops():
     for S, h, l, d, v_dtype in ((7, 3, 8, 4, torch.float32), (33, 2, 6, 3, torch.float64)):  # Tc = 0 and Tc = 10
         q, k, v, grad_o = make_inputs(S, h, torch.float32, l, d, dk=8, dv=5)
         v, grad_o = v.to(v_dtype), grad_o.to(v_dtype)
-        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-        torch.library.opcheck(torch.ops.nsa.compressed_attention.default, (q, k, v, l, d, 0.5, "reference"))
-        o, lse = torch.ops.nsa.compressed_attention(q, k, v, l, d, 0.5)
-        torch.library.opcheck(
-            torch.ops.nsa.compressed_attention_backward.default,
-            (grad_o, *(x.detach() for x in (q, k, v, o, lse)), l, d, 0.5, "reference"),
-        )
+        opcheck_forward_and_backward(torch.ops.nsa.compressed_attention, torch.ops.nsa.compressed_attention_backward,
+                                     q, k, v, grad_o, l, d, 0.5)
 
 
 def model_loss(x_q, k, v):
@@ -331,39 +269,14 @@ def model_inputs(S, h=3, seed=0):
     return [torch.randn(*s, generator=gen) for s in shapes]
 
 
-def loss_and_grads(fn, inputs):
-    inputs = [x.detach().clone().requires_grad_() for x in inputs]
-    loss = fn(*inputs)
-    return (loss.detach(), *torch.autograd.grad(loss, inputs))
-
-
 def test_compile_fullgraph_aot_eager_forward_backward():
-    torch._dynamo.reset()
-    inputs = model_inputs(90)
-    compiled = torch.compile(model_loss, fullgraph=True, backend="aot_eager")
-    for got, want in zip(loss_and_grads(compiled, inputs), loss_and_grads(eager_loss, inputs)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_compiles_like_eager(model_loss, eager_loss, model_inputs(90))
 
 
 def test_compiled_graphs_hold_the_ops_and_fakes_take_dynamic_shapes():
-    torch._dynamo.reset()
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm)
-
-    backend = aot_autograd(fw_compiler=capture, bw_compiler=capture)
-    compiled = torch.compile(model_loss, fullgraph=True, backend=backend, dynamic=True)
-    for S in (40, 77):
-        inputs = model_inputs(S, seed=S)
-        for got, want in zip(loss_and_grads(compiled, inputs), loss_and_grads(eager_loss, inputs)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert len(graphs) == 2
-    fw, bw = (set(n.target for n in gm.graph.nodes if n.op == "call_function") for gm in graphs)
-    assert torch.ops.nsa.compressed_attention.default in fw
-    assert torch.ops.nsa.compressed_attention_backward.default in bw
-    assert torch.ops.nsa.compressed_attention.default not in bw
+    cases = [(model_inputs(S, seed=S),) for S in (40, 77)]
+    assert_graphs_hold_the_ops(model_loss, eager_loss, cases, torch.ops.nsa.compressed_attention.default,
+                               torch.ops.nsa.compressed_attention_backward.default)
 
 
 def bad_args(**change):
@@ -374,17 +287,8 @@ def bad_args(**change):
 
 
 BAD = [
-    (dict(q=torch.randn(2, 4, 20)), "q must be 4-D"),
-    (dict(k=torch.randn(2, 2, 4, 16, 1)), "k must be 4-D"),
-    (dict(v=torch.randn(2, 2, 4)), "v must be 4-D"),
-    (dict(q=torch.ones(2, 4, 20, 16, dtype=torch.int64)), "floating-point"),
-    (dict(k=torch.randn(2, 2, 4, 16, dtype=torch.float64)), "share a dtype"),
-    (dict(q=torch.randn(3, 4, 20, 16)), "batch sizes differ"),
+    *gqa_argument_errors(B, 2 * G, G, 20, 4, DK, DV),  # the inputs of bad_args: S = 20, Tc = 4, h = 2
     (dict(v=torch.randn(2, 2, 5, 24)), "same number of compression tokens"),
-    (dict(k=torch.randn(2, 2, 4, 12)), "head dims differ"),
-    (dict(v=torch.randn(2, 4, 4, 24)), "same number of KV heads"),
-    (dict(q=torch.randn(2, 5, 20, 16)), "H=5 must be a multiple of KV heads G=2"),
-    (dict(k=torch.randn(2, 0, 4, 16), v=torch.randn(2, 0, 4, 24)), "at least one KV head"),
     (dict(block=0), "block must be >= 1"),
     (dict(stride=-4), "stride must be >= 1"),
     (dict(backend="cuda"), "unknown backend 'cuda'; valid: auto, triton, reference"),
@@ -393,12 +297,7 @@ BAD = [
 
 @pytest.mark.parametrize("change,match", BAD, ids=[m for _, m in BAD])
 def test_argument_validation(change, match):
-    args = bad_args(**change)
-    with pytest.raises(ValueError, match=match):
-        compressed_attention(**args)
-    with torch._subclasses.fake_tensor.FakeTensorMode() as mode, pytest.raises(ValueError, match=match):
-        fake = {n: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for n, x in args.items()}
-        compressed_attention(**fake)
+    assert_raises_eager_and_fake(compressed_attention, bad_args(**change), match)
 
 
 def test_backward_op_validates_grad_shape():
@@ -425,14 +324,8 @@ def test_backend_choice_on_the_cpu(monkeypatch):
 def test_outputs_keep_the_layout_the_fakes_promise():
     """Inductor trusts a custom op's fake strides: the real outputs must have the same ones."""
     q, k, v, grad_o = make_inputs(50, 3, torch.float32)
-    o, lse = torch.ops.nsa.compressed_attention(q, k, v, 8, 4, 0.5)
-    grads = compressed_attention_backward(grad_o, q, k, v, o, lse, 8, 4, 0.5)
-    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fq, fk, fv, fg = (mode.from_tensor(x) for x in (q, k, v, grad_o))
-        fo, flse = torch.ops.nsa.compressed_attention(fq, fk, fv, 8, 4, 0.5)
-        fgrads = compressed_attention_backward(fg, fq, fk, fv, fo, flse, 8, 4, 0.5)
-    for real, fake in zip((o, lse, *grads), (fo, flse, *fgrads)):
-        assert real.shape == fake.shape and real.stride() == fake.stride() and real.dtype == fake.dtype
+    o, *_ = assert_fakes_promise_the_layout(torch.ops.nsa.compressed_attention, compressed_attention_backward,
+                                            grad_o, q, k, v, 8, 4, 0.5)
     assert o.transpose(1, 2).is_contiguous()  # [B, S, H, Dv] memory
 
 
@@ -460,17 +353,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def triton_device():
     """On a machine without CUDA: TRITON_INTERPRET=1 while the class runs, kernels rebuilt."""
     pytest.importorskip("triton")
-    before = os.environ.get("TRITON_INTERPRET")
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-        ct._kernels.cache_clear()
-    yield DEVICE
-    if DEVICE == "cpu":
-        ct._kernels.cache_clear()
-        if before is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = before
+    with triton_interpreter(ct, on=DEVICE == "cpu"):
+        yield DEVICE
 
 
 def reference(q, k, v, grad_o, l, d, scale):
@@ -487,18 +371,8 @@ def run_triton(q, k, v, grad_o, l, d, scale, tiles=None):
 
 def check_triton(ours, ref, dtype, what):
     """ours, ref: (o, lse, dq, dk, dv)."""
-    o_lse_ok = torch.equal(ours[1].isneginf(), ref[1].isneginf())
-    assert o_lse_ok and ours[1].dtype == torch.float32, f"{what}: lse -inf rows differ"
-    fin = ref[1].isfinite()
-    lse_tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(ours[1][fin], ref[1][fin], rtol=lse_tol, atol=lse_tol, msg=lambda m: f"{what} lse: {m}")
-    for name, a, r in zip(NAMES, (ours[0], *ours[2:]), (ref[0], *ref[2:])):
-        assert a.dtype == dtype and a.shape == r.shape, f"{what} {name}"
-        assert not a.isnan().any(), f"{what} {name}: NaN"
-        if dtype == torch.float32:
-            torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{what} {name}: {m}")
-        else:
-            assert rel_rms(a, r) <= 1e-2, f"{what} {name}: rel rms {rel_rms(a, r):.2e}"
+    assert_lse_close(ours[1], ref[1], 1e-5 if dtype == torch.float32 else 2e-2, what)
+    assert_kernel_matches_reference((ours[0], *ours[2:]), (ref[0], *ref[2:]), dtype, what)
 
 
 def assert_rows_sum_to_one(sums, max_fraction=0.05):
@@ -608,33 +482,19 @@ class TestTriton:
         fakes promise, gradients for q, k, v; against the reference backend on the same inputs."""
         S, h, l, d = 37, 3, 8, 4
         q, k, v, grad_o = (x.to(DEVICE) for x in make_inputs(S, h, dtype, l, d, seed=11, dv=8))
-        results = {}
-        for backend in ("triton", "reference"):
-            leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-            o, lse = torch.ops.nsa.compressed_attention(*leaves, l, d, 0.4, backend)
-            grads = torch.autograd.grad(o, leaves, grad_o)
-            results[backend] = (o, lse, *grads)
-            with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-                fake = torch.ops.nsa.compressed_attention(*(mode.from_tensor(x) for x in leaves), l, d, 0.4, backend)
-            assert o.stride() == fake[0].stride() and lse.stride() == fake[1].stride()
-            for real, x in zip(grads, leaves):
-                assert real.shape == x.shape and real.dtype == x.dtype
-        tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
-        for name, a, r in zip(("o", "lse", "dq", "dk", "dv"), results["triton"], results["reference"]):
-            torch.testing.assert_close(a.float(), r.float(), **tol, msg=lambda m, name=name: f"{name}: {m}")
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        assert_backend_matches_reference(torch.ops.nsa.compressed_attention, "triton", q, k, v, grad_o, l, d, 0.4,
+                                         rtol=tol, atol=tol)
 
 
 def test_triton_module_imports_without_triton():
-    code = (
-        "import sys; sys.modules['triton'] = None\n"
+    out = run_without_triton(
         "import torch\n"
         "from nsa_compile.ops import compressed_triton as ct\n"
         "x = torch.zeros(1, 1, 4, 8)\n"
         "print(ct.unsupported_reason(x, x, x, 4, 2))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "triton is not installed" in out.stdout
+    assert "triton is not installed" in out
 
 
 # --- on the GPU ---------------------------------------------------------------------------------

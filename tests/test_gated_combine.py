@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import only_graph, optimize_fresh, row, tokens
+from oracles import rel_rms, triton_interpreter
 
 import nsa_compile
 from nsa_compile.models import build_model
@@ -178,22 +179,8 @@ def interpreter():
     pytest.importorskip("triton")
     from nsa_compile.ops import gated_combine_triton as gt
 
-    before = os.environ.get("TRITON_INTERPRET")
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-        gt._kernels.cache_clear()
-    yield gt
-    if DEVICE == "cpu":
-        gt._kernels.cache_clear()
-        if before is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-
-
-def rel_rms(x, ref):
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    with triton_interpreter(gt, on=DEVICE == "cpu"):
+        yield gt
 
 
 TRITON_CASES = [

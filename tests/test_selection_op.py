@@ -4,9 +4,12 @@ import itertools
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
-from torch.utils._python_dispatch import TorchDispatchMode
+from oracles import (
+    AllocationSpy, assert_close_all, assert_compiles_like_eager, assert_fakes_promise_the_layout,
+    assert_graphs_hold_the_ops, assert_raises_eager_and_fake, assert_within_twice_eager, attention_inputs,
+    opcheck_forward_and_backward, qkv_argument_errors, rel_rms, upcast,
+)
+from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
 
 import nsa_compile.ops
 from nsa_compile.models.config import ModelConfig
@@ -18,19 +21,6 @@ B, G, DK, DV, LS = 2, 2, 16, 24, 16
 SEQ_LENS = (1, 17, 63, 100, 200)  # 100, 200 > REFERENCE_CHUNK (64): chunk boundaries inside
 N_SELECTED = (3, 5)
 GROUP_SIZES = (1, 3)
-FLOORS = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def upcast(x):
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def eager_selected(q, k, v, block_idx, block_size, scale):
@@ -75,13 +65,7 @@ def make_block_idx(S, h, n, seed=0, b=B, g=G):
 def make_inputs(S, h, dtype, seed=0, b=B, g=G, dk=DK, dv=DV):
     """q, k, v in the model's layout ([B, S, heads, D]) transposed to heads-first (non-contiguous),
     plus a fixed output gradient."""
-    gen = torch.Generator().manual_seed(seed)
-    H = g * h
-    q = torch.randn(b, S, H, dk, generator=gen).to(dtype).transpose(1, 2)
-    k = torch.randn(b, S, g, dk, generator=gen).to(dtype).transpose(1, 2)
-    v = torch.randn(b, S, g, dv, generator=gen).to(dtype).transpose(1, 2)
-    grad_o = torch.randn(b, H, S, dv, generator=gen).to(dtype)
-    return q, k, v, grad_o
+    return attention_inputs(b, S, h, g, dk, dv, dtype, seed)
 
 
 def run(fn, q, k, v, grad_o, block_idx, scale, block_size=LS):
@@ -89,11 +73,6 @@ def run(fn, q, k, v, grad_o, block_idx, scale, block_size=LS):
     o = fn(*leaves, block_idx, block_size, scale)
     grads = torch.autograd.grad(o, leaves, grad_o)
     return (o.detach(), *grads)
-
-
-def rel_rms(x, ref):
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def test_selection_is_sparse_in_the_cases_tested():
@@ -122,9 +101,7 @@ def test_matches_eager_fp32_fp64(dtype):
         ours = run(selected_attention, q, k, v, grad_o, idx, scale)
         ref = run(eager_selected, q, k, v, grad_o, idx, scale)
         assert ours[0].shape == (B, G * h, S, DV) and ours[0].dtype == dtype
-        for name, a, r in zip(("o", "dq", "dk", "dv"), ours, ref):
-            assert a.shape == r.shape and a.dtype == r.dtype, name
-            torch.testing.assert_close(a, r, **tol, msg=lambda m: f"{name} S={S} n={n} h={h}: {m}")
+        assert_close_all(ours, ref, f"S={S} n={n} h={h}", **tol)
 
 
 def test_test_formula_is_the_models_method():
@@ -149,13 +126,7 @@ def test_low_precision_error_vs_fp64_oracle(dtype):
         oracle = run(eager_selected, *(x.double() for x in (q, k, v, grad_o)), idx, scale)
         ours = run(selected_attention, q, k, v, grad_o, idx, scale)
         eager = run(eager_selected, q, k, v, grad_o, idx, scale)
-        for name, a, e, r in zip(("o", "dq", "dk", "dv"), ours, eager, oracle):
-            assert a.dtype == dtype, name
-            err, eager_err = rel_rms(a, r), rel_rms(e, r)
-            where = f"{name} S={S} n={n} h={h}: ours {err:.2e}, eager {eager_err:.2e}"
-            assert err <= FLOORS[dtype], where
-            assert err <= 2 * eager_err + 1e-6, where
-            worst = max(worst, err)
+        worst = max(worst, assert_within_twice_eager(ours, eager, oracle, dtype, f"S={S} n={n} h={h}"))
     assert worst > 0
 
 
@@ -168,10 +139,7 @@ def test_chunk_boundaries(monkeypatch):
             idx = make_block_idx(S, 3, 3, seed=S + chunk)
             ours = run(selected_attention, q, k, v, grad_o, idx, 0.3)
             ref = run(eager_selected, q, k, v, grad_o, idx, 0.3)
-            for name, a, r in zip(("o", "dq", "dk", "dv"), ours, ref):
-                torch.testing.assert_close(
-                    a, r, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name} S={S} chunk={chunk}: {m}"
-                )
+            assert_close_all(ours, ref, f"S={S} chunk={chunk}", rtol=1e-12, atol=1e-12)
 
 
 def test_hand_built_block_idx_and_empty_rows():
@@ -233,32 +201,11 @@ def test_mixed_dtypes_follow_eager():
         assert rel_rms(a, r) < 5e-3, name
 
 
-class Spy(TorchDispatchMode):
-    """Fills every fresh allocation with NaN, records the largest computed intermediate, the
-    operand shapes of every bmm and every op name."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel, self.names, self.bmm_shapes = 0, set(), set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        self.names.add(name)
-        if name in ("empty", "empty_like", "new_empty", "empty_strided"):
-            out.fill_(float("nan"))
-        elif isinstance(out, torch.Tensor) and func._schema.returns[0].alias_info is None:
-            self.max_numel = max(self.max_numel, out.numel())
-        if name == "bmm":
-            self.bmm_shapes.add((tuple(args[0].shape), tuple(args[1].shape)))
-        return out
-
-
 def test_memory_bounded_gqa_native_and_fully_written():
     S, h, n, chunk, D = 1024, 4, 3, 64, 8
     q, k, v, grad_o = make_inputs(S, h, torch.float32, b=1, dk=D, dv=D)
     idx = make_block_idx(S, h, n, seed=2, b=1)
-    spy = Spy()
+    spy = AllocationSpy()
     with spy:
         o, _ = sel_mod._reference_forward(q, k, v, idx, LS, 0.25, chunk)
         dq, dk, dv = sel_mod._reference_backward(grad_o, q, k, v, idx, LS, 0.25, chunk)
@@ -273,8 +220,7 @@ def test_memory_bounded_gqa_native_and_fully_written():
     assert "repeat_interleave" not in spy.names and "repeat" not in spy.names
     assert ((G * chunk, h, D), (G * chunk, D, T)) in spy.bmm_shapes
     ref = run(eager_selected, q, k, v, grad_o, idx, 0.25)
-    for name, a, r in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), ref):
-        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_close_all((o, dq, dk, dv), ref, "spy", rtol=1e-5, atol=1e-5)
 
 
 def test_low_precision_dk_dv_accumulate_in_fp32(monkeypatch):
@@ -298,13 +244,8 @@ def test_opcheck_forward_and_backward_ops():
         q, k, v, grad_o = make_inputs(S, h, torch.float32, dk=8, dv=5)
         v, grad_o = v.to(v_dtype), grad_o.to(v_dtype)
         idx = make_block_idx(S, h, n, seed=S)
-        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-        torch.library.opcheck(torch.ops.nsa.selected_attention.default, (q, k, v, idx, 8, 0.5, "reference"))
-        o, lse = torch.ops.nsa.selected_attention(q, k, v, idx, 8, 0.5)
-        torch.library.opcheck(
-            torch.ops.nsa.selected_attention_backward.default,
-            (grad_o, *(x.detach() for x in (q, k, v, o, lse)), idx, 8, 0.5, "reference"),
-        )
+        opcheck_forward_and_backward(torch.ops.nsa.selected_attention, torch.ops.nsa.selected_attention_backward,
+                                     q, k, v, grad_o, idx, 8, 0.5)
 
 
 def model_loss(x_q, x_k, x_v, idx):
@@ -323,41 +264,14 @@ def model_inputs(S, h=3, seed=0):
     return [torch.randn(*s, generator=gen, requires_grad=True) for s in shapes]
 
 
-def loss_and_grads(fn, inputs, idx):
-    inputs = [x.detach().clone().requires_grad_() for x in inputs]
-    loss = fn(*inputs, idx)
-    return (loss.detach(), *torch.autograd.grad(loss, inputs))
-
-
 def test_compile_fullgraph_aot_eager_forward_backward():
-    torch._dynamo.reset()
-    inputs = model_inputs(150)
-    idx = make_block_idx(150, 3, 5, seed=9)
-    compiled = torch.compile(model_loss, fullgraph=True, backend="aot_eager")
-    for got, want in zip(loss_and_grads(compiled, inputs, idx), loss_and_grads(eager_loss, inputs, idx)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_compiles_like_eager(model_loss, eager_loss, model_inputs(150), make_block_idx(150, 3, 5, seed=9))
 
 
 def test_compiled_graphs_hold_the_ops_and_fakes_take_dynamic_shapes():
-    torch._dynamo.reset()
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm)
-
-    backend = aot_autograd(fw_compiler=capture, bw_compiler=capture)
-    compiled = torch.compile(model_loss, fullgraph=True, backend=backend, dynamic=True)
-    for S in (40, 77):
-        inputs = model_inputs(S, seed=S)
-        idx = make_block_idx(S, 3, 3, seed=S)
-        for got, want in zip(loss_and_grads(compiled, inputs, idx), loss_and_grads(eager_loss, inputs, idx)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert len(graphs) == 2
-    fw, bw = (set(n.target for n in gm.graph.nodes if n.op == "call_function") for gm in graphs)
-    assert torch.ops.nsa.selected_attention.default in fw
-    assert torch.ops.nsa.selected_attention_backward.default in bw
-    assert torch.ops.nsa.selected_attention.default not in bw
+    cases = [(model_inputs(S, seed=S), make_block_idx(S, 3, 3, seed=S)) for S in (40, 77)]
+    assert_graphs_hold_the_ops(model_loss, eager_loss, cases, torch.ops.nsa.selected_attention.default,
+                               torch.ops.nsa.selected_attention_backward.default)
 
 
 def bad_args(**change):
@@ -368,17 +282,7 @@ def bad_args(**change):
 
 
 BAD = [
-    (dict(q=torch.randn(2, 4, 8)), "q must be 4-D"),
-    (dict(k=torch.randn(2, 2, 8, 16, 1)), "k must be 4-D"),
-    (dict(v=torch.randn(2, 2, 8)), "v must be 4-D"),
-    (dict(q=torch.ones(2, 4, 8, 16, dtype=torch.int64)), "floating-point"),
-    (dict(k=torch.randn(2, 2, 8, 16, dtype=torch.float64)), "share a dtype"),
-    (dict(q=torch.randn(3, 4, 8, 16)), "batch sizes differ"),
-    (dict(v=torch.randn(2, 2, 9, 24)), "sequence lengths differ"),
-    (dict(k=torch.randn(2, 2, 8, 12)), "head dims differ"),
-    (dict(v=torch.randn(2, 4, 8, 24)), "same number of KV heads"),
-    (dict(q=torch.randn(2, 5, 8, 16)), "H=5 must be a multiple of KV heads G=2"),
-    (dict(k=torch.randn(2, 0, 8, 16), v=torch.randn(2, 0, 8, 24)), "at least one KV head"),
+    *qkv_argument_errors(B, 2 * G, G, 8, DK, DV),  # the inputs of bad_args: S = 8, h = 2
     (dict(block_idx=torch.zeros(2, 2, 8, 3, dtype=torch.int32)), "block_idx must be an int64"),
     (dict(block_idx=torch.zeros(2, 2, 8, dtype=torch.int64)), r"block_idx must have shape \[B, G, S, n\]"),
     (dict(block_idx=torch.zeros(2, 4, 8, 3, dtype=torch.int64)), r"block_idx must have shape"),
@@ -390,12 +294,7 @@ BAD = [
 
 @pytest.mark.parametrize("change,match", BAD, ids=[m for _, m in BAD])
 def test_argument_validation(change, match):
-    args = bad_args(**change)
-    with pytest.raises(ValueError, match=match):
-        selected_attention(**args)
-    with torch._subclasses.fake_tensor.FakeTensorMode() as mode, pytest.raises(ValueError, match=match):
-        fake = {n: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for n, x in args.items()}
-        selected_attention(**fake)
+    assert_raises_eager_and_fake(selected_attention, bad_args(**change), match)
 
 
 def test_backward_op_validates_grad_shape():
@@ -435,14 +334,8 @@ def test_outputs_keep_the_layout_the_fakes_promise():
     """Inductor trusts a custom op's fake strides: the real outputs must have the same ones."""
     q, k, v, grad_o = make_inputs(50, 3, torch.float32)
     idx = make_block_idx(50, 3, 3, seed=1)
-    o, lse = torch.ops.nsa.selected_attention(q, k, v, idx, LS, 0.5)
-    grads = selected_attention_backward(grad_o, q, k, v, o, lse, idx, LS, 0.5)
-    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fq, fk, fv, fg, fi = (mode.from_tensor(x) for x in (q, k, v, grad_o, idx))
-        fo, flse = torch.ops.nsa.selected_attention(fq, fk, fv, fi, LS, 0.5)
-        fgrads = selected_attention_backward(fg, fq, fk, fv, fo, flse, fi, LS, 0.5)
-    for real, fake in zip((o, lse, *grads), (fo, flse, *fgrads)):
-        assert real.shape == fake.shape and real.stride() == fake.stride() and real.dtype == fake.dtype
+    assert_fakes_promise_the_layout(torch.ops.nsa.selected_attention, selected_attention_backward, grad_o, q, k, v,
+                                    idx, LS, 0.5)
 
 
 def test_public_surface():

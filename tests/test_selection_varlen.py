@@ -20,19 +20,15 @@ import types
 
 import pytest
 import torch
+from oracles import (
+    FLOORS, assert_backend_matches_reference, assert_lse_close, attention_inputs, random_block_idx, rel_rms,
+)
+from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
 
 from nsa_compile.ops import selection as sel
 from nsa_compile.ops import selection_varlen as sv
 
 B = 2
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # --- the stand-in for the per-segment FA-2 call -----------------------------------------------------
@@ -71,16 +67,21 @@ def _check_tensors(q, k, v):
     assert q.shape[1] % k.shape[1] == 0 and k.shape[:2] == v.shape[:2]
 
 
+def _scores(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    """One varlen call as FA-2 sees it (checked as FA-2 would): the allowed mask [Tq, Tk], K and V
+    repeated to the Hq query heads in float32, and the scaled scores [Hq, Tq, Tk] in float32."""
+    _check_tensors(q, k, v)
+    Hq, Hk = q.shape[1], k.shape[1]
+    allowed = _allowed(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k, causal)
+    kk = k.float().repeat_interleave(Hq // Hk, dim=1)
+    vv = v.float().repeat_interleave(Hq // Hk, dim=1)
+    return allowed, kk, vv, torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
+
+
 def reference_attend(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
     """FA-2's varlen forward in PyTorch (differentiable in o): o [Tq, Hq, Dv] in q's dtype and
     lse [Hq, Tq] float32, +inf on a row without keys (as FA-2 writes it)."""
-    _check_tensors(q, k, v)
-    Tq, Hq, _ = q.shape
-    Tk, Hk, _ = k.shape
-    allowed = _allowed(cu_q, cu_k, Tq, Tk, max_q, max_k, causal)
-    kk = k.float().repeat_interleave(Hq // Hk, dim=1)
-    vv = v.float().repeat_interleave(Hq // Hk, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
+    allowed, _, vv, s = _scores(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
     s = s.masked_fill(~allowed, -math.inf)
     lse = torch.logsumexp(s, -1)  # [Hq, Tq]
     # the softmax, differentiable; a row without keys (lse -inf) gets p = 0
@@ -91,14 +92,10 @@ def reference_attend(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
 
 def reference_backward(grad_o, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, scale, causal):
     """FA-2's varlen backward in PyTorch: P from the GIVEN lse, D = rowsum(grad_o * given o)."""
-    _check_tensors(q, k, v)
+    allowed, kk, vv, s = _scores(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
     assert grad_o.shape[:2] == o.shape[:2] == q.shape[:2] and lse.shape == (q.shape[1], q.shape[0])
-    Tq, Hq, Dk = q.shape
+    Hq, Dk = q.shape[1:]
     Tk, Hk, Dv = v.shape
-    allowed = _allowed(cu_q, cu_k, Tq, Tk, max_q, max_k, causal)
-    kk = k.float().repeat_interleave(Hq // Hk, dim=1)
-    vv = v.float().repeat_interleave(Hq // Hk, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
     p = torch.exp(s - lse[..., None]).masked_fill(~allowed, 0)  # lse +inf: P = 0
     g = grad_o.float()
     dp = torch.einsum("qhd,khd->hqk", g, vv)
@@ -132,28 +129,9 @@ class StandIn:
 # --- inputs and the reference --------------------------------------------------------------------
 
 
-def random_block_idx(b, g, S, n, block_size, seed, device="cpu"):
-    """A valid selection [b, g, S, n]: the current block forced, the rest distinct random earlier
-    blocks, ascending, -1 padded where fewer than n candidates exist."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(-(-S // block_size), n)
-    j = torch.arange(width)
-    cur = (torch.arange(S) // block_size)[:, None]
-    key = torch.rand(b, g, S, width, generator=gen)
-    key = torch.where(j == cur, 2.0, key).masked_fill(j > cur, float("-inf"))
-    val, idx = key.topk(n, dim=-1)
-    idx = torch.where(val > float("-inf"), idx, width).sort(dim=-1).values
-    return torch.where(idx == width, -1, idx).to(device)
-
-
 def make_inputs(S, h, g, dk, dv, dtype, seed, device="cpu"):
     """q, k, v as [B, S, heads, D] memory viewed [B, heads, S, D] (the model's layout), grad_o."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, S, g * h, dk, generator=gen).to(dtype).transpose(1, 2)
-    k = torch.randn(B, S, g, dk, generator=gen).to(dtype).transpose(1, 2)
-    v = torch.randn(B, S, g, dv, generator=gen).to(dtype).transpose(1, 2)
-    grad_o = torch.randn(B, g * h, S, dv, generator=gen).to(dtype)
-    return [x.to(device) for x in (q, k, v, grad_o)]
+    return [x.to(device) for x in attention_inputs(B, S, h, g, dk, dv, dtype, seed)]
 
 
 def reference(q, k, v, grad_o, block_idx, block_size, scale):
@@ -170,25 +148,13 @@ def run_varlen(q, k, v, grad_o, block_idx, block_size, scale, attention, chunk_r
     return (o, lse, *grads)
 
 
-def rel_rms(x, ref):
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-FLOORS = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
-
-
 def check(ours, ref, dtype, what):
     """o, lse, dq, dk, dv against the float64 reference: dtypes, no NaN, the layout, the floors."""
     for name, a, r in zip(("o", "lse", "dq", "dk", "dv"), ours, ref):
         assert a.shape == r.shape, f"{what} {name}: shape {tuple(a.shape)} != {tuple(r.shape)}"
         assert a.dtype == (torch.float32 if name == "lse" else dtype), f"{what} {name}: dtype {a.dtype}"
         if name == "lse":
-            assert torch.equal(a.isneginf(), r.isneginf()), f"{what} lse: -inf rows differ"
-            fin = r.isfinite()
-            tol = 1e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(a[fin].double(), r[fin].double(), rtol=tol, atol=tol,
-                                       msg=lambda m: f"{what} lse: {m}")
+            assert_lse_close(a, r, 1e-5 if dtype == torch.float32 else 2e-2, what)
             continue
         assert not a.isnan().any(), f"{what} {name}: NaN"
         assert a.transpose(1, 2).is_contiguous(), f"{what} {name}: not [B, S, heads, D] memory"
@@ -326,20 +292,8 @@ def test_the_op_routes_varlen_forward_and_backward(monkeypatch):
     S, h, G, ls, n = 23, 3, 2, 4, 3
     q, k, v, grad_o = make_inputs(S, h, G, 8, 8, torch.float32, seed=11)
     idx = random_block_idx(B, G, S, n, ls, seed=11)
-    results = {}
-    for backend in ("varlen", "reference"):
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        o, lse = torch.ops.nsa.selected_attention(*leaves, idx, ls, 0.4, backend)
-        grads = torch.autograd.grad(o, leaves, grad_o)
-        results[backend] = (o, lse, *grads)
-        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-            fakes = [mode.from_tensor(x) for x in (*leaves, idx)]
-            fake_o, _ = torch.ops.nsa.selected_attention(*fakes, ls, 0.4, backend)
-        assert o.stride() == fake_o.stride()
-        for x, leaf in zip(grads, leaves):
-            assert x.stride() == leaf.stride()
-    for name, a, r in zip(("o", "lse", "dq", "dk", "dv"), results["varlen"], results["reference"]):
-        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    assert_backend_matches_reference(torch.ops.nsa.selected_attention, "varlen", q, k, v, grad_o, idx, ls, 0.4,
+                                     rtol=1e-5, atol=1e-5)
     assert {c[0] for c in standin.calls} == {"fwd", "bwd"}  # both ops took the varlen route
 
 
@@ -431,10 +385,6 @@ def test_flash_attn_package_reasons(monkeypatch):
 # --- on the GPU --------------------------------------------------------------------------------------
 
 
-def _rel(a, r):
-    return ((a.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fa2_calls_match_the_stand_in(dtype):
@@ -459,7 +409,7 @@ def test_fa2_calls_match_the_stand_in(dtype):
         o, lse = sv.FA2.forward(q_, k_, v_, cq, blocks, mq, ls, 0.125, causal)
         o_ref, lse_ref = reference_attend(q_, k_, v_, cq, blocks, mq, ls, 0.125, causal)
         assert lse.shape == lse_ref.shape and o.shape == o_ref.shape
-        assert _rel(o, o_ref) < 1e-2 and (lse - lse_ref).abs().max().item() < 1e-2
+        assert rel_rms(o, o_ref) < 1e-2 and (lse - lse_ref).abs().max().item() < 1e-2
         grad = torch.randn(o.shape, device="cuda", generator=g, dtype=dtype)
         given_o = torch.randn(o.shape, device="cuda", generator=g, dtype=dtype)
         given_lse = lse + 0.5
@@ -468,7 +418,7 @@ def test_fa2_calls_match_the_stand_in(dtype):
         want = reference_backward(grad, q_, k_, v_, given_o, given_lse, cq, blocks, mq, ls, 0.125, causal)
         for name, a, r in zip(("dq", "dk", "dv"), got, want):
             assert a.shape == r.shape and not a.isnan().any(), name
-            assert _rel(a, r) < 1e-2, (name, causal, _rel(a, r))
+            assert rel_rms(a, r) < 1e-2, (name, causal, rel_rms(a, r))
         if not causal:  # keys of blocks no query chose: exactly 0
             assert torch.equal(got[1][:ls], torch.zeros_like(got[1][:ls]))
 
@@ -497,7 +447,7 @@ def _issue_size_case(S, h, dtype, chunk_rows=None, monkeypatch=None):
         if name == "lse":
             assert (a.double() - r).abs().max().item() < 0.05, name
             continue
-        err = _rel(a, r)
+        err = rel_rms(a, r)
         assert a.dtype == dtype and err <= FLOORS[dtype], (name, dtype, err)
         assert a.transpose(1, 2).is_contiguous(), name
 

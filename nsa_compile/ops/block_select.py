@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from . import block_select_triton
-from .common import check_positive_int, upcast_dtype
+from .common import check_gqa, check_positive_int, pick_backend, upcast_dtype, why_not_triton_on
 
 __all__ = ["BACKENDS", "REFERENCE_BUDGET", "choose_backend", "select_blocks", "why_not_triton"]
 
@@ -57,50 +57,28 @@ _OP = "select_blocks"
 
 
 def choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, backend: str = "auto") -> str:
-    """The backend that computes these inputs: `backend` itself, or for 'auto' triton where it can
-    run on CUDA and reference elsewhere. ValueError if a named backend cannot run them (with why).
-    (Named explicitly, triton also runs on the CPU under TRITON_INTERPRET=1: the tests do that.)"""
-    if backend not in BACKENDS:
-        raise ValueError(f"{_OP}: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    if backend == "triton":
-        why = block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected)
-        if why:
-            raise ValueError(f"{_OP}: backend 'triton' cannot run these inputs: {why}")
-    if backend == "auto":
-        why = why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected)
-        return "reference" if why else "triton"
-    return backend
+    """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
+    run these inputs), or for 'auto' triton where it can run on CUDA and reference elsewhere."""
+    args = (q, k, lse, cmp_block, cmp_stride, sel_block, n_selected)
+    return pick_backend(_OP, BACKENDS, backend,
+                        cannot_run={"triton": lambda: block_select_triton.unsupported_reason(*args)},
+                        preferred="triton", why_not_preferred=lambda: why_not_triton(*args))
 
 
 def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected) -> str | None:
     """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
-    if q.device.type != "cuda":
-        return f"the Triton kernel runs on CUDA (tensors on {q.device.type})"
-    return block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected)
+    return why_not_triton_on(
+        q.device,
+        lambda: block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected),
+        kernels="the Triton kernel runs",
+    )
 
 
 def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto") -> str:
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
     dtypes, block sizes and backend are valid."""
-    for name, t, want in (("q", q, "[B, H, S, Dk]"), ("k", k, "[B, G, Tc, Dk]")):
-        if t.dim() != 4:
-            raise ValueError(f"{_OP}: {name} must be 4-D {want}, got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"{_OP}: {name} must be a floating-point tensor, got {t.dtype}")
-    if q.dtype != k.dtype:
-        raise ValueError(f"{_OP}: q and k must share a dtype (q @ k^T), got {q.dtype} and {k.dtype}")
-    if len({q.device, k.device, lse.device}) != 1:
-        raise ValueError(f"{_OP}: q, k, lse must be on one device, got {q.device}, {k.device}, {lse.device}")
-    B, H, S, Dk = q.shape
-    G = k.shape[1]
-    if k.shape[0] != B:
-        raise ValueError(f"{_OP}: batch sizes differ: q {B}, k {k.shape[0]}")
-    if k.shape[3] != Dk:
-        raise ValueError(f"{_OP}: q and k head dims differ: {Dk} and {k.shape[3]}")
-    if G < 1:
-        raise ValueError(f"{_OP}: k needs at least one KV head (G >= 1)")
-    if H % G != 0:
-        raise ValueError(f"{_OP}: query heads H={H} must be a multiple of KV heads G={G}")
+    check_gqa(_OP, q, k, rows="Tc", lse=lse)
+    B, H, S, _ = q.shape
     if lse.dtype != torch.float32:
         raise ValueError(f"{_OP}: lse must be a float32 tensor, got {lse.dtype}")
     if tuple(lse.shape) != (B, H, S):

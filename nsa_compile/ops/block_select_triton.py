@@ -59,7 +59,7 @@ tile covers the first block's reach); n <= 128; S < 2^31.
 CPU interpreter: built on first use (`_kernels`), as in selection_triton.py: TRITON_INTERPRET only
 has to be set before the first call (`_kernels.cache_clear()` rebuilds); interpreted, bf16 dot
 operands are cast to fp32 first (the interpreter multiplies bf16 as raw bits) and the reductions
-are tl.reduce with triton's combine functions (see selection_triton._set_reductions).
+are tl.reduce with triton's combine functions (see triton_support.row_reductions).
 """
 
 from __future__ import annotations
@@ -74,13 +74,15 @@ try:
 except ImportError:  # the module still imports; unsupported_reason says why the kernel cannot run
     triton = tl = None
 
-from .triton_support import cdiv as _cdiv, interpreting as _interpreting, next_pow2 as _next_pow2
+from .triton_support import (
+    KERNEL_DTYPES, cdiv as _cdiv, device_reason, interpreting as _interpreting, next_pow2 as _next_pow2,
+    row_reductions,
+)
 
 __all__ = ["select_blocks_forward", "unsupported_reason"]
 
 MAX_HEAD_DIM = 256
 MAX_SELECTED = 128
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _tiles(h: int, Dk: int, cmp_stride: int, sel_block: int, n_selected: int, fp32: bool,
@@ -120,14 +122,9 @@ def _tiles(h: int, Dk: int, cmp_stride: int, sel_block: int, n_selected: int, fp
 
 def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected) -> str | None:
     """Why the Triton kernel cannot run these inputs, or None when it can."""
-    if triton is None:
-        return "triton is not installed"
-    devices = {t.device.type for t in (q, k, lse)}
-    if len(devices) != 1:
-        return f"tensors on several devices: {sorted(devices)}"
-    if devices != {"cuda"} and not _interpreting():
-        return f"device {devices.pop()} (needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter)"
-    if q.dtype != k.dtype or q.dtype not in _DTYPES:
+    if why := device_reason(q, k, lse):
+        return why
+    if q.dtype != k.dtype or q.dtype not in KERNEL_DTYPES:
         return f"dtypes q {q.dtype}, k {k.dtype} (needs one of fp16, bf16, fp32 for both)"
     if q.dim() != 4 or k.dim() != 4:
         return "q and k must be 4-D"
@@ -157,18 +154,11 @@ def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected) 
 
 
 def _set_reductions() -> None:
-    """Row max / min / sum for the kernel (module globals, looked up when the kernel runs):
-    tl.max / tl.min / tl.sum compiled; interpreted, tl.reduce with triton's combine functions (the
-    library reductions are @triton.jit functions the interpreter cannot call here; see
-    selection_triton._set_reductions)."""
+    """Row max / min / sum for the kernel, as module globals (looked up when the kernel runs): the
+    library reductions compiled, plain functions interpreted (`triton_support.row_reductions`)."""
     global _vmax, _vmin, _vsum, _built_interpreted
     _built_interpreted = _interpreting()
-    if _built_interpreted:
-        _vmax = lambda x, axis: tl.reduce(x, axis, tl.standard._elementwise_max)
-        _vmin = lambda x, axis: tl.reduce(x, axis, tl.standard._elementwise_min)
-        _vsum = lambda x, axis: tl.reduce(x, axis, tl.standard._sum_combine)
-    else:
-        _vmax, _vmin, _vsum = tl.max, tl.min, tl.sum
+    _vmax, _vmin, _vsum = row_reductions(_built_interpreted, "max", "min", "sum")
 
 
 _vmax = _vmin = _vsum = None

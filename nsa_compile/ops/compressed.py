@@ -44,7 +44,10 @@ from __future__ import annotations
 import torch
 
 from . import compressed_triton
-from .common import bshd_empty, check_grad_o, check_positive_int, upcast_dtype
+from .common import (
+    bshd_empty, check_gqa, check_grad_o, check_positive_int, empty_attention_grads, empty_attention_outputs,
+    pick_backend, upcast_dtype, why_not_triton_on,
+)
 
 __all__ = ["BACKENDS", "choose_backend", "compressed_attention", "compressed_attention_backward"]
 
@@ -60,57 +63,29 @@ REFERENCE_CHUNK: int | None = None
 
 
 def choose_backend(q, k, v, block, stride, backend: str = "auto") -> str:
-    """The backend that computes these inputs: `backend` itself, or for 'auto' triton where it can
-    run on CUDA and reference elsewhere. ValueError if a named backend cannot run them (with why).
-    (Named explicitly, triton also runs on the CPU under TRITON_INTERPRET=1: the tests do that.)"""
-    if backend not in BACKENDS:
-        raise ValueError(f"compressed_attention: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    if backend == "triton":
-        why = compressed_triton.unsupported_reason(q, k, v, block, stride)
-        if why:
-            raise ValueError(f"compressed_attention: backend 'triton' cannot run these inputs: {why}")
-    if backend == "auto":
-        return "reference" if why_not_triton(q, k, v, block, stride) else "triton"
-    return backend
+    """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
+    run these inputs), or for 'auto' triton where it can run on CUDA and reference elsewhere."""
+    args = (q, k, v, block, stride)
+    return pick_backend("compressed_attention", BACKENDS, backend,
+                        cannot_run={"triton": lambda: compressed_triton.unsupported_reason(*args)},
+                        preferred="triton", why_not_preferred=lambda: why_not_triton(*args))
 
 
 def why_not_triton(q, k, v, block, stride) -> str | None:
     """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
-    if q.device.type != "cuda":
-        return f"the Triton kernels run on CUDA (tensors on {q.device.type})"
-    return compressed_triton.unsupported_reason(q, k, v, block, stride)
+    return why_not_triton_on(q.device, lambda: compressed_triton.unsupported_reason(q, k, v, block, stride))
 
 
 def _check(q, k, v, block, stride, scale, backend="auto") -> str:
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
-    dtypes, block, stride and backend are valid. (common.check_qkv does not fit: k and v hold Tc
-    compression tokens, not S.)"""
+    dtypes, block, stride and backend are valid. (k and v hold Tc compression tokens, not S:
+    common.check_qkv does not fit.)"""
     op = "compressed_attention"
-    for name, t, want in (("q", q, "[B, H, S, Dk]"), ("k", k, "[B, G, Tc, Dk]"), ("v", v, "[B, G, Tc, Dv]")):
-        if t.dim() != 4:
-            raise ValueError(f"{op}: {name} must be 4-D {want}, got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
-    if q.dtype != k.dtype:
-        raise ValueError(f"{op}: q and k must share a dtype (q @ k^T), got {q.dtype} and {k.dtype}")
-    if len({q.device, k.device, v.device}) != 1:
-        raise ValueError(f"{op}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    B, H, _, Dk = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"{op}: batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[3] != Dk:
-        raise ValueError(f"{op}: q and k head dims differ: {Dk} and {k.shape[3]}")
-    G = k.shape[1]
-    if v.shape[1] != G:
-        raise ValueError(f"{op}: k and v must have the same number of KV heads, got {G} and {v.shape[1]}")
+    check_gqa(op, q, k, v, rows="Tc")
     if k.shape[2] != v.shape[2]:
         raise ValueError(
             f"{op}: k and v must hold the same number of compression tokens, got {k.shape[2]} and {v.shape[2]}"
         )
-    if G < 1:
-        raise ValueError(f"{op}: k and v need at least one KV head (G >= 1)")
-    if H % G != 0:
-        raise ValueError(f"{op}: query heads H={H} must be a multiple of KV heads G={G}")
     check_positive_int(op, "block", block)
     check_positive_int(op, "stride", stride)
     return choose_backend(q, k, v, block, stride, backend)
@@ -178,10 +153,9 @@ def _chunk_probs(qc, kc, visible, scale, empty_rows: bool):
 
 def _reference_forward(q, k, v, block: int, stride: int, scale: float, chunk: int | None = None):
     B, H, S, _ = q.shape
-    G, Tc, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G, Tc = k.shape[1], k.shape[2]
     h = H // G
-    out = bshd_empty(B, H, S, Dv, v)
-    lse = q.new_empty((B, H, S), dtype=torch.float32)
+    out, lse = empty_attention_outputs(q, v)
     for t0, t1, n in _chunks(S, B, H, Tc, block, stride, chunk):
         if n == 0:  # no row of the chunk sees a block yet
             out[:, :, t0:t1] = 0
@@ -250,8 +224,7 @@ def _compressed_attention_op(
 @_compressed_attention_op.register_fake
 def _compressed_attention_fake(q, k, v, block, stride, scale, backend="auto"):
     _check(q, k, v, block, stride, scale, backend)
-    B, H, S, _ = q.shape
-    return bshd_empty(B, H, S, v.shape[3], v), q.new_empty((B, H, S), dtype=torch.float32)
+    return empty_attention_outputs(q, v)
 
 
 def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
@@ -276,9 +249,7 @@ def compressed_attention_backward(
 def _compressed_attention_backward_fake(grad_o, q, k, v, o, lse, block, stride, scale, backend="auto"):
     _check(q, k, v, block, stride, scale, backend)
     _check_grad(grad_o, q, v)
-    B, H, S, Dk = q.shape
-    G, Tc, Dv = k.shape[1], k.shape[2], v.shape[3]
-    return bshd_empty(B, H, S, Dk, q), bshd_empty(B, G, Tc, Dk, k), bshd_empty(B, G, Tc, Dv, v)
+    return empty_attention_grads(q, k, v)
 
 
 def _setup_context(ctx, inputs, output):

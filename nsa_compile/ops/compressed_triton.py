@@ -61,7 +61,7 @@ import functools
 
 import torch
 
-from .common import bshd_empty
+from .common import empty_attention_grads, empty_attention_outputs
 
 try:
     import triton
@@ -70,13 +70,13 @@ except ImportError:  # the module still imports; unsupported_reason says why the
     triton = tl = None
 
 from .triton_support import (
-    cdiv as _cdiv, dot_precision as _dot_precision, interpreting as _interpreting, next_pow2 as _next_pow2,
+    cdiv as _cdiv, device_reason, dot_precision as _dot_precision, interpreting as _interpreting,
+    next_pow2 as _next_pow2, qkv_reason, row_reductions,
 )
 
 __all__ = ["compressed_backward", "compressed_forward", "unsupported_reason"]
 
 MAX_HEAD_DIM = 256
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The dk/dv kernel's default segment on CUDA: enough work items for this many per SM.
 ITEMS_PER_SM = 4
 LOG2E = 1.4426950408889634
@@ -84,19 +84,8 @@ LOG2E = 1.4426950408889634
 
 def unsupported_reason(q, k, v, block, stride) -> str | None:
     """Why the Triton kernels cannot run these inputs, or None when they can."""
-    if triton is None:
-        return "triton is not installed"
-    devices = {t.device.type for t in (q, k, v)}
-    if len(devices) != 1:
-        return f"tensors on several devices: {sorted(devices)}"
-    if devices != {"cuda"} and not _interpreting():
-        return f"device {devices.pop()} (needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter)"
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
-        return f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype} (needs one of fp16, bf16, fp32 for all three)"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return "q, k, v must be 4-D"
-    if q.shape[3] > MAX_HEAD_DIM or v.shape[3] > MAX_HEAD_DIM:
-        return f"head dims Dk {q.shape[3]}, Dv {v.shape[3]} (at most {MAX_HEAD_DIM})"
+    if why := device_reason(q, k, v) or qkv_reason(q, k, v, MAX_HEAD_DIM):
+        return why
     for name, value in (("block", block), ("stride", stride)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return f"{name} {value!r} (needs an int >= 1)"
@@ -177,20 +166,14 @@ def _rounded_interpreted(x, dtype):
 
 
 def _set_reductions() -> None:
-    """Row max / row sum and the rounding helper for the kernels (module globals, looked up when
-    a kernel runs). Compiled: tl.max, tl.sum and a @triton.jit `_rounded_compiled` (jitted here, at
-    build time, so that it is built in the kernels' mode). Interpreted: plain functions (tl.max
-    and tl.sum are themselves @triton.jit functions, built interpreted only if TRITON_INTERPRET
-    was set before triton was first imported; selection_triton.py `_set_reductions` explains)."""
+    """Row max / row sum and the rounding helper for the kernels, as module globals (looked up
+    when a kernel runs). The reductions: `triton_support.row_reductions`. The rounding helper:
+    compiled, a @triton.jit `_rounded_compiled` (jitted here, at build time, so that it is built in
+    the kernels' mode); interpreted, the plain `_rounded_interpreted`."""
     global _rowmax, _rowsum, _rounded, _built_interpreted
     _built_interpreted = _interpreting()
-    if _built_interpreted:
-        _rowmax = lambda x, axis: tl.reduce(x, axis, tl.standard._elementwise_max)
-        _rowsum = lambda x, axis: tl.reduce(x, axis, tl.standard._sum_combine)
-        _rounded = _rounded_interpreted
-    else:
-        _rowmax, _rowsum = tl.max, tl.sum
-        _rounded = triton.jit(_rounded_compiled)
+    _rowmax, _rowsum = row_reductions(_built_interpreted, "max", "sum")
+    _rounded = _rounded_interpreted if _built_interpreted else triton.jit(_rounded_compiled)
 
 
 _rowmax = _rowsum = _rounded = None
@@ -542,8 +525,7 @@ def compressed_forward(q, k, v, block: int, stride: int, scale: float, *, tiles:
     B, H, S, Dk = q.shape
     G, Tc, Dv = k.shape[1], k.shape[2], v.shape[3]
     h = H // G
-    o = bshd_empty(B, H, S, Dv, v)  # the op's output layout: [B, S, H, Dv] memory
-    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    o, lse = empty_attention_outputs(q, v)  # the op's output layout: [B, S, H, Dv] memory
     if B * H * S == 0:
         return o, lse
     if Tc == 0:  # no query sees a block (S < block)
@@ -609,7 +591,7 @@ def compressed_backward(grad_o, q, k, v, o, lse, block: int, stride: int, scale:
     h = H // G
     if grad_o.dtype != v.dtype:
         grad_o = grad_o.to(v.dtype)
-    dq, dk, dv = bshd_empty(B, H, S, Dk, q), bshd_empty(B, G, Tc, Dk, k), bshd_empty(B, G, Tc, Dv, v)
+    dq, dk, dv = empty_attention_grads(q, k, v)  # the op's layout: [B, S, heads, D] memory
     if B * H * S == 0 or Tc == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()

@@ -57,6 +57,7 @@ import math
 import torch
 
 from . import gated_combine_triton
+from .common import pick_backend, why_not_triton_on
 
 __all__ = [
     "ACTIVATIONS", "BACKENDS", "NORMALIZATIONS", "choose_backend", "gate_dims", "gated_combine_backward",
@@ -147,25 +148,18 @@ def _check(gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation: str, normal
 
 
 def choose_backend(gate_in, w1, w2, o_cmp, activation: str, backend: str = "auto") -> str:
-    """The backend that computes these inputs: `backend` itself, or for 'auto' triton where it can
-    run on CUDA and reference elsewhere. ValueError if a named backend cannot run them (with why).
-    (Named explicitly, triton also runs on the CPU under TRITON_INTERPRET=1: the tests do that.)"""
-    if backend not in BACKENDS:
-        raise ValueError(f"gated_combine: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    if backend == "triton":
-        why = gated_combine_triton.unsupported_reason(gate_in, w1, w2, o_cmp, activation)
-        if why:
-            raise ValueError(f"gated_combine: backend 'triton' cannot run these inputs: {why}")
-    if backend == "auto":
-        return "reference" if why_not_triton(gate_in, w1, w2, o_cmp, activation) else "triton"
-    return backend
+    """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
+    run these inputs), or for 'auto' triton where it can run on CUDA and reference elsewhere."""
+    args = (gate_in, w1, w2, o_cmp, activation)
+    return pick_backend("gated_combine", BACKENDS, backend,
+                        cannot_run={"triton": lambda: gated_combine_triton.unsupported_reason(*args)},
+                        preferred="triton", why_not_preferred=lambda: why_not_triton(*args))
 
 
 def why_not_triton(gate_in, w1, w2, o_cmp, activation: str) -> str | None:
     """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
-    if o_cmp.device.type != "cuda":
-        return f"the Triton kernels run on CUDA (tensors on {o_cmp.device.type})"
-    return gated_combine_triton.unsupported_reason(gate_in, w1, w2, o_cmp, activation)
+    return why_not_triton_on(o_cmp.device,
+                             lambda: gated_combine_triton.unsupported_reason(gate_in, w1, w2, o_cmp, activation))
 
 
 def compute_dtype(gate_in: torch.Tensor, o_cmp: torch.Tensor) -> torch.dtype:

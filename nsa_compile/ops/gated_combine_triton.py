@@ -66,7 +66,8 @@ except ImportError:  # the module still imports; unsupported_reason says why the
     triton = tl = None
 
 from .triton_support import (
-    cdiv as _cdiv, dot_precision as _dot_precision, interpreting as _interpreting, next_pow2 as _next_pow2,
+    KERNEL_DTYPES, cdiv as _cdiv, device_reason, dot_precision as _dot_precision, interpreting as _interpreting,
+    next_pow2 as _next_pow2, row_reductions,
 )
 
 __all__ = ["MAX_DV", "MAX_FUSED_WEIGHT", "combine_backward", "combine_forward", "unsupported_reason"]
@@ -76,7 +77,6 @@ MAX_FUSED_WEIGHT = 8192  # DH_P * DIN_P: the fp32 dw1 partial a program keeps in
 MAX_FUSED_NI = 64
 PROGRAMS_PER_SM = 4  # persistent backward grid with a hidden layer
 INTERPRETED_PROGRAMS = 3  # the same on the CPU interpreter (small, so tests cover several tiles per program)
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACT = {"silu": 1, "relu": 2, "gelu": 3, "none": 0}
 
 
@@ -97,15 +97,10 @@ def _dims(gate_in, w1, w2, o_cmp) -> dict:
 def unsupported_reason(gate_in, w1, w2, o_cmp, activation: str) -> str | None:
     """Why the Triton kernels cannot run these inputs, or None when they can (the op's own checks
     of shapes and variant names have passed)."""
-    if triton is None:
-        return "triton is not installed"
-    devices = {t.device.type for t in (gate_in, w1, w2, o_cmp) if t is not None}
-    if len(devices) != 1:
-        return f"tensors on several devices: {sorted(devices)}"
-    if devices != {"cuda"} and not _interpreting():
-        return f"device {devices.pop()} (needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter)"
+    if why := device_reason(gate_in, w1, w2, o_cmp):
+        return why
     for name, t in (("branch outputs", o_cmp), ("gate input", gate_in), ("w2", w2), ("w1", w1)):
-        if t is not None and t.dtype not in _DTYPES:
+        if t is not None and t.dtype not in KERNEL_DTYPES:
             return f"{name} dtype {t.dtype} (needs fp16, bf16 or fp32)"
     if o_cmp.shape[3] > MAX_DV:
         return f"head dim Dv {o_cmp.shape[3]} (at most {MAX_DV})"
@@ -153,15 +148,11 @@ def _tiles(d: dict, hidden: bool, fp32: bool = False, override: dict | None = No
 
 
 def _set_reductions() -> None:
-    """Row sums for the kernels (module globals, looked up when a kernel runs): tl.sum compiled;
-    interpreted, tl.reduce with triton's own combine function (tl.sum is itself a @triton.jit
-    function, built compiled when triton was imported before TRITON_INTERPRET was set)."""
+    """Row sums for the kernels, as a module global (looked up when a kernel runs): tl.sum
+    compiled, a plain function interpreted (`triton_support.row_reductions`)."""
     global _rowsum, _built_interpreted
     _built_interpreted = _interpreting()
-    if _built_interpreted:
-        _rowsum = lambda x, axis: tl.reduce(x, axis, tl.standard._sum_combine)
-    else:
-        _rowsum = tl.sum
+    (_rowsum,) = row_reductions(_built_interpreted, "sum")
 
 
 _rowsum = None

@@ -51,10 +51,15 @@ indices into float32 (float64 for float64) accumulators, cast once at the end.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import selection_triton, selection_varlen
-from .common import bshd_empty, check_grad_o, check_positive_int, check_qkv, upcast_dtype
+from .common import (
+    bshd_empty, check_grad_o, check_positive_int, check_qkv, empty_attention_grads, empty_attention_outputs,
+    pick_backend, upcast_dtype, why_not_triton_on,
+)
 
 __all__ = ["BACKENDS", "choose_backend", "selected_attention", "selected_attention_backward"]
 
@@ -66,30 +71,20 @@ REFERENCE_CHUNK = 64
 
 
 def choose_backend(q, k, v, block_idx, block_size, backend: str = "auto") -> str:
-    """The backend that computes these inputs: `backend` itself, or for 'auto' triton where it can
-    run on CUDA and reference elsewhere ('auto' never takes a varlen backend). ValueError if a
-    named backend cannot run them (with why). (Named explicitly, triton also runs on the CPU
-    under TRITON_INTERPRET=1: the tests do that.)"""
-    if backend not in BACKENDS:
-        raise ValueError(f"selected_attention: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    if backend == "triton":
-        why = selection_triton.unsupported_reason(q, k, v, block_idx, block_size)
-        if why:
-            raise ValueError(f"selected_attention: backend 'triton' cannot run these inputs: {why}")
-    if backend in VARLEN_BACKENDS:
-        why = selection_varlen.unsupported_reason(q, k, v, block_idx, block_size, backend)
-        if why:
-            raise ValueError(f"selected_attention: backend {backend!r} cannot run these inputs: {why}")
-    if backend == "auto":
-        return "reference" if why_not_triton(q, k, v, block_idx, block_size) else "triton"
-    return backend
+    """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
+    run these inputs), or for 'auto' triton where it can run on CUDA and reference elsewhere
+    ('auto' never takes a varlen backend)."""
+    args = (q, k, v, block_idx, block_size)
+    cannot_run = {"triton": lambda: selection_triton.unsupported_reason(*args)}
+    for name in VARLEN_BACKENDS:  # the varlen module's reasons depend on which of the two is named
+        cannot_run[name] = functools.partial(selection_varlen.unsupported_reason, *args, name)
+    return pick_backend("selected_attention", BACKENDS, backend, cannot_run,
+                        preferred="triton", why_not_preferred=lambda: why_not_triton(*args))
 
 
 def why_not_triton(q, k, v, block_idx, block_size) -> str | None:
     """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
-    if q.device.type != "cuda":
-        return f"the Triton kernels run on CUDA (tensors on {q.device.type})"
-    return selection_triton.unsupported_reason(q, k, v, block_idx, block_size)
+    return why_not_triton_on(q.device, lambda: selection_triton.unsupported_reason(q, k, v, block_idx, block_size))
 
 
 def _check(q, k, v, block_idx, block_size, scale, backend="auto") -> str:
@@ -164,8 +159,7 @@ def _reference_forward(q, k, v, block_idx, block_size: int, scale: float, chunk:
     B, H, S, _ = q.shape
     G, Dv = k.shape[1], v.shape[3]
     chunk = chunk or REFERENCE_CHUNK
-    out = bshd_empty(B, H, S, Dv, v)
-    lse = q.new_empty((B, H, S), dtype=torch.float32)
+    out, lse = empty_attention_outputs(q, v)
     for t0, t1 in _chunk_bounds(S, chunk):
         tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, S)
         p, row_lse = _chunk_probs(_rows(q, G, t0, t1), _gather(k, tokens), valid, scale)
@@ -236,8 +230,7 @@ def _selected_attention_op(
 @_selected_attention_op.register_fake
 def _selected_attention_fake(q, k, v, block_idx, block_size, scale, backend="auto"):
     _check(q, k, v, block_idx, block_size, scale, backend)
-    B, H, S, _ = q.shape
-    return bshd_empty(B, H, S, v.shape[3], v), q.new_empty((B, H, S), dtype=torch.float32)
+    return empty_attention_outputs(q, v)
 
 
 def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
@@ -264,9 +257,7 @@ def selected_attention_backward(
 def _selected_attention_backward_fake(grad_o, q, k, v, o, lse, block_idx, block_size, scale, backend="auto"):
     _check(q, k, v, block_idx, block_size, scale, backend)
     _check_grad(grad_o, q, v)
-    B, H, S, Dk = q.shape
-    G, Dv = k.shape[1], v.shape[3]
-    return bshd_empty(B, H, S, Dk, q), bshd_empty(B, G, S, Dk, k), bshd_empty(B, G, S, Dv, v)
+    return empty_attention_grads(q, k, v)
 
 
 def _setup_context(ctx, inputs, output):

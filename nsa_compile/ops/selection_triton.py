@@ -70,7 +70,7 @@ CPU interpreter: the kernels are built on first use (`_kernels`), so TRITON_INTE
 has to be set before the first call in the process, whether or not triton was imported before
 (`_kernels.cache_clear()` rebuilds them). Two interpreter gaps are worked around only when built
 interpreted: bf16 tl.dot (operands cast to fp32 first) and calls of triton.language's own @jit
-helpers (see `_set_reductions`; tl.zeros is written tl.full for the same reason).
+helpers (see `triton_support.row_reductions`; tl.zeros is written tl.full for the same reason).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ import math
 
 import torch
 
-from .common import bshd_empty
+from .common import empty_attention_grads, empty_attention_outputs
 
 try:
     import triton
@@ -89,7 +89,8 @@ except ImportError:  # the module still imports; unsupported_reason says why the
     triton = tl = None
 
 from .triton_support import (
-    cdiv as _cdiv, dot_precision as _dot_precision, interpreting as _interpreting, next_pow2 as _next_pow2,
+    cdiv as _cdiv, device_reason, dot_precision as _dot_precision, interpreting as _interpreting,
+    next_pow2 as _next_pow2, qkv_reason, row_reductions,
 )
 
 __all__ = ["DKV_SEGMENT", "selected_backward", "selected_forward", "unsupported_reason"]
@@ -97,24 +98,12 @@ __all__ = ["DKV_SEGMENT", "selected_backward", "selected_forward", "unsupported_
 # Query entries per dk/dv work item (a module constant so tests can shrink it).
 DKV_SEGMENT = 1024
 MAX_HEAD_DIM = 256
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def unsupported_reason(q, k, v, block_idx, block_size) -> str | None:
     """Why the Triton kernels cannot run these inputs, or None when they can."""
-    if triton is None:
-        return "triton is not installed"
-    devices = {t.device.type for t in (q, k, v, block_idx)}
-    if len(devices) != 1:
-        return f"tensors on several devices: {sorted(devices)}"
-    if devices != {"cuda"} and not _interpreting():
-        return f"device {devices.pop()} (needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter)"
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
-        return f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype} (needs one of fp16, bf16, fp32 for all three)"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return "q, k, v must be 4-D"
-    if q.shape[3] > MAX_HEAD_DIM or v.shape[3] > MAX_HEAD_DIM:
-        return f"head dims Dk {q.shape[3]}, Dv {v.shape[3]} (at most {MAX_HEAD_DIM})"
+    if why := device_reason(q, k, v, block_idx) or qkv_reason(q, k, v, MAX_HEAD_DIM):
+        return why
     if block_idx.dtype != torch.int64:
         return f"block_idx dtype {block_idx.dtype} (needs int64)"
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -181,21 +170,11 @@ def _upcast_dots(q: torch.Tensor) -> bool:
 
 
 def _set_reductions() -> None:
-    """Row max / row sum for the kernels (module globals, looked up when a kernel runs).
-
-    Compiled: tl.max and tl.sum. Interpreted: tl.max and tl.sum are themselves @triton.jit
-    functions, built interpreted only if TRITON_INTERPRET was set before triton was first
-    imported (`import nsa_compile` already imports it), and a compiled one cannot be called from
-    an interpreted kernel. So there the kernels call plain functions around tl.reduce with
-    triton's own combine functions, which the interpreter maps to numpy by identity.
-    """
+    """Row max / row sum for the kernels, as module globals (looked up when a kernel runs): the
+    library reductions compiled, plain functions interpreted (`triton_support.row_reductions`)."""
     global _rowmax, _rowsum, _built_interpreted
     _built_interpreted = _interpreting()
-    if _built_interpreted:
-        _rowmax = lambda x, axis: tl.reduce(x, axis, tl.standard._elementwise_max)
-        _rowsum = lambda x, axis: tl.reduce(x, axis, tl.standard._sum_combine)
-    else:
-        _rowmax, _rowsum = tl.max, tl.sum
+    _rowmax, _rowsum = row_reductions(_built_interpreted, "max", "sum")
 
 
 _rowmax = _rowsum = None
@@ -501,8 +480,7 @@ def selected_forward(q, k, v, block_idx, block_size: int, scale: float, *, tiles
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
     h = H // G
-    o = bshd_empty(B, H, S, Dv, v)  # the op's output layout: [B, S, H, Dv] memory
-    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    o, lse = empty_attention_outputs(q, v)  # the op's output layout: [B, S, H, Dv] memory
     if B * H * S == 0:
         return o, lse
     T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles)
@@ -580,7 +558,7 @@ def selected_backward(
     h = H // G
     if grad_o.dtype != v.dtype:
         grad_o = grad_o.to(v.dtype)
-    dq, dk, dv = bshd_empty(B, H, S, Dk, q), bshd_empty(B, G, S, Dk, k), bshd_empty(B, G, S, Dv, v)
+    dq, dk, dv = empty_attention_grads(q, k, v)  # the op's layout: [B, S, heads, D] memory
     if B * H * S == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()

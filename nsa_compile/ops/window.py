@@ -30,10 +30,15 @@ Backends (`backend="auto"` takes the first that can run; naming one that cannot 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import flash
-from .common import bshd_empty, check_grad_o, check_positive_int, check_qkv, upcast_dtype
+from .common import (
+    bshd_empty, check_grad_o, check_positive_int, check_qkv, empty_attention_grads, empty_attention_outputs,
+    pick_backend, upcast_dtype,
+)
 
 __all__ = ["BACKENDS", "choose_backend", "window_attention", "window_attention_backward"]
 
@@ -52,16 +57,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale
 
 
 def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> str:
-    """The backend that computes these inputs: `backend` itself, or for 'auto' flash where it can
-    run and reference elsewhere. ValueError if a named backend cannot run them (with why)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"window_attention: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    why_not_flash = flash.unsupported_reason(q, k, v)
-    if backend == "flash" and why_not_flash:
-        raise ValueError(f"window_attention: backend 'flash' cannot run these inputs: {why_not_flash}")
-    if backend == "auto":
-        return "reference" if why_not_flash else "flash"
-    return backend
+    """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
+    run these inputs), or for 'auto' flash where it can run and reference elsewhere."""
+    why_not_flash = functools.partial(flash.unsupported_reason, q, k, v)
+    return pick_backend("window_attention", BACKENDS, backend, cannot_run={"flash": why_not_flash},
+                        preferred="flash", why_not_preferred=why_not_flash)
 
 
 def _chunk_bounds(S: int, window: int, chunk: int):
@@ -100,8 +100,7 @@ def _reference_forward(q, k, v, window: int, scale: float, chunk: int | None = N
     B, H, S, _ = q.shape
     G, Dv = k.shape[1], v.shape[3]
     chunk = chunk or REFERENCE_CHUNK
-    out = bshd_empty(B, H, S, Dv, v)
-    lse = q.new_empty((B, H, S), dtype=torch.float32)
+    out, lse = empty_attention_outputs(q, v)
     for t0, t1, s0 in _chunk_bounds(S, window, chunk):
         p, _, row_lse = _chunk_probs(_rows(q, G, t0, t1), k[:, :, s0:t1], t0, t1, s0, window, scale)
         o = p.to(v.dtype) @ v[:, :, s0:t1]  # [B, G, h*c, Dv]
@@ -165,8 +164,7 @@ def _window_attention_op(
 @_window_attention_op.register_fake
 def _window_attention_fake(q, k, v, window, scale, backend="auto"):
     _check(q, k, v, window, scale, backend)
-    B, H, S, _ = q.shape
-    return bshd_empty(B, H, S, v.shape[3], v), q.new_empty((B, H, S), dtype=torch.float32)
+    return empty_attention_outputs(q, v)
 
 
 @torch.library.custom_op("nsa::window_attention_backward", mutates_args=())
@@ -191,9 +189,7 @@ def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
 def _window_attention_backward_fake(grad_o, q, k, v, o, lse, window, scale, backend="auto"):
     _check(q, k, v, window, scale, backend)
     _check_grad(grad_o, q, v)
-    B, H, S, Dk = q.shape
-    G, Dv = k.shape[1], v.shape[3]
-    return bshd_empty(B, H, S, Dk, q), bshd_empty(B, G, S, Dk, k), bshd_empty(B, G, S, Dv, v)
+    return empty_attention_grads(q, k, v)
 
 
 def _setup_context(ctx, inputs, output):
