@@ -25,6 +25,7 @@ from nsa_compile.models.nsa import apply_rope, rope_tables
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import bench_e2e
 import bench_layer
+import profile_step
 import train_agreement
 
 FAST = ["--compiler", "aot_eager", "--device", "cpu"]
@@ -373,3 +374,25 @@ def test_train_agreement_compares_optimize_and_a_control_with_eager(tmp_path, ca
     # fp32 on the CPU: the rewrites reproduce eager's first loss; the control's noise moves it
     assert runs["optimize"]["losses"][0] == pytest.approx(runs["eager"]["losses"][0], rel=1e-5)
     assert runs["control"]["losses"][0] != runs["eager"]["losses"][0]
+
+
+def test_profile_step_lists_every_nsa_op_of_a_training_step(capsys):
+    assert profile_step.main(["--model", "tiny", "--seq-len", "64", "--batch", "2", "--variant", "optimize",
+                              "--compiler", "aot_eager", "--device", "cpu", "--warmup", "1", "--steps", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "## optimize: tiny, S 64, batch 2 (128 tokens/step)" in text
+    calls = dict(re.findall(r"(nsa::\w+)\s+(\d+) calls", text))
+    ops = ("projection_rope", "window_attention", "compressed_attention", "select_blocks", "selected_attention",
+           "gated_combine")
+    for op in ops:  # the tiny model has 2 layers: each op and its backward twice a step
+        assert calls.pop(f"nsa::{op}") == "2", op
+        if op != "select_blocks":
+            assert calls.pop(f"nsa::{op}_backward") == "2", op
+    assert not calls, calls
+    assert "GPU" not in text  # no kernels on the CPU: no GPU sections
+
+
+def test_profile_step_says_when_cuda_is_asked_for_but_absent(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert profile_step.main(["--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

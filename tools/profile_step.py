@@ -7,12 +7,15 @@ the device time under each NSA op (forward and backward, kernels launched inside
 the GPU time by kernel family (cuBLAS GEMMs, flash attention, Inductor's Triton kernels, our
 Triton kernels, the rest), then the top kernels. The step is bench.time_training's: forward,
 backward and fused AdamW under bf16 autocast. --trace DIR writes a Chrome trace per variant.
+On the CPU (--device cpu: fp32, no autocast; the tests run it so) the op table gives CPU time and
+there are no kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import sys
 from pathlib import Path
 
@@ -40,8 +43,11 @@ def family(name: str) -> str:
     return "other (ours: *_kernel)" if low.endswith("kernel") else "other"
 
 
-def device_time(evt) -> float:
-    """Device time of an event and its children, in us (the attribute was renamed in 2.4)."""
+def op_time(evt, cuda: bool) -> float:
+    """An op event's time with its children, in us: on the GPU its kernels' device time (the
+    attribute was renamed in 2.4), on the CPU its CPU time."""
+    if not cuda:
+        return evt.cpu_time_total
     return getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
 
 
@@ -51,16 +57,19 @@ def build(variant: str, args, device):
     if variant == "compile" or variant == "dense":
         wl.model.compile()
     elif variant == "optimize":
-        optimize(wl.model, OptimizeConfig())
+        optimize(wl.model, OptimizeConfig(compiler=args.compiler))
     return wl
 
 
 def profile_variant(variant: str, args, device) -> None:
     wl = build(variant, args, device)
-    opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-4, fused=True)
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-4, fused=cuda or None)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with autocast:
             _, loss = loss_of(wl.model, wl.inputs, wl.is_lm)
         loss.backward()
         opt.step()
@@ -68,13 +77,13 @@ def profile_variant(variant: str, args, device) -> None:
 
     for _ in range(args.warmup):
         step()
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    sync()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(args.steps):
             with torch.profiler.record_function("train_step"):
                 step()
-                torch.cuda.synchronize()  # the range then spans the step's GPU work too
+                sync()  # the range then spans the step's GPU work too
     events = prof.events()
     cpu = torch.autograd.DeviceType.CPU
     steps = [e for e in events if e.name == "train_step" and e.device_type == cpu]  # not its GPU twin
@@ -84,22 +93,34 @@ def profile_variant(variant: str, args, device) -> None:
     busy = union_us([(k.time_range.start, k.time_range.end) for k in kernels]) / args.steps
     tokens = wl.tokens_per_step
     print(f"\n## {variant}: {args.model}, S {args.seq_len}, batch {args.batch} ({tokens:,} tokens/step)")
-    print(f"step wall {wall_us / 1e3:.1f} ms ({tokens / wall_us * 1e6:,.0f} tok/s), GPU busy "
-          f"{busy / 1e3:.1f} ms ({100 * busy / wall_us:.0f}%), {len(kernels) / args.steps:,.0f} kernels/step")
+    gpu = f", GPU busy {busy / 1e3:.1f} ms ({100 * busy / wall_us:.0f}%), {len(kernels) / args.steps:,.0f} kernels/step"
+    print(f"step wall {wall_us / 1e3:.1f} ms ({tokens / wall_us * 1e6:,.0f} tok/s){gpu if cuda else ''}")
 
     per_op = collections.defaultdict(lambda: [0, 0.0])
     for e in events:
         if e.name.startswith("nsa::") and e.device_type != torch.autograd.DeviceType.CUDA:
             per_op[e.name][0] += 1
-            per_op[e.name][1] += device_time(e)
-    # nested nsa:: events (an op calling another) would count twice: keep only outermost names
+            per_op[e.name][1] += op_time(e, cuda)
+    # (the nsa ops call no other nsa op, so no time is counted twice)
     if per_op:
-        print("\nNSA ops (device time incl. the kernels they launch), per step:")
+        what = "device time incl. the kernels they launch" if cuda else "CPU time"
+        print(f"\nNSA ops ({what}), per step:")
         for name, (count, us) in sorted(per_op.items(), key=lambda kv: -kv[1][1]):
             print(f"  {name:42s} {count // args.steps:4d} calls {us / args.steps / 1e3:8.2f} ms")
         total = sum(us for _, us in per_op.values()) / args.steps
         print(f"  {'all NSA ops':42s}            {total / 1e3:8.2f} ms")
 
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(args.trace) / f"{variant}_S{args.seq_len}.json"))
+    if cuda:
+        print_kernels(kernels, args)
+    del wl, opt
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def print_kernels(kernels: list, args) -> None:
     fams = collections.defaultdict(float)
     by_name = collections.defaultdict(lambda: [0, 0.0])
     for k in kernels:
@@ -113,11 +134,6 @@ def profile_variant(variant: str, args, device) -> None:
     print(f"\nTop {args.top} kernels, per step:")
     for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[: args.top]:
         print(f"  {us / args.steps / 1e3:8.2f} ms {count // args.steps:5d}x  {name[:110]}")
-    if args.trace:
-        Path(args.trace).mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(Path(args.trace) / f"{variant}_S{args.seq_len}.json"))
-    del wl, opt
-    torch.cuda.empty_cache()
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
@@ -142,12 +158,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="profiled steps")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--trace", default=None, help="write Chrome traces into this folder")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--compiler", default="inductor", help="optimize's compiler (nsa_compile.config.COMPILERS)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("profile_step needs a CUDA device", file=sys.stderr)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        print("profile_step: --device cuda, but no CUDA device", file=sys.stderr)
         return 2
-    device = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    device = torch.device("cuda" if cuda else "cpu")
+    print(f"{torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}")
     for variant in args.variant or ["optimize", "dense"]:
         profile_variant(variant, args, device)
     return 0
