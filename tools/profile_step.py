@@ -52,6 +52,9 @@ def op_time(evt, cuda: bool) -> float:
 
 
 def build(variant: str, args, device):
+    # a fresh Dynamo: shapes another model compiled in this process would make these dynamic
+    # (automatic dynamic), and the passes leave symbolic shapes eager
+    torch._dynamo.reset()
     spec = f"{args.model}-dense" if variant == "dense" else args.model
     wl = load_workload(spec, batch=args.batch, seq_len=args.seq_len).to(device)
     if variant == "compile" or variant == "dense":

@@ -34,6 +34,7 @@ RUNS = ("eager", "optimize", "control")
 def run(kind: str, args, corpus, device) -> tuple[list[float], float]:
     model = load_module(args.model, seed=args.seed).to(device)
     if kind == "optimize":
+        torch._dynamo.reset()  # no shapes left from earlier compiles (automatic dynamic)
         optimize(model, OptimizeConfig(compiler=args.compiler))
     if kind == "control":
         g = torch.Generator(device="cpu").manual_seed(12345)
