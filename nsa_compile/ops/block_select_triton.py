@@ -309,8 +309,10 @@ def _kernels():
     return select_kernel
 
 
+@functools.lru_cache(maxsize=64)
 def _overlap_matrix(TC: int, NS: int, KS: int, cmp_block: int, cmp_stride: int, sel_block: int, device):
-    """[2*TC, KS] float32: row r is compression block r - TC relative to a tile's first one (the
+    """Made once per geometry and device (a constant the kernel only reads: no small kernels per
+    call). [2*TC, KS] float32: row r is compression block r - TC relative to a tile's first one (the
     previous tile, then this one), column j < NS the tile's selection block j, the entry
     overlap / l with eager's arithmetic (int overlap -> float32, / l); columns >= NS zero."""
     l, d, ls = cmp_block, cmp_stride, sel_block
