@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from nsa_compile import OptimizeConfig, optimize
+from nsa_compile.cli import compile_variant
 from nsa_compile.workload import load_workload, loss_of
 
 VARIANTS = ("eager", "compile", "optimize", "dense")
@@ -52,28 +52,22 @@ def op_time(evt, cuda: bool) -> float:
 
 
 def build(variant: str, args, device):
-    # a fresh Dynamo: shapes another model compiled in this process would make these dynamic
-    # (automatic dynamic), and the passes leave symbolic shapes eager
-    torch._dynamo.reset()
-    spec = f"{args.model}-dense" if variant == "dense" else args.model
-    wl = load_workload(spec, batch=args.batch, seq_len=args.seq_len).to(device)
-    if variant == "compile" or variant == "dense":
-        wl.model.compile()
-    elif variant == "optimize":
-        optimize(wl.model, OptimizeConfig(compiler=args.compiler))
-    return wl
+    """The workload and the variant's model, as `nsa-compile bench` builds its columns (a fresh
+    Dynamo for each: another model's shapes would make this one dynamic)."""
+    wl = load_workload(args.model, batch=args.batch, seq_len=args.seq_len).to(device)
+    return wl, compile_variant(variant, wl, args.compiler, device)
 
 
 def profile_variant(variant: str, args, device) -> None:
-    wl = build(variant, args, device)
+    wl, model = build(variant, args, device)
     cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-4, fused=cuda or None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda or None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step():
         with autocast:
-            _, loss = loss_of(wl.model, wl.inputs, wl.is_lm)
+            _, loss = loss_of(model, wl.inputs, wl.is_lm)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -118,7 +112,7 @@ def profile_variant(variant: str, args, device) -> None:
         prof.export_chrome_trace(str(Path(args.trace) / f"{variant}_S{args.seq_len}.json"))
     if cuda:
         print_kernels(kernels, args)
-    del wl, opt
+    del wl, model, opt
     if cuda:
         torch.cuda.empty_cache()
 
