@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig, preset
-from .nsa import DenseAttention, NSAAttention, rope_tables
+from .nsa import DenseAttention, NSAAttention, check_positions, rope_tables
 
 __all__ = ["TinyLM", "build_model"]
 
@@ -32,13 +32,18 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.dim, eps=1e-6)
         self.mlp = MLP(cfg.dim, cfg.mlp_ratio)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, cos, sin, pos=None):
+        if pos is None:
+            x = x + self.attn(self.attn_norm(x), cos, sin)
+        else:
+            x = x + self.attn(self.attn_norm(x), cos, sin, pos)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class TinyLM(nn.Module):
-    """tokens [B, S] int64 -> logits [B, S, vocab]."""
+    """tokens [B, S] int64 -> logits [B, S, vocab]. With pos [B, S] (packed documents, each
+    token's position in its document; see models/nsa.py) RoPE and every NSA branch work per
+    document. The dense twin takes no pos."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -48,17 +53,25 @@ class TinyLM(nn.Module):
         self.norm = nn.RMSNorm(cfg.dim, eps=1e-6)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         S = tokens.shape[1]
         cos, sin = rope_tables(S, self.cfg.rot_dim, self.cfg.rope_base, tokens.device)
+        if pos is not None:
+            if self.cfg.attention != "nsa":
+                raise ValueError("packed documents (pos) are supported by the NSA model only, not the dense twin")
+            if not torch.compiler.is_compiling():
+                check_positions(pos, S)
+            cos, sin = cos[pos], sin[pos]  # [B, S, r/2]: RoPE at each token's document position
         x = self.embed(tokens)  # [B, S, dim]
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, pos)
         return self.head(self.norm(x))
 
-    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Next-token cross-entropy over tokens [B, S + 1]."""
-        logits = self(tokens[:, :-1])
+    def loss(self, tokens: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token cross-entropy over tokens [B, S + 1] (pos [B, S] for packed documents;
+        the last token of a document then predicts the next document's first: mask it out in
+        the data if that matters)."""
+        logits = self(tokens[:, :-1], pos)
         return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
