@@ -123,6 +123,25 @@ def test_edge_rows_and_block_sizes_not_power_of_two():
             assert lse[b, heads, t].isneginf().all()
 
 
+@pytest.mark.parametrize("tq,rows", [(1, 16), (3, 16), (5, 32)])
+def test_query_tiles_any_order_and_repeats(tq, rows):
+    """The forward and dq kernels at other query tiles (TQ queries per program: 1 reads each
+    query's own list, more read the tile's union), on lists in any order with repeats that are
+    not adjacent (each counts as often as it appears)."""
+    S, h, G, block_size, n, dv = 29, 3, 2, 4, 4, 8
+    q, k, v, grad_o = make_inputs(S, h, G, dv, torch.float32, seed=tq)
+    idx = random_block_idx(B, G, S, n, block_size, seed=tq).clone()
+    idx = idx.gather(-1, torch.rand(idx.shape, generator=torch.Generator().manual_seed(tq)).argsort(-1).to(DEVICE))
+    idx[0, 0, S - 3, 2] = idx[0, 0, S - 3, 0].item()  # a repeat, not next to its first copy
+    idx[1, 1, 12] = torch.tensor([2, -1, 2, 0])  # another, with padding between
+    tiles = {kernel: {"TQ": tq, "ROWS": rows} for kernel in ("fwd", "dq")}
+    o, lse = st.selected_forward(q, k, v, idx, block_size, 0.4, tiles=tiles)
+    dq, dk, dv_ = st.selected_backward(grad_o, q, k, v, o, lse, idx, block_size, 0.4, tiles=tiles)
+    ref = reference(q, k, v, grad_o, idx, block_size, 0.4)
+    assert_kernel_matches_reference((o, dq, dk, dv_), ref, torch.float32, f"TQ={tq}")
+    check_lse(lse, q, k, idx, block_size, 0.4, f"TQ={tq}")
+
+
 def test_all_padding_and_no_blocks_give_zeros():
     q, k, v, grad_o = make_inputs(9, 3, 1, 8, torch.float32, seed=2)
     for n in (0, 2):

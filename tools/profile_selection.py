@@ -35,8 +35,9 @@ from bench_selection import SHAPES, model_layout, random_block_idx, time_ms
 from tabulate import tabulate
 
 from nsa_compile.ops import selection_triton as st
+from nsa_compile.ops.common import bshd_empty
 
-STAGES = ("fwd", "dq", "inv", "dkdv", "reduce")
+STAGES = ("union", "fwd", "dq", "inv", "dkdv", "reduce")
 DTYPE = torch.bfloat16
 MATCH_TOL = 1e-2  # max|x - x_default| <= MATCH_TOL * max|x_default|, for each of o, dq, dk, dv
 
@@ -44,21 +45,23 @@ MATCH_TOL = 1e-2  # max|x - x_default| <= MATCH_TOL * max|x_default|, for each o
 # ---------------------------------------------------------------- configurations (no GPU needed)
 
 
-def default_tiles(shape: str) -> dict:
-    H, G, D, block_size, _ = SHAPES[shape]
-    return st._tiles(H // G, D, D, block_size, False)
+def default_tiles(shape: str, S: int = 8192) -> dict:
+    H, G, D, block_size, n = SHAPES[shape]
+    return st._tiles(H // G, D, D, block_size, False, seq_len=S, n_selected=n)
 
 
-def sweep_configs(shape: str, mode: str) -> list[tuple[str, dict]]:
+def sweep_configs(shape: str, mode: str, S: int = 8192) -> list[tuple[str, dict]]:
     """(label, override) pairs; an override holds `_tiles` overrides per kernel ("fwd", "dq",
     "dkdv", "reduce") and/or "segment" (DKV_SEGMENT). quick: one parameter at a time; full: also
     the products of a kernel's main parameters."""
     if mode == "none":
         return []
-    T = default_tiles(shape)
+    T = default_tiles(shape, S)
     values = {
-        "fwd": {"BLOCK_N": [16, 32, 64], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3, 4], "H_TILE": [16, 32]},
-        "dq": {"BLOCK_N": [16, 32, 64], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3, 4], "H_TILE": [16, 32]},
+        "fwd": {"BLOCK_N": [16, 32, 64], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3, 4], "ROWS": [16, 32, 64, 128],
+                "TQ": [1, 2, 4, 8, 10, 16, 21, 32]},
+        "dq": {"BLOCK_N": [16, 32, 64], "num_warps": [2, 4, 8], "num_stages": [1, 2, 3, 4], "ROWS": [16, 32, 64, 128],
+               "TQ": [1, 2, 4, 8, 10, 16, 21, 32]},
         "dkdv": {"ROWS": [16, 32, 64, 128], "BLOCK_N": [16, 32, 64], "num_warps": [4, 8, 16], "num_stages": [1, 2, 3, 4]},
         "reduce": {"BLOCK_N": [16, 32, 64], "num_warps": [2, 4, 8]},
     }
@@ -77,8 +80,16 @@ def sweep_configs(shape: str, mode: str) -> list[tuple[str, dict]]:
         for name, vals in params.items():
             for val in vals:
                 add(kernel, {name: val})
+    # whole tile shapes: one query per program (the per-token kernel: ROWS = the group's heads)
+    # and small tiles, with the warps that suit their rows
+    h = SHAPES[shape][0] // SHAPES[shape][1]
+    for kernel in ("fwd", "dq"):
+        for tq in (1, 2, 4):
+            rows = max(16, min(64, 1 << (tq * h - 1).bit_length()))
+            for warps in (4, 8):
+                add(kernel, {"TQ": tq, "ROWS": rows, "num_warps": warps})
     if mode == "full":
-        for kernel, names in (("fwd", ("BLOCK_N", "num_warps", "num_stages")), ("dq", ("BLOCK_N", "num_warps", "num_stages")),
+        for kernel, names in (("fwd", ("TQ", "ROWS", "num_warps")), ("dq", ("TQ", "ROWS", "num_warps")),
                               ("dkdv", ("ROWS", "BLOCK_N", "num_warps"))):  # fmt: skip
             for combo in itertools.product(*(values[kernel][n] for n in names)):
                 add(kernel, dict(zip(names, combo)))
@@ -121,23 +132,32 @@ class Run:
         q, k, v = self.q, self.k, self.v
         B, H, S, D = q.shape
         G, Dv = k.shape[1], v.shape[3]
-        self.T = st._tiles(H // G, D, Dv, self.bs, q.dtype == torch.float32, tiles)
+        self.T = st._tiles(H // G, D, Dv, self.bs, q.dtype == torch.float32, tiles, seq_len=S,
+                           n_selected=self.idx.shape[3])
         self.tiles = tiles
-        self.o = st.bshd_empty(B, H, S, Dv, v)
+        self.o = bshd_empty(B, H, S, Dv, v)
         self.lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-        self.grad_q = st.bshd_empty(B, H, S, D, q)
-        self.dk, self.dv = st.bshd_empty(B, G, S, D, k), st.bshd_empty(B, G, S, Dv, v)
+        self.grad_q = bshd_empty(B, H, S, D, q)
+        self.dk, self.dv = bshd_empty(B, G, S, D, k), bshd_empty(B, G, S, Dv, v)
         self.delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
         self.launched = {}
         for stage in STAGES:
             getattr(self, stage)()
 
-    def fwd(self):
-        self.launched["fwd"] = st._fwd_stage(self.q, self.k, self.v, self.idx, self.bs, self.scale, self.T, self.o, self.lse)
+    def fwd(self):  # the tile union is built once per TQ, outside the timed kernel (its cost: `union`)
+        self.union_fwd = getattr(self, "union_fwd", None) or st._tile_union(self.idx, self.bs, self.q.shape[2],
+                                                                             self.T["fwd"]["TQ"])
+        self.launched["fwd"] = st._fwd_stage(self.q, self.k, self.v, self.idx, self.union_fwd, self.bs, self.scale,
+                                             self.T, self.o, self.lse)  # fmt: skip
 
     def dq(self):
-        self.launched["dq"] = st._dq_stage(self.grad, self.q, self.k, self.v, self.o, self.lse, self.idx, self.bs,
-                                           self.scale, self.T, self.grad_q, self.delta)  # fmt: skip
+        self.union_dq = getattr(self, "union_dq", None) or st._tile_union(self.idx, self.bs, self.q.shape[2],
+                                                                           self.T["dq"]["TQ"])
+        self.launched["dq"] = st._dq_stage(self.grad, self.q, self.k, self.v, self.o, self.lse, self.idx, self.union_dq,
+                                           self.bs, self.scale, self.T, self.grad_q, self.delta)  # fmt: skip
+
+    def union(self):
+        st._tile_union(self.idx, self.bs, self.q.shape[2], self.T["fwd"]["TQ"])
 
     def inv(self):
         self.inverted = st._inverted_selection(self.idx, self.bs, self.q.shape[2], self.segment)
@@ -211,18 +231,21 @@ def profile(shape: str, S: int, args) -> None:
     tot_f, tot_b = base.time_totals(args.reps)
     T = base.T
     rows = []
-    grids = {"fwd": f"{S}x{G}x{-(-(H // G) // T['fwd']['H_TILE'])}", "dq": f"{S}x{G}x{-(-(H // G) // T['dq']['H_TILE'])}",
+    def tile_grid(cfg):
+        return f"{-(-S // cfg['TQ'])}x{G}x{-(-(H // G) * cfg['TQ'] // cfg['ROWS'])}"
+
+    grids = {"fwd": tile_grid(T["fwd"]), "dq": tile_grid(T["dq"]), "union": "-",
              "dkdv": f"{base.inverted[6]}x{-(-block_size // T['dkdv']['BLOCK_N'])}",
              "reduce": f"{base.inverted[7] * G}x{-(-block_size // T['reduce']['BLOCK_N'])}", "inv": "-"}  # fmt: skip
     for stage in STAGES:
         tf = flops.get(stage)
         rate = tf / (times[stage] * 1e-3) / 1e12 if tf and times[stage] else None
-        cfg = "" if stage == "inv" else " ".join(f"{k}={v}" for k, v in T[stage].items())
+        cfg = "" if stage in ("inv", "union") else " ".join(f"{k}={v}" for k, v in T[stage].items())
         if stage in ("inv", "dkdv", "reduce"):
             cfg = (cfg + f" segment={st.DKV_SEGMENT}").strip()
         rows.append([stage, fmt(times[stage]), fmt(rate, 0), base.resources(stage), grids[stage], cfg])
-    fsum = times["fwd"]
-    bsum = sum(times[s] or 0.0 for s in STAGES[1:])
+    fsum = times["union"] + times["fwd"]  # each of selected_forward / selected_backward builds its union
+    bsum = times["union"] + sum(times[s] or 0.0 for s in ("dq", "inv", "dkdv", "reduce"))
     rows.append(["fwd total", fmt(tot_f), "", "", "", f"selected_forward (sum of stages {fsum:.3f})"])
     rows.append(["bwd total", fmt(tot_b), "", "", "", f"selected_backward (sum of stages {bsum:.3f})"])
     rows.append(["fwd+bwd", fmt(tot_f + tot_b), "", "", "", ""])
@@ -230,7 +253,7 @@ def profile(shape: str, S: int, args) -> None:
           f"(n*l' = {n * block_size}); rerun bit-identical: {max(again) == 0}")  # fmt: skip
     print(tabulate(rows, headers=["stage", "ms", "TF/s", "regs/spill/smemKB", "grid", "default config"], tablefmt="github"))
 
-    configs = sweep_configs(shape, args.sweep)
+    configs = sweep_configs(shape, args.sweep, S)
     if args.only:
         configs = [c for c in configs if any(word in c[0] for word in args.only.split(","))]
     if not configs:
@@ -301,7 +324,7 @@ def prewarm(plan, args) -> None:
 
     jobs = []
     for shape in dict.fromkeys(shape for shape, _ in plan):
-        overrides = [{}] + [o for label, o in sweep_configs(shape, args.sweep) if "segment" not in o
+        overrides = [{}] + [o for label, o in sweep_configs(shape, args.sweep, S) if "segment" not in o
                             and (not args.only or any(w in label for w in args.only.split(",")))]  # fmt: skip
         for i in range(args.jobs):
             part = overrides[i :: args.jobs]

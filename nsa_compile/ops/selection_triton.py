@@ -23,23 +23,24 @@ anywhere: every kernel is deterministic, and so are the torch ops that build the
 selection (a stable sort, searchsorted, cumsum).
 
 Kernels (tile sizes from `_tiles`):
-- forward, grid (S, B*G, ceil(h / H_TILE)): one program per (token t, batch, group, head tile).
-  It loads the group's heads as the rows of a [H_TILE, Dk] tile (H_TILE = next power of two of
-  h, at least 16 for tl.dot, at most 32; rows past h are masked loads, no padded copy) and
-  streams the token's selected blocks straight from k and v by block id (no gathered copy), in
-  chunks of BLOCK_N tokens, with an online softmax in fp32. One flat loop runs over the
-  n * CPB (slot, chunk) pairs (CPB = ceil(l' / BLOCK_N), a constexpr): each iteration loads its
-  slot's block id and MASKS what is not valid (id < 0, a block starting after t, tokens past t:
-  the current block is partial) instead of branching around it, so there is no data-dependent
-  `if` around the K/V loads and Triton's pipeliner prefetches the next pair (often the next
-  slot's block) during this one's compute (num_stages). A masked pair still costs its dots (on
-  zeros): with few valid slots (early tokens, -1 padding) that is wasted compute, not traffic.
-  The running max starts at a finite floor (-1e30), so a fully masked chunk leaves the state
-  unchanged (alpha = 1, p = 0) instead of making NaN; the first valid chunk gets alpha = 0, as
-  from -inf. One token per program: for h < 16 most MMA rows idle (h = 1 uses 1 of 16);
-  consecutive tokens generally choose different blocks, so packing them would need the union
-  of their block lists (not done).
-- backward dq (+ delta), the same grid and the same flat masked (slot, chunk) loop: recomputes
+- forward, grid (ceil(S / TQ), B*G, ceil(TQ * h / ROWS)): one program per tile of TQ consecutive
+  query tokens of one (batch, group). Its rows are the tile's (query, head) pairs, query-major
+  (h = 6 and ROWS = 64: 10 queries, 60 rows; no padded copy, rows past the tile are masked
+  loads). It streams the UNION of the tile's selected blocks straight from k and v by block id
+  (no gathered copy), in chunks of BLOCK_N tokens, with an online softmax in fp32: a block
+  chosen by several of the tile's queries is read once for all of them (the per-query form
+  re-read each block once per query, L2-bound at small h). Each row masks what it may not see:
+  blocks its query did not choose (tested against the query's own list, held in registers; a
+  block listed twice counts twice, as weight 2) and tokens after its query. The union comes
+  from `_tile_union` (torch ops, no sort, no host sync); with TQ = 1 the query's own list is
+  read directly (no union). One flat loop runs over the (union block, chunk) pairs with no
+  data-dependent `if` around the K/V loads, so Triton's pipeliner prefetches the next pair
+  during this one's compute (num_stages). The running max starts at a finite floor (-1e30), so
+  a chunk fully masked for a row leaves its state unchanged (alpha = 1, p = 0) instead of
+  making NaN; the first valid chunk gets alpha = 0, as from -inf. TQ and ROWS (`_tiles`): large
+  tiles while the blocks are few (ceil(S / l') <= 4 n: the union is at most all of them), small
+  ones past that (random choices share few blocks), one query per program for h >= 16.
+- backward dq (+ delta), the same grid, tiles and masked (union block, chunk) loop: recomputes
   p from the saved lse (0 where masked) and accumulates dq = scale * sum_blocks ds @ k in fp32.
   It also writes delta = rowsum(dO * O) for the dk/dv kernel (no [B, H, S, Dv] fp32 temporary).
 - backward dk/dv, from the inverted selection: with torch ops, every valid (batch, group, token,
@@ -62,7 +63,7 @@ Kernels (tile sizes from `_tiles`):
 
 Supported (`unsupported_reason` says why not): CUDA tensors, or any device with TRITON_INTERPRET=1;
 q, k, v all fp16, bf16 or fp32; head dims up to 256 (padded to a power of two >= 16 by masking);
-any h >= 1 (several head tiles when h > H_TILE); any block size l' >= 1: a K/V chunk is the next
+any h >= 1 (several row tiles when TQ * h > ROWS); any block size l' >= 1: a K/V chunk is the next
 power of two of l' between 16 and 64 (32 in the dk/dv kernel), masked, so l' < 16 or not a power
 of two wastes columns but is correct. fp32 (no tensor cores) is correct but slow.
 
@@ -100,8 +101,10 @@ DKV_SEGMENT = 1024
 MAX_HEAD_DIM = 256
 
 
-def unsupported_reason(q, k, v, block_idx, block_size) -> str | None:
+def unsupported_reason(q, k, v, block_idx, block_size, pos=None) -> str | None:
     """Why the Triton kernels cannot run these inputs, or None when they can."""
+    if pos is not None:
+        return "packed documents (pos): the Triton kernels have no document mask"
     if why := device_reason(q, k, v, block_idx) or qkv_reason(q, k, v, MAX_HEAD_DIM):
         return why
     if block_idx.dtype != torch.int64:
@@ -113,7 +116,8 @@ def unsupported_reason(q, k, v, block_idx, block_size) -> str | None:
     return None
 
 
-def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, override: dict | None = None) -> dict:
+def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, override: dict | None = None, *,
+           seq_len: int = 0, n_selected: int = 1) -> dict:
     """Tile sizes and warps per kernel. Every tl.dot operand dimension is a power of two >= 16
     (padding is masked). Chosen so that no kernel spills registers on sm_90 in bf16/fp16 at the
     paper's (h 16, D 128) and the seed's (h 6, D 64) shapes (ptxas resource usage of kernels
@@ -122,30 +126,45 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, overri
 
     `override` ({kernel: {launch parameter: value}}, kernels "fwd", "dq", "dkdv", "reduce"; e.g.
     {"dkdv": {"ROWS": 64, "num_stages": 2}}) replaces single entries, for tools/profile_selection.py.
-    BLOCK_N, H_TILE and ROWS must stay powers of two >= 16; num_warps and num_stages are Triton's
+    BLOCK_N and ROWS must stay powers of two >= 16, TQ >= 1; num_warps and num_stages are Triton's
     launch options (num_stages unset: Triton's default)."""
     DK_P, DV_P = max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))
     D_P = max(DK_P, DV_P)
-    h_tile = max(16, min(_next_pow2(h), 32 if D_P <= 128 else 16))  # forward / dq rows: heads
+    # forward / dq: a tile of TQ consecutive queries, its TQ * h (query, head) pairs as ROWS-row
+    # MMA tiles; small groups fill the rows with more queries (h 6: 10 queries in 64 rows)
+    # (h 16, the paper's: one query, 16 rows). A tile reads the union of its queries' blocks, at
+    # most all ceil(S / l') of them: while those are few (<= 4 n) large tiles read each block once
+    # for many queries; past that, consecutive queries may share few blocks (random choices share
+    # only the 3 forced ones) and a small tile only fills the MMA rows that h leaves idle.
+    # Measured on an H200 (tools/profile_selection.py, bench_selection.py, random choices,
+    # 2026-11-26): seed 2k batch 32 fwd+bwd 5.59 ms at TQ 10 vs 12.79 per query; seed 16k fwd
+    # 1.23 ms at TQ 2 / 16 rows vs 1.28 at TQ 10 and 1.56 at TQ 1; paper 64k fwd 19.6 ms at TQ 1
+    # vs 45.6 at TQ 4.
+    few_blocks = _cdiv(seq_len, block_size) <= 4 * n_selected
+    rows = 64 if few_blocks else 16
+    tq = max(1, rows // h) if h < 16 and D_P <= 128 else 1
+    if tq == 1:
+        rows = max(16, min(_next_pow2(h), 32 if D_P <= 128 else 16))
 
     def block_n(cap: int) -> int:  # tokens per K/V chunk
         return max(16, min(_next_pow2(block_size), cap))
 
     tiles = {"DK_P": DK_P, "DV_P": DV_P, "reduce": {"BLOCK_N": 16, "num_warps": 4}}
     if fp32:
-        fwd = {"H_TILE": 16, "BLOCK_N": block_n(16), "num_warps": 8}
+        fwd = {"TQ": 1, "ROWS": 16, "BLOCK_N": block_n(16), "num_warps": 8}
         tiles |= {"fwd": fwd, "dq": fwd, "dkdv": {"ROWS": 16, "BLOCK_N": 16, "num_warps": 8}}
         return _override_tiles(tiles, override)
     # num_stages=2 (fwd, dq) and 4 warps (dkdv): tools/profile_selection.py on an H200 (Triton
     # 3.6, 2026-11-26) at the seed shape (2k, 16k) and the paper shape (16k), bitwise the same
     # results: fwd 1.2-1.45x, dq 1.13-1.24x, dkdv 1.09-1.9x faster than Triton's defaults.
     tiles |= {
-        "fwd": {"H_TILE": h_tile, "BLOCK_N": block_n(64 if D_P <= 128 else 32), "num_warps": 4 if h_tile == 16 else 8,
-                "num_stages": 2},
+        "fwd": {"TQ": tq, "ROWS": rows, "BLOCK_N": block_n(64 if D_P <= 128 else 32),
+                "num_warps": 4 if rows * D_P <= 64 * 64 or tq == 1 and rows == 16 else 8, "num_stages": 2},
         "dq": {
-            "H_TILE": h_tile,
+            "TQ": tq,
+            "ROWS": rows,
             "BLOCK_N": block_n(64 if D_P <= 64 else 32),
-            "num_warps": 4 if D_P <= 128 and h_tile == 16 else 8,
+            "num_warps": 4 if rows * D_P <= 64 * 64 or tq == 1 and rows == 16 else 8,
             "num_stages": 2,
         },
         # ROWS: (query, head) pairs per tile
@@ -172,12 +191,12 @@ def _upcast_dots(q: torch.Tensor) -> bool:
 def _set_reductions() -> None:
     """Row max / row sum for the kernels, as module globals (looked up when a kernel runs): the
     library reductions compiled, plain functions interpreted (`triton_support.row_reductions`)."""
-    global _rowmax, _rowsum, _built_interpreted
+    global _rowmax, _rowmin, _rowsum, _built_interpreted
     _built_interpreted = _interpreting()
-    _rowmax, _rowsum = row_reductions(_built_interpreted, "max", "sum")
+    _rowmax, _rowmin, _rowsum = row_reductions(_built_interpreted, "max", "min", "sum")
 
 
-_rowmax = _rowsum = None
+_rowmax = _rowmin = _rowsum = None
 _built_interpreted = False
 
 
@@ -190,52 +209,63 @@ def _kernels():
 
     @triton.jit
     def fwd_kernel(
-        Q, K, V, IDX, O, LSE,
+        Q, K, V, IDX, UNION, UCNT, O, LSE,
         sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
         sib, sig, sis, sin_, sob, soh, sos, sod,
-        S, G, N_SEL, BS, qk_scale,  # qk_scale = scale * log2(e)
-        HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        DK_P: tl.constexpr, DV_P: tl.constexpr, H_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+        S, G, N_SEL, BS, NT, qk_scale,  # qk_scale = scale * log2(e)
+        HPG: tl.constexpr, TQ: tl.constexpr, ROWS: tl.constexpr, N_P: tl.constexpr,
+        DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
         CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
     ):  # fmt: skip
-        t = tl.program_id(0)
+        tile = tl.program_id(0)
         bg = tl.program_id(1)
         b = (bg // G).to(tl.int64)
         g = bg % G
-        r = tl.program_id(2) * H_TILE + tl.arange(0, H_TILE)  # [H_TILE] head within the group
-        row_ok = r < HPG
-        head = (g * HPG + r).to(tl.int64)
+        # rows: the tile's (query, head) pairs, query-major (TQ queries x HPG heads)
+        pair = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+        t = tile * TQ + pair // HPG  # [ROWS] query token of each row
+        row_ok = (pair < TQ * HPG) & (t < S)
+        head = (g * HPG + pair % HPG).to(tl.int64)
         dk = tl.arange(0, DK_P)
         dv = tl.arange(0, DV_P)
         dk_ok = dk < DK
         dv_ok = dv < DV
         t64 = t.to(tl.int64)
-        q_ptrs = Q + b * sqb + head[:, None] * sqh + t64 * sqs + dk[None, :] * sqd
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [H_TILE, DK_P]
+        q = tl.load(Q + b * sqb + head[:, None] * sqh + t64[:, None] * sqs + dk[None, :] * sqd,
+                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
         if UPCAST:
             q = q.to(tl.float32)
+        # each row's own block list, to test membership of the tile's blocks
+        nsel = tl.arange(0, N_P)
+        chosen = tl.load(IDX + b * sib + g.to(tl.int64) * sig + t64[:, None] * sis + nsel[None, :] * sin_,
+                         mask=row_ok[:, None] & (nsel < N_SEL)[None, :], other=-1).to(tl.int32)  # [ROWS, N_P]
         k_base = K + b * skb + g.to(tl.int64) * skg
         v_base = V + b * svb + g.to(tl.int64) * svg
-        idx_base = IDX + b * sib + g.to(tl.int64) * sig + t64 * sis
+        if TQ == 1:  # one query: its own ascending list is the union (no union tensors)
+            u_base = IDX + b * sib + g.to(tl.int64) * sig + tile.to(tl.int64) * sis
+            n_union = N_SEL
+        else:
+            u_base = UNION + (bg * NT + tile).to(tl.int64) * (TQ * N_SEL + 1)
+            n_union = tl.load(UCNT + bg * NT + tile)
         cols = tl.arange(0, BLOCK_N)
 
-        # running max in log2 units, from a finite floor: a fully masked chunk (every score -inf)
-        # leaves m_i, l_i, acc unchanged (alpha = 1, p = 0) instead of making NaN; the first
-        # valid chunk gets alpha = exp2(M_FLOOR - m) = 0, as from -inf.
-        m_i = tl.full([H_TILE], -1.0e30, tl.float32)
-        l_i = tl.full([H_TILE], 0.0, tl.float32)
-        acc = tl.full([H_TILE, DV_P], 0.0, tl.float32)
-        # one flat loop over (slot, chunk) pairs, invalid ones masked, not skipped: no
-        # data-dependent branch around the loads, so the pipeliner can overlap them
-        for it in range(0, N_SEL * CPB):
-            slot = it // CPB
-            blk = tl.load(idx_base + slot * sin_).to(tl.int32)
-            start = blk * BS
-            # tokens start <= s < stop: the current block is partial, a block starting after t
-            # or an id < 0 holds none (s <= t < S); the scalar condition folded into stop
-            stop = tl.where(blk >= 0, tl.minimum(start + BS, t + 1), start)
-            s = start + (it - slot * CPB) * BLOCK_N + cols  # [BLOCK_N] token ids
-            col_ok = s < stop
+        # running max in log2 units, from a finite floor: a chunk masked for a row (every score
+        # -inf) leaves its m_i, l_i, acc unchanged (alpha = 1, p = 0) instead of making NaN; the
+        # first valid chunk gets alpha = exp2(M_FLOOR - m) = 0, as from -inf.
+        m_i = tl.full([ROWS], -1.0e30, tl.float32)
+        l_i = tl.full([ROWS], 0.0, tl.float32)
+        acc = tl.full([ROWS, DV_P], 0.0, tl.float32)
+        # one flat loop over (block of the tile's union, chunk) pairs; each row masks the blocks
+        # it did not choose and the tokens after it (no data-dependent branch around the loads)
+        for it in range(0, n_union * CPB):
+            u = it // CPB
+            if TQ == 1:
+                blk = tl.load(u_base + u * sin_).to(tl.int32)
+            else:
+                blk = tl.load(u_base + u)
+            s = blk * BS + (it - u * CPB) * BLOCK_N + cols  # [BLOCK_N] token ids
+            lo = tl.where(blk >= 0, blk * BS, S)  # an id < 0 (TQ = 1 padding) holds no token
+            col_ok = (s >= lo) & (s < blk * BS + BS) & (s < S)
             s64 = s.to(tl.int64)
             k = tl.load(k_base + s64[:, None] * sks + dk[None, :] * skd,
                         mask=col_ok[:, None] & dk_ok[None, :], other=0.0)  # [BLOCK_N, DK_P]
@@ -244,11 +274,16 @@ def _kernels():
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [H_TILE, BLOCK_N]
-            qk = tl.where(col_ok[None, :], qk, float("-inf"))
+            times = _rowsum((chosen == blk).to(tl.float32), 1)  # [ROWS] how often the row chose blk
+            if TQ == 1:  # the row's own list: a repeated id counts (times) at its first slot only
+                first = _rowmin(tl.where(chosen == blk, nsel[None, :], N_P), 1)
+                times = tl.where(first == u, times, 0.0)
+            valid = (times[:, None] > 0) & col_ok[None, :] & (s[None, :] <= t[:, None])
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [ROWS, BLOCK_N]
+            qk = tl.where(valid, qk, float("-inf"))
             m_new = tl.maximum(m_i, _rowmax(qk, 1))  # finite: at least the floor
             alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])  # 0 where masked
+            p = tl.exp2(qk - m_new[:, None]) * times[:, None]  # 0 where masked; a block chosen twice counts twice
             l_i = l_i * alpha + _rowsum(p, 1)
             pv = p.to(V.dtype.element_ty)
             if UPCAST:
@@ -260,60 +295,72 @@ def _kernels():
         l_safe = tl.where(empty, 1.0, l_i)
         o = acc / l_safe[:, None]
         lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # ln(2): log2 -> natural log
-        o_ptrs = O + b * sob + head[:, None] * soh + t64 * sos + dv[None, :] * sod
+        o_ptrs = O + b * sob + head[:, None] * soh + t64[:, None] * sos + dv[None, :] * sod
         tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
         tl.store(LSE + (b * G * HPG + head) * S + t64, lse, mask=row_ok)
 
     @triton.jit
     def dq_kernel(
-        Q, K, V, IDX, DO, O, LSE, DELTA, DQ,
+        Q, K, V, IDX, UNION, UCNT, DO, O, LSE, DELTA, DQ,
         sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
         sib, sig, sis, sin_, sdob, sdoh, sdos, sdod, sob, soh, sos, sod, sdqb, sdqh, sdqs, sdqd,
-        S, G, N_SEL, BS, scale, qk_scale,
-        HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        DK_P: tl.constexpr, DV_P: tl.constexpr, H_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+        S, G, N_SEL, BS, NT, scale, qk_scale,
+        HPG: tl.constexpr, TQ: tl.constexpr, ROWS: tl.constexpr, N_P: tl.constexpr,
+        DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
         CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
     ):  # fmt: skip
-        t = tl.program_id(0)
+        tile = tl.program_id(0)
         bg = tl.program_id(1)
         b = (bg // G).to(tl.int64)
         g = bg % G
-        r = tl.program_id(2) * H_TILE + tl.arange(0, H_TILE)
-        row_ok = r < HPG
-        head = (g * HPG + r).to(tl.int64)
+        pair = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+        t = tile * TQ + pair // HPG
+        row_ok = (pair < TQ * HPG) & (t < S)
+        head = (g * HPG + pair % HPG).to(tl.int64)
         dk = tl.arange(0, DK_P)
         dv = tl.arange(0, DV_P)
         dk_ok = dk < DK
         dv_ok = dv < DV
         t64 = t.to(tl.int64)
-        q = tl.load(Q + b * sqb + head[:, None] * sqh + t64 * sqs + dk[None, :] * sqd,
-                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [H_TILE, DK_P]
+        q = tl.load(Q + b * sqb + head[:, None] * sqh + t64[:, None] * sqs + dk[None, :] * sqd,
+                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
         rv_mask = row_ok[:, None] & dv_ok[None, :]
-        do = tl.load(DO + b * sdob + head[:, None] * sdoh + t64 * sdos + dv[None, :] * sdod,
-                     mask=rv_mask, other=0.0)  # [H_TILE, DV_P]
-        o = tl.load(O + b * sob + head[:, None] * soh + t64 * sos + dv[None, :] * sod, mask=rv_mask, other=0.0)
-        delta = _rowsum(do.to(tl.float32) * o.to(tl.float32), 1)  # [H_TILE]
+        do = tl.load(DO + b * sdob + head[:, None] * sdoh + t64[:, None] * sdos + dv[None, :] * sdod,
+                     mask=rv_mask, other=0.0)  # [ROWS, DV_P]
+        o = tl.load(O + b * sob + head[:, None] * soh + t64[:, None] * sos + dv[None, :] * sod,
+                    mask=rv_mask, other=0.0)
+        delta = _rowsum(do.to(tl.float32) * o.to(tl.float32), 1)  # [ROWS]
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
         row_lin = (b * G * HPG + head) * S + t64
         tl.store(DELTA + row_lin, delta, mask=row_ok)
         lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
+        nsel = tl.arange(0, N_P)
+        chosen = tl.load(IDX + b * sib + g.to(tl.int64) * sig + t64[:, None] * sis + nsel[None, :] * sin_,
+                         mask=row_ok[:, None] & (nsel < N_SEL)[None, :], other=-1).to(tl.int32)  # [ROWS, N_P]
 
         k_base = K + b * skb + g.to(tl.int64) * skg
         v_base = V + b * svb + g.to(tl.int64) * svg
-        idx_base = IDX + b * sib + g.to(tl.int64) * sig + t64 * sis
+        if TQ == 1:  # one query: its own ascending list is the union (no union tensors)
+            u_base = IDX + b * sib + g.to(tl.int64) * sig + tile.to(tl.int64) * sis
+            n_union = N_SEL
+        else:
+            u_base = UNION + (bg * NT + tile).to(tl.int64) * (TQ * N_SEL + 1)
+            n_union = tl.load(UCNT + bg * NT + tile)
         cols = tl.arange(0, BLOCK_N)
-        acc = tl.full([H_TILE, DK_P], 0.0, tl.float32)
-        # the forward's flat (slot, chunk) loop, invalid pairs masked (p = 0 there; an empty
-        # row's lse is -inf, but it has no valid column)
-        for it in range(0, N_SEL * CPB):
-            slot = it // CPB
-            blk = tl.load(idx_base + slot * sin_).to(tl.int32)
-            start = blk * BS
-            stop = tl.where(blk >= 0, tl.minimum(start + BS, t + 1), start)
-            s = start + (it - slot * CPB) * BLOCK_N + cols
-            col_ok = s < stop
+        acc = tl.full([ROWS, DK_P], 0.0, tl.float32)
+        # the forward's flat (union block, chunk) loop, each row masking what it did not choose
+        # (p = 0 there; an empty row's lse is -inf, but it has no valid column)
+        for it in range(0, n_union * CPB):
+            u = it // CPB
+            if TQ == 1:
+                blk = tl.load(u_base + u * sin_).to(tl.int32)
+            else:
+                blk = tl.load(u_base + u)
+            s = blk * BS + (it - u * CPB) * BLOCK_N + cols
+            lo = tl.where(blk >= 0, blk * BS, S)  # an id < 0 (TQ = 1 padding) holds no token
+            col_ok = (s >= lo) & (s < blk * BS + BS) & (s < S)
             s64 = s.to(tl.int64)
             k = tl.load(k_base + s64[:, None] * sks + dk[None, :] * skd,
                         mask=col_ok[:, None] & dk_ok[None, :], other=0.0)  # [BLOCK_N, DK_P]
@@ -322,9 +369,13 @@ def _kernels():
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
+            times = _rowsum((chosen == blk).to(tl.float32), 1)
+            if TQ == 1:
+                first = _rowmin(tl.where(chosen == blk, nsel[None, :], N_P), 1)
+                times = tl.where(first == u, times, 0.0)
+            valid = row_ok[:, None] & (times[:, None] > 0) & col_ok[None, :] & (s[None, :] <= t[:, None])
             qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            valid = row_ok[:, None] & col_ok[None, :]
-            p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)  # [H_TILE, BLOCK_N]
+            p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0) * times[:, None]  # [ROWS, BLOCK_N]
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
             ds = ds.to(K.dtype.element_ty)
@@ -332,7 +383,7 @@ def _kernels():
                 ds = ds.to(tl.float32)
             acc += tl.dot(ds, k, input_precision=PREC)
         dq = acc * scale
-        tl.store(DQ + b * sdqb + head[:, None] * sdqh + t64 * sdqs + dk[None, :] * sdqd,
+        tl.store(DQ + b * sdqb + head[:, None] * sdqh + t64[:, None] * sdqs + dk[None, :] * sdqd,
                  dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok[None, :])
 
     @triton.jit
@@ -483,26 +534,60 @@ def selected_forward(q, k, v, block_idx, block_size: int, scale: float, *, tiles
     o, lse = empty_attention_outputs(q, v)  # the op's output layout: [B, S, H, Dv] memory
     if B * H * S == 0:
         return o, lse
-    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles)
-    _fwd_stage(q, k, v, block_idx, block_size, scale, T, o, lse)
+    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=S, n_selected=block_idx.shape[3])
+    union = _tile_union(block_idx, block_size, S, T["fwd"]["TQ"])
+    _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse)
     return o, lse
 
 
-def _fwd_stage(q, k, v, block_idx, block_size, scale, T, o, lse):
-    """The forward kernel into o and lse (allocated by the caller). Returns what the launch
-    returns (the compiled kernel, whose registers and spills tools/profile_selection.py shows)."""
+def _tile_union(block_idx: torch.Tensor, block_size: int, S: int, TQ: int):
+    """The blocks each tile of TQ consecutive queries reads: per (batch, group, tile), the
+    distinct block ids its queries chose that hold tokens (0 <= id < NB = ceil(S / l')),
+    ascending, in `union` [B*G, NT, TQ*n] int32 (entries past `count` unused), and `count`
+    [B*G, NT] int32; NT = ceil(S / TQ). Torch ops, no sort and no host sync: a [B*G, NT, NB]
+    membership map (scatter), its running count along the blocks (cumsum) gives each member
+    its slot, and a second scatter writes the ids there. Returns (union, count, NT); for TQ = 1
+    no tensors (placeholders): the kernels read the query's own list, counting repeats once."""
+    B, G, _, n = block_idx.shape
+    NT, NB = _cdiv(S, TQ), _cdiv(S, block_size)
+    device = block_idx.device
+    if TQ == 1:  # the kernels read each query's own list (placeholders, never read)
+        none = torch.zeros(1, dtype=torch.int32, device=device)
+        return none, none, NT
+    idx = block_idx
+    if NT * TQ != S:  # the last tile's missing queries choose nothing
+        idx = torch.nn.functional.pad(idx, (0, 0, 0, NT * TQ - S), value=-1)
+    ids = idx.reshape(B * G, NT, TQ * n)
+    ids = torch.where((ids >= 0) & (ids < NB), ids, NB)  # no token: the spare column NB
+    member = torch.zeros(B * G, NT, NB + 1, dtype=torch.int32, device=device)
+    member.scatter_(2, ids, 1)
+    member = member[..., :NB]
+    rank = torch.cumsum(member, 2, dtype=torch.int32)  # members up to each block
+    count = rank[..., -1].contiguous() if NB else torch.zeros(B * G, NT, dtype=torch.int32, device=device)
+    slot = torch.where(member.bool(), rank - 1, TQ * n)  # non-members: a spare slot past the end
+    union = torch.empty(B * G, NT, TQ * n + 1, dtype=torch.int32, device=device)
+    blocks = torch.arange(NB, dtype=torch.int32, device=device).expand(B * G, NT, NB)
+    union.scatter_(2, slot.long(), blocks)
+    return union, count, NT
+
+
+def _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse):
+    """The forward kernel into o and lse (allocated by the caller), over `_tile_union`'s tiles
+    (made with T["fwd"]["TQ"]). Returns what the launch returns (the compiled kernel, whose
+    registers and spills tools/profile_selection.py shows)."""
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
     h, n = H // G, block_idx.shape[3]
     cfg = T["fwd"]
+    u, count, NT = union
     fwd_kernel = _kernels()[0]
-    grid = (S, B * G, _cdiv(h, cfg["H_TILE"]))
+    grid = (NT, B * G, _cdiv(cfg["TQ"] * h, cfg["ROWS"]))
     return fwd_kernel[grid](
-        q, k, v, block_idx, o, lse,
+        q, k, v, block_idx, u, count, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *o.stride(),
-        S, G, n, block_size, scale * math.log2(math.e),
-        HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], CPB=_cdiv(block_size, cfg["BLOCK_N"]),
-        PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q), **cfg,
+        S, G, n, block_size, NT, scale * math.log2(math.e),
+        HPG=h, N_P=max(2, _next_pow2(n)), DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"],
+        CPB=_cdiv(block_size, cfg["BLOCK_N"]), PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q), **cfg,
     )  # fmt: skip
 
 
@@ -562,9 +647,10 @@ def selected_backward(
     if B * H * S == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
-    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles)
+    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=S, n_selected=block_idx.shape[3])
     delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    _dq_stage(grad_o, q, k, v, o, lse, block_idx, block_size, scale, T, dq, delta)
+    union = _tile_union(block_idx, block_size, S, T["dq"]["TQ"])
+    _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, dq, delta)
     segment = DKV_SEGMENT if segment is None else segment
     inv = _inverted_selection(block_idx, block_size, S, segment)
     pk, pv, _ = _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T, dk, dv)
@@ -572,19 +658,21 @@ def selected_backward(
     return dq, dk, dv
 
 
-def _dq_stage(grad_o, q, k, v, o, lse, block_idx, block_size, scale, T, dq, delta):
-    """The dq kernel into dq and delta (allocated by the caller; lse contiguous). Returns the
-    launch's result, like `_fwd_stage`."""
+def _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, dq, delta):
+    """The dq kernel into dq and delta (allocated by the caller; lse contiguous), over
+    `_tile_union`'s tiles made with T["dq"]["TQ"]. Returns the launch's result, like `_fwd_stage`."""
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
     h, n = H // G, block_idx.shape[3]
+    cfg = T["dq"]
+    u, count, NT = union
     dq_kernel = _kernels()[1]
-    return dq_kernel[(S, B * G, _cdiv(h, T["dq"]["H_TILE"]))](
-        q, k, v, block_idx, grad_o, o, lse, delta, dq,
+    return dq_kernel[(NT, B * G, _cdiv(cfg["TQ"] * h, cfg["ROWS"]))](
+        q, k, v, block_idx, u, count, grad_o, o, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *grad_o.stride(), *o.stride(), *dq.stride(),
-        S, G, n, block_size, scale, scale * math.log2(math.e),
-        HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], CPB=_cdiv(block_size, T["dq"]["BLOCK_N"]),
-        PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q), **T["dq"],
+        S, G, n, block_size, NT, scale, scale * math.log2(math.e),
+        HPG=h, N_P=max(2, _next_pow2(n)), DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"],
+        CPB=_cdiv(block_size, cfg["BLOCK_N"]), PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q), **cfg,
     )  # fmt: skip
 
 
