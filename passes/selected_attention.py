@@ -12,10 +12,15 @@ Matches (torch IR), anchored at the softmax (models/nsa.py `NSAAttention.selecte
     o = (p.to(v.dtype).unsqueeze(-2) @ v_sel).squeeze(-2)                        # v_sel as k_sel
 upcast: .float(), .to(float32) or none (fp32); squeeze and upcast in either order; c: `* c`,
 `c *`, `/ c` with a python number, or no scale (c = 1).
+Packed documents (models/nsa.py with pos [B, S], each token's position in its document): the
+token ids also add the query's document start, blocks being counted within the document,
+    tokens = tokens + (t - pos[:, None, :, None])                               # [B, G, S, n*l']
 
 Verified, not assumed: the gather index and the mask must be functions of one int64 tensor
 block_idx [B, G, S, n] and of positions only (the nearest such tensor that every path from them
-to the graph's inputs passes through). Those subgraphs are evaluated at compile time on probe
+to the graph's inputs passes through), or, for packed documents, of block_idx, positions and one
+int64 [B, S] graph input, the document positions pos (a placeholder such as `l_pos_`, read
+through any slices and views). Those subgraphs are evaluated at compile time on probe
 block ids of the real shape (padding -1, block 0, the current partial block, a block in the
 future, blocks past the end, duplicates, and random ids), and for every (b, head, t) the
 gathered tokens kept by the mask must be exactly the tokens <= t of the blocks >= 0, token =
@@ -26,12 +31,20 @@ ids, not a proof for every block_idx; the probes vary by batch, group, query and
 code treating any of them differently shows. Identical subgraphs (one per layer) are evaluated
 once per graph. A query whose blocks hold no token <= t gets 0 from the op where eager gives
 NaN (ops/selection.py; the model's own selection always includes the current block).
+With pos the check runs on the product of probe positions and probe block ids (4 x 2): the
+positions of a probe differ per batch row and cycle through one document (arange), documents of
+odd lengths (1, 2, l' - 1, 3, longer than n * l', ...), documents starting at block boundaries
+and one token off them, and random packings; the block probes are drawn relative to each
+query's document (its current block pos[t] // l', the one before, the next, ...), and the kept
+tokens must be those of the blocks counted from the document start, (t - pos[t]) + block * l' +
+offset <= t. Again a check on probes, not a proof for every pos.
 
 Becomes `torch.ops.nsa.selected_attention(q, k, v, block_idx, l', c, backend)[0]` on the un-gathered,
-un-repeated q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv] (nsa_compile/ops/selection.py): no
-gathered or repeated K/V, no [B, H, S, n*l'] scores in the graph. The backend is chosen here from
-the fake tensors and written into the graph (`triton` on CUDA, else `reference`); `explain` shows
-which and, for reference, why not triton.
+un-repeated q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv] (nsa_compile/ops/selection.py), with
+the pos node as a last argument for packed documents: no gathered or repeated K/V, no
+[B, H, S, n*l'] scores in the graph. The backend is chosen here from the fake tensors and written
+into the graph (`triton` on CUDA, else `reference`; with pos only `reference` runs); `explain`
+shows which and, for reference, why not triton.
 
 Refuses (graph unchanged), with the reason shown by `explain`:
 - a softmax not followed by p.unsqueeze(-2) @ v_sel (compressed branch, gates, dense attention);
@@ -41,6 +54,8 @@ Refuses (graph unchanged), with the reason shown by `explain`:
 - token ids or a mask that depend on other data, or that differ from the blocks on the probes:
   padding not masked, the current token hidden or a later one seen (off by one), a mapping that
   is not block * l' + offset (overlapping blocks), a mask that differs across a group's heads;
+  with pos: blocks counted from the row start instead of the document start, a document start
+  off by one, a mask that compares row-start token ids (ignores pos);
 - shapes that do not fit; symbolic (dynamic) sizes; a verification larger than the cap.
 """
 
@@ -69,7 +84,8 @@ from nsa_compile.rewrite import PassLog, RewritePass
 # batch 2 and the paper shape (64 heads) to 64k at batch 1. Each distinct subgraph is verified
 # once per compile (the layers of a model share one).
 MAX_VERIFIED_ELEMENTS = 2**34
-KERNEL = "nsa.selected_attention[{backend}] (l'={block}, n={n}, GQA-native, no gathered K/V{why})"
+KERNEL = "nsa.selected_attention[{backend}] (l'={block}, n={n}, GQA-native, no gathered K/V{packed}{why})"
+PACKED = ", packed documents (pos)"
 
 # Ops that return a view (no new elements) when the selection subgraphs are evaluated.
 _VIEWS = {"expand", "expand_as", "broadcast_to", "view", "unsqueeze", "squeeze", "getitem", "transpose",
@@ -189,22 +205,42 @@ def ancestors(roots: list[fx.Node], stop: fx.Node | None = None) -> list[fx.Node
     return list(seen)
 
 
-def find_block_idx(roots: list[fx.Node], B: int, G: int, S: int, order: dict) -> tuple[fx.Node, list[fx.Node]]:
-    """The int64 [B, G, S, n] tensor nearest the roots through which alone they depend on data,
-    and the position-only nodes between it and the roots (in graph order), or Refused."""
+def is_positions(node: fx.Node, B: int, S: int) -> bool:
+    """node may be the document positions pos: an int64 [B, S] tensor."""
+    val = value(node)
+    return val is not None and val.dtype == torch.int64 and tuple(val.shape) == (B, S)
+
+
+def find_block_idx(roots: list[fx.Node], B: int, G: int, S: int,
+                   order: dict) -> tuple[fx.Node, fx.Node | None, list[fx.Node]]:
+    """The int64 [B, G, S, n] tensor nearest the roots through which alone (with at most one int64
+    [B, S] graph input, the document positions) they depend on data, that input (None without
+    one), and the position-only nodes between them and the roots (in graph order), or Refused."""
     candidates = [n for n in ancestors(roots) if (val := value(n)) is not None and val.dtype == torch.int64
                   and val.dim() == 4 and tuple(val.shape[:3]) == (B, G, S)]
     if not candidates:
         raise Refused("no int64 [B, G, S, n] block index tensor feeds the token ids and the mask")
-    first_data = None
+    # the reason of the candidate nearest to passing: the fewest other data inputs, and of those the
+    # farthest from the roots (nearer ones would blame the block index itself)
+    closest = None
     for block_idx in sorted(candidates, key=order.__getitem__, reverse=True):
         nodes = [n for n in ancestors(roots, stop=block_idx) if n is not block_idx]
         data = [n for n in nodes if n.op not in ("call_function", "call_method")]
-        if not data:
-            return block_idx, sorted(nodes, key=order.__getitem__)
-        first_data = first_data or min(data, key=order.__getitem__)
-    raise Refused(f"the token ids or the mask depend on {first_data.op} {first_data.name} "
-                  "(data other than one [B, G, S, n] block index tensor and positions)")
+        positions = [n for n in data if is_positions(n, B, S)]
+        if len(data) == len(positions) <= 1:
+            pos = positions[0] if positions else None
+            return block_idx, pos, sorted((n for n in nodes if n is not pos), key=order.__getitem__)
+        others = sorted((n for n in data if n not in positions), key=order.__getitem__)
+        if others:
+            why = (f"the token ids or the mask depend on {others[0].op} {others[0].name} "
+                   "(data other than one [B, G, S, n] block index tensor and positions)")
+        else:
+            names = ", ".join(n.name for n in sorted(positions, key=order.__getitem__))
+            why = (f"the token ids or the mask depend on {len(positions)} int64 [B, S] inputs ({names}); "
+                   "packed documents take one, the positions pos")
+        if closest is None or len(others) <= closest[0]:
+            closest = (len(others), why)
+    raise Refused(closest[1])
 
 
 def in_place(node: fx.Node) -> bool:
@@ -216,12 +252,13 @@ def in_place(node: fx.Node) -> bool:
     return name.endswith("_") and not name.startswith("_")
 
 
-def check_evaluable(nodes: list[fx.Node], block_idx: fx.Node, B: int, H: int, S: int, T: int) -> None:
+def check_evaluable(nodes: list[fx.Node], leaves: list[fx.Node], B: int, H: int, S: int, T: int) -> None:
     """Refused unless the nodes can be run at compile time, with a bounded cost, and give what
-    they give at run time (nothing random, nothing changed in place, no symbolic sizes)."""
-    for node in [block_idx, *nodes]:
+    they give at run time (nothing random, nothing changed in place, no symbolic sizes). The
+    leaves (block_idx, and pos for packed documents) are given by the probes."""
+    for node in [*leaves, *nodes]:
         name = op_name(node) or ""
-        if node is not block_idx and any(word in name for word in _RANDOM):
+        if node not in leaves and any(word in name for word in _RANDOM):
             raise Refused(f"the token ids or the mask use {name} (random, not positions)")
         for user in node.users:
             if in_place(user):
@@ -243,18 +280,19 @@ class _Input:
         return f"<input {self.i}>"
 
 
-def structure(nodes: list[fx.Node], block_idx: fx.Node, roots: list[fx.Node]) -> str:
-    """What the subgraph computes from block_idx, as text: equal texts compute the same function
-    (same ops, same constants, same wiring), so one verification serves both."""
-    index = {block_idx: 0, **{node: i + 1 for i, node in enumerate(nodes)}}
+def structure(nodes: list[fx.Node], leaves: list[fx.Node], roots: list[fx.Node]) -> str:
+    """What the subgraph computes from its leaves (block_idx [, pos]), as text: equal texts compute
+    the same function (same ops, same constants, same wiring), so one verification serves both."""
+    index = {**{leaf: i for i, leaf in enumerate(leaves)}, **{node: i + len(leaves) for i, node in enumerate(nodes)}}
     ops = [(node.op, node.target, fx.node.map_arg((node.args, node.kwargs), lambda n: _Input(index[n])))
            for node in nodes]
     return repr((ops, [index[r] for r in roots]))
 
 
-def evaluate(nodes: list[fx.Node], block_idx: fx.Node, probe: torch.Tensor, roots: list[fx.Node]) -> list:
-    """Run the position-only nodes (graph order) with block_idx = probe; the roots' values."""
-    env = {block_idx: probe}
+def evaluate(nodes: list[fx.Node], leaves: dict, roots: list[fx.Node]) -> list:
+    """Run the position-only nodes (graph order) with the leaves given ({block_idx: probe[, pos:
+    probe positions]}); the roots' values."""
+    env = dict(leaves)
     last_use = {}  # input node -> index of the last node that reads it (freed after that)
     for i, node in enumerate(nodes):
         for x in node.all_input_nodes:
@@ -274,32 +312,73 @@ def evaluate(nodes: list[fx.Node], block_idx: fx.Node, probe: torch.Tensor, root
                           f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
         del args, kwargs
         for x in node.all_input_nodes:
-            if last_use[x] == i and x not in keep and x is not block_idx:
+            if last_use[x] == i and x not in keep and x not in leaves:
                 del env[x]
     return [env[r] for r in roots]
 
 
-def probes(B: int, G: int, S: int, n: int, block: int, device) -> list[torch.Tensor]:
+def probes(B: int, G: int, S: int, n: int, block: int, device, pos: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Block ids [B, G, S, n]: one structured (per slot and query: padding, block 0, the current
     block, duplicates of it, the next block (future), one past the last block, far past the end,
-    the previous block), one random in [-1, Ns + 1]."""
+    the previous block), one random in [-1, Ns + 1]. With pos [B, S] the blocks are those of each
+    query's document (the current block is pos[t] // l')."""
     Ns = -(-S // block)
     t = torch.arange(S, device=device)[:, None]
-    cur = t // block
+    position = t.expand(B, S, 1) if pos is None else pos[:, :, None]  # [B, S, 1]
+    cur = position // block
     choices = torch.stack(torch.broadcast_tensors(
         torch.full_like(cur, -1), torch.zeros_like(cur), cur, cur, cur + 1, torch.full_like(cur, Ns),
-        torch.full_like(cur, Ns + 3), cur - 1), dim=-1)[:, 0]  # [S, 8]
+        torch.full_like(cur, Ns + 3), cur - 1), dim=-1)[:, :, 0]  # [B, S, 8]
     b, g, i = (torch.arange(x, device=device) for x in (B, G, n))
     pick = (b[:, None, None, None] + 3 * g[None, :, None, None] + t[None, None] + i[None, None, None]) % 8
-    structured = torch.gather(choices.expand(B, G, S, 8), 3, pick.expand(B, G, S, n))
+    structured = torch.gather(choices[:, None].expand(B, G, S, 8), 3, pick.expand(B, G, S, n))
     gen = torch.Generator().manual_seed(0)
     rand = torch.randint(-1, Ns + 2, (B, G, S, n), generator=gen).to(device)
     return [structured, rand]
 
 
-def verify(keep: torch.Tensor, tokens: torch.Tensor, blocks: torch.Tensor, block: int, h: int) -> None:
+def document_lengths(kind: int, S: int, n: int, block: int, seed: int) -> list[int]:
+    """Lengths of the documents of one probe row (summing to S): 0 one document, 1 odd lengths
+    (1, 2, shorter than a block, longer than n blocks), 2 documents starting on block boundaries
+    and one token off them, 3 random lengths."""
+    if kind == 0:
+        return [S]
+    if kind == 3:
+        gen = torch.Generator().manual_seed(seed)
+        cycle = torch.randint(1, 2 * n * block + 2, (S,), generator=gen).tolist()
+    else:
+        cycle = ([1, 2, block - 1, 3, n * block + 5, block + 3, 5] if kind == 1
+                 else [block, 2 * block, block + 1, block - 1, 3 * block])
+    lengths, total, i = [], 0, 0
+    while total < S:
+        length = min(max(1, cycle[i % len(cycle)]), S - total)
+        lengths.append(length)
+        total, i = total + length, i + 1
+    return lengths
+
+
+POSITION_KINDS = 4
+
+
+def position_probes(B: int, S: int, n: int, block: int, device) -> list[torch.Tensor]:
+    """Document positions pos [B, S] int64, one probe per kind of `document_lengths`: row b of
+    probe i packs documents of kind (i + b) % 4, so the rows of a probe differ and with one row
+    every kind is still probed."""
+    out = []
+    for i in range(POSITION_KINDS):
+        rows = []
+        for b in range(B):
+            lengths = document_lengths((i + b) % POSITION_KINDS, S, n, block, seed=i * 1009 + b)
+            rows.append(torch.cat([torch.arange(length) for length in lengths]))
+        out.append(torch.stack(rows).to(device))
+    return out
+
+
+def verify(keep: torch.Tensor, tokens: torch.Tensor, blocks: torch.Tensor, block: int, h: int,
+           pos: torch.Tensor | None = None) -> None:
     """keep [B, H, S, T] bool, tokens [B, G, S, T] (gather index) for block ids blocks [B, G, S, n]:
-    for each (b, head, t) the kept tokens must be the multiset {block * l' + o <= t : block >= 0}."""
+    for each (b, head, t) the kept tokens must be the multiset {start + block * l' + o <= t :
+    block >= 0}, start = t - pos[b, t] with pos [B, S] (packed documents), else 0."""
     B, G, S, n = blocks.shape
     keep5 = keep.reshape(B, G, h, S, -1)
     if not bool((keep5 == keep5[:, :, :1]).all()):
@@ -308,6 +387,8 @@ def verify(keep: torch.Tensor, tokens: torch.Tensor, blocks: torch.Tensor, block
     offsets = torch.arange(block, device=blocks.device)
     expected = (blocks.clamp(min=0)[..., None] * block + offsets).flatten(-2)  # [B, G, S, T]
     t = torch.arange(S, device=blocks.device)[:, None]
+    start = 0 if pos is None else (t[:, 0] - pos)[:, None, :, None]  # document start [B, 1, S, 1]
+    expected = expected + start
     chosen = (blocks >= 0)[..., None].expand(B, G, S, n, block).flatten(-2)
     valid = chosen & (expected <= t)
     if torch.equal(keep, valid) and torch.equal(torch.where(keep, tokens, 0), torch.where(valid, expected, 0)):
@@ -318,9 +399,12 @@ def verify(keep: torch.Tensor, tokens: torch.Tensor, blocks: torch.Tensor, block
     want = torch.where(valid, expected, big).sort(dim=-1).values
     if torch.equal(got, want):
         return
+    if pos is not None:
+        document_miss(keep, tokens, expected, chosen, start, t)
     padding = (blocks < 0)[..., None].expand(B, G, S, n, block).flatten(-2)
     if bool((keep & valid & (tokens != expected)).any()):
-        raise Refused(f"the token ids are not block * l' + offset for l' = {block} (overlapping or "
+        origin = "" if pos is None else " from the document start t - pos[t]"
+        raise Refused(f"the token ids are not block * l' + offset{origin} for l' = {block} (overlapping or "
                       "shifted blocks?)")
     if bool((keep & padding).any()):
         raise Refused("padding (block id -1) is not masked: a query would see tokens of a block it did not choose")
@@ -333,6 +417,26 @@ def verify(keep: torch.Tensor, tokens: torch.Tensor, blocks: torch.Tensor, block
     if bool((expected[hidden] == t.expand_as(expected)[hidden]).all()):
         raise Refused("the mask is off by one: query t does not see itself (tokens < t instead of <= t)")
     raise Refused("the mask hides tokens <= t of the chosen blocks")
+
+
+def document_miss(keep, tokens, expected, chosen, start, t) -> None:
+    """Refused naming the packed-document mistake the probe shows, if it is one of the near ones:
+    token ids counted from the row start, a document start off by one, a mask that compares the
+    row-start ids with t. keep, tokens, expected, chosen [B, G, S, T]; start [B, 1, S, 1]."""
+    kept = keep & chosen
+    in_row = expected < keep.shape[2]  # the gather index of a later token may be clamped to S - 1
+    if bool(kept.any()):
+        shift = (tokens - expected)[kept]
+        if torch.equal(shift, (-start).expand_as(expected)[kept]) and bool((shift != 0).any()):
+            raise Refused("the token ids are counted from the row start (block * l' + offset), not from the "
+                          "document start t - pos[t]")
+        if bool((shift == 1).all()) or bool((shift == -1).all()):
+            sign = "+" if bool((shift == 1).all()) else "-"
+            raise Refused(f"the document start is off by one: token ids (t - pos[t]) {sign} 1 + block * l' + offset")
+        row_start_mask = chosen & (expected - start <= t)
+        if torch.equal(tokens[kept & in_row], expected[kept & in_row]) and torch.equal(keep, row_start_mask):
+            raise Refused("the mask compares token ids counted from the row start with t (it ignores the "
+                          "document start t - pos[t])")
 
 
 class SelectionAttention(RewritePass):
@@ -352,7 +456,8 @@ class SelectionAttention(RewritePass):
                 continue
             self.rewrite(graph, plan)
             why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
-            log.matched(softmax, KERNEL.format(block=plan["block"], n=plan["n"], backend=plan["backend"], why=why))
+            log.matched(softmax, KERNEL.format(block=plan["block"], n=plan["n"], backend=plan["backend"],
+                                               packed="" if plan["pos"] is None else PACKED, why=why))
 
     def check(self, softmax: fx.Node, order: dict, verified: set, requested: str = "auto") -> dict:
         probs = value(softmax)
@@ -420,17 +525,23 @@ class SelectionAttention(RewritePass):
             raise Refused("q and K differ in dtype, or V is not floating point")
         if cast is not None and value(cast).dtype != value(v).dtype:
             raise Refused(f"the probabilities are cast to {value(cast).dtype}, not to V's {value(v).dtype}")
-        # the selection: block_idx and positions only, evaluated on probes
+        # the selection: block_idx, positions and (packed documents) pos only, evaluated on probes
         roots = [mask, k_index, v_index]
-        block_idx, nodes = find_block_idx(roots, B, G, S, order)
+        block_idx, pos, nodes = find_block_idx(roots, B, G, S, order)
+        leaves = [block_idx] if pos is None else [block_idx, pos]
         n = dims(block_idx, "block index tensor", 4)[3]
         if n == 0 or T % n:
             raise Refused(f"the {T} gathered tokens per query are not n * l' for the n = {n} blocks")
         block = T // n
-        check_evaluable(nodes, block_idx, B, H, S, T)
-        key = (structure(nodes, block_idx, roots), (B, H, G, S, T, n), keep_where_true)
-        for probe in [] if key in verified else probes(B, G, S, n, block, value(block_idx).device):
-            m, ki, vi = evaluate(nodes, block_idx, probe, roots)
+        check_evaluable(nodes, leaves, B, H, S, T)
+        key = (structure(nodes, leaves, roots), (B, H, G, S, T, n), keep_where_true)
+        device = value(block_idx).device
+        positions = [None] if pos is None else position_probes(B, S, n, block, device)
+        cases = [] if key in verified else [(p, blocks) for p in positions
+                                              for blocks in probes(B, G, S, n, block, device, p)]
+        for probe_pos, probe in cases:
+            given = {block_idx: probe} if pos is None else {block_idx: probe, pos: probe_pos}
+            m, ki, vi = evaluate(nodes, given, roots)
             if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
                 raise Refused("the mask is not a bool tensor")
             try:
@@ -447,19 +558,20 @@ class SelectionAttention(RewritePass):
                 tokens.append(index[..., 0].reshape(B, G, S, T))
             if not torch.equal(tokens[0], tokens[1]):
                 raise Refused("K and V are gathered at different token ids")
-            verify(keep, tokens[0], probe, block, H // G)
+            verify(keep, tokens[0], probe, block, H // G, probe_pos)
             if bool((tokens[0] < 0).any()) or bool((tokens[0] >= S).any()):  # eager's gather raises there
                 raise Refused("the gather index leaves [0, S) on probe block ids (eager's gather would raise; "
                               "the op would ignore them)")
         verified.add(key)
         fakes = [value(x) for x in (q, k, v, block_idx)]
+        fake_pos = None if pos is None else value(pos)
         try:
-            backend = choose_backend(*fakes, block, requested)
+            backend = choose_backend(*fakes, block, requested, fake_pos)
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(selection_backend={requested!r}): {why}") from None
-        return {"q": q, "k": k, "v": v, "block_idx": block_idx, "block": block, "n": n, "scale": scale,
+        return {"q": q, "k": k, "v": v, "block_idx": block_idx, "pos": pos, "block": block, "n": n, "scale": scale,
                 "backend": backend,
-                "why_not_triton": why_not_triton(*fakes, block) if requested == "auto"
+                "why_not_triton": why_not_triton(*fakes, block, fake_pos) if requested == "auto"
                 else f"selection_backend={requested!r} in OptimizeConfig",
                 "out": out, "chain": [out, pv, p4, cast, softmax, masked, *chain, qk, q4, kt, *repeats,
                                       *k_nodes, *v_nodes],
@@ -467,8 +579,9 @@ class SelectionAttention(RewritePass):
 
     def rewrite(self, graph: fx.Graph, plan: dict) -> None:
         out = plan["out"]
+        packed = () if plan["pos"] is None else (plan["pos"],)  # unpacked graphs keep the 7-argument call
         both = call(graph, torch.ops.nsa.selected_attention, plan["q"], plan["k"], plan["v"], plan["block_idx"],
-                    plan["block"], plan["scale"], plan["backend"], anchor=out)
+                    plan["block"], plan["scale"], plan["backend"], *packed, anchor=out)
         op = call(graph, operator.getitem, both, 0, anchor=out)  # o; the log-sum-exp is for the backward
         out.replace_all_uses_with(op)
         # erase the per-query chain, then whatever only it used (token ids, mask, K/V views)

@@ -1,7 +1,7 @@
 """Selected-block attention with GQA as a functional custom op (NSA section 3).
 
-    o, lse = torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend)
-    o = selected_attention(q, k, v, block_idx, block_size, scale, backend="auto")   # the output only
+    o, lse = torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend, pos)
+    o = selected_attention(q, k, v, block_idx, block_size, scale, backend="auto", pos=None)   # the output only
 
 q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv] with H = G * h: query head j reads KV head
 j // h (GQA-native: K and V are never repeated). block_idx [B, G, S, n] int64 lists the chosen
@@ -22,11 +22,20 @@ A row without a single valid token (all blocks -1, or n == 0) gets output 0 and 
 current block is always forced). The block ids are used as given: duplicates count twice, as in
 the eager gather.
 
-Backward is a second op, `nsa::selected_attention_backward(grad_o, q, k, v, o, lse, block_idx,
-block_size, scale, backend) -> (dq, dk, dv)`, with dk and dv summed over each group's h query
-heads (shapes of k and v); block_idx gets no gradient.
+Packed documents (NSA_SEMANTICS.md section 6): pos [B, S] int64 (None: one document per row) is
+each token's position in its own document (0 at a document start), the tensor the eager model
+takes. Block ids are then counted within the query's document: block j of query t covers the
+tokens (t - pos[t]) + j * l' + offset, offset in [0, l'), and the token is valid iff the block is
+chosen and the token is <= t (the eager `selected_attention(..., pos)` of models/nsa.py). The
+values of pos are not checked (that would read them back from the device); token ids outside
+[0, S) that invalid positions would give are clamped for the gather, never read out of bounds.
 
-Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
+Backward is a second op, `nsa::selected_attention_backward(grad_o, q, k, v, o, lse, block_idx,
+block_size, scale, backend, pos) -> (dq, dk, dv)`, with dk and dv summed over each group's h
+query heads (shapes of k and v); block_idx and pos get no gradient.
+
+Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error;
+only `reference` takes pos, the others give the packed documents as their reason):
 - `triton` (CUDA): the group-centric kernels of nsa_compile/ops/selection_triton.py: one
   program per token and KV group loads the group's h heads and streams the chosen K/V blocks
   by index (no gathered copy); dq on the same grid; dk/dv from the inverted selection, without
@@ -52,6 +61,7 @@ indices into float32 (float64 for float64) accumulators, cast once at the end.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -70,27 +80,30 @@ VARLEN_BACKENDS = ("varlen", "varlen_flash_attn")
 REFERENCE_CHUNK = 64
 
 
-def choose_backend(q, k, v, block_idx, block_size, backend: str = "auto") -> str:
+def choose_backend(q, k, v, block_idx, block_size, backend: str = "auto", pos=None) -> str:
     """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
     run these inputs), or for 'auto' triton where it can run on CUDA and reference elsewhere
-    ('auto' never takes a varlen backend)."""
+    ('auto' never takes a varlen backend; with pos, only reference runs)."""
     args = (q, k, v, block_idx, block_size)
-    cannot_run = {"triton": lambda: selection_triton.unsupported_reason(*args)}
+    cannot_run = {"triton": lambda: selection_triton.unsupported_reason(*args, pos=pos)}
     for name in VARLEN_BACKENDS:  # the varlen module's reasons depend on which of the two is named
-        cannot_run[name] = functools.partial(selection_varlen.unsupported_reason, *args, name)
+        cannot_run[name] = functools.partial(selection_varlen.unsupported_reason, *args, name, pos=pos)
     return pick_backend("selected_attention", BACKENDS, backend, cannot_run,
-                        preferred="triton", why_not_preferred=lambda: why_not_triton(*args))
+                        preferred="triton", why_not_preferred=lambda: why_not_triton(*args, pos=pos))
 
 
-def why_not_triton(q, k, v, block_idx, block_size) -> str | None:
-    """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
+def why_not_triton(q, k, v, block_idx, block_size, pos=None) -> str | None:
+    """Why 'auto' does not take the triton backend for these inputs (None: it does). Packed
+    documents come first: with pos the kernels would not run on CUDA either."""
+    if pos is not None:
+        return selection_triton.unsupported_reason(q, k, v, block_idx, block_size, pos=pos)
     return why_not_triton_on(q.device, lambda: selection_triton.unsupported_reason(q, k, v, block_idx, block_size))
 
 
-def _check(q, k, v, block_idx, block_size, scale, backend="auto") -> str:
+def _check(q, k, v, block_idx, block_size, scale, backend="auto", pos=None) -> str:
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
-    dtypes, block size and backend are valid."""
-    check_qkv("selected_attention", q, k, v, block_idx=block_idx)
+    dtypes, block size, positions and backend are valid."""
+    check_qkv("selected_attention", q, k, v, block_idx=block_idx, **({} if pos is None else {"pos": pos}))
     B, G, S = q.shape[0], k.shape[1], q.shape[2]
     if block_idx.dtype != torch.int64:
         raise ValueError(f"selected_attention: block_idx must be an int64 tensor, got {block_idx.dtype}")
@@ -100,18 +113,25 @@ def _check(q, k, v, block_idx, block_size, scale, backend="auto") -> str:
             f"got {tuple(block_idx.shape)}"
         )
     check_positive_int("selected_attention", "block_size", block_size)
-    return choose_backend(q, k, v, block_idx, block_size, backend)
+    if pos is not None and (pos.dtype != torch.int64 or tuple(pos.shape) != (B, S)):
+        raise ValueError(f"selected_attention: pos must be an int64 tensor of shape [B, S] = [{B}, {S}] "
+                         f"(each token's position in its document), got {pos.dtype} {tuple(pos.shape)}")
+    return choose_backend(q, k, v, block_idx, block_size, backend, pos)
 
 
-def _chunk_tokens(block_idx, t0: int, t1: int, block_size: int, S: int):
-    """Gathered token ids [B, G, c, n*l'] (clamped into [0, S)) and their validity mask, the eager way."""
+def _chunk_tokens(block_idx, t0: int, t1: int, block_size: int, S: int, pos=None):
+    """Gathered token ids [B, G, c, n*l'] (clamped into [0, S)) and their validity mask, the eager way
+    (with pos, the blocks counted from each query's document start t - pos[t])."""
     bi = block_idx[:, :, t0:t1]  # [B, G, c, n]
     offsets = torch.arange(block_size, device=bi.device)
     tokens = (bi.clamp(min=0)[..., None] * block_size + offsets).flatten(-2)  # [B, G, c, T]
     t = torch.arange(t0, t1, device=bi.device)[:, None]  # [c, 1]
+    if pos is not None:
+        tokens = tokens + (t[:, 0] - pos[:, t0:t1])[:, None, :, None]  # + document start [B, 1, c, 1]
     chosen = (bi >= 0)[..., None].expand(*bi.shape, block_size).flatten(-2)
     valid = chosen & (tokens <= t)  # [B, G, c, T]
-    return tokens.clamp(max=S - 1), valid
+    # ids < 0 come only from invalid positions (pos[t] > t): clamped, so the gather stays in bounds
+    return tokens.clamp(min=0, max=S - 1), valid
 
 
 def _gather(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -155,13 +175,13 @@ def _chunk_bounds(S: int, chunk: int):
         yield t0, min(S, t0 + chunk)
 
 
-def _reference_forward(q, k, v, block_idx, block_size: int, scale: float, chunk: int | None = None):
+def _reference_forward(q, k, v, block_idx, block_size: int, scale: float, chunk: int | None = None, pos=None):
     B, H, S, _ = q.shape
     G, Dv = k.shape[1], v.shape[3]
     chunk = chunk or REFERENCE_CHUNK
     out, lse = empty_attention_outputs(q, v)
     for t0, t1 in _chunk_bounds(S, chunk):
-        tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, S)
+        tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, S, pos)
         p, row_lse = _chunk_probs(_rows(q, G, t0, t1), _gather(k, tokens), valid, scale)
         o = p.to(v.dtype) @ _gather(v, tokens)  # [B, G, c, h, Dv]
         out[:, :, t0:t1] = o.permute(0, 1, 3, 2, 4).reshape(B, H, t1 - t0, Dv)
@@ -169,7 +189,8 @@ def _reference_forward(q, k, v, block_idx, block_size: int, scale: float, chunk:
     return out, lse
 
 
-def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: float, chunk: int | None = None):
+def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: float, chunk: int | None = None,
+                        pos=None):
     """dq, dk, dv by recomputing each chunk and applying autograd's formulas for the eager graph.
 
     Autograd itself cannot run here: a custom op's kernel runs with the autograd dispatch keys
@@ -194,7 +215,7 @@ def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: floa
     dk = bshd_empty(B, G, S, Dk, k, upcast_dtype(k.dtype)).zero_()
     dv = bshd_empty(B, G, S, Dv, v, upcast_dtype(v.dtype)).zero_()
     for t0, t1 in _chunk_bounds(S, chunk):
-        tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, S)
+        tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, S, pos)
         qc, k_sel, v_sel = _rows(q, G, t0, t1), _gather(k, tokens), _gather(v, tokens)
         g = _rows(grad_o, G, t0, t1).to(v.dtype)  # [B, G, c, h, Dv]
         p, _ = _chunk_probs(qc, k_sel, valid, scale)  # [B, G, c, h, T]
@@ -212,24 +233,24 @@ def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: floa
 @torch.library.custom_op("nsa::selected_attention", mutates_args=())
 def _selected_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_size: int, scale: float,
-    backend: str = "auto",
+    backend: str = "auto", pos: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Selected-block GQA attention: q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv],
     block_idx [B, G, S, n] int64 (ascending, -1 padded) -> o [B, H, S, Dv] in v's dtype and
     lse [B, H, S] float32. Query t of head j sees the tokens <= t of the blocks
-    block_idx[:, j // (H // G), t]."""
-    chosen = _check(q, k, v, block_idx, block_size, scale, backend)
+    block_idx[:, j // (H // G), t], counted from its document start t - pos[t] with pos [B, S]."""
+    chosen = _check(q, k, v, block_idx, block_size, scale, backend, pos)
     if chosen == "triton":
         o, lse = selection_triton.selected_forward(q, k, v, block_idx, block_size, scale)
         return o, lse
     if chosen in VARLEN_BACKENDS:
         return selection_varlen.selected_forward(q, k, v, block_idx, block_size, scale, chosen)
-    return _reference_forward(q, k, v, block_idx, block_size, scale)
+    return _reference_forward(q, k, v, block_idx, block_size, scale, pos=pos)
 
 
 @_selected_attention_op.register_fake
-def _selected_attention_fake(q, k, v, block_idx, block_size, scale, backend="auto"):
-    _check(q, k, v, block_idx, block_size, scale, backend)
+def _selected_attention_fake(q, k, v, block_idx, block_size, scale, backend="auto", pos=None):
+    _check(q, k, v, block_idx, block_size, scale, backend, pos)
     return empty_attention_outputs(q, v)
 
 
@@ -240,40 +261,45 @@ def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
 @torch.library.custom_op("nsa::selected_attention_backward", mutates_args=())
 def selected_attention_backward(
     grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    block_idx: torch.Tensor, block_size: int, scale: float, backend: str = "auto",
+    block_idx: torch.Tensor, block_size: int, scale: float, backend: str = "auto", pos: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `selected_attention`: grad_o [B, H, S, Dv] -> dq [B, H, S, Dk] (q's dtype),
     dk [B, G, S, Dk] (k's dtype), dv [B, G, S, Dv] (v's dtype). o and lse are the forward's."""
-    chosen = _check(q, k, v, block_idx, block_size, scale, backend)
+    chosen = _check(q, k, v, block_idx, block_size, scale, backend, pos)
     _check_grad(grad_o, q, v)
     if chosen == "triton":
         return selection_triton.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale)
     if chosen in VARLEN_BACKENDS:
         return selection_varlen.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale, chosen)
-    return _reference_backward(grad_o, q, k, v, block_idx, block_size, scale)
+    return _reference_backward(grad_o, q, k, v, block_idx, block_size, scale, pos=pos)
 
 
 @selected_attention_backward.register_fake
-def _selected_attention_backward_fake(grad_o, q, k, v, o, lse, block_idx, block_size, scale, backend="auto"):
-    _check(q, k, v, block_idx, block_size, scale, backend)
+def _selected_attention_backward_fake(grad_o, q, k, v, o, lse, block_idx, block_size, scale, backend="auto",
+                                      pos=None):
+    _check(q, k, v, block_idx, block_size, scale, backend, pos)
     _check_grad(grad_o, q, v)
     return empty_attention_grads(q, k, v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, block_idx, block_size, scale, *backend = inputs
+    q, k, v, block_idx, block_size, scale, *rest = inputs
+    backend = rest[0] if rest else "auto"
+    pos = rest[1] if len(rest) > 1 else None
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, block_idx)
-    ctx.block_size, ctx.scale, ctx.backend = block_size, scale, (backend or ["auto"])[0]
+    ctx.save_for_backward(q, k, v, o, lse, block_idx, pos)
+    ctx.block_size, ctx.scale, ctx.backend = block_size, scale, backend
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_o, _grad_lse):
-    q, k, v, o, lse, block_idx = ctx.saved_tensors
+    q, k, v, o, lse, block_idx, pos = ctx.saved_tensors
+    # without pos, the call (and so the backward graph) stays as it was before pos existed
+    packed = () if pos is None else (pos,)
     dq, dk, dv = torch.ops.nsa.selected_attention_backward(
-        grad_o, q, k, v, o, lse, block_idx, ctx.block_size, ctx.scale, ctx.backend
+        grad_o, q, k, v, o, lse, block_idx, ctx.block_size, ctx.scale, ctx.backend, *packed
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _selected_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -281,7 +307,9 @@ _selected_attention_op.register_autograd(_backward, setup_context=_setup_context
 
 def selected_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_size: int, scale: float,
-    backend: str = "auto",
+    backend: str = "auto", pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The output o of `torch.ops.nsa.selected_attention` (see the module docstring)."""
-    return torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend)[0]
+    if pos is None:
+        return torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend)[0]
+    return torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend, pos)[0]

@@ -244,9 +244,11 @@ FLASH_ATTN_PACKAGE = SegmentAttention("flash-attn package (flash_attn_varlen_fun
 ATTENTION = {"varlen": FA2, "varlen_flash_attn": FLASH_ATTN_PACKAGE}
 
 
-def unsupported_reason(q, k, v, block_idx, block_size, backend: str = "varlen") -> str | None:
+def unsupported_reason(q, k, v, block_idx, block_size, backend: str = "varlen", pos=None) -> str | None:
     """Why `backend` ('varlen' or 'varlen_flash_attn') cannot compute these inputs (None: it can).
     Works on fake tensors."""
+    if pos is not None:
+        return "packed documents (pos): the varlen segments have no document mask"
     if block_idx.dtype != torch.int64:
         return f"block_idx dtype {block_idx.dtype} (needs int64)"
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
