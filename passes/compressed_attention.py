@@ -24,11 +24,29 @@ would give NaN there), and the final mask must keep every visible block and clea
 (else eager gives them 1/Tc each); the op gives those rows 0. Both may be absent only when no
 row lacks a block (l = 1).
 
+Packed documents (models/nsa.py with `pos`): the masks read one data input, an int64 [B, S]
+tensor of positions within documents (the model's `l_pos_` placeholder, or the nearest int64
+[B, S] node through which alone they read data), and the keys are pooled at every token
+(`x.unfold(1, l, 1)`: Tc = S - l + 1 slots). The stride d appears only in the mask, so it is
+read from it: with one document per row (pos = 0..S-1) the last query sees slots 0, d, 2d, ...
+(one slot only when S - l < d: then every d > S - l gives the same mask, and d = S - l + 1 is
+taken). The masks are then evaluated on probe positions of the real [B, S] shape and compared
+with NSA's packed visibility for (l, d): slot s is visible to t iff s + l - 1 <= t, s >= t -
+pos[t], pos[s] % d == 0 and pos[s + l - 1] == pos[s] + l - 1; the zeroing and the final mask
+as above, per probe, for the rows without a visible slot. This is a check on probes, not a proof
+for every pos: one document, documents of 1, 2, < l, l, l + 1 tokens and lengths that are not
+multiples of d, documents starting on block boundaries and just off them, two long documents,
+random packings, and a document per token, each batch row packed differently. The probes are
+valid positions (0 at each document start, +1 per token): masks that differ only on invalid pos
+are accepted (the model checks pos, `check_positions`); for instance, the term that keeps a slot
+inside its document is implied by the other two on valid positions.
+
 Becomes `o, lse = torch.ops.nsa.compressed_attention(q, k_cmp^T, v_cmp^T, l, d, c, backend)` on
-the un-repeated pooled K/V [B, G, Tc, D] (nsa_compile/ops/compressed.py); o replaces the p @ v
-product. The pooling stays in the graph (cheap; Inductor fuses it). p usually has another user,
-the block selection: p and what computes it stay for it (block_selection, the next pass, takes
-the lse from this op and removes them); only what became dead is erased.
+the un-repeated pooled K/V [B, G, Tc, D] (nsa_compile/ops/compressed.py), with the positions as
+its last argument (`pos`) in the packed form; o replaces the p @ v product. The pooling stays in
+the graph (cheap; Inductor fuses it). p usually has another user, the block selection: p and what
+computes it stay for it (block_selection, the next pass, takes the lse from this op and removes
+them); only what became dead is erased.
 
 Refuses (graph unchanged), with the reason shown by `explain`:
 - a softmax that is not over [B, H, S, Tc] scores masked with -inf, or not followed by p @ v;
@@ -37,6 +55,10 @@ Refuses (graph unchanged), with the reason shown by `explain`:
 - a mask that depends on data, is not one [S, Tc] pattern, or is not the pooling's staircase (off
   by one either way: a block seen one token early or late); a missing or wrong has_block zeroing
   or final `* visible`;
+- packed: masks that read data besides one int64 [B, S] position tensor, differ between heads,
+  or differ from the packed visibility on a probe (a document term off by one, slots counted
+  from the row start instead of the document, blocks that cross a document boundary, a zeroing
+  or final mask that ignores the documents); positions with keys pooled at a stride other than 1;
 - a pooling without a readable (l, d), one that mixes blocks or reads other sequence data, K and
   V pooled with different (l, d), or over a sequence that is not the queries';
 - symbolic sizes (dynamic shapes); a verification larger than the cap.
@@ -44,6 +66,7 @@ Refuses (graph unchanged), with the reason shown by `explain`:
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass
 
@@ -61,7 +84,7 @@ from nsa_compile.rewrite import PassLog, RewritePass
 # nodes that materialize a tensor) are not verified. The -inf mask alone is S * Tc ~ S^2 / d
 # elements: 2.7e8 at S = 64k, d = 16, so the cap covers the paper's lengths.
 MAX_VERIFIED_ELEMENTS = 2**31
-KERNEL = "nsa.compressed_attention[{backend}] (l={block}, d={stride}, GQA-native, no repeated K/V{why})"
+KERNEL = "nsa.compressed_attention[{backend}] (l={block}, d={stride}{packed}, GQA-native, no repeated K/V{why})"
 
 # Ops that return a view (no new elements) when the position subgraphs are evaluated.
 _VIEWS = {"expand", "expand_as", "broadcast_to", "view", "unsqueeze", "squeeze", "getitem", "transpose",
@@ -152,12 +175,23 @@ def ungroup(node: fx.Node) -> tuple[fx.Node, int]:
 
 class PositionSubgraphs:
     """Evaluates subgraphs computed from positions only (aranges, comparisons, arithmetic) at
-    compile time: once per structure (each layer repeats the same one), with a cost cap."""
+    compile time: once per structure (each layer repeats the same one), with a cost cap. A
+    subgraph may read one probe input (`inputs`: a node -> the tensor it stands for, named by
+    `probe`, which the cache key holds)."""
 
     def __init__(self):
         self.cache: dict[str, torch.Tensor] = {}
+        self._probes: dict[tuple, list] = {}
 
-    def evaluate(self, root: fx.Node, what: str) -> torch.Tensor:
+    def probes(self, B: int, S: int, block: int, stride: int, device) -> list[tuple[str, torch.Tensor]]:
+        """`position_probes`, made once per geometry and device (the layers share them)."""
+        key = (B, S, block, stride, str(device))
+        if key not in self._probes:
+            self._probes[key] = position_probes(B, S, block, stride, device)
+        return self._probes[key]
+
+    def evaluate(self, root: fx.Node, what: str, inputs: dict | None = None, probe: str = "") -> torch.Tensor:
+        inputs = inputs or {}
         nodes, index, stack = [], {}, [(root, False)]
         while stack:  # post-order: inputs before users
             node, done = stack.pop()
@@ -168,6 +202,9 @@ class PositionSubgraphs:
                 continue
             if node in index:
                 continue
+            if node in inputs:  # a leaf: the probe stands for it
+                stack.append((node, True))
+                continue
             if node.op not in ("call_function", "call_method"):
                 raise Refused(f"the {what} depends on {node.op} {node.name} (data, not positions)")
             name = op_name(node) or ""
@@ -177,6 +214,9 @@ class PositionSubgraphs:
             stack.extend((x, False) for x in reversed(node.all_input_nodes) if x not in index)
         ops = []
         for node in nodes:
+            if node in inputs:
+                ops.append(("input", probe, tuple(inputs[node].shape)))
+                continue
             args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
             if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
                    for x in torch.utils._pytree.tree_leaves(args)):
@@ -185,13 +225,17 @@ class PositionSubgraphs:
         key = repr(ops)
         if key in self.cache:
             return self.cache[key]
-        cost = sum(value(n).numel() for n in nodes if value(n) is not None and op_name(n) not in _VIEWS)
+        cost = sum(value(n).numel() for n in nodes
+                   if n not in inputs and value(n) is not None and op_name(n) not in _VIEWS)
         if cost > MAX_VERIFIED_ELEMENTS:
             raise Refused(f"verifying the {what} takes {cost:,} elements, over the cap of "
                           f"{MAX_VERIFIED_ELEMENTS:,}: not verified at this size yet")
         last_use = {x: i for i, node in enumerate(nodes) for x in node.all_input_nodes}
         env = {}
         for i, node in enumerate(nodes):
+            if node in inputs:
+                env[node] = inputs[node]
+                continue
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
             try:
                 if node.op == "call_method":
@@ -202,7 +246,8 @@ class PositionSubgraphs:
                 raise
             except Exception as error:  # the user's code, run at compile time
                 first_line = str(error).splitlines()[0] if str(error) else ""
-                raise Refused(f"evaluating the {what} failed at {node.name} ({type(error).__name__}: "
+                on = f" on probe positions '{probe}'" if probe else ""
+                raise Refused(f"evaluating the {what}{on} failed at {node.name} ({type(error).__name__}: "
                               f"{first_line})") from None
             del args, kwargs
             for x in node.all_input_nodes:  # free what no later node reads (S x Tc tensors at long S)
@@ -548,10 +593,26 @@ def read_probabilities(softmax: fx.Node) -> Probabilities:
     return Probabilities(softmax, p, q, k, h, scale, masks, (B, H, S, Tc))
 
 
-def verify_probabilities(probs: Probabilities, pooling: Pooling, subgraphs: PositionSubgraphs) -> None:
-    """Refused unless the masks of `probs` are exactly NSA's for the pooling's (l, d)."""
-    _, _, S, Tc = probs.shape
+@dataclass(frozen=True)
+class Visibility:
+    """What `verify_probabilities` proved: the masks are NSA's for compression blocks of `block`
+    tokens at stride `stride` (d); `pos` is the [B, S] position node in the packed form (the keys
+    then hold a slot per token, pooled at stride 1), None otherwise."""
+
+    block: int
+    stride: int
+    pos: fx.Node | None
+
+
+def verify_probabilities(probs: Probabilities, pooling: Pooling, subgraphs: PositionSubgraphs) -> Visibility:
+    """Refused unless the masks of `probs` are exactly NSA's for the pooling's (l, d), or in the
+    packed form NSA's packed visibility (on the probes) for l and the d the mask shows."""
+    B, _, S, Tc = probs.shape
     l, d = pooling.block, pooling.stride
+    roots = [mask for mask, _ in probs.masks.values()]
+    pos = positions_input(roots, B, S)
+    if pos is not None:
+        return verify_packed(probs, pooling, subgraphs, pos)
     mask, sense = probs.masks["inf"]
     filled = subgraphs.evaluate(mask, "visibility mask")
     if filled.dtype != torch.bool:
@@ -560,30 +621,45 @@ def verify_probabilities(probs: Probabilities, pooling: Pooling, subgraphs: Posi
     visible = staircase(S, Tc, l, d, keep.device)
     if not torch.equal(keep, visible):
         raise Refused(staircase_reason(keep, l, d))
-    empty = ~visible.any(-1, keepdim=True)  # [S, 1]: rows without a visible block (t < l - 1)
+
+    def grid(node: fx.Node, what: str) -> torch.Tensor:
+        return as_grid(subgraphs.evaluate(node, what), S, Tc, what)[None]
+
+    check_row_masks(probs, grid, visible[None], f"rows without a visible block (t < {l - 1})")
+    return Visibility(l, d, None)
+
+
+def check_row_masks(probs: Probabilities, grid, visible: torch.Tensor, empty_rows: str, on: str = "") -> None:
+    """Refused unless the has_block zeroing hits exactly the rows without a visible block and the
+    final mask keeps every visible block and clears those rows. visible [B or 1, S, Tc];
+    grid(node, what) evaluates a mask node as [B or 1, S, Tc]; `empty_rows` names the rows, `on`
+    the probe (appended to the reasons)."""
+    empty = ~visible.any(-1)  # [B or 1, S]: rows without a visible block
     has_empty = bool(empty.any())
     if "zero" not in probs.masks:
         if has_empty:
-            raise Refused(f"the rows without a visible block (t < {l - 1}) are not zeroed before the softmax "
-                          "(scores.masked_fill(~has_block, 0.0)): eager gives NaN there, the op 0")
+            raise Refused(f"the {empty_rows} are not zeroed before the softmax (scores.masked_fill(~has_block, "
+                          f"0.0)): eager gives NaN there, the op 0{on}")
     else:
         mask, sense = probs.masks["zero"]
-        zero = subgraphs.evaluate(mask, "has_block mask")
+        zero = grid(mask, "has_block mask")
         if zero.dtype != torch.bool:
             raise Refused(f"the has_block mask is {zero.dtype}, not bool")
-        zero = as_grid(zero if sense else ~zero, S, Tc, "has_block mask")
-        if bool((zero & ~empty).any()):
+        # rows the zeroing touches (reduced first: zero is often a broadcast [.., S, 1] column)
+        zeroed = zero.any(-1) if sense else ~zero.all(-1)  # [B or 1, S]
+        if bool((zeroed & ~empty).any()):
             raise Refused("the zeroing before the softmax also hits rows that see a block (it must hit exactly "
-                          "the rows without one)")
-        if not bool(zero.any(-1, keepdim=True)[empty].all()):
-            raise Refused("the zeroing before the softmax misses rows without a visible block (eager gives NaN there)")
+                          f"the rows without one){on}")
+        if bool((empty & ~zeroed).any()):
+            raise Refused(f"the zeroing before the softmax misses rows without a visible block (eager gives NaN "
+                          f"there){on}")
     if "final" not in probs.masks:
         if has_empty:
             raise Refused("the probabilities are not multiplied by the visibility mask after the softmax: rows "
-                          "without a visible block get 1/Tc each in eager code, 0 from the op")
+                          f"without a visible block get 1/Tc each in eager code, 0 from the op{on}")
         return
     mask, sense = probs.masks["final"]
-    kept = subgraphs.evaluate(mask, "mask after the softmax")
+    kept = grid(mask, "mask after the softmax")
     if sense is None:  # p = softmax * mask: a bool mask, or a float one of zeros and ones
         if kept.is_floating_point() and bool(((kept == 0) | (kept == 1)).all()):
             kept = kept == 1
@@ -593,12 +669,216 @@ def verify_probabilities(probs: Probabilities, pooling: Pooling, subgraphs: Posi
         raise Refused(f"the mask after the softmax is {kept.dtype}, not bool")
     else:
         kept = ~kept if sense else kept
-    kept = as_grid(kept, S, Tc, "mask after the softmax")
     if bool((visible & ~kept).any()):
-        raise Refused("the mask after the softmax clears visible blocks")
-    if bool((kept & empty).any()):
+        raise Refused(f"the mask after the softmax clears visible blocks{on}")
+    if bool((kept.any(-1) & empty).any()):
         raise Refused("the mask after the softmax keeps rows without a visible block (eager gives them 1/Tc each, "
-                      "the op 0)")
+                      f"the op 0){on}")
+
+
+# --- packed documents: positions, probes, the packed visibility ---------------------------------
+
+
+def ancestors(roots: list[fx.Node], stop: fx.Node | None = None) -> set[fx.Node]:
+    """Every node the roots depend on (roots included), not walking through `stop`."""
+    seen, stack = set(), list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node is not stop:
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def positions_input(roots: list[fx.Node], B: int, S: int) -> fx.Node | None:
+    """The int64 [B, S] node through which alone the masks read data (the positions of packed
+    documents: the nearest such node on every path to a graph input), or None where they read no
+    int64 [B, S] tensor (the unpacked form; other data is refused by the evaluation). Refused if
+    they read an int64 [B, S] tensor and other data besides."""
+    def inputs(nodes) -> list[fx.Node]:  # the graph inputs among nodes, parameters aside
+        return [n for n in nodes if n.op not in ("call_function", "call_method")
+                and not isinstance(n.meta.get("example_value", n.meta.get("val")), torch.nn.Parameter)]
+
+    # an int64 [B, S] tensor computed from positions only (an arange when B = 1) is no input
+    candidates = [n for n in ancestors(roots) if (val := value(n)) is not None and val.dtype == torch.int64
+                  and tuple(val.shape) == (B, S) and inputs(ancestors([n]))]
+    if not candidates:
+        return None
+    order = {node: i for i, node in enumerate(roots[0].graph.nodes)}
+    outside = None
+    for pos in sorted(candidates, key=order.__getitem__, reverse=True):
+        data = [n for n in inputs(ancestors(roots, stop=pos)) if n is not pos]
+        if not data:
+            return pos
+        outside = outside or min(data, key=order.__getitem__)
+    raise Refused(f"the visibility masks read {outside.op} {outside.name} besides the positions (data other than "
+                  "one int64 [B, S] tensor of positions within documents)")
+
+
+def documents(B: int, S: int, lengths) -> torch.Tensor:
+    """Positions [B, S] of documents whose lengths row b takes from the cycle `lengths(b)` (the
+    last document cut at S)."""
+    rows = []
+    for b in range(B):
+        cycle = [n for n in lengths(b) if n >= 1] or [S]
+        pos, at, i = torch.empty(S, dtype=torch.int64), 0, 0
+        while at < S:
+            n = min(cycle[i % len(cycle)], S - at)
+            pos[at : at + n] = torch.arange(n)
+            at, i = at + n, i + 1
+        rows.append(pos)
+    return torch.stack(rows)
+
+
+def position_probes(B: int, S: int, block: int, stride: int, device) -> list[tuple[str, torch.Tensor]]:
+    """(name, pos [B, S] int64) probes: valid positions within documents, each batch row packed
+    differently (the cycles of lengths are rotated by the row; the random ones drawn per row)."""
+    l, d = block, stride
+
+    def rotated(cycle):
+        return lambda b: cycle[b % len(cycle):] + cycle[: b % len(cycle)]
+
+    gen = torch.Generator().manual_seed(0)
+    short = torch.randint(1, 2 * l + 2, (B, S), generator=gen).tolist()
+    mixed = torch.randint(1, 4 * l + 2 * d, (B, S), generator=gen).tolist()
+    probes = [
+        ("one document", documents(B, S, lambda b: [S])),
+        ("short documents", documents(B, S, rotated([1, 2, l - 1, l, l + 1, d + 1, 3, 2 * l + 3, l + d - 1]))),
+        ("documents on block boundaries", documents(B, S, rotated([d, l, 2 * d, l + d, 3 * l, 2 * l]))),
+        ("documents just off block boundaries", documents(B, S, rotated([d + 1, l - 1, l + 1, 2 * l - 1, d - 1,
+                                                                          2 * l + 1, 3 * d + 2]))),
+        ("two documents", documents(B, S, lambda b: [S // 2 + b % 3 + 1, S])),
+        ("random short documents", documents(B, S, lambda b: short[b])),
+        ("random documents", documents(B, S, lambda b: mixed[b])),
+        ("a document per token", documents(B, S, lambda b: [1])),
+    ]
+    return [(name, pos.to(device)) for name, pos in probes]
+
+
+def packed_visibility(pos: torch.Tensor, Tc: int, block: int, stride: int) -> torch.Tensor:
+    """[B, S, Tc] bool: NSA's packed visibility (models/nsa.py): slot s, the block of `block`
+    tokens from token s, is visible to query t iff it lies in t's past, starts in t's document,
+    starts at a multiple of `stride` within its document and lies in that document."""
+    S = pos.shape[1]
+    t = torch.arange(S, device=pos.device)[:, None]
+    s = torch.arange(Tc, device=pos.device)[None, :]
+    start = pos[:, :Tc]
+    in_one_document = pos[:, block - 1 : block - 1 + Tc] == start + block - 1
+    is_block = (start % stride == 0) & in_one_document  # [B, Tc]
+    return (s + block - 1 <= t) & (s >= t - pos[:, :, None]) & is_block[:, None, :]
+
+
+def batched_grid(mask: torch.Tensor, B: int, rows: int, cols: int, what: str) -> torch.Tensor:
+    """A mask of the [B, H, S, Tc] scores as [B, rows, cols]: one pattern for all heads (it may
+    differ per batch row)."""
+    if mask.dim() > 4:
+        raise Refused(f"the {what} is {tuple(mask.shape)}: more dims than the [B, H, S, Tc] scores")
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    if shape[1] != 1:
+        raise Refused(f"the {what} is {tuple(mask.shape)}: not one [S, Tc] pattern for all heads")
+    try:
+        return torch.broadcast_to(mask.reshape(shape)[:, 0], (B, rows, cols))
+    except RuntimeError:
+        raise Refused(f"the {what} {tuple(mask.shape)} does not broadcast to [B, S, Tc] = {(B, rows, cols)}") from None
+
+
+def packed_reason(keep: torch.Tensor, want: torch.Tensor, pos: torch.Tensor, block: int, stride: int,
+                  probe: str) -> str:
+    """Why the -inf mask `keep` [B, S, Tc] is not the packed visibility `want` on the probe `pos`:
+    the first query that sees a slot it must not (and which term that breaks), or hides one."""
+    l, d = block, stride
+    head = (f"the visibility mask is not the packed one for (l={l}, d={d}) on probe positions '{probe}' "
+            f"(documents: {pos_summary(pos)})")
+    extra = keep & ~want
+    if bool(extra.any()):
+        b, t, s = (int(x) for x in extra.nonzero()[0])
+        start, slot_pos = t - int(pos[b, t]), int(pos[b, s])
+        if s + l - 1 > t:
+            why = f"its last token {s + l - 1} comes after t (a later token leaks in)"
+        elif int(pos[b, s + l - 1]) != slot_pos + l - 1:
+            why = "its l tokens cross a document boundary"
+        elif s < start:
+            why = f"it lies in an earlier document (t's document starts at token {start})"
+        else:
+            why = (f"it starts at position {slot_pos} of its document, not a multiple of d = {d} (blocks counted "
+                   "from the row start, not the document start?)")
+        return f"{head}: query t={t} of batch row {b} sees slot s={s}, but {why}"
+    b, t, s = (int(x) for x in (want & ~keep).nonzero()[0])
+    return (f"{head}: query t={t} of batch row {b} hides slot s={s}, a block of its own document (position "
+            f"{int(pos[b, s])}) that lies in its past")
+
+
+def pos_summary(pos: torch.Tensor) -> str:
+    """The document lengths of batch row 0 of a probe, shortened."""
+    starts = (pos[0] == 0).nonzero().flatten().tolist() + [pos.shape[1]]
+    lengths = [b - a for a, b in itertools.pairwise(starts)]
+    return ", ".join(map(str, lengths[:8])) + (", ..." if len(lengths) > 8 else "")
+
+
+def stride_from_one_document(keep: torch.Tensor, block: int) -> int:
+    """d, read from the -inf mask on one document per row ([B, S, Tc] on pos = 0..S-1): the last
+    query sees slots 0, d, 2d, ...; with one slot only (S - l < d), S - l + 1 (= Tc), since every
+    d > S - l gives the same mask."""
+    _, S, Tc = keep.shape
+    slots = keep[0, S - 1].nonzero().flatten().tolist()
+    if not slots or slots[0] != 0:
+        raise Refused(f"on one document (pos = 0..S-1) the last query does not see slot 0, the document's first "
+                      f"block (it sees slots {slots[:6]}{'...' * (len(slots) > 6)}): not the packed visibility mask")
+    d = slots[1] - slots[0] if len(slots) > 1 else Tc
+    if slots != list(range(0, slots[-1] + 1, d)):
+        raise Refused(f"on one document (pos = 0..S-1) the last query sees slots {slots[:6]}{'...' * (len(slots) > 6)}"
+                      ": not every d-th slot from the document start")
+    return d
+
+
+def verify_packed(probs: Probabilities, pooling: Pooling, subgraphs: PositionSubgraphs, pos: fx.Node) -> Visibility:
+    """Refused unless the masks, evaluated on probe positions for `pos`, are NSA's packed ones for
+    the pooling's l and the d the mask shows on one document (see the module docstring)."""
+    B, _, S, Tc = probs.shape
+    l = pooling.block
+    if pooling.stride != 1:
+        raise Refused(f"the masks read positions within documents ({pos.name}), but the keys are pooled at stride "
+                      f"{pooling.stride}: the packed form pools a slot at every token (x.unfold(1, l, 1))")
+    if Tc != S - l + 1:
+        raise Refused(f"the packed keys hold {Tc} slots, not one per token (S - l + 1 = {S - l + 1})")
+    one = torch.arange(S, device=value(pos).device).expand(B, S)
+    d = stride_from_one_document(packed_keep(probs, subgraphs, pos, "one document", one), l)
+    verify_packed_probabilities(probs, l, d, pos, subgraphs)
+    return Visibility(l, d, pos)
+
+
+def packed_keep(probs: Probabilities, subgraphs: PositionSubgraphs, pos: fx.Node, probe: str,
+                positions: torch.Tensor) -> torch.Tensor:
+    """The slots the -inf mask keeps, [B, S, Tc] bool, with `positions` in place of pos."""
+    B, _, S, Tc = probs.shape
+    mask, sense = probs.masks["inf"]
+    filled = batched_grid(subgraphs.evaluate(mask, "visibility mask", {pos: positions}, probe), B, S, Tc,
+                          "visibility mask")
+    if filled.dtype != torch.bool:
+        raise Refused(f"the visibility mask is {filled.dtype}, not bool")
+    return ~filled if sense else filled
+
+
+def verify_packed_probabilities(probs: Probabilities, block: int, stride: int, pos: fx.Node,
+                                subgraphs: PositionSubgraphs) -> None:
+    """Refused unless the three masks of `probs`, evaluated with each probe of `position_probes` in
+    place of the positions node `pos`, are NSA's packed visibility for (block, stride) with its
+    zeroing and final mask (a check on probes; the module docstring lists them)."""
+    B, _, S, Tc = probs.shape
+    l, d = block, stride
+    empty_rows = f"rows without a visible slot (documents shorter than l = {l}, the first {l - 1} tokens of each)"
+    for probe, positions in subgraphs.probes(B, S, l, d, value(pos).device):
+        keep = packed_keep(probs, subgraphs, pos, probe, positions)
+        want = packed_visibility(positions, Tc, l, d)
+        if not torch.equal(keep, want):
+            raise Refused(packed_reason(keep, want, positions, l, d, probe))
+
+        def grid(node: fx.Node, what: str, probe=probe, positions=positions) -> torch.Tensor:
+            return batched_grid(subgraphs.evaluate(node, what, {pos: positions}, probe), B, S, Tc, what)
+
+        check_row_masks(probs, grid, want, empty_rows, f" (on probe positions '{probe}')")
 
 
 def output_product(probs: Probabilities) -> tuple[fx.Node, fx.Node | None, fx.Node]:
@@ -638,8 +918,9 @@ class CompressedAttention(RewritePass):
             self.rewrite(graph, plan)
             data = data_nodes(graph)  # the graph changed
             why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
+            packed = ", packed documents (pos)" if plan["pos"] is not None else ""
             log.matched(softmax, KERNEL.format(block=plan["block"], stride=plan["stride"], backend=plan["backend"],
-                                               why=why))
+                                               packed=packed, why=why))
 
     def check(self, softmax: fx.Node, subgraphs: PositionSubgraphs, data: set, requested: str = "auto") -> dict:
         probs = read_probabilities(softmax)
@@ -667,21 +948,24 @@ class CompressedAttention(RewritePass):
             length = value(pool.source).shape[pool.seq_dim]
             if length != S:
                 raise Refused(f"the {what} are pooled from a sequence of {length} tokens, not the {S} queries")
-        verify_probabilities(probs, pooling, subgraphs)
-        fakes = (value(probs.q), value(probs.k), vv)
+        seen = verify_probabilities(probs, pooling, subgraphs)
+        fakes = (value(probs.q), value(probs.k), vv, seen.block, seen.stride)
+        pos = None if seen.pos is None else value(seen.pos)
         try:  # from the fake tensors: device, dtype, head dims
-            backend = choose_backend(*fakes, pooling.block, pooling.stride, requested)
+            backend = choose_backend(*fakes, requested, pos)
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(compressed_backend={requested!r}): {why}") from None
-        return {"probs": probs, "v": v, "pv": pv, "cast": cast, "block": pooling.block, "stride": pooling.stride,
-                "backend": backend,
-                "why_not_triton": why_not_triton(*fakes, pooling.block, pooling.stride) if requested == "auto"
+        return {"probs": probs, "v": v, "pv": pv, "cast": cast, "block": seen.block, "stride": seen.stride,
+                "pos": seen.pos, "backend": backend,
+                "why_not_triton": why_not_triton(*fakes, pos) if requested == "auto"
                 else f"compressed_backend={requested!r} in OptimizeConfig"}
 
     def rewrite(self, graph: fx.Graph, plan: dict) -> None:
         probs, pv = plan["probs"], plan["pv"]
-        both = call(graph, torch.ops.nsa.compressed_attention, probs.q, probs.k, plan["v"], plan["block"],
-                    plan["stride"], probs.scale, plan["backend"], anchor=pv)
+        args = (probs.q, probs.k, plan["v"], plan["block"], plan["stride"], probs.scale, plan["backend"])
+        if plan["pos"] is not None:  # packed documents: the positions go with it
+            args += (plan["pos"],)
+        both = call(graph, torch.ops.nsa.compressed_attention, *args, anchor=pv)
         out = call(graph, operator.getitem, both, 0, anchor=pv)  # o; block_selection takes the lse (item 1)
         pv.replace_all_uses_with(out)
         # erase p @ v, then whatever only it used: the V copy, and p's chain unless p has other users

@@ -20,7 +20,7 @@ from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it 
 import nsa_compile
 import nsa_compile.ops
 from nsa_compile.models.config import ModelConfig
-from nsa_compile.models.nsa import NSAAttention
+from nsa_compile.models.nsa import NSAAttention, positions_from_cu_seqlens
 from nsa_compile.ops import compressed as cmp_mod
 from nsa_compile.ops import compressed_attention, compressed_attention_backward
 from nsa_compile.ops import compressed_triton as ct
@@ -85,7 +85,7 @@ def test_test_formula_is_the_models_method():
     k = torch.randn(B, S, G, DK, generator=gen, dtype=torch.float64)
     v = torch.randn(B, S, G, DV, generator=gen, dtype=torch.float64)
     want_o, want_p = attn.compressed_attention(q, k, v)
-    k_cmp, v_cmp = attn.compress(k, None).transpose(1, 2), attn.compress(v, None).transpose(1, 2)  # [B, G, Tc, D]
+    k_cmp, v_cmp = attn.compress(k, None, d).transpose(1, 2), attn.compress(v, None, d).transpose(1, 2)  # [B, G, Tc, D]
     assert k_cmp.shape[2] == n_blocks(S, l, d)
     ours = eager_compressed(q.transpose(1, 2), k_cmp, v_cmp, l, d, attn.scale).transpose(1, 2)
     torch.testing.assert_close(ours, want_o, rtol=1e-13, atol=1e-13)
@@ -333,15 +333,271 @@ def test_public_surface_and_config():
     assert nsa_compile.ops.compressed_attention is compressed_attention
     assert nsa_compile.ops.compressed_attention_backward is compressed_attention_backward
     schema = torch.ops.nsa.compressed_attention.default._schema
-    assert [a.name for a in schema.arguments] == ["q", "k", "v", "block", "stride", "scale", "backend"]
+    assert [a.name for a in schema.arguments] == ["q", "k", "v", "block", "stride", "scale", "backend", "pos"]
+    assert str(schema.arguments[-1].type) == "Optional[Tensor]" and schema.arguments[-1].default_value is None
     assert len(schema.returns) == 2  # o and the log-sum-exp
     schema = torch.ops.nsa.compressed_attention_backward.default._schema
     assert [a.name for a in schema.arguments][:6] == ["grad_o", "q", "k", "v", "o", "lse"]
+    assert schema.arguments[-1].name == "pos" and str(schema.arguments[-1].type) == "Optional[Tensor]"
     assert cmp_mod.BACKENDS == ("auto", "triton", "reference")
     assert nsa_compile.OptimizeConfig().compressed_backend == "auto"
     assert nsa_compile.OptimizeConfig(compressed_backend="reference").compressed_backend == "reference"
     with pytest.raises(ValueError, match="unknown compressed_backend 'flash'; valid: auto, triton, reference"):
         nsa_compile.OptimizeConfig(compressed_backend="flash")
+
+
+# --- packed documents (pos): the eager packed formula of models/nsa.py ----------------------------
+
+
+def packed_visible(pos, Tc, l, d):
+    """models/nsa.py's packed visibility [B, S, Tc]: slot s (tokens [s, s + l)) is visible to t iff
+    it lies in t's past, starts in t's document, is every d-th of its document and lies in it."""
+    S = pos.shape[1]
+    t = torch.arange(S, device=pos.device)[:, None]
+    i = torch.arange(Tc, device=pos.device)[None, :]
+    slot_pos = pos[:, :Tc]
+    is_block = (slot_pos % d == 0) & (pos[:, l - 1 :] == slot_pos + l - 1)
+    same_doc = i >= (t - pos[:, :, None])
+    return (i + l - 1 <= t) & same_doc & is_block[:, None, :]
+
+
+def eager_packed(q, k, v, l, d, scale, pos):
+    """NSAAttention.compressed_attention's attention step with pos, heads first, on the slots:
+    q [B, H, S, Dk], k [B, G, S - l + 1, Dk], v [B, G, S - l + 1, Dv] -> o [B, H, S, Dv]."""
+    h = q.shape[1] // k.shape[1]
+    scores = upcast(q @ k.repeat_interleave(h, dim=1).transpose(-1, -2)) * scale
+    visible = packed_visible(pos, k.shape[2], l, d)[:, None]  # [B, 1, S, Tc]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    has_block = visible.any(dim=-1, keepdim=True)
+    p = torch.softmax(scores.masked_fill(~has_block, 0.0), dim=-1) * visible
+    return p.to(v.dtype) @ v.repeat_interleave(h, dim=1)
+
+
+def positions(rows, S):
+    """pos [len(rows), S] int64 from document lengths per row (the last document cut at S)."""
+    out = []
+    for lengths in rows:
+        starts, at = [], 0
+        for length in lengths:
+            if at >= S:
+                break
+            starts.append(at)
+            at += length
+        cu = torch.tensor([*starts, S])
+        out.append(positions_from_cu_seqlens(cu, S))
+    return torch.stack(out)
+
+
+def odd_packing(S, l, d, seed, rows=B):
+    """pos [rows, S]: the first rows - 1 rows hold documents of length 1, 2, < l, l, l + 1, not
+    multiples of d, long, again and again (the cycle rotated per row); the last row random lengths."""
+    cycle = [1, 2, l - 1, l, l + 1, d + 1, 2 * l + 3, 3, l + d - 1]
+    gen = torch.Generator().manual_seed(seed)
+    out = [(cycle[r:] + cycle[:r]) * S for r in range(rows - 1)]
+    out.append(torch.randint(1, 3 * l, (S,), generator=gen).tolist())
+    return positions(out, S)
+
+
+def packed_inputs(S, h, dtype, l=8, d=4, seed=0, **kw):
+    """make_inputs with Tc = S - l + 1 slots (unfold stride 1)."""
+    return make_inputs(S, h, dtype, l, d, seed=seed, Tc=max(0, S - l + 1), **kw)
+
+
+def test_packed_formula_is_the_models_method():
+    """eager_packed on the mean-pooled slots == NSAAttention.compressed_attention(q, k, v, pos); the
+    op gives the same o and its lse rebuilds the model's p_cmp."""
+    h, S, l, d = 3, 70, 16, 8
+    cfg = ModelConfig(dim=32, n_heads=G * h, n_kv_groups=G, head_dim=DK, head_dim_v=DV, cmp_block=l, cmp_stride=d,
+                      sel_block=16, n_selected=3)  # fmt: skip
+    attn = NSAAttention(cfg).double()
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(B, S, G * h, DK, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, S, G, DK, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, S, G, DV, generator=gen, dtype=torch.float64)
+    pos = odd_packing(S, l, d, seed=5)
+    want_o, want_p = attn.compressed_attention(q, k, v, pos)
+    k_cmp, v_cmp = attn.compress(k, None, 1).transpose(1, 2), attn.compress(v, None, 1).transpose(1, 2)
+    assert k_cmp.shape[2] == S - l + 1
+    ours = eager_packed(q.transpose(1, 2), k_cmp, v_cmp, l, d, attn.scale, pos).transpose(1, 2)
+    torch.testing.assert_close(ours, want_o, rtol=1e-13, atol=1e-13)
+    o, lse = torch.ops.nsa.compressed_attention(q.transpose(1, 2), k_cmp, v_cmp, l, d, attn.scale, "auto", pos)
+    torch.testing.assert_close(o.transpose(1, 2), want_o, rtol=1e-12, atol=1e-12)
+    visible = packed_visible(pos, S - l + 1, l, d)[:, None]
+    scores = q.transpose(1, 2) @ k_cmp.repeat_interleave(h, 1).transpose(-1, -2) * attn.scale
+    p = torch.where(visible, torch.exp(scores - lse.double()[..., None]), 0.0)
+    torch.testing.assert_close(p, want_p, rtol=1e-6, atol=1e-6)
+    assert bool((~visible.any(-1)).any())  # the packing has rows without a block (short documents)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_packed_matches_eager_fp32_fp64(dtype, monkeypatch):
+    """Odd packings (documents of 1, 2, < l tokens, not multiples of d, long), d < l and d == l,
+    h 1 and 4, chunks of 5 rows (boundaries inside documents) and one chunk."""
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    for (S, (l, d), h), chunk in itertools.product(((45, (8, 4), 4), (33, (6, 3), 1), (40, (4, 4), 2)), (5, None)):
+        monkeypatch.setattr(cmp_mod, "REFERENCE_CHUNK", chunk)
+        q, k, v, grad_o = packed_inputs(S, h, dtype, l, d, seed=S + h)
+        pos = odd_packing(S, l, d, seed=S)
+        ours = run(compressed_attention, q, k, v, grad_o, l, d, DK**-0.5, "auto", pos)
+        ref = run(eager_packed, q, k, v, grad_o, l, d, DK**-0.5, pos)
+        assert_close_all(ours, ref, f"S={S} l={l} d={d} h={h} chunk={chunk}", **tol)
+
+
+def test_packed_low_precision_error_vs_fp64_oracle():
+    worst = 0.0
+    for dtype, (S, h) in itertools.product((torch.bfloat16, torch.float16), ((45, 4), (60, 1))):
+        q, k, v, grad_o = packed_inputs(S, h, dtype, seed=S + h)
+        pos = odd_packing(S, 8, 4, seed=h)
+        oracle = run(eager_packed, *(x.double() for x in (q, k, v, grad_o)), 8, 4, DK**-0.5, pos)
+        ours = run(compressed_attention, q, k, v, grad_o, 8, 4, DK**-0.5, "auto", pos)
+        eager = run(eager_packed, q, k, v, grad_o, 8, 4, DK**-0.5, pos)
+        worst = max(worst, assert_within_twice_eager(ours, eager, oracle, dtype, f"{dtype} S={S} h={h}"))
+    assert worst > 0
+
+
+def test_packed_rows_without_a_slot_give_zeros_and_lse_minus_inf():
+    """Documents shorter than l and the first l - 1 tokens of each: o = 0, lse = -inf, dq = 0, no
+    NaN; slots no query sees (not every d-th, crossing a document end) get zero dk, dv; lse is
+    the log-sum-exp of the eager scores over the visible slots."""
+    S, h, l, d = 40, 2, 8, 4
+    q, k, v, grad_o = packed_inputs(S, h, torch.float64, l, d, seed=9)
+    pos = positions([[3, 7, 12, 18], [21, 1, 18]], S)
+    o, dq, dk, dv = run(compressed_attention, q, k, v, grad_o, l, d, 0.4, "auto", pos)
+    _, lse = torch.ops.nsa.compressed_attention(q, k, v, l, d, 0.4, "auto", pos)
+    visible = packed_visible(pos, S - l + 1, l, d)  # [B, S, Tc]
+    empty = ~visible.any(-1)  # [B, S]
+    assert empty.sum() > S // 2 and (~empty).sum() > 5
+    assert not any(x.isnan().any() for x in (o, dq, dk, dv))
+    assert not o.transpose(1, 2)[empty].any() and not dq.transpose(1, 2)[empty].any()
+    assert (o.transpose(1, 2)[~empty] != 0).all()
+    assert torch.equal(lse.isneginf(), empty[:, None].expand_as(lse))
+    unseen = ~visible.any(1)  # [B, Tc]: slots no query sees
+    assert not dk.transpose(1, 2)[unseen].any() and not dv.transpose(1, 2)[unseen].any()
+    scores = upcast(q @ k.repeat_interleave(h, 1).transpose(-1, -2)) * 0.4
+    want = torch.logsumexp(scores.masked_fill(~visible[:, None], float("-inf")), -1)
+    torch.testing.assert_close(lse[~lse.isneginf()], want[~lse.isneginf()].float(), rtol=1e-6, atol=1e-6)
+
+
+def test_one_document_is_the_unpacked_op_on_every_dth_slot():
+    """pos = 0..S-1: the slots are visible exactly where the unpacked blocks are (every d-th), so
+    the op gives the unpacked op's o and lse on k[:, :, ::d], and no gradient to the other slots."""
+    S, h, l, d = 50, 3, 8, 4
+    q, k, v, grad_o = packed_inputs(S, h, torch.float64, l, d, seed=2)
+    pos = torch.arange(S).expand(B, S)
+    ours = run(compressed_attention, q, k, v, grad_o, l, d, 0.3, "auto", pos)
+    blocks = run(compressed_attention, q, k[:, :, ::d], v[:, :, ::d], grad_o, l, d, 0.3)
+    assert k[:, :, ::d].shape[2] == n_blocks(S, l, d)
+    torch.testing.assert_close(ours[0], blocks[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours[1], blocks[1], rtol=1e-12, atol=1e-12)
+    for ours_grad, block_grad in zip(ours[2:], blocks[2:]):
+        torch.testing.assert_close(ours_grad[:, :, ::d], block_grad, rtol=1e-12, atol=1e-12)
+        off = torch.ones(ours_grad.shape[2], dtype=torch.bool)
+        off[::d] = False
+        assert not ours_grad[:, :, off].any()
+    lse = torch.ops.nsa.compressed_attention(q, k, v, l, d, 0.3, "auto", pos)[1]
+    torch.testing.assert_close(lse, torch.ops.nsa.compressed_attention(q, k[:, :, ::d], v[:, :, ::d], l, d, 0.3)[1])
+
+
+def test_packed_sequence_shorter_than_a_block():
+    """S < l: Tc = 0 slots is valid with pos too; zeros, lse -inf."""
+    q, k, v, grad_o = packed_inputs(5, 2, torch.float32, 8, 4)
+    assert k.shape[2] == 0
+    pos = torch.zeros(B, 5, dtype=torch.int64)
+    o, dq, dk, dv = run(compressed_attention, q, k, v, grad_o, 8, 4, 0.5, "auto", pos)
+    assert not o.any() and not dq.any() and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_packed_memory_bounded_and_fully_written():
+    """With pos the largest intermediate is one chunk's [B, G, h * C, Tc] (scores or its mask):
+    never an [S, Tc] mask or the [B, H, S, Tc] scores."""
+    S, h, l, d, chunk, D = 512, 2, 8, 4, 32, 8
+    q, k, v, grad_o = packed_inputs(S, h, torch.float32, l, d, b=1, dk=D, dv=D)
+    pos = odd_packing(S, l, d, seed=1, rows=1)
+    Tc = k.shape[2]
+    spy = AllocationSpy()
+    with spy:
+        o, lse = cmp_mod._reference_forward(q, k, v, l, d, 0.25, chunk, pos=pos)
+        dq, dk, dv = cmp_mod._reference_backward(grad_o, q, k, v, l, d, 0.25, chunk, pos=pos)
+    assert spy.max_numel <= max(G * h * chunk * Tc, G * h * S * D) < S * Tc // 2
+    assert "repeat_interleave" not in spy.names
+    assert not lse.isnan().any() and lse.isneginf().any()
+    ref = run(eager_packed, q, k, v, grad_o, l, d, 0.25, pos)
+    assert_close_all((o, dq, dk, dv), ref, "spy", rtol=1e-5, atol=1e-5)
+
+
+def packed_bad_args(**change):
+    q, k, v, _ = packed_inputs(20, 2, torch.float32)  # Tc = 13
+    args = dict(q=q, k=k, v=v, block=8, stride=4, scale=0.5, backend="auto", pos=odd_packing(20, 8, 4, seed=0))
+    args.update(change)
+    return args
+
+
+PACKED_BAD = [
+    (dict(pos=torch.zeros(B, 20, dtype=torch.int32)), r"pos must be an int64 \[B, S\] tensor"),
+    (dict(pos=torch.zeros(20, dtype=torch.int64)), r"pos must be an int64 \[B, S\] tensor"),
+    (dict(pos=torch.zeros(B, 21, dtype=torch.int64)), r"pos must have shape \[B, S\] = \[2, 20\], got \[2, 21\]"),
+    (dict(pos=torch.zeros(1, 20, dtype=torch.int64)), r"pos must have shape \[B, S\] = \[2, 20\], got \[1, 20\]"),
+    (dict(pos=torch.zeros(B, 20, dtype=torch.int64, device="meta")), "pos must be on q's device cpu, got meta"),
+    (dict(k=torch.randn(B, G, 4, DK), v=torch.randn(B, G, 4, DV)), r"Tc must be S - block \+ 1 = 13, got 4"),
+    (dict(backend="triton"), (r"backend 'triton' cannot run these inputs: packed documents \(pos\): the Triton "
+                              "kernel has no document mask")),
+]
+
+
+@pytest.mark.parametrize("change,match", PACKED_BAD, ids=[m[:40] for _, m in PACKED_BAD])
+def test_packed_argument_validation(change, match):
+    assert_raises_eager_and_fake(compressed_attention, packed_bad_args(**change), match)
+
+
+def test_packed_backend_choice_and_backward_validation():
+    args = packed_bad_args()
+    q, k, v, pos = args["q"], args["k"], args["v"], args["pos"]
+    assert cmp_mod.choose_backend(q, k, v, 8, 4, "auto", pos) == "reference"
+    assert cmp_mod.why_not_triton(q, k, v, 8, 4, pos) == ("packed documents (pos): the Triton kernel has no "
+                                                          "document mask")
+    o, lse = torch.ops.nsa.compressed_attention(q, k, v, 8, 4, 0.5, "auto", pos)
+    grad_o = torch.randn_like(o)
+    compressed_attention_backward(grad_o, q, k, v, o, lse, 8, 4, 0.5, "auto", pos)
+    with pytest.raises(ValueError, match=r"pos must have shape"):
+        compressed_attention_backward(grad_o, q, k, v, o, lse, 8, 4, 0.5, "auto", pos[:, :7])
+    with pytest.raises(ValueError, match="the Triton kernel has no document mask"):
+        compressed_attention_backward(grad_o, q, k, v, o, lse, 8, 4, 0.5, "triton", pos)
+
+
+def test_packed_opcheck_and_layouts():
+    for S, h, l, d in ((7, 3, 8, 4), (33, 2, 6, 3)):  # Tc = 0 and Tc = 28
+        q, k, v, grad_o = packed_inputs(S, h, torch.float32, l, d, dk=8, dv=5)
+        pos = odd_packing(S, l, d, seed=S)
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        torch.library.opcheck(torch.ops.nsa.compressed_attention.default, (q, k, v, l, d, 0.5, "reference", pos))
+        o, lse = torch.ops.nsa.compressed_attention(q, k, v, l, d, 0.5, "auto", pos)
+        torch.library.opcheck(torch.ops.nsa.compressed_attention_backward.default,
+                              (grad_o, *(x.detach() for x in (q, k, v, o, lse)), l, d, 0.5, "reference", pos))
+    o, *_ = assert_fakes_promise_the_layout(torch.ops.nsa.compressed_attention, compressed_attention_backward,
+                                            grad_o, q.detach(), k.detach(), v.detach(), l, d, 0.5, "auto", pos)
+    assert o.transpose(1, 2).is_contiguous()
+
+
+def packed_model_loss(x_q, k, v, pos):
+    o = compressed_attention(x_q.transpose(1, 2), k, v, 8, 4, 0.3, "auto", pos)
+    return (o.transpose(1, 2).sin() * 1.5).sum()
+
+
+def packed_eager_loss(x_q, k, v, pos):
+    o = eager_packed(x_q.transpose(1, 2), k, v, 8, 4, 0.3, pos)
+    return (o.transpose(1, 2).sin() * 1.5).sum()
+
+
+def test_packed_compiles_like_eager_with_the_ops_in_the_graphs():
+    """pos is a graph input (the same graph serves every packing, and dynamic lengths)."""
+    cases = []
+    for S in (40, 57):
+        gen = torch.Generator().manual_seed(S)
+        shapes = ((B, S, G * 3, DK), (B, G, S - 7, DK), (B, G, S - 7, DV))
+        cases.append(([torch.randn(*s, generator=gen) for s in shapes], odd_packing(S, 8, 4, seed=S)))
+    assert_compiles_like_eager(packed_model_loss, packed_eager_loss, cases[0][0], cases[0][1])
+    assert_graphs_hold_the_ops(packed_model_loss, packed_eager_loss, cases, torch.ops.nsa.compressed_attention.default,
+                               torch.ops.nsa.compressed_attention_backward.default)
 
 
 # --- the Triton kernels (interpreted on the CPU) ------------------------------------------------
@@ -581,3 +837,25 @@ def test_triton_at_the_issue_sizes(S, h):
     every dtype: triton within 2x the eager error of the float64 oracle (or the floor)."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         _check_against_oracle(S, h, dtype, "triton", seed=S * 31 + h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_packed_on_cuda_matches_the_eager_formula(dtype):
+    """Packed documents at S 2048 (odd lengths, documents shorter than l = 32, random packings),
+    h 6, Dk 64 != Dv 32: auto takes reference (no Triton document mask) and is within 2x eager's
+    own error of the float64 oracle (or the floor), lse -inf exactly on the rows without a slot."""
+    S, h, l, d = 2048, 6, 32, 16
+    q, k, v, grad_o = (x.cuda() for x in packed_inputs(S, h, dtype, l, d, seed=3, dk=64, dv=32))
+    pos = odd_packing(S, l, d, seed=3).cuda()
+    assert cmp_mod.choose_backend(q, k, v, l, d, "auto", pos) == "reference"
+    oracle = run(eager_packed, *(x.double() for x in (q, k, v, grad_o)), l, d, 0.125, pos)
+    ours = run(compressed_attention, q, k, v, grad_o, l, d, 0.125, "auto", pos)
+    eager = run(eager_packed, q, k, v, grad_o, l, d, 0.125, pos)
+    for name, a, e, r in zip(NAMES, ours, eager, oracle):
+        assert a.dtype == e.dtype == dtype, name
+        assert rel_rms(a, r) <= max(2 * rel_rms(e, r), FLOORS[dtype]), (name, rel_rms(a, r), rel_rms(e, r))
+    _, lse = torch.ops.nsa.compressed_attention(q, k, v, l, d, 0.125, "auto", pos)
+    empty = ~packed_visible(pos, S - l + 1, l, d).any(-1)  # [B, S]
+    assert torch.equal(lse.isneginf(), empty[:, None].expand_as(lse)) and bool(empty.any())
+

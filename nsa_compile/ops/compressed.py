@@ -1,7 +1,7 @@
 """Compressed-token attention with GQA as a functional custom op (NSA section 2).
 
-    o, lse = torch.ops.nsa.compressed_attention(q, k, v, block, stride, scale, backend)
-    o = compressed_attention(q, k, v, block, stride, scale, backend="auto")   # the output only
+    o, lse = torch.ops.nsa.compressed_attention(q, k, v, block, stride, scale, backend, pos=None)
+    o = compressed_attention(q, k, v, block, stride, scale, backend="auto", pos=None)   # the output only
 
 q [B, H, S, Dk] (normally a transposed view of [B, S, H, Dk] memory), k [B, G, Tc, Dk] and
 v [B, G, Tc, Dv]: the pooled compression tokens K~, V~ (one per compression block), H = G * h;
@@ -22,24 +22,42 @@ rebuild p = exp(scores - lse) (the block selection does). A row without a visibl
 block - 1, or Tc = 0 when S < block: both are valid inputs) gets o = 0, lse = -inf and zero
 gradients, never NaN. lse is not differentiable.
 
+Packed documents (`pos` [B, S] int64, each token's position in its own document, the model's
+tensor; models/nsa.py): k and v then hold one compression slot per token, Tc = S - block + 1
+(slot s pools tokens [s, s + block), `x.unfold(1, block, 1)`; Tc = 0 when S < block), and query
+t sees slot s iff
+    s + block - 1 <= t                                   (the whole slot lies in the past)
+    s >= t - pos[t]                                      (it starts in t's document)
+    pos[s] % stride == 0                                 (a block of its document: stride = d)
+    pos[s + block - 1] == pos[s] + block - 1             (its tokens lie in one document)
+Any row may then lack a visible slot (a document shorter than block, the first block - 1 tokens
+of each): o = 0, lse = -inf and zero gradients there, as above. Without pos nothing changes.
+
 Backward is a second op, `nsa::compressed_attention_backward(grad_o, q, k, v, o, lse, block,
-stride, scale, backend) -> (dq, dk, dv)`: dq in q's dtype ([B, S, H, Dk] memory), dk and dv with
-the shapes and dtypes of k and v, summed over each group's h query heads.
+stride, scale, backend, pos=None) -> (dq, dk, dv)`: dq in q's dtype ([B, S, H, Dk] memory), dk and
+dv with the shapes and dtypes of k and v, summed over each group's h query heads; pos gets no
+gradient.
 
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
 - `triton` (CUDA): the flash-style kernels of nsa_compile/ops/compressed_triton.py (online
   softmax over tiles of compression tokens, the staircase mask only on the diagonal tiles,
-  deterministic backward without atomics).
+  deterministic backward without atomics). It has no document mask: with pos it cannot run
+  (`auto` takes reference and says why; naming triton raises).
 - `reference` (every device and dtype): PyTorch, chunked over query rows. A chunk of C queries
   [t0, t1) reads only the blocks the last of them can see, so memory is O(B * H * C * Tc) and
   the [B, H, S, Tc] scores are never built at once; C is as large as REFERENCE_BUDGET allows
   (few Python iterations on CUDA). The group's h heads are folded into the rows of one matmul
-  per (batch, group), so K and V are read once per group. The backward recomputes each chunk's
+  per (batch, group), so K and V are read once per group. With pos a chunk builds its rows'
+  [B, h * C, n] document mask from pos (the slot test is [B, Tc], computed once per call), so
+  memory stays O(B * H * C * Tc); the packed form has a slot per token, so Tc ~ S (d times the
+  unpacked count, as in the eager model). The backward recomputes each chunk's
   probabilities and applies the formulas autograd applies to the eager graph (written out, see
   `_reference_backward`), accumulating dk and dv in float32 (float64 for float64).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -62,23 +80,37 @@ REFERENCE_BUDGET = 2**25
 REFERENCE_CHUNK: int | None = None
 
 
-def choose_backend(q, k, v, block, stride, backend: str = "auto") -> str:
+# Why the Triton kernels cannot run packed documents (what `explain` shows for them).
+NO_DOCUMENT_MASK = "packed documents (pos): the Triton kernel has no document mask"
+
+
+def choose_backend(q, k, v, block, stride, backend: str = "auto", pos=None) -> str:
     """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
-    run these inputs), or for 'auto' triton where it can run on CUDA and reference elsewhere."""
-    args = (q, k, v, block, stride)
+    run these inputs), or for 'auto' triton where it can run on CUDA and reference elsewhere
+    (always reference with pos: the kernels have no document mask)."""
+    args = (q, k, v, block, stride, pos)
     return pick_backend("compressed_attention", BACKENDS, backend,
-                        cannot_run={"triton": lambda: compressed_triton.unsupported_reason(*args)},
+                        cannot_run={"triton": lambda: _triton_reason(*args)},
                         preferred="triton", why_not_preferred=lambda: why_not_triton(*args))
 
 
-def why_not_triton(q, k, v, block, stride) -> str | None:
-    """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
+def _triton_reason(q, k, v, block, stride, pos=None) -> str | None:
+    if pos is not None:
+        return NO_DOCUMENT_MASK
+    return compressed_triton.unsupported_reason(q, k, v, block, stride)
+
+
+def why_not_triton(q, k, v, block, stride, pos=None) -> str | None:
+    """Why 'auto' does not take the triton backend for these inputs (None: it does). Packed
+    documents come first: they hold on every device."""
+    if pos is not None:
+        return NO_DOCUMENT_MASK
     return why_not_triton_on(q.device, lambda: compressed_triton.unsupported_reason(q, k, v, block, stride))
 
 
-def _check(q, k, v, block, stride, scale, backend="auto") -> str:
+def _check(q, k, v, block, stride, scale, backend="auto", pos=None) -> str:
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
-    dtypes, block, stride and backend are valid. (k and v hold Tc compression tokens, not S:
+    dtypes, block, stride, pos and backend are valid. (k and v hold Tc compression tokens, not S:
     common.check_qkv does not fit.)"""
     op = "compressed_attention"
     check_gqa(op, q, k, v, rows="Tc")
@@ -88,7 +120,25 @@ def _check(q, k, v, block, stride, scale, backend="auto") -> str:
         )
     check_positive_int(op, "block", block)
     check_positive_int(op, "stride", stride)
-    return choose_backend(q, k, v, block, stride, backend)
+    if pos is not None:
+        _check_pos(op, q, k, block, pos)
+    return choose_backend(q, k, v, block, stride, backend, pos)
+
+
+def _check_pos(op: str, q, k, block, pos) -> None:
+    """pos must be int64 [B, S] on q's device, and k must hold one slot per token (S - block + 1)."""
+    B, S = q.shape[0], q.shape[2]
+    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or pos.dim() != 2:
+        got = f"{pos.dtype} {list(pos.shape)}" if isinstance(pos, torch.Tensor) else type(pos).__name__
+        raise ValueError(f"{op}: pos must be an int64 [B, S] tensor (each token's position in its document), got {got}")
+    if pos.shape[0] != B or pos.shape[1] != S:
+        raise ValueError(f"{op}: pos must have shape [B, S] = [{B}, {S}], got {list(pos.shape)}")
+    if pos.device != q.device:
+        raise ValueError(f"{op}: pos must be on q's device {q.device}, got {pos.device}")
+    slots = max(0, S - block + 1)
+    if k.shape[2] != slots:
+        raise ValueError(f"{op}: with pos, k and v hold a slot per token (x.unfold(1, block, 1)): Tc must be "
+                         f"S - block + 1 = {slots}, got {k.shape[2]}")
 
 
 def visible_blocks(t: int, block: int, stride: int, Tc: int) -> int:
@@ -128,11 +178,25 @@ def _put_rows(out: torch.Tensor, G: int, t0: int, t1: int, rows: torch.Tensor) -
     out.unflatten(1, (G, H // G))[:, :, :, t0:t1] = rows.view(B, G, H // G, t1 - t0, *out.shape[3:])
 
 
-def _visible(t0: int, t1: int, n: int, block: int, stride: int, h: int, device) -> torch.Tensor:
-    """[h * c, n] bool: row (head, t) of the chunk sees block i (the same for every head)."""
+def _visible(t0: int, t1: int, n: int, block: int, stride: int, h: int, device, pos=None,
+             is_block=None) -> torch.Tensor:
+    """[h * c, n] bool: row (head, t) of the chunk sees block i (the same for every head). With
+    pos: [B, 1, h * c, n], row (head, t) of batch row b sees slot s (the module docstring's test;
+    is_block [B, Tc] holds its last two terms)."""
     t = torch.arange(t0, t1, device=device)[:, None]
     i = torch.arange(n, device=device)[None, :]
-    return (i * stride + block - 1 <= t).repeat(h, 1)
+    if pos is None:
+        return (i * stride + block - 1 <= t).repeat(h, 1)
+    same_doc = i >= t - pos[:, t0:t1, None]  # [B, c, n]: the slot starts in t's document
+    visible = (i + block - 1 <= t) & same_doc & is_block[:, None, :n]  # [B, c, n]
+    return visible.repeat(1, h, 1)[:, None]  # [B, 1, h * c, n]
+
+
+def _slot_is_block(pos: torch.Tensor, Tc: int, block: int, stride: int) -> torch.Tensor:
+    """[B, Tc] bool: slot s is a compression block of its document (pos[s] % stride == 0) and its
+    block tokens lie in that document."""
+    start = pos[:, :Tc]  # [B, Tc]: the document position of each slot's first token
+    return (start % stride == 0) & (pos[:, block - 1 : block - 1 + Tc] == start + block - 1)
 
 
 def _chunk_probs(qc, kc, visible, scale, empty_rows: bool):
@@ -151,24 +215,28 @@ def _chunk_probs(qc, kc, visible, scale, empty_rows: bool):
     return torch.softmax(scores.masked_fill(~has_block, 0.0), dim=-1) * visible, lse
 
 
-def _reference_forward(q, k, v, block: int, stride: int, scale: float, chunk: int | None = None):
+def _reference_forward(q, k, v, block: int, stride: int, scale: float, chunk: int | None = None, pos=None):
     B, H, S, _ = q.shape
     G, Tc = k.shape[1], k.shape[2]
     h = H // G
     out, lse = empty_attention_outputs(q, v)
-    for t0, t1, n in _chunks(S, B, H, Tc, block, stride, chunk):
+    # with pos a slot starts at every token (stride 1 for the staircase), and any row may be empty
+    is_block = None if pos is None else _slot_is_block(pos, Tc, block, stride)
+    for t0, t1, n in _chunks(S, B, H, Tc, block, stride if pos is None else 1, chunk):
         if n == 0:  # no row of the chunk sees a block yet
             out[:, :, t0:t1] = 0
             lse[:, :, t0:t1] = float("-inf")
             continue
-        visible = _visible(t0, t1, n, block, stride, h, q.device)
-        p, row_lse = _chunk_probs(_rows(q, G, t0, t1), k[:, :, :n], visible, scale, t0 < block - 1)
+        visible = _visible(t0, t1, n, block, stride, h, q.device, pos, is_block)
+        empty_rows = pos is not None or t0 < block - 1
+        p, row_lse = _chunk_probs(_rows(q, G, t0, t1), k[:, :, :n], visible, scale, empty_rows)
         _put_rows(out, G, t0, t1, p.to(v.dtype) @ v[:, :, :n])  # [B, G, R, Dv]
         _put_rows(lse, G, t0, t1, row_lse)
     return out, lse
 
 
-def _reference_backward(grad_o, q, k, v, block: int, stride: int, scale: float, chunk: int | None = None):
+def _reference_backward(grad_o, q, k, v, block: int, stride: int, scale: float, chunk: int | None = None,
+                        pos=None):
     """dq, dk, dv by recomputing each chunk and applying autograd's formulas for the eager graph.
 
     Autograd itself cannot run here: a custom op's kernel runs with the autograd dispatch keys
@@ -191,14 +259,15 @@ def _reference_backward(grad_o, q, k, v, block: int, stride: int, scale: float, 
     # accumulators in the upcast dtype, laid out like the outputs: the final cast keeps the layout
     dk = bshd_empty(B, G, Tc, Dk, k, upcast_dtype(k.dtype)).zero_()
     dv = bshd_empty(B, G, Tc, Dv, v, upcast_dtype(v.dtype)).zero_()
-    for t0, t1, n in _chunks(S, B, H, Tc, block, stride, chunk):
+    is_block = None if pos is None else _slot_is_block(pos, Tc, block, stride)
+    for t0, t1, n in _chunks(S, B, H, Tc, block, stride if pos is None else 1, chunk):
         if n == 0:
             dq[:, :, t0:t1] = 0
             continue
-        visible = _visible(t0, t1, n, block, stride, h, q.device)
+        visible = _visible(t0, t1, n, block, stride, h, q.device, pos, is_block)
         qc, kc, vc = _rows(q, G, t0, t1), k[:, :, :n], v[:, :, :n]
         g = _rows(grad_o, G, t0, t1).to(v.dtype)  # [B, G, R, Dv]
-        p, _ = _chunk_probs(qc, kc, visible, scale, t0 < block - 1)  # [B, G, R, n]
+        p, _ = _chunk_probs(qc, kc, visible, scale, pos is not None or t0 < block - 1)  # [B, G, R, n]
         pv = p.to(v.dtype)
         dv[:, :, :n] += pv.transpose(-1, -2) @ g
         dp = (g @ vc.transpose(-1, -2)).to(up)
@@ -211,19 +280,20 @@ def _reference_backward(grad_o, q, k, v, block: int, stride: int, scale: float, 
 
 @torch.library.custom_op("nsa::compressed_attention", mutates_args=())
 def _compressed_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, stride: int, scale: float, backend: str = "auto"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, stride: int, scale: float, backend: str = "auto",
+    pos: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compressed-token GQA attention: q [B, H, S, Dk], k [B, G, Tc, Dk], v [B, G, Tc, Dv] ->
     o [B, H, S, Dv] in v's dtype and lse [B, H, S] float32. Query t sees compression token i
-    iff i * stride + block - 1 <= t."""
-    if _check(q, k, v, block, stride, scale, backend) == "triton":
+    iff i * stride + block - 1 <= t (with pos [B, S]: slot i per the module docstring)."""
+    if _check(q, k, v, block, stride, scale, backend, pos) == "triton":
         return compressed_triton.compressed_forward(q, k, v, block, stride, scale)
-    return _reference_forward(q, k, v, block, stride, scale)
+    return _reference_forward(q, k, v, block, stride, scale, pos=pos)
 
 
 @_compressed_attention_op.register_fake
-def _compressed_attention_fake(q, k, v, block, stride, scale, backend="auto"):
-    _check(q, k, v, block, stride, scale, backend)
+def _compressed_attention_fake(q, k, v, block, stride, scale, backend="auto", pos=None):
+    _check(q, k, v, block, stride, scale, backend, pos)
     return empty_attention_outputs(q, v)
 
 
@@ -234,45 +304,48 @@ def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
 @torch.library.custom_op("nsa::compressed_attention_backward", mutates_args=())
 def compressed_attention_backward(
     grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    block: int, stride: int, scale: float, backend: str = "auto",
+    block: int, stride: int, scale: float, backend: str = "auto", pos: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `compressed_attention`: grad_o [B, H, S, Dv] -> dq [B, H, S, Dk] (q's dtype),
     dk [B, G, Tc, Dk] (k's dtype), dv [B, G, Tc, Dv] (v's dtype). o and lse are the forward's."""
-    chosen = _check(q, k, v, block, stride, scale, backend)
+    chosen = _check(q, k, v, block, stride, scale, backend, pos)
     _check_grad(grad_o, q, v)
     if chosen == "triton":
         return compressed_triton.compressed_backward(grad_o, q, k, v, o, lse, block, stride, scale)
-    return _reference_backward(grad_o, q, k, v, block, stride, scale)
+    return _reference_backward(grad_o, q, k, v, block, stride, scale, pos=pos)
 
 
 @compressed_attention_backward.register_fake
-def _compressed_attention_backward_fake(grad_o, q, k, v, o, lse, block, stride, scale, backend="auto"):
-    _check(q, k, v, block, stride, scale, backend)
+def _compressed_attention_backward_fake(grad_o, q, k, v, o, lse, block, stride, scale, backend="auto", pos=None):
+    _check(q, k, v, block, stride, scale, backend, pos)
     _check_grad(grad_o, q, v)
     return empty_attention_grads(q, k, v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, block, stride, scale, *backend = inputs
+    q, k, v, block, stride, scale, *rest = inputs  # rest: backend and pos where given
+    backend = rest[0] if len(rest) > 0 else "auto"
+    pos = rest[1] if len(rest) > 1 else None
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.block, ctx.stride, ctx.scale, ctx.backend = block, stride, scale, (backend or ["auto"])[0]
+    ctx.save_for_backward(q, k, v, o, lse, pos)
+    ctx.block, ctx.stride, ctx.scale, ctx.backend = block, stride, scale, backend
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_o, _grad_lse):
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, pos = ctx.saved_tensors
     dq, dk, dv = torch.ops.nsa.compressed_attention_backward(
-        grad_o, q, k, v, o, lse, ctx.block, ctx.stride, ctx.scale, ctx.backend
+        grad_o, q, k, v, o, lse, ctx.block, ctx.stride, ctx.scale, ctx.backend, pos
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _compressed_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def compressed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, stride: int, scale: float, backend: str = "auto"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, stride: int, scale: float, backend: str = "auto",
+    pos: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The output o of `torch.ops.nsa.compressed_attention` (see the module docstring)."""
-    return torch.ops.nsa.compressed_attention(q, k, v, block, stride, scale, backend)[0]
+    return torch.ops.nsa.compressed_attention(q, k, v, block, stride, scale, backend, pos)[0]
