@@ -6,18 +6,23 @@ Matches (torch IR), per input node x (models/nsa.py `NSAAttention.forward`):
     out_i = rope(y_i)                                 # optional: arithmetic that is a rotation
 where rope is any arithmetic of views, slices, cat/stack, neg, mul, add, sub and casts that turns
 y_i.view(B, S, heads, D) into its rotation by two tables (cos, sin) [S, R/2] or [1 or B, S(, 1),
-R/2] read through views and casts: rotate-half (pairs (j, j + R/2)) or interleaved (pairs
-(2j, 2j + 1)), the first R of each head's D dims (partial rotary), the rest passed through, by
-the angle or its opposite (x*cos - rotate(x)*sin: the op is given -sin).
+R/2] read through views and casts, each any expression of data independent of y_i (rope_tables'
+cos; with packed documents the per-token gather cos[pos] [B, S, R/2], models/lm.py):
+rotate-half (pairs (j, j + R/2)) or interleaved (pairs (2j, 2j + 1)), the first R of each head's
+D dims (partial rotary), the rest passed through, by the angle or its opposite
+(x*cos - rotate(x)*sin: the op is given -sin).
 
 Recognized from the arithmetic, not from names: the nodes that depend only on y_i and on data
 independent of it (the tables) are collected; for the output of each closed such subgraph of
-shape [B, S, heads, D] (largest first), the two nodes the table side reads through views and
-casts are taken as the tables, and the subgraph is evaluated in float64 on random y and random
-tables (whatever values the model's tables hold) against the rotation formula, for both
-conventions, either table as cos and either sign. Its ops being linear in y and polynomial in
-the tables, one random probe tells a rotation from anything else. Identical subgraphs (one per
-layer) are evaluated once per graph.
+shape [B, S, heads, D] (largest first), the tables are found by walking up from what the
+arithmetic reads, through views, casts and signs of one tensor (a cat may repeat it), to where
+that chain starts (any other op, or one that reads a second tensor: the gather cos[pos] reads
+pos); on each chain the table is the node nearest its start whose value has a table's shape (the
+gather, not cos and pos: the op reads its value, whatever computed it). There must be two, and
+the subgraph is evaluated in float64 on random y and random tables (whatever values the model's
+tables hold) against the rotation formula, for both conventions, either table as cos and either
+sign. Its ops being linear in y and polynomial in the tables, one random probe tells a rotation
+from anything else. Identical subgraphs (one per layer) are evaluated once per graph.
 
 Under autocast (`torch.autocast` around the compiled call, or a `with torch.autocast` inside
 it: Dynamo records no cast, only `torch.amp.autocast_mode._enter_autocast` / `_exit_autocast`
@@ -50,11 +55,11 @@ reason shown by `explain`:
   of its own dtype, and is refused when it is alone there (and has no RoPE);
 - RoPE-like arithmetic that is not a rotation on the probe (a wrong sign, a wrong partner, a
   scale, one table used twice), that reads other than two tables, tables that require grad or
-  have another layout, a rotary dim over the head dim, a result in another dtype than the
-  projection (a bf16 projection times float32 tables is float32 by type promotion, the op's
-  pieces are in the projection's dtype), intermediate values used elsewhere, a
-  second RoPE convention or table pair in the same group, or symbolic sizes (dynamic shapes:
-  the projections still merge, their RoPE stays eager);
+  have another shape (another length than S, or [B, 1, R/2]: one angle per row), a rotary dim
+  over the head dim, a result in another dtype than the projection (a bf16 projection times
+  float32 tables is float32 by type promotion, the op's pieces are in the projection's dtype),
+  intermediate values used elsewhere, a second RoPE convention or table pair in the same group,
+  or symbolic sizes (dynamic shapes: the projections still merge, their RoPE stays eager);
 - more than MAX_PIECES projections of one input are split into several groups (not refused).
 """
 
@@ -242,6 +247,15 @@ def op_table(shape: tuple, B: int, S: int) -> tuple[int, ...] | None:
     return None
 
 
+def table_layout(node: fx.Node, B: int, S: int) -> tuple[int, ...] | None:
+    """op_table of the node's value when it is a float tensor of static shape, else None."""
+    val = value(node)
+    if not isinstance(val, torch.Tensor) or not val.is_floating_point() or \
+            not all(is_concrete_int(d) for d in val.shape):
+        return None
+    return op_table(tuple(int(d) for d in val.shape), B, S)
+
+
 class ProjectionsRope(RewritePass):
     name = "projections_rope"
     summary = "Linear projections of one input (+ their RoPE) -> one GEMM with RoPE in its epilogue"
@@ -385,26 +399,32 @@ class ProjectionsRope(RewritePass):
         return [n for n in region if n in keep]
 
     @staticmethod
-    def tables(sub: list[fx.Node], order: dict) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node]]:
-        """(sources, table-side nodes in graph order, the table values the subgraph reads)."""
+    def tables(sub: list[fx.Node], order: dict, B: int, S: int) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node]]:
+        """(tables, table-side nodes in graph order, the values the subgraph reads besides the
+        projection). From each value the arithmetic reads, the walk goes up through _TABLE_OPS that
+        move ONE tensor (a cat or stack may repeat it); it stops at any other node (rope_tables'
+        cos, a gather cos[pos] that also reads the packed positions, any expression). On that chain
+        the table is the node nearest the stop whose value has a table's shape (else the stop
+        itself, refused for its shape): the op reads its value, whatever computed it."""
         inside = set(sub)
         externals = list(dict.fromkeys(i for n in sub[1:] for i in n.all_input_nodes if i not in inside))
-        sources, side, stack = [], set(), list(externals)
-        while stack:
-            node = stack.pop()
-            if node in side or node in sources:
-                continue
-            if node.op in ("call_function", "call_method") and op_name(node) in _TABLE_OPS and node.all_input_nodes:
-                side.add(node)
-                stack.extend(node.all_input_nodes)
-            else:
-                sources.append(node)
-        return sorted(sources, key=order.__getitem__), sorted(side, key=order.__getitem__), externals
+        tables, side = [], set()
+        for node in externals:
+            chain = [node]  # from the arithmetic up
+            while chain[-1].op in ("call_function", "call_method") and op_name(chain[-1]) in _TABLE_OPS and \
+                    len(chain[-1].all_input_nodes) == 1:
+                chain.append(chain[-1].all_input_nodes[0])
+            shaped = [n for n in chain if table_layout(n, B, S) is not None]
+            table = shaped[-1] if shaped else chain[-1]
+            if table not in tables:
+                tables.append(table)
+            side.update(chain[: chain.index(table)])
+        return sorted(tables, key=order.__getitem__), sorted(side, key=order.__getitem__), externals
 
     def verify(self, linear: fx.Node, out: fx.Node, sub: list[fx.Node], order: dict, verified: dict) -> dict:
         B, S, N = static_shape(linear, "projection")
         heads, D = tuple(value(out).shape)[2:]
-        sources, side, externals = self.tables(sub, order)
+        sources, side, externals = self.tables(sub, order, B, S)
         names = ", ".join(n.name for n in sources)
         if len(sources) != 2:
             raise Refused(f"the arithmetic reads {len(sources)} tables besides the projection ({names}); "
