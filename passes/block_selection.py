@@ -23,7 +23,26 @@ rounding aside), and the key must put +inf exactly on blocks 0, t // l', t // l'
 exactly on the blocks with j*l' > t (NSA_SEMANTICS.md section 3), with l' read from when block 1
 enters (any l' >= S when Ns = 1). n comes from the slice (capped by the key's width), or is topk's k.
 
-Becomes `torch.ops.nsa.select_blocks(q, k_cmp, lse, l, d, l', n, c, backend)` (nsa_compile/ops/
+Packed documents (models/nsa.py `select_blocks(p_cmp, S, pos)`): the compressed op carries the
+[B, S] positions pos (a graph input) and the document stride d; its keys are slots at stride 1.
+Then the block map and the key's masks read pos too:
+    start = pos[:, :Tc, None]                          # [B, Tc, 1]: each slot's document position
+    overlap = min(start + l, (j + 1) * l') - max(start, j * l'), clamped at 0, / l  # [B, Tc, Ns]
+    p_slc = p @ overlap[:, None]                       # [B, H, S, Ns]
+    t = pos[:, None, :, None]                          # forced and candidate blocks by document position
+They may depend on no data but that pos node, the one the compressed op was given (p is
+re-checked with compressed_attention's packed checks, which find d and pos; the op must carry
+both). They cannot be evaluated without inputs, so they are checked on probes: evaluated at
+compile time with probe positions of the real [B, S] shape in place of pos (one document per row,
+from which l' is read as above; then compressed_attention's probes for (l, d) and this pass's for
+l': documents of odd lengths (1, 2, shorter than l and l', not multiples of d, longer than n*l'),
+documents on selection-block boundaries and one token off them, random packings, each batch row
+packed differently), and compared on each with NSA's per-document rules: the overlap of slot s
+by its document position pos[s], +inf on blocks 0, pos[t] // l', pos[t] // l' - 1 and -inf on
+blocks with j*l' > pos[t]. This is a check on probes, not a proof for every packing. One verdict
+serves every layer with the same subgraphs.
+
+Becomes `torch.ops.nsa.select_blocks(q, k_cmp, lse, l, d, l', n, c, backend[, pos])` (nsa_compile/ops/
 block_select.py), [B, G, S, n] int64. The importance chain, the sorts and then, once nothing
 else reads them, the [B, H, S, Tc] probabilities and scores of the compressed branch are erased.
 The op's importance differs from eager's by float32 rounding only (exp(s - lse) for a softmax):
@@ -41,7 +60,10 @@ Refuses (graph unchanged), with the reason shown by `explain`:
 - torch.topk with largest=False (the lowest-ranked blocks), over another dim, with a k that is not
   the n kept (topk(key, k)[..., :n] with n < k), or with its values used beyond the > -inf filter
   (the op returns block ids only);
-- intermediate tensors used elsewhere, symbolic sizes, a verification larger than the cap.
+- intermediate tensors used elsewhere, symbolic sizes, a verification larger than the cap;
+- packed: a block map or mask that reads data other than the compressed op's pos, or that differs
+  from NSA's per-document rules on a probe (slots counted from the row start instead of pos[s];
+  forced or candidate blocks from t instead of pos[t]; an off-by-one).
 """
 
 from __future__ import annotations
@@ -60,7 +82,7 @@ from nsa_compile.rewrite import PassLog, RewritePass
 
 from . import compressed_attention as cmp
 
-KERNEL = ("nsa.select_blocks[{backend}] (l'={block}, n={n}, from the compressed lse, no [B, H, S, Tc] "
+KERNEL = ("nsa.select_blocks[{backend}] (l'={block}, n={n}{packed}, from the compressed lse, no [B, H, S, Tc] "
           "probabilities{note}{why})")
 # On every topk match: the op's choice is one of the results topk may give, not necessarily eager's.
 TOPK_NOTE = "; torch.topk: ties at the n-th place go to the lower block (eager's topk leaves them unspecified)"
@@ -96,19 +118,24 @@ def item_users(node: fx.Node, what: str) -> dict[int, fx.Node]:
     return items
 
 
-def compressed_op(probs: cmp.Probabilities, block: int, stride: int) -> fx.Node | None:
-    """The nsa.compressed_attention node computing these probabilities' row statistics, if any."""
+def op_positions(op: fx.Node):
+    """The pos argument of an nsa.compressed_attention node (None: one document per row)."""
+    return arg(op, 7, "pos")
+
+
+def compressed_ops(probs: cmp.Probabilities, block: int) -> list[fx.Node]:
+    """The nsa.compressed_attention nodes on these probabilities' q, pooled K, l and scale (their
+    stride and positions are compared with what the masks show by the caller)."""
     targets = (torch.ops.nsa.compressed_attention, torch.ops.nsa.compressed_attention.default)
-    for user in probs.q.users:
-        if (user.op == "call_function" and user.target in targets and user.args[1] is probs.k
-                and tuple(user.args[3:6]) == (block, stride, probs.scale)):
-            return user
-    return None
+    return [user for user in probs.q.users
+            if user.op == "call_function" and user.target in targets and user.args[1] is probs.k
+            and (user.args[3], user.args[5]) == (block, probs.scale)]
 
 
 def key_classes(forced: torch.Tensor, excluded: torch.Tensor, forced_outside: bool) -> torch.Tensor:
-    """[S, Ns] int: 2 where the key is +inf, 0 where -inf, 1 where it is the importance, from the
-    cells the +inf and the -inf fills apply to. `forced_outside`: the +inf fill is applied last."""
+    """[S, Ns] (packed: [B, G, S, Ns]) int: 2 where the key is +inf, 0 where -inf, 1 where it is the
+    importance, from the cells the +inf and the -inf fills apply to. `forced_outside`: the +inf
+    fill is applied last."""
     cls = torch.ones(forced.shape, dtype=torch.int8, device=forced.device)
     if forced_outside:
         return cls.masked_fill(excluded, 0).masked_fill(forced, 2)
@@ -150,12 +177,242 @@ def overlap_matrix(Tc: int, Ns: int, l: int, d: int, ls: int, device) -> torch.T
     return shared.clamp(min=0) / l
 
 
+# --- packed documents: the block map and the masks read pos; checked on probes -----------------
+
+
+def selection_probes(B: int, S: int, l: int, d: int, ls: int, n: int, device) -> list[tuple[str, torch.Tensor]]:
+    """(name, pos [B, S] int64) probes for the selection blocks, besides compressed_attention's
+    (`cmp.position_probes`, for the compression blocks): documents of odd lengths (1, 2, shorter
+    than l and l', not multiples of d, longer than n * l'); documents on selection-block boundaries
+    and one token off them; random documents up to 2 n l' tokens long. Row b starts the cycle of
+    lengths at its b-th entry (random: its own draws), so the rows pack differently."""
+    def rotated(cycle):
+        return lambda b: cycle[b % len(cycle):] + cycle[: b % len(cycle)]
+
+    gen = torch.Generator().manual_seed(1)
+    drawn = torch.randint(1, 2 * n * ls + 2, (B, S), generator=gen).tolist()
+    probes = [
+        ("odd selection lengths", cmp.documents(B, S, rotated([1, 2, l - 1, d + 1, l + 1, ls - 1, n * ls + 3,
+                                                               2 * d + 1, 3, ls + d + 1]))),
+        ("documents on and off selection-block boundaries",
+         cmp.documents(B, S, rotated([ls, 2 * ls, ls + 1, ls - 1, ls, n * ls + 1, 3 * ls, 1]))),
+        ("random long documents", cmp.documents(B, S, lambda b: drawn[b])),
+    ]
+    return [(name, pos.to(device)) for name, pos in probes]
+
+
+def packed_classes(pos: torch.Tensor, G: int, Ns: int, block: int) -> torch.Tensor:
+    """[B, G, S, Ns] key classes (as `key_classes`) of NSA's per-document rules for positions pos."""
+    t = pos[:, None, :, None]  # [B, 1, S, 1]
+    j = torch.arange(Ns, device=pos.device)
+    current = t // block
+    forced = (j == 0) | (j == current) | (j == current - 1)
+    classes = key_classes(forced, ~(j * block <= t), forced_outside=True)  # [B, 1, S, Ns]
+    return classes.expand(-1, G, -1, -1)
+
+
+def packed_overlap(start: torch.Tensor, Ns: int, l: int, ls: int, dtype=torch.float64) -> torch.Tensor:
+    """[Tc, Ns] overlap / l of slots whose first tokens sit at document positions start [Tc]: the
+    shared tokens counted in int64, then converted to `dtype` and divided by l (eager's arithmetic)."""
+    s = start[:, None]
+    j = torch.arange(Ns, device=start.device)[None, :]
+    return (torch.minimum(s + l, (j + 1) * ls) - torch.maximum(s, j * ls)).clamp(min=0).to(dtype) / l
+
+
+def in_place(node: fx.Node) -> bool:
+    """x.clamp_(...), torch.relu_(x), operator.iand(x, y) (x &= y): a node that mutates its input
+    (operator.and_ / or_ do not)."""
+    name = op_name(node) or ""
+    if node.op == "call_function" and getattr(node.target, "__module__", "") in ("_operator", "operator"):
+        return name.startswith("i") and (hasattr(operator, name[1:]) or hasattr(operator, name[1:] + "_"))
+    return name.endswith("_") and not name.startswith("_")
+
+
+class PackedProbes:
+    """Runs the position subgraphs of a packed key (they read the [B, S] positions pos, a graph
+    input) at compile time with probe tensors in place of pos. Keeps one verdict (l' or the
+    refusal) per structure: the layers of a model share their subgraphs."""
+
+    def __init__(self):
+        self.verdicts: dict[tuple, int | str] = {}
+
+    @staticmethod
+    def nodes(roots: list[fx.Node], pos: fx.Node, what: str) -> list[fx.Node]:
+        """The nodes between pos and the roots in post-order (inputs first), or Refused where they
+        read other data or randomness."""
+        nodes, seen, stack = [], set(), [(root, False) for root in reversed(roots)]
+        while stack:
+            node, done = stack.pop()
+            if done:
+                if node not in seen:
+                    seen.add(node)
+                    nodes.append(node)
+                continue
+            if node in seen or node is pos:
+                continue
+            if node.op not in ("call_function", "call_method"):
+                raise Refused(f"the {what} depend on {node.op} {node.name} (data other than the positions "
+                              f"{pos.name} the compressed op was given)")
+            name = op_name(node) or ""
+            if any(word in name for word in cmp._RANDOM):
+                raise Refused(f"the {what} use {name} (random, not positions)")
+            for user in node.users:
+                if in_place(user):
+                    raise Refused(f"the {what} are changed in place ({op_name(user)})")
+            stack.append((node, True))
+            stack.extend((x, False) for x in reversed(node.all_input_nodes) if x not in seen)
+        return nodes
+
+    @staticmethod
+    def structure(nodes: list[fx.Node], pos: fx.Node, roots: list[fx.Node]) -> str:
+        """What the subgraphs compute from pos, as text: equal texts compute the same functions."""
+        index = {pos: "%pos", **{node: f"%{i}" for i, node in enumerate(nodes)}}
+        ops = []
+        for node in nodes:
+            args = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
+            if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+                   for x in torch.utils._pytree.tree_leaves(args)):
+                raise Refused("the block map or the key masks have symbolic sizes (dynamic shapes): not verified yet")
+            ops.append((node.op, node.target, args))
+        return repr((ops, [index[r] for r in roots]))
+
+    @staticmethod
+    def run(nodes: list[fx.Node], pos: fx.Node, probe: torch.Tensor, roots: list[fx.Node]) -> list:
+        """The roots' values with pos = probe."""
+        env = {pos: probe}
+        last_use = {x: i for i, node in enumerate(nodes) for x in node.all_input_nodes}
+        for i, node in enumerate(nodes):
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            try:
+                if node.op == "call_method":
+                    env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+                else:
+                    env[node] = node.target(*args, **kwargs)
+            except torch.OutOfMemoryError:  # not a property of the user's code: never a refusal
+                raise
+            except Exception as error:  # the user's code, run on positions it may not expect
+                first_line = str(error).splitlines()[0] if str(error) else ""
+                raise Refused(f"evaluating the block map and the key masks on probe positions failed at {node.name} "
+                              f"({type(error).__name__}: {first_line})") from None
+            del args, kwargs
+            for x in node.all_input_nodes:  # free what no later node reads
+                if last_use[x] == i and x not in roots and x is not pos:
+                    env.pop(x, None)
+        return [env[r] for r in roots]
+
+
+def packed_grid(mask, sense: bool, shape: tuple, what: str) -> torch.Tensor:
+    """The [B, G, S, Ns] cells a key fill applies to, from its mask evaluated on a probe."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise Refused(f"the {what} is not a bool tensor")
+    try:
+        return torch.broadcast_to(mask if sense else ~mask, shape)
+    except RuntimeError:
+        raise Refused(f"the {what} {tuple(mask.shape)} does not broadcast to the key's {shape}") from None
+
+
+def check_packed_overlap(got, probe: torch.Tensor, H: int, Tc: int, Ns: int, l: int, ls: int, name: str) -> None:
+    """Refused unless got, the right operand of p [B, H, S, Tc] @ got, is overlap / l of each slot's
+    document position pos[s] for every batch row and head."""
+    B = probe.shape[0]
+    if not isinstance(got, torch.Tensor) or not got.is_floating_point() or not 2 <= got.dim() <= 4:
+        raise Refused("the block map is not a floating-point matrix per batch row ([B, 1, Tc, Ns])")
+    dims = (1,) * (4 - got.dim()) + tuple(got.shape)  # matmul broadcasting: leading dims of 1
+    if dims[2:] != (Tc, Ns) or dims[0] not in (1, B) or dims[1] not in (1, H):
+        raise Refused(f"the block map is {tuple(got.shape)}, not [B, 1, Tc, Ns] = {(B, 1, Tc, Ns)} (packed documents: "
+                      "a map per batch row)")
+    got = got.reshape(dims)
+    slot = torch.arange(Tc, device=probe.device)
+    for b in range(B):
+        mine = got[min(b, dims[0] - 1)]  # [1 or H, Tc, Ns]
+        if torch.equal(mine, packed_overlap(probe[b, :Tc], Ns, l, ls, got.dtype).expand_as(mine)):
+            continue  # eager's arithmetic exactly: the usual case, no float64 copies
+        mine = mine.double()
+        want = packed_overlap(probe[b, :Tc], Ns, l, ls)  # [Tc, Ns] float64
+        if torch.equal(mine != 0, (want != 0).expand_as(mine)) and torch.allclose(mine, want.expand_as(mine),
+                                                                                 rtol=1e-6, atol=0):
+            continue
+        if bool((probe[b, :Tc] != slot).any()) and torch.allclose(mine, packed_overlap(slot, Ns, l, ls).expand_as(mine),
+                                                                  rtol=1e-6, atol=0):
+            raise Refused("the block map counts the slots from the row start (slot s starting at token s) instead "
+                          "of their document position pos[s]: blocks would be numbered across documents (on probe "
+                          f"positions '{name}')")
+        raise Refused(f"the block map is not overlap(s, j) / l of each slot's document position (the tokens "
+                      f"[pos[s], pos[s] + l) shares with [j*l', (j+1)*l'), over l = {l}; l' = {ls}) (on probe "
+                      f"positions '{name}')")
+
+
+def packed_classes_reason(got: torch.Tensor, probe: torch.Tensor, block: int, name: str) -> str:
+    """Why the key's classes on a packed probe are not NSA's per-document ones."""
+    B, G, S, Ns = got.shape
+    t = torch.arange(S, device=probe.device).expand(B, S)
+    on = f" (on probe positions '{name}')"
+    if torch.equal(got, packed_classes(t, G, Ns, block)):
+        return ("the key's forced (+inf) and candidate blocks are counted from the token t, not from its document "
+                f"position pos[t] (blocks would be numbered across documents){on}")
+    return (f"the key's forced (+inf) and excluded (-inf) blocks are not NSA's per document for l' = {block} "
+            f"(blocks 0, pos[t] // l', pos[t] // l' - 1 forced; j*l' > pos[t] excluded){on}")
+
+
+def verify_packed_key(probes: PackedProbes, pos: fx.Node, overlap: fx.Node, forced_fill: tuple, cand_fill: tuple,
+                      forced_outside: bool, dims: tuple, l: int, d: int, n: int) -> int:  # fmt: skip
+    """l' of a packed ranking key whose block map and forced / candidate masks follow NSA's
+    per-document rules on every probe (see the module docstring), else Refused. dims: (B, G, H, S,
+    Tc, Ns)."""
+    roots = [overlap, forced_fill[1], cand_fill[1]]
+    what = "block map and the key masks"
+    nodes = probes.nodes(roots, pos, what)
+    key = (probes.structure(nodes, pos, roots), forced_fill[2], cand_fill[2], forced_outside, dims, l, d, n)
+    if key not in probes.verdicts:
+        try:
+            probes.verdicts[key] = _verify_on_probes(probes, nodes, pos, roots, forced_fill[2], cand_fill[2],
+                                                     forced_outside, dims, l, d, n)
+        except Refused as why:
+            probes.verdicts[key] = str(why)
+    verdict = probes.verdicts[key]
+    if isinstance(verdict, str):
+        raise Refused(verdict)
+    return verdict
+
+
+def _verify_on_probes(probes, nodes, pos, roots, forced_sense, cand_sense, forced_outside, dims, l, d, n) -> int:
+    B, G, H, S, Tc, Ns = dims
+    cost = sum(value(x).numel() for x in nodes if value(x) is not None and op_name(x) not in cmp._VIEWS)
+    if cost > cmp.MAX_VERIFIED_ELEMENTS:
+        raise Refused(f"verifying the block map and the key masks takes {cost:,} elements per probe, over the cap "
+                      f"of {cmp.MAX_VERIFIED_ELEMENTS:,}: not verified at this size yet")
+    device = value(pos).device
+    shape = (B, G, S, Ns)
+
+    def classes_on(probe):
+        overlap, forced, candidate = probes.run(nodes, pos, probe, roots)
+        cls = key_classes(packed_grid(forced, forced_sense, shape, "forced-block mask"),
+                          packed_grid(candidate, cand_sense, shape, "candidate mask"), forced_outside)
+        return overlap, cls
+
+    # one document per row: the unpacked rules, and l' read from when block 1 enters
+    one = torch.arange(S, device=device).expand(B, S).contiguous()
+    overlap, cls = classes_on(one)
+    block = BlockSelection.selection_block(cls[0, 0])
+    if not torch.equal(cls, packed_classes(one, G, Ns, block)):
+        want = nsa_classes(S, Ns, block, device)
+        raise Refused(classes_reason(cls[0, 0], want, block) if not torch.equal(cls[0, 0], want) else
+                      "the key's forced and excluded blocks differ between batch rows or groups of one document each")
+    check_packed_overlap(overlap, one, H, Tc, Ns, l, block, "one document")
+    for name, probe in cmp.position_probes(B, S, l, d, device) + selection_probes(B, S, l, d, block, n, device):
+        overlap, cls = classes_on(probe)
+        if not torch.equal(cls, packed_classes(probe, G, Ns, block)):
+            raise Refused(packed_classes_reason(cls, probe, block, name))
+        check_packed_overlap(overlap, probe, H, Tc, Ns, l, block, name)
+    return block
+
+
 class BlockSelection(RewritePass):
     name = "block_selection"
     summary = "importance map + top-n sort over the compressed probabilities -> nsa.select_blocks from the lse"
 
     def apply(self, graph: fx.Graph, log: PassLog) -> None:
-        subgraphs, data = cmp.PositionSubgraphs(), cmp.data_nodes(graph)
+        subgraphs, data, probes = cmp.PositionSubgraphs(), cmp.data_nodes(graph), PackedProbes()
         config = log.config
         requested = config.block_select_backend if config else "auto"
         cmp_requested = config.compressed_backend if config else "auto"
@@ -166,7 +423,7 @@ class BlockSelection(RewritePass):
             if key is None or key.dim() != 4 or not key.is_floating_point():
                 continue  # the ascending sort of the chosen ids, or a sort of something else
             try:
-                plan = self.check(node, subgraphs, data, requested, cmp_requested)
+                plan = self.check(node, subgraphs, data, requested, cmp_requested, probes)
             except Refused as why:
                 log.refused(node, str(why))
                 continue
@@ -176,10 +433,12 @@ class BlockSelection(RewritePass):
             # with one selection block every l' >= S selects the same: say so rather than print S
             block = plan["block"] if plan["Ns"] > 1 else f">={plan['block']}"
             note = TOPK_NOTE if op_name(node) == "topk" else ""
-            log.matched(node, KERNEL.format(block=block, n=plan["n"], backend=plan["backend"], note=note, why=why))
+            packed = ", packed documents (pos)" if plan["pos"] is not None else ""
+            log.matched(node, KERNEL.format(block=block, n=plan["n"], backend=plan["backend"], packed=packed, note=note,
+                                            why=why))
 
     def check(self, ranking: fx.Node, subgraphs, data: set, requested: str = "auto",
-              cmp_requested: str = "auto") -> dict:
+              cmp_requested: str = "auto", probes: PackedProbes | None = None) -> dict:
         if not all(isinstance(size, int) for size in value(first_arg(ranking)).shape):
             raise Refused("the ranking key has symbolic sizes (dynamic shapes): not verified yet")
         B, G, S, width = value(first_arg(ranking)).shape
@@ -242,15 +501,20 @@ class BlockSelection(RewritePass):
             raise Refused(f"the importance groups {H} heads as {G} x {h}; the compressed keys have {Gk} groups")
         try:
             pooling = cmp.read_pooling(probs.k, "keys", data)
-            op = compressed_op(probs, pooling.block, pooling.stride)
-            if op is None:  # ask the pass why, for the reason
+            ops = compressed_ops(probs, pooling.block)
+            if not ops:  # ask the pass why, for the reason
                 cmp.PASS.check(softmax, subgraphs, data, cmp_requested)
                 raise Refused("disabled")
-            cmp.verify_probabilities(probs, pooling, subgraphs)  # the op exists, so this passed there
+            # the op exists, so this passed there: (l, d) and, packed, the positions of these masks
+            seen = cmp.verify_probabilities(probs, pooling, subgraphs)
+            op = next((op for op in ops if op.args[4] == seen.stride and op_positions(op) is seen.pos), None)
+            if op is None:
+                raise Refused(f"the nsa.compressed_attention op on these q and K computes blocks of another stride "
+                              f"or other positions than these probabilities (d = {seen.stride})")
         except Refused as why:
             raise Refused(f"compressed_attention did not rewrite these probabilities ({why}): no lse to select "
                           "from") from None
-        l, d = pooling.block, pooling.stride
+        l, d, pos = seen.block, seen.stride, seen.pos
         others = [u for u in p.users if u is not p_slc]
         if others:
             names = ", ".join(op_name(u) or u.op for u in others)
@@ -259,32 +523,36 @@ class BlockSelection(RewritePass):
         # forward from the sort or topk: values/indices -> first n -> > -inf filter -> ascending sort -> -1 padding
         n, tail = self.read_choice(ranking, Ns, width)
         final = tail[0]
-        # the position-only subgraphs
-        cls = key_classes(self.grid(subgraphs, forced_fill, S, Ns, "forced-block mask"),
-                          self.grid(subgraphs, cand_fill, S, Ns, "candidate mask"), forced_outside)  # [S, Ns]
-        block = self.selection_block(cls)
-        want = nsa_classes(S, Ns, block, cls.device)
-        if not torch.equal(cls, want):
-            raise Refused(classes_reason(cls, want, block))
-        got = subgraphs.evaluate(overlap, "block map")
-        expected = overlap_matrix(Tc, Ns, l, d, block, got.device)
-        if (tuple(got.shape) != (Tc, Ns) or not got.is_floating_point() or not torch.equal(got != 0, expected != 0)
-                or not torch.allclose(got.double(), expected, rtol=1e-6, atol=0)):
-            raise Refused(f"the block map is not overlap(i, j) / l (the tokens compression block i shares with "
-                          f"selection block j, over l = {l}; d = {d}, l' = {block})")
+        if pos is None:  # the position-only subgraphs: evaluated, a proof for this shape
+            cls = key_classes(self.grid(subgraphs, forced_fill, S, Ns, "forced-block mask"),
+                              self.grid(subgraphs, cand_fill, S, Ns, "candidate mask"), forced_outside)  # [S, Ns]
+            block = self.selection_block(cls)
+            want = nsa_classes(S, Ns, block, cls.device)
+            if not torch.equal(cls, want):
+                raise Refused(classes_reason(cls, want, block))
+            got = subgraphs.evaluate(overlap, "block map")
+            expected = overlap_matrix(Tc, Ns, l, d, block, got.device)
+            if (tuple(got.shape) != (Tc, Ns) or not got.is_floating_point() or not torch.equal(got != 0, expected != 0)
+                    or not torch.allclose(got.double(), expected, rtol=1e-6, atol=0)):
+                raise Refused(f"the block map is not overlap(i, j) / l (the tokens compression block i shares with "
+                              f"selection block j, over l = {l}; d = {d}, l' = {block})")
+        else:  # packed documents: the subgraphs read pos, checked on probe positions
+            block = verify_packed_key(probes or PackedProbes(), pos, overlap, forced_fill, cand_fill, forced_outside,
+                                      (B, G, H, S, Tc, Ns), l, d, n)
         order = {node: i for i, node in enumerate(ranking.graph.nodes)}
         if order[op] > order[final] and any(order[x] > order[final] for x in op.all_input_nodes):
             raise Refused("the compressed branch's V is computed after the block selection")
         lse_fake = op.meta["example_value"][1]
         fakes = (value(probs.q), value(probs.k), lse_fake, l, d, block, n)
         try:
-            backend = choose_backend(*fakes, requested)
+            backend = choose_backend(*fakes, requested, value(pos))
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(block_select_backend={requested!r}): {why}") from None
         return {"probs": probs, "op": op, "final": final, "block": block, "Ns": Ns, "n": n, "l": l, "d": d,
-                "backend": backend, "chain": tail + [ranking] + ([padded] if padded is not key else []) + chain,
+                "backend": backend, "pos": pos,
+                "chain": tail + [ranking] + ([padded] if padded is not key else []) + chain,
                 "roots": [overlap, forced_fill[1], cand_fill[1], p],
-                "why_not_triton": why_not_triton(*fakes) if requested == "auto"
+                "why_not_triton": why_not_triton(*fakes, value(pos)) if requested == "auto"
                 else f"block_select_backend={requested!r} in OptimizeConfig"}
 
     def source_files(self) -> tuple[str, ...]:
@@ -432,8 +700,9 @@ class BlockSelection(RewritePass):
         lse = next((u for u in op.users if op_name(u) == "getitem" and u.args[1] == 1), None)
         if lse is None or order.get(lse, len(order)) > order[final]:
             lse = call(graph, operator.getitem, op, 1, anchor=final)
+        packed = () if plan["pos"] is None else (plan["pos"],)
         chosen = call(graph, torch.ops.nsa.select_blocks, probs.q, probs.k, lse, plan["l"], plan["d"], plan["block"],
-                      plan["n"], probs.scale, plan["backend"], anchor=final)
+                      plan["n"], probs.scale, plan["backend"], *packed, anchor=final)
         final.replace_all_uses_with(chosen)
         # the selection chain, then what only it used: the masks, and the compressed branch's
         # probabilities and scores (the op computes o and the lse without them)

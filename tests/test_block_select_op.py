@@ -136,7 +136,7 @@ def test_test_formula_is_the_models_method():
     q = torch.randn(B, S, G * h, Dk, generator=gen, dtype=torch.float64)
     k = torch.randn(B, S, G, Dk, generator=gen, dtype=torch.float64)
     _, want = attn.compressed_attention(q, k, k)
-    k_cmp = attn.compress(k, None).transpose(1, 2)  # [B, G, Tc, Dk]
+    k_cmp = attn.compress(k, None, D).transpose(1, 2)  # [B, G, Tc, Dk]
     got, lse = eager_p_cmp(q.transpose(1, 2), k_cmp, L, D, attn.scale)
     torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
     # the lse a compressed op returns: softmax = exp(s - lse) on the visible blocks

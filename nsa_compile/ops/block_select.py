@@ -1,8 +1,9 @@
 """Block importance and selection as a custom op (NSA section 3), recomputed from the compressed
 branch's log-sum-exp, so the [B, H, S, Tc] probabilities are never stored.
 
-    block_idx = torch.ops.nsa.select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend)
-    block_idx = select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto")
+    block_idx = torch.ops.nsa.select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend,
+                                            pos=None)
+    block_idx = select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None)
 
 q [B, H, S, Dk] (normally a view of [B, S, H, Dk] memory), k [B, G, Tc, Dk]: the pooled compressed
 keys K~ (never repeated: query head j reads KV head j // (H // G)), lse [B, H, S] float32: the
@@ -19,10 +20,27 @@ Ns = ceil(S / l'):
     block_idx = the first n of a stable descending sort of key (padded to >= n columns with -inf)
                 that are > -inf, ascending, padded with -1
 
-overlap(i, j) is the number of tokens in both [i*d, i*d + l) and [j*l', j*l' + l'). Eager computes p
-as a softmax and this op as exp(s - lse): the importance differs from eager's by float32 rounding
-only, so blocks whose p_grp are within about 1e-6 (relative) of each other may be ranked the other
-way; everything else, exact ties included (ties go to the lower block index), is eager's choice.
+overlap(i, j) is the number of tokens in both [i*d, i*d + l) and [j*l', j*l' + l').
+
+Packed documents (`pos` [B, S] int64, each token's position in its document; models/nsa.py): k
+holds a slot per token, [B, G, Tc = S - l + 1 (0 when S < l), Dk], slot u pooling tokens
+[u, u + l); `cmp_stride` stays the document stride d. Everything is counted from each token's
+document start, as eager `NSAAttention.select_blocks(p_cmp, S, pos)`:
+
+    p[b, h, t, u] = exp(s - lse[b, h, t]) where slot u is visible to t: u + l - 1 <= t,
+                    u >= t - pos[t] (t's document), pos[u] % d == 0 and pos[u + l - 1] ==
+                    pos[u] + l - 1 (a block of its document), else 0
+    overlap(u, j) = tokens in both [pos[u], pos[u] + l) and [j*l', j*l' + l') (document positions)
+    forced / candidate as above with pos[t] in place of t
+
+so block ids are numbered within the query's document (block j = its tokens [j*l', (j+1)*l')),
+Ns = ceil(S / l') still, and a row that sees no slot (a document shorter than l, the first l - 1
+tokens of each) has importance 0 everywhere: its forced blocks, then its candidates ascending.
+
+Eager computes p as a softmax and this op as exp(s - lse): the importance differs from eager's by
+float32 rounding only, so blocks whose p_grp are within about 1e-6 (relative) of each other may be
+ranked the other way; everything else, exact ties included (ties go to the lower block index), is
+eager's choice.
 Importance is float32 (float64 for float64 inputs). The op is not differentiable (an int64 result).
 
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
@@ -35,10 +53,16 @@ Backends (`backend="auto"` takes the first that can run; naming one that cannot 
   so a chunk's largest tensor stays under REFERENCE_BUDGET elements). The overlap map is a sum
   over each selection block's band of compression blocks in ascending order (what a matmul with
   the [Tc, Ns] overlap matrix does, without its zeros or TF32), then the heads are summed, and the
-  ranking is eager's code (torch.sort, stable).
+  ranking is eager's code (torch.sort, stable). With pos the slots a selection block can overlap
+  are a band of l + l' - 1 document positions [j*l' - l + 1, (j + 1)*l') counted from the query's
+  document start (t - pos[t]); the chunk's probabilities are gathered at those slots in ascending
+  order (only every d-th when d divides l': the others are never blocks), so no [B, Tc, Ns] overlap
+  matrix is built. The triton backend refuses pos (no document mask).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -56,17 +80,21 @@ REFERENCE_BUDGET = 1 << 24
 _OP = "select_blocks"
 
 
-def choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, backend: str = "auto") -> str:
+def choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, backend: str = "auto",
+                   pos=None) -> str:  # fmt: skip
     """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
-    run these inputs), or for 'auto' triton where it can run on CUDA and reference elsewhere."""
-    args = (q, k, lse, cmp_block, cmp_stride, sel_block, n_selected)
+    run these inputs), or for 'auto' triton where it can run on CUDA and reference elsewhere
+    (always reference with pos: packed documents)."""
+    args = (q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos)
     return pick_backend(_OP, BACKENDS, backend,
                         cannot_run={"triton": lambda: block_select_triton.unsupported_reason(*args)},
                         preferred="triton", why_not_preferred=lambda: why_not_triton(*args))
 
 
-def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected) -> str | None:
+def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None) -> str | None:
     """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
+    if pos is not None:  # the reason on every device, not only on CUDA
+        return block_select_triton.PACKED_REASON
     return why_not_triton_on(
         q.device,
         lambda: block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected),
@@ -74,10 +102,10 @@ def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected) -> s
     )
 
 
-def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto") -> str:
+def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None) -> str:
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
-    dtypes, block sizes and backend are valid."""
-    check_gqa(_OP, q, k, rows="Tc", lse=lse)
+    dtypes, block sizes, positions and backend are valid."""
+    check_gqa(_OP, q, k, rows="Tc", lse=lse, **({} if pos is None else {"pos": pos}))
     B, H, S, _ = q.shape
     if lse.dtype != torch.float32:
         raise ValueError(f"{_OP}: lse must be a float32 tensor, got {lse.dtype}")
@@ -88,7 +116,15 @@ def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backe
         check_positive_int(_OP, name, value)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.SymFloat, torch.SymInt)):
         raise ValueError(f"{_OP}: scale must be a float, got {type(scale).__name__}")
-    return choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, backend)
+    if pos is not None:
+        if pos.dtype != torch.int64 or tuple(pos.shape) != (B, S):
+            raise ValueError(f"{_OP}: pos must be an int64 tensor of shape [B, S] = [{B}, {S}], got {pos.dtype} "
+                             f"{tuple(pos.shape)}")
+        slots = max(0, S - cmp_block + 1)
+        if k.shape[2] != slots:
+            raise ValueError(f"{_OP}: with pos, k must hold a slot per token, Tc = max(0, S - cmp_block + 1) = "
+                             f"{slots}, got {k.shape[2]}")
+    return choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, backend, pos)
 
 
 def overlap_band(Tc: int, Ns: int, cmp_block: int, cmp_stride: int, sel_block: int, device, dtype):
@@ -106,13 +142,12 @@ def overlap_band(Tc: int, Ns: int, cmp_block: int, cmp_stride: int, sel_block: i
     return i.clamp(max=max(Tc - 1, 0)), overlap.to(dtype) / l
 
 
-def rank_and_choose(p_grp: torch.Tensor, t0: int, sel_block: int, n_selected: int) -> torch.Tensor:
-    """Eager's ranking (models/nsa.py `select_blocks`) of p_grp [B, G, c, Ns] for the query rows
-    t0..t0 + c - 1: chosen blocks [B, G, c, n] int64, ascending, -1 padded."""
-    c, Ns = p_grp.shape[2], p_grp.shape[3]
-    dev = p_grp.device
-    j = torch.arange(Ns, device=dev)[None, :]
-    t = torch.arange(t0, t0 + c, device=dev)[:, None]
+def rank_and_choose(p_grp: torch.Tensor, t: torch.Tensor, sel_block: int, n_selected: int) -> torch.Tensor:
+    """Eager's ranking (models/nsa.py `select_blocks`) of p_grp [B, G, c, Ns] for query rows at
+    positions t (int64, [c, 1]: the tokens themselves, or [B, 1, c, 1]: their document positions):
+    chosen blocks [B, G, c, n] int64, ascending, -1 padded."""
+    Ns = p_grp.shape[3]
+    j = torch.arange(Ns, device=p_grp.device)[None, :]
     current = t // sel_block
     forced = (j == 0) | (j == current) | (j == current - 1)  # [c, Ns]
     candidate = j * sel_block <= t
@@ -156,19 +191,85 @@ def _reference(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_sel
             for w in range(index.shape[0]):  # ascending compression block: a matmul's order
                 p_slc += p[..., index[w]] * weight[w]
         del p
-        out[:, :, t0:t1] = rank_and_choose(p_slc.sum(2), t0, sel_block, n_selected)  # heads summed: [B, G, c, Ns]
+        t = torch.arange(t0, t1, device=q.device)[:, None]
+        out[:, :, t0:t1] = rank_and_choose(p_slc.sum(2), t, sel_block, n_selected)  # heads summed: [B, G, c, Ns]
+    return out
+
+
+def document_band(cmp_block: int, cmp_stride: int, sel_block: int, device, dtype):
+    """The packed overlap map as a band: offsets [W'] and weights [W'] with p_slc[t, j] = sum_w
+    p[t, start + j*l' + offset[w]] * weight[w] (start = t - pos[t], t's document start; w ascending
+    = slot ascending). Slot start + j*l' + o starts at document position j*l' + o and shares
+    min(o + l, l') - max(o, 0) tokens with block j, for o in [-(l - 1), l'): every slot that
+    overlaps block j. Where d divides l' only the offsets with o % d == 0 remain (a slot at another
+    document position is never a block: its probability is 0, and adding 0 changes no sum)."""
+    l, d, ls = cmp_block, cmp_stride, sel_block
+    offset = torch.arange(1 - l, ls, device=device)
+    if ls % d == 0:
+        offset = offset[offset % d == 0]
+    shared = torch.minimum(offset + l, torch.full_like(offset, ls)) - offset.clamp(min=0)
+    return offset, shared.to(dtype) / l  # eager's arithmetic: int overlap -> dtype, / l
+
+
+def _reference_packed(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int, scale: float,
+                      pos: torch.Tensor, budget: int | None = None) -> torch.Tensor:  # fmt: skip
+    B, H, S, _ = q.shape
+    G, Tc = k.shape[1], k.shape[2]
+    h = H // G
+    l, d, ls = cmp_block, cmp_stride, sel_block
+    up = upcast_dtype(q.dtype)
+    Ns = -(-S // ls)
+    out = torch.empty((B, G, S, n_selected), dtype=torch.int64, device=q.device)
+    if out.numel() == 0:
+        return out
+    offset, weight = document_band(l, d, ls, q.device, up)  # [W']
+    band = list(zip(offset.tolist(), weight))  # read once (a device sync), not per chunk
+    slot_pos = pos[:, :Tc]  # [B, Tc]: document position of each slot's first token
+    is_block = (slot_pos % d == 0) & (pos[:, l - 1 :] == slot_pos + l - 1)  # [B, Tc]: l tokens in one document
+    token = torch.arange(S, device=q.device)
+    doc_start = token - pos  # [B, S]
+    width = max(Ns, n_selected)
+    budget = budget or REFERENCE_BUDGET
+    chunk = max(1, min(S, budget // max(1, B * H * max(Tc, width))))
+    qg = q.unflatten(1, (G, h))  # [B, G, h, S, Dk]
+    kT = k.transpose(-1, -2)  # [B, G, Dk, Tc]
+    lse_g = lse.unflatten(1, (G, h))  # [B, G, h, S]
+    i = torch.arange(Tc, device=q.device)
+    j_first = torch.arange(Ns, device=q.device) * ls  # [Ns]: each selection block's first document position
+    for t0 in range(0, S, chunk):
+        t1 = min(S, t0 + chunk)
+        t = token[t0:t1, None]  # [c, 1]
+        start = doc_start[:, t0:t1, None]  # [B, c, 1]
+        visible = (i + l - 1 <= t) & (i >= start) & is_block[:, None, :]  # [B, c, Tc]
+        # the group's h heads as the rows of one matmul per (batch, group): K is read, never copied
+        s = (qg[:, :, :, t0:t1].flatten(2, 3) @ kT).unflatten(2, (h, t1 - t0)).to(up) * scale  # [B, G, h, c, Tc]
+        # where, not multiply: a row without a visible slot has lse = -inf and exp(s - lse) = inf
+        p = torch.where(visible[:, None, None], torch.exp(s - lse_g[:, :, :, t0:t1, None].to(up)), 0.0)
+        del s
+        p_slc = torch.zeros((*p.shape[:-1], Ns), dtype=up, device=q.device)  # [B, G, h, c, Ns]
+        for o, w in band if Tc else ():  # ascending slot: a matmul's order
+            slot = start + j_first + o  # [B, c, Ns]
+            inside = (slot >= 0) & (slot < Tc)  # slots past either end of the row do not exist
+            taken = torch.gather(p, 4, slot.clamp(0, max(Tc - 1, 0))[:, None, None].expand(p_slc.shape))
+            p_slc += torch.where(inside[:, None, None], taken, 0.0) * w
+        del p
+        t_doc = pos[:, None, t0:t1, None]  # [B, 1, c, 1]: forced and candidate blocks by document position
+        out[:, :, t0:t1] = rank_and_choose(p_slc.sum(2), t_doc, ls, n_selected)  # heads summed: [B, G, c, Ns]
     return out
 
 
 @torch.library.custom_op("nsa::select_blocks", mutates_args=())
 def _select_blocks_op(
     q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, cmp_block: int, cmp_stride: int, sel_block: int,
-    n_selected: int, scale: float, backend: str = "auto",
+    n_selected: int, scale: float, backend: str = "auto", pos: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """NSA block selection: q [B, H, S, Dk], pooled keys k [B, G, Tc, Dk], the compressed branch's
-    lse [B, H, S] float32 -> block_idx [B, G, S, n_selected] int64 (ascending, -1 padded), eager
-    `NSAAttention.select_blocks` recomputed without storing the probabilities."""
-    chosen = _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend)
+    lse [B, H, S] float32 (pos [B, S] int64 for packed documents) -> block_idx [B, G, S, n_selected]
+    int64 (ascending, -1 padded), eager `NSAAttention.select_blocks` recomputed without storing the
+    probabilities."""
+    chosen = _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend, pos)
+    if pos is not None:  # only the reference backend runs packed documents (_check said so)
+        return _reference_packed(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos)
     if chosen == "triton":
         return block_select_triton.select_blocks_forward(
             q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale
@@ -177,15 +278,16 @@ def _select_blocks_op(
 
 
 @_select_blocks_op.register_fake
-def _select_blocks_fake(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto"):
-    _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend)
+def _select_blocks_fake(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None):
+    _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend, pos)
     B, _, S, _ = q.shape
     return q.new_empty((B, k.shape[1], S, n_selected), dtype=torch.int64)
 
 
 def select_blocks(
     q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, cmp_block: int, cmp_stride: int, sel_block: int,
-    n_selected: int, scale: float, backend: str = "auto",
+    n_selected: int, scale: float, backend: str = "auto", pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`torch.ops.nsa.select_blocks` (see the module docstring)."""
-    return torch.ops.nsa.select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend)
+    return torch.ops.nsa.select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend,
+                                       pos=pos)

@@ -120,8 +120,15 @@ def _tiles(h: int, Dk: int, cmp_stride: int, sel_block: int, n_selected: int, fp
     return tiles
 
 
-def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected) -> str | None:
-    """Why the Triton kernel cannot run these inputs, or None when it can."""
+# Packed documents need per-document slots and block numbering the kernel does not have.
+PACKED_REASON = "packed documents (pos): the Triton kernel has no document mask"
+
+
+def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None) -> str | None:
+    """Why the Triton kernel cannot run these inputs, or None when it can (pos: packed documents,
+    which it refuses)."""
+    if pos is not None:
+        return PACKED_REASON
     if why := device_reason(q, k, lse):
         return why
     if q.dtype != k.dtype or q.dtype not in KERNEL_DTYPES:
