@@ -9,21 +9,41 @@ where `mask` [S, S] is computed from positions only (aranges, comparisons, arith
 is evaluated once at compile time and must equal the sliding window exactly: query t sees key s
 iff s <= t and t - s < w, for some w >= 1 (w >= S is plain causal attention).
 
-Becomes `torch.ops.nsa.window_attention(q, k, v, w, c, backend)[0]` on the un-repeated K/V: no
-[S, S] scores, no K/V copy (nsa_compile/ops/window.py). The backend is chosen here, from the
-fake tensors, and written into the graph: `flash` (FA-2 with a window) on CUDA in fp16/bf16 with
-equal head dims <= 256, else `reference` (memory-bounded PyTorch, exact); `explain` shows which
-and, for reference, why not flash.
+Packed documents (models/nsa.py with pos): the mask [B, 1, S, S] also reads one data tensor, the
+positions pos [B, S] int64 (each token's position in its document; in the model's graph the
+placeholder l_pos_), and must equal the window within each query's document:
+    (s <= t) & (t - s < w) & (s >= t - pos[:, :, None])          # then [:, None]
+The pass finds that tensor (the first int64 [B, S] node through which alone the mask reads
+data) and cannot evaluate the mask once for all inputs any more. It evaluates it on probe
+positions of the real [B, S] shape instead: one document per row (which gives w), documents of
+lengths 1, 2, 3, w - 1, w, w + 1, 2w + 1 and 5 in an order that differs per row, and random
+packings of a different density per row; each must give exactly the formula above, every
+element, chunk by chunk. This is a check on probes, not a proof for every pos, and it holds for
+valid positions only (0 at each document start, +1 per token, as the model's check_positions
+demands): a mask written with document ids (cumsum of pos == 0) passes, and so it should. The
+op then reads the same positions node. Identical mask subgraphs (one per layer) are checked once.
+
+Becomes `torch.ops.nsa.window_attention(q, k, v, w, c, backend[, pos])[0]` on the un-repeated
+K/V: no [S, S] scores, no K/V copy (nsa_compile/ops/window.py). The backend is chosen here, from
+the fake tensors, and written into the graph: `flash` (FA-2 with a window; with pos its varlen
+form, one sequence per document, at one host sync per call) on CUDA in fp16/bf16 with equal head
+dims <= 256, else `reference` (memory-bounded PyTorch, exact); `explain` shows which and, for
+reference, why not flash.
 
 Refuses (graph unchanged), with the reason shown by `explain`:
 - a mask that depends on data, is not [S, S] over the last two dims, is non-causal, or is not a
   window (off by one, a band that does not reach the diagonal, ...), or S beyond what is verified;
+- with positions: other data besides them, a mask that is not [B, 1, S, S] (one per row, the same
+  for all heads), or one that differs from the packed window on a probe (a document term off by
+  one, a row that ignores pos, ...; the reason names the probe and the first differing element),
+  or B * S * S beyond MAX_VERIFIED_PACKED;
 - scores, probabilities or the masked tensor used anywhere else (the dense tensor is needed);
 - q, k, v not [B, heads, S, D], or K/V heads that do not divide the query heads.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -36,7 +56,7 @@ from nsa_compile.attention_match import Refused, erase_replaced, keep_mask, only
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.rewrite import PassLog, RewritePass
 
-KERNEL = "nsa.window_attention[{backend}] (w={window}, GQA-native, no S x S tensor{why})"
+KERNEL = "nsa.window_attention[{backend}] (w={window}{docs}, GQA-native, no S x S tensor{why})"
 
 
 def single_user(node: fx.Node, what: str) -> fx.Node:
@@ -64,21 +84,31 @@ POINTWISE = {
     "logical_not", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor",
     "__and__", "__or__", "__xor__", "__invert__", "where", "to", "bool", "int", "long", "clamp",
     "clamp_min", "clamp_max", "minimum", "maximum",
+    # the same as tensor methods: PyTorch 2.11's Dynamo records `a == b` on tensors as a.__eq__(b)
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__add__", "__radd__", "__sub__", "__rsub__",
+    "__mul__", "__rmul__", "__neg__", "__floordiv__", "__mod__",
 }
 CREATIONS = {"ones": 1, "zeros": 0, "full": None, "ones_like": 1, "zeros_like": 0, "full_like": None}
 BANDS = ("tril", "triu")
 CHUNK_ELEMENTS = 2**24  # elements of one row chunk of the mask (rows = CHUNK_ELEMENTS // S)
 MAX_VERIFIED_S = 131072  # S * S = 2^34 mask elements, in chunks, on the device of the mask's code
+# A packed mask is checked on 4 probes of B * S * S elements each (plus the row that gives w):
+# 2^35 is batch 2 at S = 128k or batch 8 at S = 64k, a few seconds of chunks on a GPU per model
+# (the layers share one check).
+MAX_VERIFIED_PACKED = 2**35
 
 
-def mask_nodes(mask: fx.Node) -> list[fx.Node]:
-    """The mask's subgraph in graph order; Refused if it reads anything but positions."""
+def mask_nodes(mask: fx.Node, leaf: fx.Node | None = None) -> list[fx.Node]:
+    """The mask's subgraph in graph order (not walking into `leaf`, the packed form's positions);
+    Refused if it reads anything else but positions."""
     order, seen, stack = [], set(), [mask]
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
+        if node is leaf:
+            continue
         if node.op not in ("call_function", "call_method"):
             raise Refused(f"the mask depends on {node.op} {node.name} (data, not positions)")
         order.append(node)
@@ -95,11 +125,13 @@ def _run(node: fx.Node, args, kwargs):
     return node.target(*args, **kwargs)
 
 
-def _is_square(shape, S: int) -> bool:
-    return len(shape) >= 2 and tuple(shape[-2:]) == (S, S) and all(d == 1 for d in shape[:-2])
+def _is_square(shape, S: int, batch: int = 1) -> bool:
+    """[..., S, S] with leading dims of 1, except (packed masks, batch > 1) one of the batch size."""
+    lead = [d for d in shape[:-2] if d != 1]
+    return len(shape) >= 2 and tuple(shape[-2:]) == (S, S) and (not lead or (batch > 1 and lead == [batch]))
 
 
-def mask_rows(mask: fx.Node, S: int):
+def mask_rows(mask: fx.Node, S: int, positions: tuple[fx.Node, torch.Tensor] | None = None):
     """A function (r0, r1) -> rows r0..r1 of the mask as an [r1 - r0, S] tensor, computed for real.
 
     The mask is evaluated in row chunks so that verifying it costs O(rows * S) memory at any S,
@@ -108,28 +140,35 @@ def mask_rows(mask: fx.Node, S: int):
     [S, S] tensor must be chunkable: an element-wise op (POINTWISE), a constant fill, tril/triu
     (rows r0.. of tril(x, d) are tril(rows, d + r0)) or a view that only adds or drops leading
     size-1 dims. Anything else is refused with its name.
+
+    A packed mask reads positions: `positions` = (leaf, probe) takes the node `leaf` to be the
+    tensor `probe` [B, S]. Its nodes may then carry the batch: a small node up to 4 * B * S
+    elements, an [S, S] node one leading dim of B; the rows come as [B, r1 - r0, S].
     """
-    nodes = mask_nodes(mask)
+    leaf, probe = positions or (None, None)
+    batch = 1 if probe is None else probe.shape[0]
+    nodes = mask_nodes(mask, leaf)
     shapes = {}
     for node in nodes:
         fake = value(node)
         if fake is None:
             raise Refused(f"the mask node {node.name} has no traced value (cannot verify it)")
         shapes[node] = tuple(fake.shape)
-    small, big = {}, []
+    small, big = ({} if leaf is None else {leaf: probe}), []
     for node in nodes:
         shape = shapes[node]
         numel = 1
         for d in shape:
             numel *= int(d)
-        if numel <= 4 * S:
+        if numel <= 4 * S * batch:
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: small[n] if n in small else None)
             if any(n not in small for n in node.all_input_nodes):
                 raise Refused(f"the mask reduces an [S, S] tensor at {node.name} (not verified in chunks)")
             small[node] = _run(node, args, kwargs)
             continue
-        if not _is_square(shape, S):
-            raise Refused(f"the mask node {node.name} is {shape}, not one [S, S] pattern for all heads")
+        if not _is_square(shape, S, batch):
+            per = "" if leaf is None else " per batch row"
+            raise Refused(f"the mask node {node.name} is {shape}, not one [S, S] pattern{per} for all heads")
         name = op_name(node) or ""
         if name not in POINTWISE and name not in CREATIONS and name not in BANDS and not _is_shape_only(node):
             raise Refused(f"the mask uses {name} on an [S, S] tensor (only element-wise ops, fills, "
@@ -163,10 +202,14 @@ def mask_rows(mask: fx.Node, S: int):
                 env[node] = getattr(torch, name)(x, diagonal)
             elif name in POINTWISE:
                 env[node] = _run(node, args, kwargs)
-            else:  # a view that adds or drops leading size-1 dims
-                env[node] = args[0].reshape(shape)
-        out = env[mask] if mask in env else chunk_of(mask)
-        return torch.broadcast_to(out, shapes[mask][:-2] + (r1 - r0, S)).reshape(r1 - r0, S)
+            elif args[0].numel() == math.prod(shape):
+                env[node] = args[0].reshape(shape)  # a view that adds or drops leading size-1 dims
+            else:  # a packed mask's rows expanded over the batch
+                env[node] = torch.broadcast_to(args[0], shape)
+        out = torch.broadcast_to(env[mask] if mask in env else chunk_of(mask), shapes[mask][:-2] + (r1 - r0, S))
+        if leaf is None:
+            return out.reshape(r1 - r0, S)
+        return out.reshape(-1, r1 - r0, S).expand(batch, r1 - r0, S)  # leading dims: 1, or one of B
 
     return rows
 
@@ -191,12 +234,12 @@ def _real_device(fake: torch.Tensor) -> torch.device:
     return fake.device if fake.device.type != "meta" else torch.device("cpu")
 
 
-def window_of(rows, S: int) -> int:
-    """The w with mask == (s <= t) & (t - s < w), checked chunk by chunk over all S rows, or
-    Refused saying how it differs. `rows(r0, r1)` gives the kept (True) entries of rows r0..r1."""
-    step = max(1, CHUNK_ELEMENTS // S)
+def widest_row(rows, S: int, step: int) -> int:
+    """The most keys any query keeps, for a bool, causal mask, or Refused. `rows(r0, r1)` gives
+    the kept entries of rows r0..r1 ([r1 - r0, S], or [B, r1 - r0, S] for a packed mask), `step`
+    rows at a time."""
     w = 0
-    for r0 in range(0, S, step):  # first pass: causal, and the widest row
+    for r0 in range(0, S, step):
         r1 = min(S, r0 + step)
         keep = rows(r0, r1)
         if keep.dtype != torch.bool:
@@ -208,6 +251,14 @@ def window_of(rows, S: int) -> int:
         w = max(w, int(keep.sum(-1).max()))
     if w == 0:
         raise Refused("the mask hides every key from every query")
+    return w
+
+
+def window_of(rows, S: int) -> int:
+    """The w with mask == (s <= t) & (t - s < w), checked chunk by chunk over all S rows, or
+    Refused saying how it differs. `rows(r0, r1)` gives the kept (True) entries of rows r0..r1."""
+    step = max(1, CHUNK_ELEMENTS // S)
+    w = widest_row(rows, S, step)  # first pass: causal, and the widest row
     for r0 in range(0, S, step):  # second pass: exactly the window of that width
         r1 = min(S, r0 + step)
         keep = rows(r0, r1)
@@ -218,24 +269,193 @@ def window_of(rows, S: int) -> int:
     return w
 
 
+# --- packed documents: the mask also reads positions, checked on probes ------------------------
+
+
+def _ancestors(root: fx.Node, stop: fx.Node | None = None) -> list[fx.Node]:
+    """Every node `root` depends on (root included), not walking through `stop`."""
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            if node is not stop:
+                stack.extend(node.all_input_nodes)
+    return list(seen)
+
+
+def _is_data(node: fx.Node) -> bool:
+    return node.op not in ("call_function", "call_method")
+
+
+def positions_of(mask: fx.Node, B, S) -> fx.Node | None:
+    """The packed form's positions: the first int64 [B, S] node (graph order) through which alone
+    the mask reads data. First, so that it is the positions themselves (l_pos_, or a slice of
+    it), not a tensor the mask computes from them, such as document ids (cumsum of pos == 0),
+    that would be probed as if it held positions. None where the mask reads no data, reads no
+    such tensor, or has symbolic sizes (the unpacked path then refuses the data as it always
+    has); Refused where it reads the positions and other data too."""
+    nodes = _ancestors(mask)
+    if not isinstance(B, int) or not isinstance(S, int) or not any(_is_data(n) for n in nodes):
+        return None
+    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    tables = [n for n in nodes if (val := value(n)) is not None and val.dtype == torch.int64
+              and all(isinstance(d, int) for d in val.shape) and tuple(val.shape) == (B, S)]
+    first_data = None
+    for leaf in sorted(tables, key=order.__getitem__):
+        data = [n for n in _ancestors(mask, stop=leaf) if n is not leaf and _is_data(n)]
+        if not data:
+            return leaf
+        first_data = first_data or min(data, key=order.__getitem__)
+    if first_data is None:  # no int64 [B, S] tensor: data, as before
+        return None
+    raise Refused(f"the mask depends on {first_data.op} {first_data.name} (data other than the positions, "
+                  "an int64 [B, S] tensor)")
+
+
+def _positions(starts: torch.Tensor) -> torch.Tensor:
+    """starts [B, S] bool (True where a document begins; column 0 is forced) -> pos [B, S] int64."""
+    starts = starts.clone()
+    starts[:, 0] = True
+    t = torch.arange(starts.shape[1])
+    last_start = torch.where(starts, t, 0).cummax(dim=1).values
+    return t - last_start
+
+
+def document_probes(B: int, S: int, window: int, device) -> list[tuple[str, torch.Tensor]]:
+    """(name, pos [B, S] int64) probes: one document per row; documents of lengths 1, 2, 3,
+    w - 1, w, w + 1, 2w + 1 and 5 repeated, in an order rotated by one per row (so no two rows
+    pack alike, and documents start both on and off multiples of w); random packings whose
+    density differs per row (from a document every other token to a few per row)."""
+    t = torch.arange(S)
+    lengths = torch.tensor([n for n in (1, 2, 3, window - 1, window, window + 1, 2 * window + 1, 5) if n >= 1])
+    structured = torch.zeros(B, S, dtype=torch.bool)
+    for b in range(B):
+        ends = lengths.roll(-b).repeat(S // int(lengths.sum()) + 1).cumsum(0)
+        structured[b, ends[ends < S]] = True
+    gen = torch.Generator().manual_seed(0)
+    density = torch.tensor([0.5, 0.1, 1.0 / max(2, window), 4.0 / max(4, S)]).repeat(B // 4 + 1)[:B]
+    random = torch.rand(B, S, generator=gen) < density[:, None]
+    return [("one document per row", t.expand(B, S).contiguous().to(device)),
+            ("documents of lengths 1, 2, 3, w - 1, w, w + 1, 2w + 1, 5, per row in another order",
+             _positions(structured).to(device)),
+            ("random packings, denser in some rows", _positions(random).to(device))]
+
+
+def _packed_window(t: torch.Tensor, s: torch.Tensor, start: torch.Tensor, window: int) -> torch.Tensor:
+    """(s <= t) & (t - s < w) & (s >= start) for queries t [1, c, 1], keys s [1, 1, S] and their
+    document starts start [B, c, 1]: [B, c, S]."""
+    return (s <= t) & (t - s < window) & (s >= start)
+
+
+def _difference(keep: torch.Tensor, t: torch.Tensor, s: torch.Tensor, start: torch.Tensor, window: int) -> str:
+    """How the kept entries `keep` [B, c, S] differ from the packed window, in words: the
+    document term off by one either way (the whole chunk is that mask), else what the first
+    differing entry shows."""
+    if torch.equal(keep, _packed_window(t, s, start - 1, window)):
+        return ("the document term is off by one: a query sees the last token of the previous document "
+                "(s >= t - pos[t] - 1, not s >= t - pos[t])")
+    if torch.equal(keep, _packed_window(t, s, start + 1, window)):
+        return ("the document term is off by one: a query does not see its document's first token "
+                "(s > t - pos[t], not s >= t - pos[t])")
+    want = _packed_window(t, s, start, window)
+    b, row, key = (int(i) for i in (keep != want).nonzero()[0])
+    query, first = int(t[0, row, 0]), int(start[b, row, 0])
+    where = f" (first at batch row {b}, query {query}, key {key}, document start {first})"
+    if not bool(keep[b, row, key]):
+        return "the mask hides a key of the query's own document inside the window" + where
+    if key > query:
+        return "a query sees a later key (non-causal)" + where
+    if key < first:
+        return "a query sees a key of an earlier document" + where
+    return "a query sees a key outside the window" + where
+
+
+def check_against_probe(rows, probe: torch.Tensor, window: int, S: int, name: str) -> None:
+    """rows(r0, r1) [B, r1 - r0, S] (the kept entries with pos = probe) must be the packed window
+    (s <= t) & (t - s < w) & (s >= t - pos[t]) in every element, or Refused saying how not."""
+    B = probe.shape[0]
+    step = max(1, CHUNK_ELEMENTS // (B * S))
+    s = torch.arange(S, device=probe.device)[None, None, :]
+    for r0 in range(0, S, step):
+        r1 = min(S, r0 + step)
+        keep = rows(r0, r1)
+        if keep.dtype != torch.bool:
+            raise Refused(f"the mask is {keep.dtype}, not bool")
+        t = torch.arange(r0, r1, device=probe.device)[None, :, None]
+        start = t - probe[:, r0:r1, None]  # [B, c, 1]: the query's document start
+        if not torch.equal(keep, _packed_window(t, s, start, window)):
+            raise Refused(f"on probe positions ({name}): {_difference(keep, t, s, start, window)}")
+
+
+class _Input:
+    def __init__(self, i: int):
+        self.i = i
+
+    def __repr__(self) -> str:
+        return f"<input {self.i}>"
+
+
+def _structure(nodes: list[fx.Node], leaf: fx.Node, mask: fx.Node) -> str:
+    """What the mask computes from the positions, as text: equal texts compute the same function
+    (same ops, constants and wiring), so one check serves both (the layers of a model)."""
+    index = {leaf: 0, **{node: i + 1 for i, node in enumerate(nodes)}}
+    ops = [(n.op, n.target, fx.node.map_arg((n.args, n.kwargs), lambda x: _Input(index[x]))) for n in nodes]
+    return repr((ops, index[mask]))
+
+
+def document_window_of(mask: fx.Node, leaf: fx.Node, keep_where_true: bool, B: int, S: int,
+                       checked: dict) -> int:
+    """The w of a packed mask that reads the positions `leaf`, or Refused: its shape must put
+    one [S, S] pattern per batch row (the same for all heads), w is its widest row with one
+    document per row, and every probe of `document_probes` must give the packed window of that w
+    exactly. `checked` maps the structures already checked (this graph) to their w."""
+    shape = tuple(value(mask).shape)
+    lead = (1, 1, *shape[:-2])[-2:]  # (batch, heads) as the mask broadcasts against [B, H, S, S]
+    if len(shape) > 4 or lead[1] != 1 or lead[0] not in (1, B):
+        raise Refused(f"the mask is {list(shape)}: with positions it must be [B, 1, S, S] (one pattern per "
+                      "batch row, the same for all heads)")
+    if B * S * S > MAX_VERIFIED_PACKED:
+        raise Refused(f"B * S * S = {B * S * S:,} mask elements per probe, over the cap of {MAX_VERIFIED_PACKED:,}: "
+                      "the packed mask is not verified at this size yet")
+    key = (_structure(mask_nodes(mask, leaf), leaf, mask), B, S, keep_where_true)
+    if key in checked:
+        return checked[key]
+    device = _real_device(value(leaf))
+
+    def kept_rows(probe):
+        rows = mask_rows(mask, S, (leaf, probe))
+        return rows if keep_where_true else (lambda r0, r1: ~rows(r0, r1))
+
+    # w: the widest row with one document per row; then every probe (that one too) exactly
+    window = widest_row(kept_rows(torch.arange(S, device=device).repeat(B, 1)), S,
+                        max(1, CHUNK_ELEMENTS // (B * S)))
+    for name, probe in document_probes(B, S, window, device):
+        check_against_probe(kept_rows(probe), probe, window, S, name)
+    checked[key] = window
+    return window
+
+
 class WindowAttention(RewritePass):
     name = "window_attention"
     summary = "masked dense sliding-window (or causal) attention -> nsa.window_attention, no S x S tensor"
 
     def apply(self, graph: fx.Graph, log: PassLog) -> None:
+        checked = {}  # packed masks already checked on probes in this graph -> their w
         for softmax in list(graph.nodes):
             if op_name(softmax) != "softmax" or softmax.graph is not graph:
                 continue
             try:
-                plan = self.check(softmax, log.config.window_backend if log.config else "auto")
+                plan = self.check(softmax, log.config.window_backend if log.config else "auto", checked)
             except Refused as why:
                 log.refused(softmax, str(why))
                 continue
             self.rewrite(graph, softmax, plan)
             why = f"; not flash: {plan['why_not_flash']}" if plan["backend"] != "flash" else ""
-            log.matched(softmax, KERNEL.format(window=plan["window"], backend=plan["backend"], why=why))
+            docs = "" if plan["pos"] is None else ", per document (pos)"
+            log.matched(softmax, KERNEL.format(window=plan["window"], docs=docs, backend=plan["backend"], why=why))
 
-    def check(self, softmax: fx.Node, requested: str = "auto") -> dict:
+    def check(self, softmax: fx.Node, requested: str = "auto", checked: dict | None = None) -> dict:
         probs = value(softmax)
         dim = arg(softmax, 1, "dim")
         if probs is None or probs.dim() != 4 or dim is None or dim % 4 != 3:
@@ -282,21 +502,26 @@ class WindowAttention(RewritePass):
             raise Refused(f"K/V heads {kv.shape[1]} (x{h_k}) and {vv.shape[1]} (x{h_v}) do not serve {H} query heads")
         if S > MAX_VERIFIED_S:
             raise Refused(f"S = {S} > {MAX_VERIFIED_S}: the mask is not verified at this length yet")
-        chunk = mask_rows(mask, S)
-        window = window_of(chunk if keep_where_true else (lambda r0, r1: ~chunk(r0, r1)), S)
+        pos = positions_of(mask, B, S)
+        if pos is None:  # positions only: evaluated once, every element (a proof for this S)
+            chunk = mask_rows(mask, S)
+            window = window_of(chunk if keep_where_true else (lambda r0, r1: ~chunk(r0, r1)), S)
+        else:  # packed documents: checked on probe positions
+            window = document_window_of(mask, pos, keep_where_true, B, S, {} if checked is None else checked)
         try:  # from the fake tensors: device, dtype, head dims
-            backend = choose_backend(qv, kv, vv, requested)
+            backend = choose_backend(qv, kv, vv, requested, value(pos))
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(window_backend={requested!r}): {why}") from None
-        return {"q": q, "k": k, "v": v, "window": window, "scale": scale, "pv": pv, "backend": backend,
+        return {"q": q, "k": k, "v": v, "window": window, "scale": scale, "pv": pv, "backend": backend, "pos": pos,
                 "why_not_flash": flash.unsupported_reason(qv, kv, vv) if requested == "auto"
                 else f"window_backend={requested!r} in OptimizeConfig",
                 "chain": [pv, cast, softmax, masked, scaled, raw, qk, kt], "mask": mask}
 
     def rewrite(self, graph: fx.Graph, softmax: fx.Node, plan: dict) -> None:
         pv = plan["pv"]
+        packed = () if plan["pos"] is None else (plan["pos"],)  # without pos, the call as it always was
         both = call(graph, torch.ops.nsa.window_attention, plan["q"], plan["k"], plan["v"], plan["window"],
-                    plan["scale"], plan["backend"], anchor=pv)
+                    plan["scale"], plan["backend"], *packed, anchor=pv)
         out = call(graph, operator.getitem, both, 0, anchor=pv)  # o; the log-sum-exp is for the backward
         pv.replace_all_uses_with(out)
         # erase the dense chain, then whatever only it used (the K/V copies, the mask arithmetic)

@@ -1,7 +1,7 @@
 """Sliding-window causal attention with GQA as a functional custom op (NSA section 4).
 
-    o, lse = torch.ops.nsa.window_attention(q, k, v, window, scale, backend)
-    o = window_attention(q, k, v, window, scale, backend="auto")      # the output only
+    o, lse = torch.ops.nsa.window_attention(q, k, v, window, scale, backend, pos)
+    o = window_attention(q, k, v, window, scale, backend="auto", pos=None)      # the output only
 
 q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv] with H = G * h: query head j reads KV head
 j // h (GQA-native: K and V are never repeated). Query t attends to keys s with s <= t and
@@ -13,24 +13,39 @@ scaled scores. The eager model's arithmetic (`NSAAttention.window_attention`, mo
     p = softmax(scores.masked_fill(~in_window, -inf), dim=-1)
     o = p.to(v.dtype) @ v
 
+Packed documents (NSA_SEMANTICS.md section 6): pos [B, S] int64 (None: one document per row) is
+each token's position in its own document (0 at a document start), the tensor the eager model
+takes. Query t then also needs s >= t - pos[t]: it sees only keys of its own document (the eager
+`window_attention(..., pos)` of models/nsa.py, whose mask is [B, 1, S, S]).
+
 Backward is a second op, `nsa::window_attention_backward(grad_o, q, k, v, o, lse, window,
-scale, backend) -> (dq, dk, dv)`, with dk and dv summed over each group's h query heads.
+scale, backend, pos) -> (dq, dk, dv)`, with dk and dv summed over each group's h query heads;
+pos gets no gradient.
 
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
 - `flash`: FlashAttention-2 with a window (left w - 1, right 0), GQA-native, through PyTorch's
   own kernels (nsa_compile/ops/flash.py): CUDA, fp16/bf16, Dk == Dv <= 256. Scores are
   accumulated in fp32 (eager rounds q @ k^T to fp16/bf16 first): closer to the exact result.
+  With pos it runs FA-2's varlen form with one sequence per document (`flash.document_seqlens`:
+  cut at every row start and every pos == 0). FA-2 needs the number of documents and the
+  longest one on the host, so each call (forward, and again backward) reads them back from the
+  device: one host sync per call, and not capturable in a CUDA graph. It also checks there that
+  pos counts up by one within each document (ValueError otherwise), the condition under which
+  its sequences are exactly the eager mask term.
 - `reference` (every device and dtype): PyTorch, chunked over query rows, the eager arithmetic
   step for step. A chunk of C queries [t0, t1) reads only the keys [t0 - window + 1, t1), so
-  memory is O(B * H * C * (C + window)) and no [S, S] tensor is built. The group's h heads are
-  folded into the rows of one matmul per (batch, group), so K and V are read once per group.
-  The backward recomputes each chunk's probabilities and applies the formulas autograd applies
-  to the eager graph (written out, see `_reference_backward`).
+  memory is O(B * H * C * (C + window)) and no [S, S] tensor is built (with pos, the document
+  mask is made per chunk too: [B, C, C + window - 1]). The group's h heads are folded into the
+  rows of one matmul per (batch, group), so K and V are read once per group. The backward
+  recomputes each chunk's probabilities and applies the formulas autograd applies to the eager
+  graph (written out, see `_reference_backward`). It takes any pos, valid or not, as the eager
+  formula does (no sync: its values are never read back).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -48,17 +63,24 @@ BACKENDS = ("auto", "flash", "reference")
 REFERENCE_CHUNK = 128
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, backend: str) -> str:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, backend: str,
+           pos: torch.Tensor | None = None) -> str:
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
-    dtypes, window and backend are valid."""
-    check_qkv("window_attention", q, k, v)
+    dtypes, window, positions and backend are valid."""
+    check_qkv("window_attention", q, k, v, **({} if pos is None else {"pos": pos}))
     check_positive_int("window_attention", "window", window, " (the query itself)")
-    return choose_backend(q, k, v, backend)
+    B, S = q.shape[0], q.shape[2]
+    if pos is not None and (pos.dtype != torch.int64 or tuple(pos.shape) != (B, S)):
+        raise ValueError(f"window_attention: pos must be an int64 tensor of shape [B, S] = [{B}, {S}] "
+                         f"(each token's position in its document), got {pos.dtype} {tuple(pos.shape)}")
+    return choose_backend(q, k, v, backend, pos)
 
 
-def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> str:
+def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto",
+                   pos: torch.Tensor | None = None) -> str:
     """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
-    run these inputs), or for 'auto' flash where it can run and reference elsewhere."""
+    run these inputs), or for 'auto' flash where it can run and reference elsewhere. Packed
+    documents (pos) never rule flash out: it takes them as its varlen sequences."""
     why_not_flash = functools.partial(flash.unsupported_reason, q, k, v)
     return pick_backend("window_attention", BACKENDS, backend, cannot_run={"flash": why_not_flash},
                         preferred="flash", why_not_preferred=why_not_flash)
@@ -71,18 +93,21 @@ def _chunk_bounds(S: int, window: int, chunk: int):
         yield t0, t1, max(0, t0 - window + 1)
 
 
-def _chunk_probs(qc, kc, t0, t1, s0, window, scale):
+def _chunk_probs(qc, kc, t0, t1, s0, window, scale, pos=None):
     """Softmax probabilities of one chunk, the eager way.
 
     qc [B, G, h * c, Dk] (rows ordered head-major: row i*c + r is head i, query t0 + r),
-    kc [B, G, L, Dk] for keys [s0, t1). Returns p [B, G, h * c, L] in the upcast dtype and the
-    window mask [c, L] (True = attended).
+    kc [B, G, L, Dk] for keys [s0, t1). Returns p [B, G, h * c, L] in the upcast dtype, the
+    mask (True = attended) as it broadcasts over [B, G, h, c, L] ([c, L], or [B, 1, 1, c, L]
+    with pos) and the rows' log-sum-exp.
     """
     B, G, hc, _ = qc.shape
     c, L = t1 - t0, t1 - s0
     t = torch.arange(t0, t1, device=qc.device)[:, None]
     s = torch.arange(s0, t1, device=qc.device)[None, :]
     in_window = (s <= t) & (t - s < window)  # [c, L]
+    if pos is not None:  # and the query's own document: keys from its start t - pos[t] on
+        in_window = (in_window & (s >= t - pos[:, t0:t1, None]))[:, None, None]  # [B, 1, 1, c, L]
     scores = (qc @ kc.transpose(-1, -2)).to(upcast_dtype(qc.dtype)) * scale  # [B, G, h*c, L]
     scores = scores.view(B, G, hc // c, c, L).masked_fill(~in_window, float("-inf"))
     p = torch.softmax(scores, dim=-1).view(B, G, hc, L)
@@ -95,21 +120,21 @@ def _rows(x: torch.Tensor, G: int, t0: int, t1: int) -> torch.Tensor:
     return x.unflatten(1, (G, H // G))[:, :, :, t0:t1].reshape(B, G, (H // G) * (t1 - t0), D)
 
 
-def _reference_forward(q, k, v, window: int, scale: float, chunk: int | None = None):
+def _reference_forward(q, k, v, window: int, scale: float, chunk: int | None = None, pos=None):
     """o [B, H, S, Dv] (in [B, S, H, Dv] memory) and lse [B, H, S] in float32."""
     B, H, S, _ = q.shape
     G, Dv = k.shape[1], v.shape[3]
     chunk = chunk or REFERENCE_CHUNK
     out, lse = empty_attention_outputs(q, v)
     for t0, t1, s0 in _chunk_bounds(S, window, chunk):
-        p, _, row_lse = _chunk_probs(_rows(q, G, t0, t1), k[:, :, s0:t1], t0, t1, s0, window, scale)
+        p, _, row_lse = _chunk_probs(_rows(q, G, t0, t1), k[:, :, s0:t1], t0, t1, s0, window, scale, pos)
         o = p.to(v.dtype) @ v[:, :, s0:t1]  # [B, G, h*c, Dv]
         out[:, :, t0:t1] = o.view(B, H, t1 - t0, Dv)
         lse[:, :, t0:t1] = row_lse.view(B, H, t1 - t0)
     return out, lse
 
 
-def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int | None = None):
+def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int | None = None, pos=None):
     """dq, dk, dv by recomputing each chunk and applying autograd's formulas for the eager graph.
 
     Autograd itself cannot run here: a custom op's kernel runs with the autograd dispatch keys
@@ -137,7 +162,7 @@ def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int |
         c, L = t1 - t0, t1 - s0
         qc, kc, vc = _rows(q, G, t0, t1), k[:, :, s0:t1], v[:, :, s0:t1]
         g = _rows(grad_o, G, t0, t1).to(v.dtype)  # [B, G, h*c, Dv]
-        p, in_window, _ = _chunk_probs(qc, kc, t0, t1, s0, window, scale)  # [B, G, h*c, L]
+        p, in_window, _ = _chunk_probs(qc, kc, t0, t1, s0, window, scale, pos)  # [B, G, h*c, L]
         pv = p.to(v.dtype)
         dv[:, :, s0:t1] += pv.transpose(-1, -2) @ g  # [B, G, L, Dv]
         dp = (g @ vc.transpose(-1, -2)).to(up)  # [B, G, h*c, L]
@@ -149,36 +174,49 @@ def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int |
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _documents(pos: torch.Tensor | None) -> dict:
+    """flash's sequence arguments: one per document with pos (one host sync), else one per row."""
+    if pos is None:
+        return {}
+    try:
+        cu_seqlens, max_seqlen = flash.document_seqlens(pos)
+    except ValueError as why:
+        raise ValueError(f"window_attention: backend 'flash': {why}") from None
+    return {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+
+
 @torch.library.custom_op("nsa::window_attention", mutates_args=())
 def _window_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, backend: str = "auto"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, backend: str = "auto",
+    pos: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sliding-window causal GQA attention: q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv]
     -> o [B, H, S, Dv] in v's dtype and lse [B, H, S] float32. Query t sees keys
-    max(0, t - window + 1)..t; query head j reads KV head j // (H // G)."""
-    if _check(q, k, v, window, scale, backend) == "flash":
-        return flash.flash_forward(q, k, v, scale, window)
-    return _reference_forward(q, k, v, window, scale)
+    max(0, t - window + 1)..t (and with pos [B, S], only those >= its document start t - pos[t]);
+    query head j reads KV head j // (H // G)."""
+    if _check(q, k, v, window, scale, backend, pos) == "flash":
+        return flash.flash_forward(q, k, v, scale, window, **_documents(pos))
+    return _reference_forward(q, k, v, window, scale, pos=pos)
 
 
 @_window_attention_op.register_fake
-def _window_attention_fake(q, k, v, window, scale, backend="auto"):
-    _check(q, k, v, window, scale, backend)
+def _window_attention_fake(q, k, v, window, scale, backend="auto", pos=None):
+    _check(q, k, v, window, scale, backend, pos)
     return empty_attention_outputs(q, v)
 
 
 @torch.library.custom_op("nsa::window_attention_backward", mutates_args=())
 def window_attention_backward(
     grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    window: int, scale: float, backend: str = "auto",
+    window: int, scale: float, backend: str = "auto", pos: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `window_attention`: grad_o [B, H, S, Dv] -> dq [B, H, S, Dk] (q's dtype),
     dk [B, G, S, Dk] (k's dtype), dv [B, G, S, Dv] (v's dtype). o and lse are the forward's."""
-    chosen = _check(q, k, v, window, scale, backend)
+    chosen = _check(q, k, v, window, scale, backend, pos)
     _check_grad(grad_o, q, v)
     if chosen == "flash":
-        return flash.flash_backward(grad_o, q, k, v, o, lse, scale, window)
-    return _reference_backward(grad_o, q, k, v, window, scale)
+        return flash.flash_backward(grad_o, q, k, v, o, lse, scale, window, **_documents(pos))
+    return _reference_backward(grad_o, q, k, v, window, scale, pos=pos)
 
 
 def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
@@ -186,31 +224,39 @@ def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
 
 
 @window_attention_backward.register_fake
-def _window_attention_backward_fake(grad_o, q, k, v, o, lse, window, scale, backend="auto"):
-    _check(q, k, v, window, scale, backend)
+def _window_attention_backward_fake(grad_o, q, k, v, o, lse, window, scale, backend="auto", pos=None):
+    _check(q, k, v, window, scale, backend, pos)
     _check_grad(grad_o, q, v)
     return empty_attention_grads(q, k, v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, window, scale, *backend = inputs
+    q, k, v, window, scale, *rest = inputs
+    backend = rest[0] if rest else "auto"
+    pos = rest[1] if len(rest) > 1 else None
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.window, ctx.scale, ctx.backend = window, scale, (backend or ["auto"])[0]
+    ctx.save_for_backward(q, k, v, o, lse, pos)
+    ctx.window, ctx.scale, ctx.backend = window, scale, backend
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_o, _grad_lse):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.nsa.window_attention_backward(grad_o, q, k, v, o, lse, ctx.window, ctx.scale, ctx.backend)
-    return dq, dk, dv, None, None, None
+    q, k, v, o, lse, pos = ctx.saved_tensors
+    # without pos, the call (and so the backward graph) stays as it was before pos existed
+    packed = () if pos is None else (pos,)
+    dq, dk, dv = torch.ops.nsa.window_attention_backward(grad_o, q, k, v, o, lse, ctx.window, ctx.scale,
+                                                         ctx.backend, *packed)
+    return dq, dk, dv, None, None, None, None
 
 
 _window_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def window_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, backend: str = "auto"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, backend: str = "auto",
+    pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The output o of `torch.ops.nsa.window_attention` (see the module docstring)."""
-    return torch.ops.nsa.window_attention(q, k, v, window, scale, backend)[0]
+    if pos is None:
+        return torch.ops.nsa.window_attention(q, k, v, window, scale, backend)[0]
+    return torch.ops.nsa.window_attention(q, k, v, window, scale, backend, pos)[0]
