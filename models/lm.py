@@ -63,8 +63,8 @@ class TinyLM(nn.Module):
                 check_positions(pos, S)
             cos, sin = cos[pos], sin[pos]  # [B, S, r/2]: RoPE at each token's document position
         x = self.embed(tokens)  # [B, S, dim]
-        for block in self.blocks:
-            x = block(x, cos, sin, pos)
+        for block in self.blocks:  # pos only when packed: a user's wrapper of a block may take 3 inputs
+            x = block(x, cos, sin) if pos is None else block(x, cos, sin, pos)
         return self.head(self.norm(x))
 
     def loss(self, tokens: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:

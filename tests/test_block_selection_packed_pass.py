@@ -262,14 +262,16 @@ def test_near_misses_are_refused_and_the_compressed_pass_still_fires(change, rea
 
 # --- GPU (tools/gpu_check.sh runs these on the H100) ----------------------------------------------
 
-# per row: documents longer than n * l' = 1024 (the ranking decides), short ones, off the boundaries
-GPU_PACKINGS = [[1500, 300, 17, 231], [37, 2011], [2048], [64, 1000, 1, 983]]
+# a document longer than n * l' = 1024 (the ranking decides), short ones, off the boundaries; B 2,
+# S 1100: the float64 eager oracle gathers [B, H, S, n*l', D] K/V (2 x 7 GB here; at B 4, S 2048
+# it ran out of an H200's memory)
+GPU_PACKINGS = [[900, 17, 183], [37, 1063]]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_seed_layers_packed_fire_with_parity(dtype):
-    """Two seed-config layers at S = 2048 with packed documents: both passes fire on every layer and
+    """Two seed-config layers at S = 1100 with packed documents: both passes fire on every layer and
     the optimized model's outputs and gradients are within eager's own error of float64."""
     torch.manual_seed(0)
     eager = build_model("seed", n_layers=2).cuda()
@@ -280,7 +282,7 @@ def test_gpu_seed_layers_packed_fire_with_parity(dtype):
         kept.append(optimize_fresh(m))
         return kept[-1]
 
-    report = check_parity(eager, optimize, (tokens(4, 2048, seed=4)[:, :-1].cuda(), pos), dtype, is_lm=False)
+    report = check_parity(eager, optimize, (tokens(2, 1100, seed=4)[:, :-1].cuda(), pos), dtype, is_lm=False)
     assert report.ok, [r.as_dict() for r in report.failures()]
     for name in (CMP, SEL):
         r = row(kept[0], name)
