@@ -1,6 +1,7 @@
 """What the attention passes share when they read eager attention code in a Dynamo graph: the
-refusal exception, the single-use check, the upcast / GQA-repeat / -inf-mask readers, and the
-clean-up after a subgraph is replaced."""
+refusal exception, the single-use check, the upcast / GQA-repeat / -inf-mask readers, the
+ancestor walk and the node-by-node evaluation that masks and index arithmetic are verified by,
+and the clean-up after a subgraph is replaced."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from torch import fx
 
 from .fx import arg, op_name, value
 
-__all__ = ["Refused", "erase_replaced", "keep_mask", "only_user", "strip_upcast", "unrepeat"]
+__all__ = ["Refused", "ancestors", "erase_replaced", "evaluate_node", "keep_mask", "only_user", "strip_upcast",
+           "unrepeat"]
 
 
 class Refused(Exception):
@@ -61,6 +63,36 @@ def keep_mask(masked: fx.Node, scores: fx.Node) -> tuple[fx.Node, bool]:
             raise Refused("torch.where keeps the scores by a constant condition")
         return masked.args[0], True
     raise Refused(f"the softmax input is {name}, not masked scores")
+
+
+def ancestors(roots: list[fx.Node], stop: fx.Node | None = None) -> set[fx.Node]:
+    """Every node the roots depend on (roots included), not walking through `stop`."""
+    seen, stack = set(), list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node is not stop:
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def evaluate_node(node: fx.Node, env: dict, what: str):
+    """The value of `node` (a call of a subgraph being verified at compile time) from the values
+    of its inputs in `env`. The user's code failing on the values it is run on (positions or probe
+    values it may not expect) refuses the rewrite, naming `what` ("the token ids and the mask on
+    probe block ids") and the node; running out of memory is raised: it says nothing of the code."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+    try:
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return node.target(*args, **kwargs)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        raise Refused(f"evaluating {what} failed at {node.name} ({type(error).__name__}: {first_line})") from None
 
 
 def erase_replaced(graph: fx.Graph, chain: list, roots: list[fx.Node]) -> None:

@@ -75,7 +75,7 @@ import torch
 import torch.fx as fx
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
-from nsa_compile.attention_match import Refused, erase_replaced, only_user
+from nsa_compile.attention_match import Refused, erase_replaced, evaluate_node, only_user
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.block_select import choose_backend, why_not_triton
 from nsa_compile.rewrite import PassLog, RewritePass
@@ -282,19 +282,7 @@ class PackedProbes:
         env = {pos: probe}
         last_use = {x: i for i, node in enumerate(nodes) for x in node.all_input_nodes}
         for i, node in enumerate(nodes):
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-            try:
-                if node.op == "call_method":
-                    env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
-                else:
-                    env[node] = node.target(*args, **kwargs)
-            except torch.OutOfMemoryError:  # not a property of the user's code: never a refusal
-                raise
-            except Exception as error:  # the user's code, run on positions it may not expect
-                first_line = str(error).splitlines()[0] if str(error) else ""
-                raise Refused(f"evaluating the block map and the key masks on probe positions failed at {node.name} "
-                              f"({type(error).__name__}: {first_line})") from None
-            del args, kwargs
+            env[node] = evaluate_node(node, env, "the block map and the key masks on probe positions")
             for x in node.all_input_nodes:  # free what no later node reads
                 if last_use[x] == i and x not in roots and x is not pos:
                     env.pop(x, None)

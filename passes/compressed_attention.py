@@ -74,7 +74,9 @@ import torch
 import torch.fx as fx
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
-from nsa_compile.attention_match import Refused, erase_replaced, only_user, strip_upcast, unrepeat
+from nsa_compile.attention_match import (
+    Refused, ancestors, erase_replaced, evaluate_node, only_user, strip_upcast, unrepeat,
+)
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.ops.compressed import choose_backend, why_not_triton
@@ -236,20 +238,8 @@ class PositionSubgraphs:
             if node in inputs:
                 env[node] = inputs[node]
                 continue
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-            try:
-                if node.op == "call_method":
-                    env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
-                else:
-                    env[node] = node.target(*args, **kwargs)
-            except torch.OutOfMemoryError:  # not a property of the user's code: never a refusal
-                raise
-            except Exception as error:  # the user's code, run at compile time
-                first_line = str(error).splitlines()[0] if str(error) else ""
-                on = f" on probe positions '{probe}'" if probe else ""
-                raise Refused(f"evaluating the {what}{on} failed at {node.name} ({type(error).__name__}: "
-                              f"{first_line})") from None
-            del args, kwargs
+            on = f" on probe positions '{probe}'" if probe else ""
+            env[node] = evaluate_node(node, env, f"the {what}{on}")
             for x in node.all_input_nodes:  # free what no later node reads (S x Tc tensors at long S)
                 if last_use[x] == i:
                     env.pop(x, None)
@@ -677,19 +667,6 @@ def check_row_masks(probs: Probabilities, grid, visible: torch.Tensor, empty_row
 
 
 # --- packed documents: positions, probes, the packed visibility ---------------------------------
-
-
-def ancestors(roots: list[fx.Node], stop: fx.Node | None = None) -> set[fx.Node]:
-    """Every node the roots depend on (roots included), not walking through `stop`."""
-    seen, stack = set(), list(roots)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node is not stop:
-            stack.extend(node.all_input_nodes)
-    return seen
 
 
 def positions_input(roots: list[fx.Node], B: int, S: int) -> fx.Node | None:

@@ -67,7 +67,9 @@ import torch
 import torch.fx as fx
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
-from nsa_compile.attention_match import Refused, erase_replaced, keep_mask, only_user, strip_upcast, unrepeat
+from nsa_compile.attention_match import (
+    Refused, ancestors, erase_replaced, evaluate_node, keep_mask, only_user, strip_upcast, unrepeat,
+)
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.ops.selection import choose_backend, why_not_triton
@@ -192,19 +194,6 @@ def gathered(sel: fx.Node, what: str, B: int, G: int, S: int, T: int) -> tuple[f
     return src, index, [sel, g]
 
 
-def ancestors(roots: list[fx.Node], stop: fx.Node | None = None) -> list[fx.Node]:
-    """Every node the roots depend on (roots included), not walking through `stop`."""
-    seen, stack = set(), list(roots)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node is not stop:
-            stack.extend(node.all_input_nodes)
-    return list(seen)
-
-
 def is_positions(node: fx.Node, B: int, S: int) -> bool:
     """node may be the document positions pos: an int64 [B, S] tensor."""
     val = value(node)
@@ -299,18 +288,7 @@ def evaluate(nodes: list[fx.Node], leaves: dict, roots: list[fx.Node]) -> list:
             last_use[x] = i
     keep = set(roots)
     for i, node in enumerate(nodes):
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-        try:
-            if node.op == "call_method":
-                env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
-            else:
-                env[node] = node.target(*args, **kwargs)
-        except torch.OutOfMemoryError:  # not a property of the user's code: never a refusal
-            raise
-        except Exception as error:  # the user's code, run on block ids it may not expect
-            raise Refused(f"evaluating the token ids and the mask on probe block ids failed at {node.name} "
-                          f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
-        del args, kwargs
+        env[node] = evaluate_node(node, env, "the token ids and the mask on probe block ids")
         for x in node.all_input_nodes:
             if last_use[x] == i and x not in keep and x not in leaves:
                 del env[x]

@@ -52,7 +52,7 @@ import torch.fx as fx
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.ops import flash
 from nsa_compile.ops.window import choose_backend
-from nsa_compile.attention_match import Refused, erase_replaced, keep_mask, only_user, strip_upcast, unrepeat
+from nsa_compile.attention_match import Refused, ancestors, erase_replaced, keep_mask, only_user, strip_upcast, unrepeat
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.rewrite import PassLog, RewritePass
 
@@ -272,18 +272,6 @@ def window_of(rows, S: int) -> int:
 # --- packed documents: the mask also reads positions, checked on probes ------------------------
 
 
-def _ancestors(root: fx.Node, stop: fx.Node | None = None) -> list[fx.Node]:
-    """Every node `root` depends on (root included), not walking through `stop`."""
-    seen, stack = set(), [root]
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            if node is not stop:
-                stack.extend(node.all_input_nodes)
-    return list(seen)
-
-
 def _is_data(node: fx.Node) -> bool:
     return node.op not in ("call_function", "call_method")
 
@@ -295,7 +283,7 @@ def positions_of(mask: fx.Node, B, S) -> fx.Node | None:
     that would be probed as if it held positions. None where the mask reads no data, reads no
     such tensor, or has symbolic sizes (the unpacked path then refuses the data as it always
     has); Refused where it reads the positions and other data too."""
-    nodes = _ancestors(mask)
+    nodes = ancestors([mask])
     if not isinstance(B, int) or not isinstance(S, int) or not any(_is_data(n) for n in nodes):
         return None
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
@@ -303,7 +291,7 @@ def positions_of(mask: fx.Node, B, S) -> fx.Node | None:
               and all(isinstance(d, int) for d in val.shape) and tuple(val.shape) == (B, S)]
     first_data = None
     for leaf in sorted(tables, key=order.__getitem__):
-        data = [n for n in _ancestors(mask, stop=leaf) if n is not leaf and _is_data(n)]
+        data = [n for n in ancestors([mask], stop=leaf) if n is not leaf and _is_data(n)]
         if not data:
             return leaf
         first_data = first_data or min(data, key=order.__getitem__)
