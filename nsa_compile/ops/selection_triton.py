@@ -33,7 +33,7 @@ Kernels (tile sizes from `_tiles`):
   blocks its query did not choose (tested against the query's own list, held in registers; a
   block listed twice counts twice, as weight 2) and tokens after its query. The union comes
   from `_tile_union` (torch ops, no sort, no host sync); with TQ = 1 the query's own list is
-  read directly (no union). One flat loop runs over the (union block, chunk) pairs with no
+  read directly, slot by slot, with no membership test (a repeated id is met twice). One flat loop runs over the (union block, chunk) pairs with no
   data-dependent `if` around the K/V loads, so Triton's pipeliner prefetches the next pair
   during this one's compute (num_stages). The running max starts at a finite floor (-1e30), so
   a chunk fully masked for a row leaves its state unchanged (alpha = 1, p = 0) instead of
@@ -133,18 +133,15 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, overri
     # forward / dq: a tile of TQ consecutive queries, its TQ * h (query, head) pairs as ROWS-row
     # MMA tiles; small groups fill the rows with more queries (h 6: 10 queries in 64 rows)
     # (h 16, the paper's: one query, 16 rows). A tile reads the union of its queries' blocks, at
-    # most all ceil(S / l') of them: while those are few (<= 4 n) large tiles read each block once
-    # for many queries; past that, consecutive queries may share few blocks (random choices share
-    # only the 3 forced ones) and a small tile only fills the MMA rows that h leaves idle.
-    # Measured on an H200 (tools/profile_selection.py, bench_selection.py, random choices,
-    # 2026-11-26): seed 2k batch 32 fwd+bwd 5.59 ms at TQ 10 vs 12.79 per query; seed 16k fwd
-    # 1.23 ms at TQ 2 / 16 rows vs 1.28 at TQ 10 and 1.56 at TQ 1; paper 64k fwd 19.6 ms at TQ 1
-    # vs 45.6 at TQ 4.
+    # most all ceil(S / l') of them: while those are few (<= 4 n) a large tile reads each block
+    # once for many queries; past that, consecutive queries may share few blocks (random choices
+    # share only the 3 forced ones) and building the union costs more than it saves, so one query
+    # per program. Measured on an H200 (tools/bench_selection.py, random choices, fwd+bwd,
+    # 2026-11-26): seed 2k batch 32: 5.27 ms at TQ 10 vs 12.70 per query; seed 64k: 16.64 ms at
+    # TQ 2 (union included) vs 12.97 per query; paper 64k fwd kernel 19.6 ms at TQ 1 vs 45.6 at TQ 4.
     few_blocks = _cdiv(seq_len, block_size) <= 4 * n_selected
-    rows = 64 if few_blocks else 16
-    tq = max(1, rows // h) if h < 16 and D_P <= 128 else 1
-    if tq == 1:
-        rows = max(16, min(_next_pow2(h), 32 if D_P <= 128 else 16))
+    tq = 64 // h if few_blocks and h < 16 and D_P <= 128 else 1
+    rows = 64 if tq > 1 else max(16, min(_next_pow2(h), 32 if D_P <= 128 else 16))
 
     def block_n(cap: int) -> int:  # tokens per K/V chunk
         return max(16, min(_next_pow2(block_size), cap))
@@ -167,8 +164,10 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, overri
             "num_warps": 4 if rows * D_P <= 64 * 64 or tq == 1 and rows == 16 else 8,
             "num_stages": 2,
         },
-        # ROWS: (query, head) pairs per tile
-        "dkdv": {"ROWS": 64 if D_P <= 64 else 32, "BLOCK_N": block_n(32), "num_warps": 4},
+        # ROWS: (query, head) pairs per tile. 64 at D 128 too: tools/profile_selection.py on an
+        # H200 (2026-11-26, paper shape) 23.3 ms vs 30.3 at 64k, 5.8 vs 7.6 at 16k, bitwise the same
+        # dk/dv (16 bytes of spill notwithstanding)
+        "dkdv": {"ROWS": 64 if D_P <= 128 else 32, "BLOCK_N": block_n(32), "num_warps": 4},
     }
     return _override_tiles(tiles, override)
 
@@ -191,12 +190,12 @@ def _upcast_dots(q: torch.Tensor) -> bool:
 def _set_reductions() -> None:
     """Row max / row sum for the kernels, as module globals (looked up when a kernel runs): the
     library reductions compiled, plain functions interpreted (`triton_support.row_reductions`)."""
-    global _rowmax, _rowmin, _rowsum, _built_interpreted
+    global _rowmax, _rowsum, _built_interpreted
     _built_interpreted = _interpreting()
-    _rowmax, _rowmin, _rowsum = row_reductions(_built_interpreted, "max", "min", "sum")
+    _rowmax, _rowsum = row_reductions(_built_interpreted, "max", "sum")
 
 
-_rowmax = _rowmin = _rowsum = None
+_rowmax = _rowsum = None
 _built_interpreted = False
 
 
@@ -274,10 +273,10 @@ def _kernels():
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            times = _rowsum((chosen == blk).to(tl.float32), 1)  # [ROWS] how often the row chose blk
-            if TQ == 1:  # the row's own list: a repeated id counts (times) at its first slot only
-                first = _rowmin(tl.where(chosen == blk, nsel[None, :], N_P), 1)
-                times = tl.where(first == u, times, 0.0)
+            if TQ == 1:  # the query's own list, slot by slot: a repeated id is met (and counts) twice
+                times = tl.full([ROWS], 1.0, tl.float32)
+            else:
+                times = _rowsum((chosen == blk).to(tl.float32), 1)  # [ROWS] how often the row chose blk
             valid = (times[:, None] > 0) & col_ok[None, :] & (s[None, :] <= t[:, None])
             qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [ROWS, BLOCK_N]
             qk = tl.where(valid, qk, float("-inf"))
@@ -369,10 +368,10 @@ def _kernels():
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            times = _rowsum((chosen == blk).to(tl.float32), 1)
             if TQ == 1:
-                first = _rowmin(tl.where(chosen == blk, nsel[None, :], N_P), 1)
-                times = tl.where(first == u, times, 0.0)
+                times = tl.full([ROWS], 1.0, tl.float32)
+            else:
+                times = _rowsum((chosen == blk).to(tl.float32), 1)
             valid = row_ok[:, None] & (times[:, None] > 0) & col_ok[None, :] & (s[None, :] <= t[:, None])
             qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0) * times[:, None]  # [ROWS, BLOCK_N]
@@ -547,7 +546,7 @@ def _tile_union(block_idx: torch.Tensor, block_size: int, S: int, TQ: int):
     [B*G, NT] int32; NT = ceil(S / TQ). Torch ops, no sort and no host sync: a [B*G, NT, NB]
     membership map (scatter), its running count along the blocks (cumsum) gives each member
     its slot, and a second scatter writes the ids there. Returns (union, count, NT); for TQ = 1
-    no tensors (placeholders): the kernels read the query's own list, counting repeats once."""
+    no tensors (placeholders): the kernels read the query's own list slot by slot."""
     B, G, _, n = block_idx.shape
     NT, NB = _cdiv(S, TQ), _cdiv(S, block_size)
     device = block_idx.device
