@@ -2,16 +2,19 @@
 autograd, so they trace under torch.compile fullgraph and AOTAutograd).
 
     torch.ops.nsa.projection_rope(x, weight, bias, cos, sin, widths, head_dims, style, backend)  # -> pieces: one GEMM for the projections of x, RoPE in its epilogue
-    torch.ops.nsa.window_attention(q, k, v, window, scale, backend)                 # -> (o, lse): sliding-window causal GQA attention
-    torch.ops.nsa.compressed_attention(q, k_cmp, v_cmp, block, stride, scale, backend)   # -> (o, lse): NSA compressed branch over the pooled tokens
-    torch.ops.nsa.select_blocks(q, k_cmp, lse, l, d, l_sel, n, scale, backend)        # -> block_idx [B, G, S, n]: eager's top-n, recomputed from the lse
-    torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend)   # -> (o, lse): NSA selected branch
+    torch.ops.nsa.window_attention(q, k, v, window, scale, backend, pos=None)       # -> (o, lse): sliding-window causal GQA attention
+    torch.ops.nsa.compressed_attention(q, k_cmp, v_cmp, block, stride, scale, backend, pos=None)   # -> (o, lse): NSA compressed branch over the pooled tokens
+    torch.ops.nsa.select_blocks(q, k_cmp, lse, l, d, l_sel, n, scale, backend, pos=None)        # -> block_idx [B, G, S, n]: eager's top-n, recomputed from the lse
+    torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend, pos=None)   # -> (o, lse): NSA selected branch
     torch.ops.nsa.gated_combine(gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation, normalize, backend)  # -> (o, gates)
 
 The passes choose each op's backend from the fake tensors at compile time and write it into the
 graph: window `flash` | `reference`; compressed, block selection, gated combine, projection
 `triton` | `reference`; selection `triton` | `reference` | `varlen` | `varlen_flash_attn` (see
-each module).
+each module). `pos` [B, S] int64 (packed documents: each token's position in its document,
+models/nsa.py) makes the four attention ops work per document; with it the compressed,
+block-selection and selection ops run `reference` (their Triton kernels have no document mask)
+and the compressed ops take S - l + 1 stride-1 slots.
 """
 
 from .block_select import select_blocks
