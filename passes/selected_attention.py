@@ -29,8 +29,11 @@ not change attention). The mask must be the same for the h heads of a group. Unl
 pass's mask (no inputs, so its evaluation is a proof), this is a check on two probes of block
 ids, not a proof for every block_idx; the probes vary by batch, group, query and slot so that
 code treating any of them differently shows. Identical subgraphs (one per layer) are evaluated
-once per graph. A query whose blocks hold no token <= t gets 0 from the op where eager gives
-NaN (ops/selection.py; the model's own selection always includes the current block).
+once per graph. A query whose blocks hold no token <= t gets 0 from the op (ops/selection.py)
+where eager's softmax over all -inf gives NaN: the rewrite then sets those rows to NaN, as eager
+(`o.masked_fill(lse == -inf, nan)`, fused by Inductor into o's consumer), unless block_idx is
+the output of `nsa.select_blocks` (block_selection's op), which forces each query's current
+block, so every row holds its own token and the fill is left out.
 With pos the check runs on the product of probe positions and probe block ids (4 x 2): the
 positions of a probe differ per batch row and cycle through one document (arange), documents of
 odd lengths (1, 2, l' - 1, 3, longer than n * l', ...), documents starting at block boundaries
@@ -39,7 +42,8 @@ query's document (its current block pos[t] // l', the one before, the next, ...)
 tokens must be those of the blocks counted from the document start, (t - pos[t]) + block * l' +
 offset <= t. Again a check on probes, not a proof for every pos.
 
-Becomes `torch.ops.nsa.selected_attention(q, k, v, block_idx, l', c, backend)[0]` on the un-gathered,
+Becomes `torch.ops.nsa.selected_attention(q, k, v, block_idx, l', c, backend)[0]` (NaN-filled as
+above where rows may be empty) on the un-gathered,
 un-repeated q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv] (nsa_compile/ops/selection.py), with
 the pos node as a last argument for packed documents: no gathered or repeated K/V, no
 [B, H, S, n*l'] scores in the graph. The backend is chosen here from the fake tensors and written
@@ -86,7 +90,9 @@ from nsa_compile.rewrite import PassLog, RewritePass
 # batch 2 and the paper shape (64 heads) to 64k at batch 1. Each distinct subgraph is verified
 # once per compile (the layers of a model share one).
 MAX_VERIFIED_ELEMENTS = 2**34
-KERNEL = "nsa.selected_attention[{backend}] (l'={block}, n={n}, GQA-native, no gathered K/V{packed}{why})"
+KERNEL = "nsa.selected_attention[{backend}] (l'={block}, n={n}, GQA-native, no gathered K/V{packed}{empty}{why})"
+# block ids that may leave a query without a token <= t: its row is NaN, as eager's softmax makes it
+EMPTY_ROWS = "; rows with no token: NaN as eager"
 PACKED = ", packed documents (pos)"
 
 # Ops that return a view (no new elements) when the selection subgraphs are evaluated.
@@ -435,7 +441,8 @@ class SelectionAttention(RewritePass):
             self.rewrite(graph, plan)
             why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
             log.matched(softmax, KERNEL.format(block=plan["block"], n=plan["n"], backend=plan["backend"],
-                                               packed="" if plan["pos"] is None else PACKED, why=why))
+                                               packed="" if plan["pos"] is None else PACKED,
+                                               empty=EMPTY_ROWS if may_leave_rows_empty(plan) else "", why=why))
 
     def check(self, softmax: fx.Node, order: dict, verified: set, requested: str = "auto") -> dict:
         probs = value(softmax)
@@ -561,8 +568,20 @@ class SelectionAttention(RewritePass):
         both = call(graph, torch.ops.nsa.selected_attention, plan["q"], plan["k"], plan["v"], plan["block_idx"],
                     plan["block"], plan["scale"], plan["backend"], *packed, anchor=out)
         op = call(graph, operator.getitem, both, 0, anchor=out)  # o; the log-sum-exp is for the backward
+        if may_leave_rows_empty(plan):  # eager's NaN where a query's blocks hold no token <= t
+            lse = call(graph, operator.getitem, both, 1, anchor=out)
+            empty = call(graph, torch.unsqueeze, call(graph, torch.isneginf, lse, anchor=out), -1, anchor=out)
+            op = call(graph, torch.masked_fill, op, empty, float("nan"), anchor=out)
         out.replace_all_uses_with(op)
         # erase the per-query chain, then whatever only it used (token ids, mask, K/V views)
         erase_replaced(graph, plan["chain"], plan["roots"])
+
+def may_leave_rows_empty(plan: dict) -> bool:
+    """False when block_idx is nsa.select_blocks' output: it forces each query's current block
+    (NSA's rule, kept by that op exactly), so every row holds its own token."""
+    source = plan["block_idx"]
+    return not (source.op == "call_function" and source.target in (torch.ops.nsa.select_blocks,
+                                                                    torch.ops.nsa.select_blocks.default))
+
 
 PASS = SelectionAttention()

@@ -169,12 +169,9 @@ def test_out_of_range_block_ids_are_ignored_like_eager():
     assert "torch.gather(" not in state_of(optimized).graphs[0].code_after
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ops/selection.py gives 0 to a query none of whose blocks holds a token <= t, where eager's "
-    "softmax over all -inf gives NaN; fine for the NSA model (the current block is forced) but a "
-    "silent 0 for a user's block ids. Fix: o = NaN on such rows (lse = -inf already says so), or "
-    "the pass proves a token per row (e.g. the current block forced) and refuses otherwise."))
 def test_a_query_left_with_no_valid_block_gets_eager_nan():
+    """The op gives 0 to a query none of whose blocks holds a token <= t; eager's softmax over all
+    -inf gives NaN. On a user's block ids the rewrite sets those rows to NaN, as eager."""
     q, k, v, block_idx = selection_inputs()
     bad = block_idx.clone()
     bad[0, 1, 10] = -1  # every slot padding
@@ -184,6 +181,21 @@ def test_a_query_left_with_no_valid_block_gets_eager_nan():
     expected, got = module(q, k, v, bad), optimized(q, k, v, bad)
     assert expected.isnan().any()
     assert torch.equal(got.isnan(), expected.isnan())
+    torch.testing.assert_close(got.nan_to_num(), expected.nan_to_num(), rtol=1e-5, atol=1e-5)
+    assert "rows with no token: NaN as eager" in row(optimized, "selection_attention")["kernels"][0]
+    assert "torch.isneginf" in state_of(optimized).graphs[0].code_after
+
+
+def test_no_nan_fill_when_the_blocks_come_from_nsa_select_blocks():
+    """In the NSA model the block ids are block_selection's op output, which forces each query's
+    current block: no row can be empty, and the rewrite adds nothing after the op."""
+    torch.manual_seed(0)
+    optimized = optimize_fresh(build_model("tiny"))
+    optimized(torch.randint(0, 256, (2, 40)))
+    (kernel,) = set(row(optimized, "selection_attention")["kernels"])
+    assert "NaN" not in kernel
+    code = state_of(optimized).graphs[0].code_after
+    assert "nsa.select_blocks" in code and "isneginf" not in code
 
 
 def test_unclamped_gather_index_out_of_range_fails_like_eager():

@@ -271,9 +271,13 @@ def packed_batch(S: int):
 def assert_fired_with_pos(model, layers):
     r = row(model, PASS)
     assert r["matches"] == layers and r["where"] == [f"blocks.{i}.attn" for i in range(layers)], r
+    # block ids from the eager chain (block_selection off) may, for all the pass knows, leave a row
+    # empty: eager's NaN is kept there; from nsa.select_blocks they cannot
+    selected_by_op = any(r["name"] == "block_selection" and r["matches"] for r in nsa_compile.report(model))
+    empty = "" if selected_by_op else "rows with no token: NaN as eager; "
     assert r["kernels"] == [
         "nsa.selected_attention[reference] (l'=16, n=3, GQA-native, no gathered K/V, packed documents (pos); "
-        "not triton: packed documents (pos): the Triton kernels have no document mask)"], r["kernels"]
+        f"{empty}not triton: packed documents (pos): the Triton kernels have no document mask)"], r["kernels"]
     record = only_graph(model)
     calls = [line for line in record.code_after.splitlines() if "torch.ops.nsa.selected_attention(" in line]
     assert len(calls) == layers and all(", 'reference', l_pos_);" in line for line in calls), calls

@@ -216,7 +216,9 @@ def test_accepted_forms(change, h, dtype):
     (expected, eager_args), (got, opt_args), optimized = run_both(Selected(change=change), args)
     r = row(optimized, PASS)
     assert r["matches"] == 1 and r["kernels"] == [
-        f"nsa.selected_attention[reference] (l'=4, n=3, GQA-native, no gathered K/V{NOT_TRITON})"], r
+        # a user's block ids may leave a row empty: eager's NaN there (no fill in the NSA model)
+        f"nsa.selected_attention[reference] (l'=4, n=3, GQA-native, no gathered K/V; rows with no token: NaN as "
+        f"eager{NOT_TRITON})"], r
     assert "torch.gather(" not in only_graph(optimized).code_after
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, expected, **tol)
