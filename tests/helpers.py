@@ -23,6 +23,20 @@ def tokens(batch: int, seq: int, seed: int = 0, vocab: int = 256) -> torch.Tenso
     return torch.randint(0, vocab, (batch, seq + 1), generator=g)
 
 
+def document_positions(lengths: list[int]) -> torch.Tensor:
+    """pos [sum(lengths)] int64: each token's position in its document, for documents of these
+    lengths packed in order (packed documents, models/nsa.py)."""
+    from nsa_compile.models import positions_from_cu_seqlens
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return positions_from_cu_seqlens(cu, sum(lengths))
+
+
+def packed_positions(rows: list[list[int]]) -> torch.Tensor:
+    """pos [len(rows), S] for rows packed with documents of these lengths (each row sums to S)."""
+    return torch.stack([document_positions(lengths) for lengths in rows])
+
+
 def only_graph(model):
     graphs = state_of(model).graphs
     assert len(graphs) == 1, f"expected one compiled graph, got {len(graphs)}"

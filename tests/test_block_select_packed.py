@@ -17,12 +17,13 @@ import types
 
 import pytest
 import torch
+import helpers
 from oracles import assert_raises_eager_and_fake, upcast
 from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nsa_compile.models.config import ModelConfig
-from nsa_compile.models.nsa import NSAAttention, positions_from_cu_seqlens
+from nsa_compile.models.nsa import NSAAttention
 from nsa_compile.ops import block_select as bs_mod
 from nsa_compile.ops import block_select_triton as bst
 from nsa_compile.ops import select_blocks
@@ -35,13 +36,8 @@ PACKINGS = [[13, 40, 1, 6, 30, 10], [100], [16, 16, 2, 15, 51], [17, 16, 67], [7
 GEOMETRIES = [(L, D, LS), (32, 8, 16), (12, 4, 12), (8, 8, 16), (12, 8, 16), (16, 8, 12)]
 
 
-def positions(lengths: list[int]) -> torch.Tensor:
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    return positions_from_cu_seqlens(cu, sum(lengths))
-
-
 def packed_positions(packings=PACKINGS) -> torch.Tensor:
-    return torch.stack([positions(lengths) for lengths in packings])  # [B, S]
+    return helpers.packed_positions(packings)  # [B, S]
 
 
 # --- the eager side --------------------------------------------------------------------------------
@@ -360,7 +356,7 @@ def test_packed_reference_on_cuda_matches_eager(dtype):
         while left:
             lengths.append(min(left, int(torch.randint(1, 1500, (1,), generator=gen))))
             left -= lengths[-1]
-        rows.append(positions(lengths))
+        rows.append(helpers.document_positions(lengths))
     pos = torch.stack(rows).cuda()
     q, k, scale = make_case(pos.cpu(), 2, 6, 64, dtype, seed=1, l=32, device="cuda")
     want, p_grp, lse = eager(q, k, scale, 16, pos, 32, 16, 64)

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import optimize_fresh, only_graph, row, tokens
+from helpers import document_positions, optimize_fresh, only_graph, row, tokens
 
-from nsa_compile.models import build_model, positions_from_cu_seqlens, preset
+from nsa_compile.models import build_model, preset
 from nsa_compile.models.nsa import NSAAttention, upcast
 from nsa_compile.parity import check_parity
 
@@ -39,9 +39,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def positions(lengths: list[int]) -> torch.Tensor:
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    return positions_from_cu_seqlens(cu, sum(lengths))
+positions = document_positions
 
 
 def float_nodes_ending_in(gm, shape):

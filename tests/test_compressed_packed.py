@@ -16,7 +16,6 @@ import torch.nn as nn
 from helpers import FAST, optimize_fresh, only_graph, row, tokens
 from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
 
-import nsa_compile
 import nsa_compile.passes.compressed_attention as compressed
 from nsa_compile.models import build_model, check_positions, positions_from_cu_seqlens
 from nsa_compile.models.nsa import upcast

@@ -14,10 +14,10 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from helpers import only_graph, optimize_fresh, row
+from helpers import only_graph, optimize_fresh, packed_positions, row
 
 import nsa_compile
-from nsa_compile.models import build_model, positions_from_cu_seqlens
+from nsa_compile.models import build_model
 from nsa_compile.models.nsa import apply_rope, rope_tables
 from nsa_compile.parity import check_parity
 
@@ -27,13 +27,7 @@ ONLY = nsa_compile.OptimizeConfig(
 NOT_TRITON = "; not triton: the Triton kernel runs on CUDA (tensors on cpu)"
 
 
-def positions(packings: list[list[int]]) -> torch.Tensor:
-    """pos [B, S] of rows packed with documents of the given lengths (each row sums to S)."""
-    rows = []
-    for lengths in packings:
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-        rows.append(positions_from_cu_seqlens(cu, sum(lengths)))
-    return torch.stack(rows)
+positions = packed_positions
 
 
 # Rows packed differently: documents of 1 and 3 tokens, one shorter than a rotary period, one row

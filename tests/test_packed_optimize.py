@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import optimize_fresh, tokens
+from helpers import optimize_fresh, packed_positions, tokens
 
 import nsa_compile
-from nsa_compile.models import build_model, positions_from_cu_seqlens
+from nsa_compile.models import build_model
 from nsa_compile.parity import check_parity
 
 # every pass that fires on the unpacked tiny model fires here too, twice (two layers)
@@ -22,14 +22,6 @@ EXPECTED = {"projections_rope": 2, "window_attention": 2, "compressed_attention"
             "selection_attention": 2, "gated_combine": 2, "gqa_grouped_matmul": 0}
 # softmaxes that are not the pass's branch (tests/golden/explain_tiny.txt: the same on the unpacked model)
 UNPACKED_REFUSALS = {"window_attention": 6, "compressed_attention": 4, "selection_attention": 2}
-
-
-def packed_positions(rows: list[list[int]]) -> torch.Tensor:
-    out = []
-    for lengths in rows:
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-        out.append(positions_from_cu_seqlens(cu, sum(lengths)))
-    return torch.stack(out)
 
 
 # S = 70: documents shorter than l (8), than l' (16), longer than n * l' (48), off block boundaries

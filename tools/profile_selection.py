@@ -323,9 +323,11 @@ def prewarm(plan, args) -> None:
     import multiprocessing as mp
 
     jobs = []
-    for shape in dict.fromkeys(shape for shape, _ in plan):
-        overrides = [{}] + [o for label, o in sweep_configs(shape, args.sweep, S) if "segment" not in o
-                            and (not args.only or any(w in label for w in args.only.split(",")))]  # fmt: skip
+    for shape, lens in plan:
+        # each S's sweep (the default tiles depend on S), without repeats
+        overrides = [{}] + list({repr(o): o for S in lens for label, o in sweep_configs(shape, args.sweep, S)
+                                 if "segment" not in o
+                                 and (not args.only or any(w in label for w in args.only.split(",")))}.values())  # fmt: skip
         for i in range(args.jobs):
             part = overrides[i :: args.jobs]
             if part:
