@@ -59,11 +59,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def get_workload(spec: str, batch: int, seq_len: int, device: torch.device, seed: int = 0) -> Workload:
+def get_workload(spec: str, batch: int, seq_len: int, device: torch.device, seed: int = 0,
+                 documents: str | None = None) -> Workload:
     if batch < 1 or seq_len < 1:
         raise UserError("--batch and --seq-len must be positive")
+    lengths = None
+    if documents is not None:
+        try:
+            lengths = [int(x) for x in documents.split(",")]
+        except ValueError:
+            raise UserError(f"--documents takes comma-separated lengths (e.g. 100,28), got {documents!r}") from None
     try:
-        return load_workload(spec, batch=batch, seq_len=seq_len, seed=seed).to(device)
+        return load_workload(spec, batch=batch, seq_len=seq_len, seed=seed, documents=lengths).to(device)
     except ModelSpecError as err:
         raise UserError(str(err)) from None
 
@@ -211,6 +218,10 @@ MODEL = click.option(
     help="A preset (tiny, seed, paper, <preset>-dense) or a user model: path/to/file.py:factory or "
          "package.module:factory (returning the module, or (module, example inputs)).")
 DEVICE = click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+DOCUMENTS = click.option(
+    "--documents", default=None, metavar="LENGTHS",
+    help="Packed documents for a preset: comma-separated lengths summing to --seq-len (every row packed "
+         "alike); the model then gets each token's position in its document.")
 COMPILER = click.option("--compiler", type=click.Choice(COMPILERS), default="inductor", show_default=True)
 
 
@@ -227,7 +238,8 @@ COMPILER = click.option("--compiler", type=click.Choice(COMPILERS), default="ind
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Also write explain.json, the diffs, the dot/graphml exports and the ATen forward and "
                    "backward graphs AOTAutograd derived from each rewritten graph here.")
-def explain(model, device, seq_len, batch, dtype, fmt, only_pass, diff, out):
+@DOCUMENTS
+def explain(model, device, seq_len, batch, dtype, fmt, only_pass, diff, out, documents):
     """Show what each pass rewrote, where, into what, what it refused and why, and graph breaks.
 
     Runs one forward and backward through Dynamo and the passes, with AOTAutograd and eager
@@ -236,16 +248,17 @@ def explain(model, device, seq_len, batch, dtype, fmt, only_pass, diff, out):
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     config = config_for("aot_eager", only_pass)
-    wl = get_workload(model, batch, seq_len, dev)
+    wl = get_workload(model, batch, seq_len, dev, documents=documents)
     net = wl.model.to(dt)
     inputs = cast_inputs(wl.inputs, dt)
-    breaks = graph_breaks(copy.deepcopy(net), (inputs[0][:, :-1],) if wl.is_lm else inputs)
+    breaks = graph_breaks(copy.deepcopy(net), (inputs[0][:, :-1], *inputs[1:]) if wl.is_lm else inputs)
     optimize(net, config)
     _, loss = loss_of(net, inputs, wl.is_lm)
     if loss.requires_grad:
         loss.backward()
     state = state_of(net)
     data = {"model": model, "seq_len": seq_len, "batch": batch, "dtype": dtype, "device": dev.type,
+            **({"documents": documents} if documents else {}),
             "graphs": len(state.graphs), "passes": pass_table(net), "near_misses": near_misses(net),
             "graph_breaks": breaks}
     exports = {}
@@ -272,6 +285,7 @@ def explain(model, device, seq_len, batch, dtype, fmt, only_pass, diff, out):
                 click.echo(text, nl=False)
     else:
         shape = f"batch {batch}, seq-len {seq_len}" if wl.is_lm else "the factory's example inputs"
+        shape += f", documents {documents}" if documents else ""
         click.echo(f"model {model}, {dev.type}, {dtype}, {shape}: {len(state.graphs)} graph(s) compiled\n")
         print_pass_table(data["passes"])
         print_near_misses(data["near_misses"])
@@ -290,14 +304,15 @@ def explain(model, device, seq_len, batch, dtype, fmt, only_pass, diff, out):
 @click.option("--seq-len", type=int, default=100, show_default=True)
 @click.option("--batch", type=int, default=2, show_default=True)
 @COMPILER
-def parity(model, device, dtypes, seq_len, batch, compiler):
+@DOCUMENTS
+def parity(model, device, dtypes, seq_len, batch, compiler, documents):
     """Eager vs optimized forward + backward against a float64 oracle; exit 1 on failure."""
     dev = resolve_device(device)
     names = [d.strip() for d in dtypes.split(",") if d.strip()]
     unknown = [d for d in names if d not in DTYPES]
     if unknown or not names:
         raise UserError(f"unknown dtype(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(DTYPES)}")
-    wl = get_workload(model, batch, seq_len, dev)
+    wl = get_workload(model, batch, seq_len, dev, documents=documents)
     failed = False
     for name in names:
         result = run_parity(wl, resolve_dtype(name, dev), config_for(compiler))

@@ -4,7 +4,9 @@ A model spec is a preset name ('tiny', 'seed', 'paper', '<preset>-dense'), or a 
 as 'path/to/file.py:factory' or 'package.module:factory'. The factory takes no arguments and
 returns the module, or (module, example_inputs) with example_inputs a tensor or a tuple of the
 module's positional inputs. Presets are language models: their inputs are random tokens and their
-loss is next-token cross-entropy; a user's model without example inputs is refused.
+loss is next-token cross-entropy; a user's model without example inputs is refused. A preset can
+take packed documents (`documents`: their lengths, one packing for every row): its inputs are
+then (tokens, pos), pos each token's position in its document (models/nsa.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class ModelSpecError(ValueError):
 class Workload:
     spec: str
     model: nn.Module
-    inputs: tuple  # positional inputs of model (for presets: tokens [B, S + 1], targets included)
+    inputs: tuple  # positional inputs of model (for presets: tokens [B, S + 1], targets included[, pos [B, S]])
     is_lm: bool  # inputs are tokens whose next-token cross-entropy is the loss
     dense_twin: str | None = None  # the preset of the dense twin, for presets
 
@@ -46,10 +48,11 @@ class Workload:
 
 
 def loss_of(model: nn.Module, inputs: tuple, is_lm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, scalar loss) of one forward: next-token CE for LMs, mean square otherwise."""
+    """(output, scalar loss) of one forward: next-token CE for LMs (inputs (tokens[, pos])), mean
+    square otherwise."""
     if is_lm:
-        (tokens,) = inputs
-        logits = model(tokens[:, :-1])
+        tokens, *pos = inputs
+        logits = model(tokens[:, :-1], *pos)
         return logits, F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
     out = model(*inputs)
     first = out if isinstance(out, torch.Tensor) else next(
@@ -68,10 +71,12 @@ def random_tokens(batch: int, seq_len: int, vocab: int, seed: int = 0) -> torch.
     return torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
 
 
-def load_workload(spec: str, batch: int = 1, seq_len: int = 128, seed: int = 0) -> Workload:
-    """The model and inputs a spec names (on the CPU; move with .to(device))."""
+def load_workload(spec: str, batch: int = 1, seq_len: int = 128, seed: int = 0,
+                  documents: list[int] | None = None) -> Workload:
+    """The model and inputs a spec names (on the CPU; move with .to(device)). `documents`: packed
+    document lengths summing to seq_len, for an NSA preset (see the module docstring)."""
     if ":" not in spec:
-        from nsa_compile.models import build_model, preset
+        from nsa_compile.models import build_model, positions_from_cu_seqlens, preset
 
         try:
             cfg = preset(spec)
@@ -79,7 +84,18 @@ def load_workload(spec: str, batch: int = 1, seq_len: int = 128, seed: int = 0) 
             raise ModelSpecError(f"{err} (or a user model as path/to/file.py:factory or package.module:factory)") from None
         torch.manual_seed(seed)
         twin = None if cfg.attention == "dense" else f"{spec}-dense"
-        return Workload(spec, build_model(cfg), (random_tokens(batch, seq_len, cfg.vocab_size, seed),), True, twin)
+        inputs = (random_tokens(batch, seq_len, cfg.vocab_size, seed),)
+        if documents is not None:
+            if cfg.attention != "nsa":
+                raise ModelSpecError(f"{spec}: packed documents need an NSA model (the dense twin takes no positions)")
+            if not documents or min(documents) < 1 or sum(documents) != seq_len:
+                raise ModelSpecError(f"document lengths {documents} must be positive and sum to the sequence "
+                                     f"length {seq_len}")
+            cu = torch.tensor([0, *torch.tensor(documents).cumsum(0).tolist()])
+            inputs += (positions_from_cu_seqlens(cu, seq_len).expand(batch, seq_len).contiguous(),)
+        return Workload(spec, build_model(cfg), inputs, True, twin)
+    if documents is not None:
+        raise ModelSpecError(f"{spec}: packed documents apply to the presets (a user model takes its own inputs)")
     module, inputs = _user_model(spec)
     if inputs is None:
         raise ModelSpecError(f"{spec}: the factory returned no example inputs; return (module, inputs)")

@@ -131,6 +131,34 @@ def test_parity_passes_and_prints_every_tensor():
     assert result.output.count("| ok |") == 2 + n_params  # output, loss, every parameter
 
 
+def test_packed_documents_explain_and_parity():
+    """--documents packs every row with documents of these lengths: the attention passes all fire
+    with the positions (their kernel text says so), and parity passes on the packed model."""
+    args = ("--model", "tiny", "--device", "cpu", "--seq-len", "70", "--documents", "13,1,50,6")
+    result = invoke("explain", *args, "--format", "json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["documents"] == "13,1,50,6"
+    by_name = {p["name"]: p for p in data["passes"]}
+    for name in ("window_attention", "compressed_attention", "block_selection", "selection_attention"):
+        assert by_name[name]["matches"] == 2 and all("(pos)" in k for k in by_name[name]["kernels"]), by_name[name]
+    result = invoke("parity", *args, "--dtypes", "fp32", "--compiler", "aot_eager")
+    assert result.exit_code == 0, result.output
+    assert "tiny fp32 on cpu: PASS" in result.output
+
+
+@pytest.mark.parametrize("documents, model, message", [
+    ("13,1", "tiny", "must be positive and sum to the sequence length 70"),
+    ("70,0", "tiny", "must be positive"),
+    ("a,b", "tiny", "comma-separated lengths"),
+    ("70", "tiny-dense", "need an NSA model"),
+    ("70", f"{USER_FILE}:make", "apply to the presets"),
+])
+def test_packed_documents_bad_lengths_are_refused(documents, model, message):
+    result = invoke("parity", "--model", model, "--device", "cpu", "--seq-len", "70", "--documents", documents)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
 def test_parity_of_a_user_model():
     result = invoke("parity", "--model", f"{USER_FILE}:make", "--dtypes", "fp32,bf16", "--compiler", "aot_eager")
     assert result.exit_code == 0, result.output
