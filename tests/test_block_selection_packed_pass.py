@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import document_positions, optimize_fresh, only_graph, row, tokens
+from helpers import document_positions, only_graph, optimize_fresh, row, tokens
+from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
 
 from nsa_compile.models import build_model, preset
 from nsa_compile.models.nsa import NSAAttention, upcast
@@ -29,14 +30,6 @@ LAYERS = ["blocks.0.attn", "blocks.1.attn"]
 PACKED_KERNEL = (f"nsa.select_blocks[reference] (l'={TINY.sel_block}, n={TINY.n_selected}, packed documents (pos), "
                  "from the compressed lse, no [B, H, S, Tc] probabilities; not triton: packed documents (pos): the "
                  "Triton kernel has no document mask)")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 positions = document_positions

@@ -9,16 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
 
 from nsa_compile.models import build_model, check_positions, positions_from_cu_seqlens, preset
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _model(seed: int = 0, **changes):

@@ -117,7 +117,7 @@ def unsupported_reason(q, k, v, block_idx, block_size, pos=None) -> str | None:
 
 
 def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, override: dict | None = None, *,
-           seq_len: int = 0, n_selected: int = 1) -> dict:
+           seq_len: int, n_selected: int) -> dict:
     """Tile sizes and warps per kernel. Every tl.dot operand dimension is a power of two >= 16
     (padding is masked). Chosen so that no kernel spills registers on sm_90 in bf16/fp16 at the
     paper's (h 16, D 128) and the seed's (h 6, D 64) shapes (ptxas resource usage of kernels
