@@ -71,3 +71,14 @@ def test_a_gradient_missing_on_one_side_fails():
 
     report = check_parity(Linear(), detach_weight, (X,), torch.float32, is_lm=False)
     assert not report.ok and report.failures()[0].name == "grad b (grad None mismatch)"
+
+
+def test_the_bar_factor_is_two_in_fp32_and_three_in_half_precision():
+    """Half precision: 3x the eager error (a no-op reorder of roundings fails 2x on the gate biases,
+    nsa_compile/parity.py); fp32 stays at 2x. Floors at 0 so the factor alone sets each bar."""
+    no_floor = {dtype: 0.0 for dtype in FLOORS}
+    for dtype, factor in ((torch.float32, 2.0), (torch.bfloat16, 3.0), (torch.float16, 3.0)):
+        CALLS["float32"] = itertools.count(1)
+        rep = check_parity(Linear(noisy=True), copy.deepcopy, (X,), dtype, is_lm=False, floors=no_floor)
+        out = next(r for r in rep.rows if r.name == "output")
+        assert out.err_eager > 0 and out.bar == pytest.approx(factor * out.err_eager, rel=1e-9), dtype

@@ -127,7 +127,8 @@ def _tiles(d: dict, hidden: bool, fp32: bool = False, override: dict | None = No
     fwd 70-96 registers, bwd 80-108, mlp 188 (seed) and 240 (paper group, ROWS 16). fp32 (IEEE
     dots) takes ROWS 16 and 8 warps everywhere; its mlp kernel still spills at the paper's group
     gate: correct, slower. Timing on the H100 may move these (tools/bench_combine.py --tiles).
-    `override` ({kernel: {parameter: value}}; ROWS, BK, num_warps, num_stages) is for that sweep."""
+    `override` ({kernel: {parameter: value}}; ROWS, BK, num_warps, num_stages; PER_SM, the mlp
+    kernel's persistent programs per SM) is for that sweep."""
     nb = _pad(d["NI"]) if hidden else 16
     din_p, dh_p, dv_p = _pad(d["DIN"]), _pad(max(d["DH"], 1)), _pad(d["DV"])
     if fp32:
@@ -136,8 +137,12 @@ def _tiles(d: dict, hidden: bool, fp32: bool = False, override: dict | None = No
         tiles = {
             "fwd": {"ROWS": 32, "NB": nb, "num_warps": 4},
             "bwd": {"ROWS": 32, "NB": nb, "num_warps": 4 if dv_p <= 64 else 8},
-            "mlp": {"ROWS": 32 if dh_p * din_p <= 2048 else 16, "NB": nb, "num_warps": 8},
+            # 4 warps at the seed's 32 x 64 hidden layer: 0.526 against 0.569 ms fwd+bwd with 8
+            # (H100, tools/bench_combine.py --tile-sweep, S 2048 B 29, CUDA-graph GPU time)
+            "mlp": {"ROWS": 32 if dh_p * din_p <= 2048 else 16, "NB": nb,
+                    "num_warps": 4 if dh_p * din_p <= 2048 else 8},
         }
+    tiles["mlp"]["PER_SM"] = PROGRAMS_PER_SM
     tiles["fwd"]["BK"] = min(64, din_p)
     tiles |= {"DIN_P": din_p, "DH_P": dh_p, "DV_P": dv_p}
     for kernel, params in (override or {}).items():
@@ -473,10 +478,10 @@ def _upcast_dots(gate_in: torch.Tensor) -> bool:
     return gate_in.dtype == torch.bfloat16 and _built_interpreted
 
 
-def _programs(device: torch.device) -> int:
+def _programs(device: torch.device, per_sm: int) -> int:
     if device.type != "cuda":
         return INTERPRETED_PROGRAMS
-    return PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
@@ -567,9 +572,9 @@ def _mlp_backward(dz, gate_in, w1, b1, w2, b2, activation, d, T, mlp_bwd_kernel)
     """d_gate_in, d_w1, d_b1, d_w2, d_b2 through a hidden-layer gate, from the logit gradient:
     one persistent kernel, fp32 partials per program summed here in a fixed order."""
     dev = gate_in.device
-    cfg = T["mlp"]
+    cfg = {k: v for k, v in T["mlp"].items() if k != "PER_SM"}
     n_tiles = _cdiv(d["N_ROWS"], cfg["ROWS"])
-    P = max(1, min(n_tiles, _programs(dev)))
+    P = max(1, min(n_tiles, _programs(dev, T["mlp"]["PER_SM"])))
     # every program writes its partials (P <= n_tiles), and the tiles cover every d_gate_in element
     new = torch.empty if n_tiles else torch.zeros
     f32 = dict(dtype=torch.float32, device=dev)
