@@ -151,6 +151,9 @@ def bench(args) -> None:
                     ok, err = max(errs) <= 1e-2, f"{max(errs):.1e}"
                 # an explicit generator: the default one is in a graph-capture state after a failed capture
                 grads = [torch.randn(o.shape, device=o.device, generator=g).to(o.dtype) for o in outs]
+                # free the parity run's autograd graph: its parameters' gradient accumulators, made
+                # on the default stream, would otherwise break the CUDA-graph capture below
+                del outs
                 inputs = [leaf, *params]
                 fwd_call = lambda fn=fn, leaf=leaf: fn(leaf)
                 both_call = lambda fn=fn, leaf=leaf, inputs=inputs, grads=grads: torch.autograd.grad(

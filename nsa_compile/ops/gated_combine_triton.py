@@ -75,7 +75,7 @@ __all__ = ["MAX_DV", "MAX_FUSED_WEIGHT", "combine_backward", "combine_forward", 
 MAX_DV = 256
 MAX_FUSED_WEIGHT = 8192  # DH_P * DIN_P: the fp32 dw1 partial a program keeps in registers
 MAX_FUSED_NI = 64
-PROGRAMS_PER_SM = 4  # persistent backward grid with a hidden layer
+PROGRAMS_PER_SM = 2  # persistent backward grid with a hidden layer (2: 0.511 ms fwd+bwd, 4: 0.527; H100, seed 2k x 29)
 INTERPRETED_PROGRAMS = 3  # the same on the CPU interpreter (small, so tests cover several tiles per program)
 _ACT = {"silu": 1, "relu": 2, "gelu": 3, "none": 0}
 
