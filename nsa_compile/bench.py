@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from .workload import loss_of
 
-__all__ = ["StepTiming", "cuda_graph_time_ms", "cuda_time_ms", "time_training"]
+__all__ = ["StepTiming", "cuda_graph_time_ms", "cuda_time_ms", "print_kernel_profile", "time_training"]
 
 
 @dataclass(frozen=True)
@@ -142,3 +142,21 @@ def cuda_graph_time_ms(fn, reps: int = 10, replays: int = 20, warmup: int = 3) -
         times.append(start.elapsed_time(end) / replays)
     del graph
     return statistics.median(times)
+
+
+def print_kernel_profile(call, title: str, top: int = 12, warmup: int = 2) -> None:
+    """Print the CUDA kernels of one `call()` (after `warmup` calls), by GPU time: what a variant
+    launches and where its time goes (torch.profiler; the tools' --profile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"\n{title}: {sum(e.count for e in events)} kernel launches, {total / 1000:.3f} ms CUDA time")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"  {e.self_device_time_total / 1000:8.3f} ms  x{e.count:<4d} {e.key[:110]}")

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
-from nsa_compile.bench import cuda_graph_time_ms, cuda_time_ms
+from nsa_compile.bench import cuda_graph_time_ms, cuda_time_ms, print_kernel_profile
 from nsa_compile.ops import gated_combine_triton as gt
 
 SHAPES = {"seed": {"H": 12, "G": 2, "Dk": 64, "Dv": 64, "dim": 768, "gate": "group"},
@@ -168,20 +168,8 @@ def run_grads(fn, inputs, grad):
 
 def profile(fn, inputs, grad, name):
     """Per-kernel CUDA time of one fwd+bwd (after a warm-up): what each variant launches."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
-    for _ in range(2):
-        torch.autograd.grad(fn(*leaves), leaves, grad)
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        torch.autograd.grad(fn(*leaves), leaves, grad)
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.self_device_time_total for e in events)
-    print(f"\n{name}: {sum(e.count for e in events)} kernel launches, {total / 1000:.3f} ms CUDA time")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
-        print(f"  {e.self_device_time_total / 1000:8.3f} ms  x{e.count:<3d} {e.key[:110]}")
+    print_kernel_profile(lambda: torch.autograd.grad(fn(*leaves), leaves, grad), name)
 
 
 def stage_times(fwd_call, both_call, reps) -> dict:

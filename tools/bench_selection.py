@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
-from nsa_compile.bench import cuda_time_ms
+from nsa_compile.bench import cuda_time_ms, print_kernel_profile
 from nsa_compile.ops import selected_attention, window_attention
 from nsa_compile.ops import selection_triton as st
 from nsa_compile.ops import selection_varlen as sv
@@ -150,6 +150,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, action="append", help="repeatable (default 8192)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--variants", default="triton,reference,dense")
+    ap.add_argument("--profile", action="store_true", help="print each variant's kernels in one fwd+bwd (torch.profiler)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--parity-len", type=int, default=2048, help="tokens of the parity check (once per shape)")
     ap.add_argument("--varlen-chunk-rows", type=int, help=f"varlen's CHUNK_ROWS (default {sv.CHUNK_ROWS})")
@@ -196,6 +197,10 @@ def main() -> None:
             par = "-" if name not in CHECKED else ("ok" if ok else "FAIL")
             try:
                 fwd, both, peak = measure(VARIANTS[name], q, k, v, block_idx, block_size, scale, grad, args.reps)
+                if args.profile:
+                    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+                    print_kernel_profile(lambda fn=VARIANTS[name], leaves=leaves: fwd_bwd(
+                        fn, leaves, block_idx, block_size, scale, grad), f"{args.shape} S {S} {name} fwd+bwd")
                 rows.append([S, name, f"{fwd:.2f}" if ok else "FAIL", f"{both:.2f}" if ok else "FAIL",
                              f"{peak:.2f}", par])  # fmt: skip
                 if ok:
