@@ -154,20 +154,20 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, overri
     # num_stages=2 (fwd, dq) and 4 warps (dkdv): tools/profile_selection.py on an H200 (Triton
     # 3.6, 2026-11-26) at the seed shape (2k, 16k) and the paper shape (16k), bitwise the same
     # results: fwd 1.2-1.45x, dq 1.13-1.24x, dkdv 1.09-1.9x faster than Triton's defaults.
+    # 2 warps for one query of a small group at D <= 64 (16 rows x 64: half the warps idle at 4):
+    # seed 16k on an H100 (profile_selection, 2026-11-26, bitwise-equal dq, o within 1e-3 of the
+    # 4-warp order) fwd 1.271 vs 1.455 ms, dq 1.156 vs 1.325
+    warps = 2 if tq == 1 and rows == 16 and D_P <= 64 else 4 if rows * D_P <= 64 * 64 or tq == 1 and rows == 16 else 8
     tiles |= {
-        "fwd": {"TQ": tq, "ROWS": rows, "BLOCK_N": block_n(64 if D_P <= 128 else 32),
-                "num_warps": 4 if rows * D_P <= 64 * 64 or tq == 1 and rows == 16 else 8, "num_stages": 2},
-        "dq": {
-            "TQ": tq,
-            "ROWS": rows,
-            "BLOCK_N": block_n(64 if D_P <= 64 else 32),
-            "num_warps": 4 if rows * D_P <= 64 * 64 or tq == 1 and rows == 16 else 8,
-            "num_stages": 2,
-        },
+        "fwd": {"TQ": tq, "ROWS": rows, "BLOCK_N": block_n(64 if D_P <= 128 else 32), "num_warps": warps,
+                "num_stages": 2},
+        "dq": {"TQ": tq, "ROWS": rows, "BLOCK_N": block_n(64 if D_P <= 64 else 32), "num_warps": warps,
+               "num_stages": 2},
         # ROWS: (query, head) pairs per tile. 64 at D 128 too: tools/profile_selection.py on an
         # H200 (2026-11-26, paper shape) 23.3 ms vs 30.3 at 64k, 5.8 vs 7.6 at 16k, bitwise the same
-        # dk/dv (16 bytes of spill notwithstanding)
-        "dkdv": {"ROWS": 64 if D_P <= 128 else 32, "BLOCK_N": block_n(32), "num_warps": 4},
+        # dk/dv (16 bytes of spill notwithstanding); 128 at D <= 64: seed 16k on an H100, 0.561 vs
+        # 0.691 ms, bitwise the same (210 registers, no spill)
+        "dkdv": {"ROWS": 128 if D_P <= 64 else 64 if D_P <= 128 else 32, "BLOCK_N": block_n(32), "num_warps": 4},
     }
     return _override_tiles(tiles, override)
 
