@@ -170,6 +170,9 @@ def bench(args) -> None:
                 rows.append([S, B, name, *(fmt(t) if ok else "FAIL" for t in times[2:] + times[:2]), err])
             except torch.OutOfMemoryError:
                 rows.append([S, B, name, "OOM", "OOM", "OOM", "OOM", "-"])
+            except Exception as why:  # noqa: BLE001 - one variant's failure is a row, not the end of the table
+                rows.append([S, B, name, "error", "error", "error", "error", "-"])
+                notes.append(f"S {S}, B {B}, {name}: {type(why).__name__}: {str(why)[:300]}")
             torch.cuda.empty_cache()
         if "optimized" in chosen:  # what the optimized variant ran with (a refused rewrite runs eager code)
             (r,) = [r for r in nsa_compile.report(fns["optimized"].model) if r["name"] == "projections_rope"]
