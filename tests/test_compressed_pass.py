@@ -49,7 +49,7 @@ def n_blocks(S, cfg=TINY):
 # --- the tiny model: counts, what is gone, parity -----------------------------------------------
 
 
-def optimized_with_parity(eager, S, dtype, config=nsa_compile.OptimizeConfig(compiler="aot_eager")):
+def optimized_with_parity(eager, S, dtype, config=nsa_compile.OptimizeConfig(compiler="aot_eager"), batch=2):
     """check_parity of the optimized model (all passes) against eager, and the optimized model."""
     kept = []
 
@@ -58,7 +58,7 @@ def optimized_with_parity(eager, S, dtype, config=nsa_compile.OptimizeConfig(com
         return kept[-1]
 
     device = next(eager.parameters()).device
-    report = check_parity(eager, optimize, tokens(2, S, seed=4).to(device), dtype)
+    report = check_parity(eager, optimize, tokens(batch, S, seed=4).to(device), dtype)
     assert report.ok, [r.as_dict() for r in report.failures()]
     return kept[0]
 
@@ -563,11 +563,13 @@ def test_explain_shows_the_topk_note():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_seed_layers_fire_with_the_cuda_backends_and_parity(dtype):
-    """Two seed-config layers at S = 2048 (> n * l' = 1024, so the ranking decides): both passes
-    fire on every layer and the optimized model trains with eager's numbers."""
+    """Two seed-config layers at S = 1100 (> n * l' = 1024, so the ranking decides), batch 1: both
+    passes fire on every layer and the optimized model trains with eager's numbers. (At S 2048 and
+    batch 2 the float64 eager oracle's gathered K/V alone asked for 24 GiB at a time: out of an
+    H100's memory.)"""
     torch.manual_seed(0)
     eager = build_model("seed", n_layers=2).cuda()
-    model = optimized_with_parity(eager, 2048, dtype)
+    model = optimized_with_parity(eager, 1100, dtype, batch=1)
     for name in (CMP, SEL):
         r = row(model, name)
         print(name, r["kernels"], f"{r['time_ms']} ms")
