@@ -42,7 +42,9 @@ def rewrites_only(model):
 def test_gqa_rewrite_parity_on_cuda(preset_name, dtype, optimize_fn):
     torch.manual_seed(0)
     eager = build_model(preset_name).cuda()
-    batch = tokens(2, 100 if preset_name == "tiny" else 256, seed=1).cuda()
+    # seed: batch 1 (the float64 eager oracle of 12 layers keeps each layer's repeated gathered K/V,
+    # ~3 GiB apiece at batch 2: out of an H100's 80 GB, though it fit an H200)
+    batch = (tokens(2, 100, seed=1) if preset_name == "tiny" else tokens(1, 256, seed=1)).cuda()
     report = check_parity(eager, optimize_fn, batch, dtype)
     assert report.ok, [r.as_dict() for r in report.failures()]
     model = optimize_fn(copy.deepcopy(eager).to(dtype))
