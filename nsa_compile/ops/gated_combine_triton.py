@@ -124,7 +124,8 @@ def _tiles(d: dict, hidden: bool, fp32: bool = False, override: dict | None = No
     Chosen so that no fp16/bf16 kernel spills registers on sm_90 at the seed's (Dk = Dv = 64,
     hidden 32) and the paper's (Dv 128; group gate hidden 64 x 128, head gate 192 x 2048) shapes:
     ptxas resource usage of the kernels compiled without a GPU (Triton 3.9, 2026-11-27), e.g.
-    fwd 70-96 registers, bwd 80-108, mlp 188 (seed) and 240 (paper group, ROWS 16). fp32 (IEEE
+    fwd 70-96 registers, bwd 80-108, mlp 188 (seed, at 8 warps: the default is now 4, faster on
+    the H100, its registers not re-read) and 240 (paper group, ROWS 16). fp32 (IEEE
     dots) takes ROWS 16 and 8 warps everywhere; its mlp kernel still spills at the paper's group
     gate: correct, slower. Timing on the H100 may move these (tools/bench_combine.py --tiles).
     `override` ({kernel: {parameter: value}}; ROWS, BK, num_warps, num_stages; PER_SM, the mlp
