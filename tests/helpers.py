@@ -37,6 +37,18 @@ def packed_positions(rows: list[list[int]]) -> torch.Tensor:
     return torch.stack([document_positions(lengths) for lengths in rows])
 
 
+def packed_slot_visibility(S: int, Tc: int, pos: torch.Tensor, l: int, d: int) -> torch.Tensor:
+    """[B, 1, S, Tc] bool: the packed compressed visibility of models/nsa.py (slot i, pooled from
+    tokens i .. i + l - 1, is a block of its document at stride d and lies in query t's document
+    and past), the model's lines as the packed tests write them."""
+    t = torch.arange(S, device=pos.device)[:, None]
+    i = torch.arange(Tc, device=pos.device)[None, :]
+    slot_pos = pos[:, :Tc]
+    is_block = (slot_pos % d == 0) & (pos[:, l - 1 :] == slot_pos + l - 1)
+    same_doc = i >= (t - pos[:, :, None])
+    return ((i + l - 1 <= t) & same_doc & is_block[:, None, :])[:, None]
+
+
 def only_graph(model):
     graphs = state_of(model).graphs
     assert len(graphs) == 1, f"expected one compiled graph, got {len(graphs)}"

@@ -62,12 +62,7 @@ def eager_p_cmp(q, k_slots, l, d, scale, pos):
     S, Tc = q.shape[2], k_slots.shape[2]
     h = q.shape[1] // k_slots.shape[1]
     scores = upcast(q @ k_slots.repeat_interleave(h, dim=1).transpose(-1, -2)) * scale  # [B, H, S, Tc]
-    t = torch.arange(S, device=q.device)[:, None]
-    i = torch.arange(Tc, device=q.device)[None, :]
-    slot_pos = pos[:, :Tc]
-    is_block = (slot_pos % d == 0) & (pos[:, l - 1 :] == slot_pos + l - 1)
-    same_doc = i >= (t - pos[:, :, None])
-    visible = ((i + l - 1 <= t) & same_doc & is_block[:, None, :])[:, None]  # [B, 1, S, Tc]
+    visible = helpers.packed_slot_visibility(S, Tc, pos, l, d)  # [B, 1, S, Tc]
     scores = scores.masked_fill(~visible, float("-inf"))
     has_block = visible.any(dim=-1, keepdim=True)
     p = torch.softmax(scores.masked_fill(~has_block, 0.0), dim=-1) * visible

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import document_positions, only_graph, optimize_fresh, row, tokens
+from helpers import document_positions, only_graph, optimize_fresh, packed_slot_visibility, row, tokens
 from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
 
 from nsa_compile.models import build_model, preset
@@ -111,12 +111,7 @@ class PackedBranch(nn.Module):
         k_rep = k_cmp.transpose(1, 2).repeat_interleave(h, dim=1)  # [B, H, Tc, Dk]
         v_rep = v_cmp.transpose(1, 2).repeat_interleave(h, dim=1)
         scores = upcast(q.transpose(1, 2) @ k_rep.transpose(-1, -2)) * Dk**-0.5  # [B, H, S, Tc]
-        t = torch.arange(S, device=q.device)[:, None]
-        i = torch.arange(Tc, device=q.device)[None, :]
-        slot_pos = pos[:, :Tc]
-        is_block = (slot_pos % d == 0) & (pos[:, l - 1 :] == slot_pos + l - 1)
-        same_doc = i >= (t - pos[:, :, None])
-        visible = ((i + l - 1 <= t) & same_doc & is_block[:, None, :])[:, None]  # [B, 1, S, Tc]
+        visible = packed_slot_visibility(S, Tc, pos, l, d)  # [B, 1, S, Tc]
         scores = scores.masked_fill(~visible, float("-inf"))
         has_block = visible.any(dim=-1, keepdim=True)
         p = torch.softmax(scores.masked_fill(~has_block, 0.0), dim=-1) * visible
