@@ -303,3 +303,19 @@ def assert_graphs_hold_the_ops(model_loss, eager_loss, cases, forward, backward)
     assert forward in fw
     assert backward in bw
     assert forward not in bw
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op computes (views of their inputs excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._schema.returns and func._schema.returns[0].alias_info is None:
+            for x in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(x, torch.Tensor):
+                    self.max_numel = max(self.max_numel, x.numel())
+        return out

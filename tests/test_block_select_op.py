@@ -19,9 +19,8 @@ import itertools
 
 import pytest
 import torch
-from oracles import assert_raises_eager_and_fake, triton_interpreter, upcast
+from oracles import LargestTensor, assert_raises_eager_and_fake, triton_interpreter, upcast
 from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nsa_compile.models.config import ModelConfig
 from nsa_compile.models.nsa import NSAAttention
@@ -401,22 +400,6 @@ def test_compile_fullgraph_dynamic_shapes():
     assert len(graphs) == 1
     targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
     assert targets.count(torch.ops.nsa.select_blocks) == 1  # the Dynamo graph holds the packet
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any op computes (views of their inputs excluded)."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func._schema.returns and func._schema.returns[0].alias_info is None:
-            for x in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(x, torch.Tensor):
-                    self.max_numel = max(self.max_numel, x.numel())
-        return out
 
 
 def test_reference_memory_is_bounded_by_the_chunk(monkeypatch):

@@ -18,9 +18,8 @@ import types
 import pytest
 import torch
 import helpers
-from oracles import assert_raises_eager_and_fake, upcast
+from oracles import LargestTensor, assert_raises_eager_and_fake, upcast
 from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nsa_compile.models.config import ModelConfig
 from nsa_compile.models.nsa import NSAAttention
@@ -275,22 +274,6 @@ def test_compile_fullgraph_with_pos():
         return torch.ops.nsa.select_blocks(q, k, lse, L, D, LS, 5, scale, "auto", pos=pos) + 0
 
     assert torch.equal(torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, lse, pos), want)
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any op computes (views of their inputs excluded)."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func._schema.returns and func._schema.returns[0].alias_info is None:
-            for x in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(x, torch.Tensor):
-                    self.max_numel = max(self.max_numel, x.numel())
-        return out
 
 
 def test_reference_memory_is_bounded_by_the_chunk(monkeypatch):
