@@ -13,7 +13,10 @@ import torch.nn as nn
 
 from .workload import loss_of
 
-__all__ = ["StepTiming", "cuda_graph_time_ms", "cuda_time_ms", "print_kernel_profile", "time_training"]
+__all__ = [
+    "StepTiming", "cuda_graph_time_ms", "cuda_time_ms", "nsa_op_times", "print_kernel_profile", "print_nsa_op_times",
+    "time_training",
+]
 
 
 @dataclass(frozen=True)
@@ -160,3 +163,29 @@ def print_kernel_profile(call, title: str, top: int = 12, warmup: int = 2) -> No
     print(f"\n{title}: {sum(e.count for e in events)} kernel launches, {total / 1000:.3f} ms CUDA time")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"  {e.self_device_time_total / 1000:8.3f} ms  x{e.count:<4d} {e.key[:110]}")
+
+
+def nsa_op_times(events, cuda: bool) -> dict[str, tuple[int, float]]:
+    """{op name: (calls, microseconds)} of the `nsa::` ops among torch.profiler events: on the GPU
+    the device time of the kernels each call launched, on the CPU its CPU time. (No nsa op calls
+    another, so no time is counted twice.)"""
+    per_op: dict[str, tuple[int, float]] = {}
+    for e in events:
+        if e.name.startswith("nsa::") and e.device_type != torch.autograd.DeviceType.CUDA:
+            # the attribute was renamed in 2.4
+            us = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)) if cuda else e.cpu_time_total
+            calls, total = per_op.get(e.name, (0, 0.0))
+            per_op[e.name] = (calls + 1, total + us)
+    return per_op
+
+
+def print_nsa_op_times(per_op: dict[str, tuple[int, float]], runs: int, cuda: bool, per: str = "step") -> None:
+    """`nsa_op_times`' table, per `per` (the profile covered `runs` of them)."""
+    if not per_op:
+        return
+    what = "device time incl. the kernels they launch" if cuda else "CPU time"
+    print(f"\nNSA ops ({what}), per {per}:")
+    for name, (count, us) in sorted(per_op.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {name:42s} {count // runs:4d} calls {us / runs / 1e3:8.2f} ms")
+    total = sum(us for _, us in per_op.values()) / runs
+    print(f"  {'all NSA ops':42s}            {total / 1e3:8.2f} ms")

@@ -87,6 +87,7 @@ class TrainConfig:
     eval_batches: int = 4
     save_every: int = 100
     checkpoint: str | None = None  # a file path; None: no checkpoints
+    autocast: bool = True  # bf16 autocast on CUDA (False: fp32 there too); the CPU always runs fp32
 
 
 def save_checkpoint(path: str, model: nn.Module, opt, step: int, losses: list[float]) -> None:
@@ -124,7 +125,7 @@ def train(model: nn.Module, corpus: Corpus, cfg: TrainConfig, device: torch.devi
     on_event = on_event or (lambda text: None)
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=fused or None)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if fused else contextlib.nullcontext
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if fused and cfg.autocast else contextlib.nullcontext
     start_step, losses = 0, []
     if resume and cfg.checkpoint and Path(cfg.checkpoint).exists():
         start_step, losses = load_checkpoint(cfg.checkpoint, model, opt)

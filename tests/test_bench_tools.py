@@ -352,9 +352,15 @@ def test_e2e_on_cuda_picks_the_fastest_sdpa_backend_and_measures_memory(tmp_path
 def test_layer_on_cuda_times_nsa_against_cudnn_and_fa2(tmp_path, capsys):
     out = tmp_path / "layer.jsonl"
     rc = bench_layer.main(["--shape", "seed", "--device", "cuda", "--seq-len", "2048", "--variants",
-                           "nsa,sdpa,cudnn,fa2", "--reps", "3", "--out", str(out)])
+                           "nsa,sdpa,cudnn,fa2", "--reps", "3", "--out", str(out), "--profile"])
     text = capsys.readouterr().out
     assert rc == 0, text
+    # --profile: every NSA op of the layer once per forward + backward (no projections here)
+    calls = dict(re.findall(r"(nsa::\w+)\s+(\d+) calls", text))
+    assert calls == {f"nsa::{op}{suffix}": "1" for op in ("window_attention", "compressed_attention",
+                                                          "selected_attention", "gated_combine")
+                     for suffix in ("", "_backward")} | {"nsa::select_blocks": "1"}, calls
+    assert "nsa layer, S 2048, forward + backward:" in text
     assert "bfloat16, seq-len" in text and "): PASS" in text
     records = {r["variant"]: r for r in read(out)}
     assert all(r["status"] == "ok" and r["fwd_bwd_ms"] > 0 and r["peak_gib"] is not None
@@ -396,6 +402,14 @@ def test_train_agreement_compares_optimize_and_a_control_with_eager(tmp_path, ca
     # fp32 on the CPU: the rewrites reproduce eager's first loss; the control's noise moves it
     assert runs["optimize"]["losses"][0] == pytest.approx(runs["eager"]["losses"][0], rel=1e-5)
     assert runs["control"]["losses"][0] != runs["eager"]["losses"][0]
+
+
+@pytest.mark.parametrize("runs, why", [("eager,fp32", "the CPU runs are float32 already"),
+                                       ("eager,bf16", "unknown run(s) bf16")])
+def test_train_agreement_refuses_runs_it_cannot_make(runs, why, capsys):
+    with pytest.raises(SystemExit):
+        train_agreement.main(["--model", "tiny", "--steps", "1", "--seq-len", "40", "--device", "cpu", "--runs", runs])
+    assert why in capsys.readouterr().err
 
 
 def test_profile_step_lists_every_nsa_op_of_a_training_step(capsys):

@@ -26,7 +26,8 @@ layer against the eager layer in float64 (output, the gradients of q and every K
 layer's parameters), at the shortest --seq-len, halving while the float64 oracle runs out of
 memory (the length used is printed; below n * l' tokens every candidate block is selected, so the
 top-n choice is not exercised, and the output says so). Ratios and targets are printed only when
-parity passed.
+parity passed. --profile (CUDA) adds, per length, where one forward + backward of the nsa
+variant spends its GPU time: the device time under each NSA op, then the top kernels.
 
     python3 tools/bench_layer.py --shape paper --seq-len 8192 --seq-len 16384 --seq-len 32768 --seq-len 65536
     python3 tools/bench_layer.py --shape seed --seq-len 2048 --variants nsa,sdpa
@@ -52,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_e2e beside thi
 from bench_e2e import append_record, compile_cache, environment, is_oom, sdpa_context
 
 import nsa_compile
-from nsa_compile.bench import cuda_time_ms
+from nsa_compile.bench import cuda_time_ms, nsa_op_times, print_kernel_profile, print_nsa_op_times
 from nsa_compile.cli import free_memory, pass_table, rewrite_summary
 from nsa_compile.models import NSAAttention, preset
 from nsa_compile.parity import check_parity
@@ -249,6 +250,24 @@ def measure(call, leaves: list, device, reps: int) -> dict:
     return {"first_call_s": first, "fwd_ms": fwd, "fwd_bwd_ms": both, "peak_gib": peak}
 
 
+def profile_layer(call, leaves: list, title: str) -> None:
+    """--profile: the device time under each NSA op in one forward + backward, then its top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = call()
+    grad = torch.randn_like(out)
+    del out
+    run = lambda: torch.autograd.grad(call(), leaves, grad)
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    print(f"\n{title}:", end="")
+    print_nsa_op_times(nsa_op_times(prof.events(), True), 1, True, per="forward + backward")
+    print_kernel_profile(run, f"{title}, forward + backward")
+
+
 def free_memory_keep_graphs() -> None:
     """Release cached blocks without resetting Dynamo (the compiled layer must stay compiled)."""
     import gc
@@ -275,6 +294,8 @@ def run_variant(variant: str, cfg, inputs: dict, args, device, dtype, config) ->
             result = measure(lambda: layer(**named), leaves, device, args.reps)
             if variant == "nsa":
                 record["rewrites"] = rewrite_summary(pass_table(layer))
+                if args.profile and device.type == "cuda":
+                    profile_layer(lambda: layer(**named), leaves, f"nsa layer, S {inputs['q'].shape[1]}")
             return {**record, "status": "ok", **result}
     except Exception as err:
         if is_oom(err):
@@ -344,6 +365,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--compiler", default="inductor", help="optimize's compiler (nsa_compile.config.COMPILERS)")
     ap.add_argument("--parity-min-len", type=int, default=64, help="give up on parity below this length")
     ap.add_argument("--no-parity", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="CUDA: per length, the nsa variant's GPU time by NSA op and kernel")
     ap.add_argument("--out", default=None, help="append JSON-line records here")
     args = ap.parse_args(argv)
     args.seq_len = args.seq_len or list(DEFAULT_SEQ_LENS)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from nsa_compile.bench import nsa_op_times, print_nsa_op_times
 from nsa_compile.cli import compile_variant
 from nsa_compile.workload import load_workload, loss_of
 
@@ -41,14 +42,6 @@ def family(name: str) -> str:
         if any(k in low for k in keys):
             return label
     return "other (ours: *_kernel)" if low.endswith("kernel") else "other"
-
-
-def op_time(evt, cuda: bool) -> float:
-    """An op event's time with its children, in us: on the GPU its kernels' device time (the
-    attribute was renamed in 2.4), on the CPU its CPU time."""
-    if not cuda:
-        return evt.cpu_time_total
-    return getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
 
 
 def build(variant: str, args, device):
@@ -93,19 +86,7 @@ def profile_variant(variant: str, args, device) -> None:
     gpu = f", GPU busy {busy / 1e3:.1f} ms ({100 * busy / wall_us:.0f}%), {len(kernels) / args.steps:,.0f} kernels/step"
     print(f"step wall {wall_us / 1e3:.1f} ms ({tokens / wall_us * 1e6:,.0f} tok/s){gpu if cuda else ''}")
 
-    per_op = collections.defaultdict(lambda: [0, 0.0])
-    for e in events:
-        if e.name.startswith("nsa::") and e.device_type != torch.autograd.DeviceType.CUDA:
-            per_op[e.name][0] += 1
-            per_op[e.name][1] += op_time(e, cuda)
-    # (the nsa ops call no other nsa op, so no time is counted twice)
-    if per_op:
-        what = "device time incl. the kernels they launch" if cuda else "CPU time"
-        print(f"\nNSA ops ({what}), per step:")
-        for name, (count, us) in sorted(per_op.items(), key=lambda kv: -kv[1][1]):
-            print(f"  {name:42s} {count // args.steps:4d} calls {us / args.steps / 1e3:8.2f} ms")
-        total = sum(us for _, us in per_op.values()) / args.steps
-        print(f"  {'all NSA ops':42s}            {total / 1e3:8.2f} ms")
+    print_nsa_op_times(nsa_op_times(events, cuda), args.steps, cuda)
 
     if args.trace:
         Path(args.trace).mkdir(parents=True, exist_ok=True)

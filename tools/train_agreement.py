@@ -6,6 +6,8 @@ one seed on the same batches (issue 7, point 2):
   control    the eager model with every parameter scaled by (1 + eps * N(0, 1)) once at the start
              (default eps 1e-3, below bf16's rounding step of 2^-8): how far two runs drift apart
              when nothing but rounding separates them, the yardstick for eager vs optimize
+  fp32       (CUDA, with --runs ...,fp32) the eager model without autocast: every run's distance
+             from the float32 computation, to tell which of two disagreeing bf16 runs is the closer
 
 Per pair: the largest and the mean per-step relative difference of the training loss, the
 relative difference of the mean loss over windows of --window steps, and of the final
@@ -28,7 +30,7 @@ from nsa_compile import OptimizeConfig, optimize
 from nsa_compile.train import TrainConfig, evaluate, load_corpus, train
 from nsa_compile.workload import load_module
 
-RUNS = ("eager", "optimize", "control")
+RUNS = ("eager", "optimize", "control", "fp32")
 
 
 def run(kind: str, args, corpus, device) -> tuple[list[float], float]:
@@ -43,9 +45,9 @@ def run(kind: str, args, corpus, device) -> tuple[list[float], float]:
                 noise = torch.randn(p.shape, generator=g).to(device=device, dtype=p.dtype)
                 p.mul_(1 + args.eps * noise)
     cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-                      eval_every=0, save_every=0)
+                      eval_every=0, save_every=0, autocast=kind != "fp32")
     losses = train(model, corpus, cfg, device)
-    cuda = device.type == "cuda"
+    cuda = device.type == "cuda" and cfg.autocast
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
     val = evaluate(model, corpus, cfg, device, autocast)
     print(f"{kind}: last loss {losses[-1]:.4f}, validation {val:.4f}", flush=True)
@@ -74,17 +76,28 @@ def main(argv=None) -> int:
     ap.add_argument("--compiler", default="inductor", help="optimize's compiler (nsa_compile.config.COMPILERS)")
     ap.add_argument("--data", default=None, help="a text file or folder (default: the stdlib's sources)")
     ap.add_argument("--out", default=None, help="write every run's losses here (JSON)")
+    ap.add_argument("--runs", default="eager,optimize,control",
+                    help="comma-separated subset of " + ",".join(RUNS) + " (eager is always run)")
     args = ap.parse_args(argv)
+    runs = ["eager"] + [r for r in dict.fromkeys(args.runs.split(",")) if r and r != "eager"]
+    if bad := [r for r in runs if r not in RUNS]:
+        ap.error(f"--runs: unknown run(s) {', '.join(bad)} (choose from {', '.join(RUNS)})")
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
     corpus = load_corpus(args.data)
     print(f"{args.model}, S {args.seq_len}, batch {args.batch}, {args.steps} steps, lr {args.lr}, {device.type}"
           f"{' ' + torch.cuda.get_device_name() if cuda else ''}, torch {torch.__version__}", flush=True)
-    results = {kind: run(kind, args, corpus, device) for kind in RUNS}
-    (ea, ev), (oa, ov), (ca, cv) = (results[k] for k in RUNS)
+    if "fp32" in runs and device.type != "cuda":
+        ap.error("--runs fp32: the CPU runs are float32 already (the fp32 run is for CUDA)")
+    results = {kind: run(kind, args, corpus, device) for kind in runs}
+    # each run against eager, and, with an fp32 run, every bf16 run against it
+    pairs = [("eager", kind) for kind in runs if kind not in ("eager", "fp32")]
+    if "fp32" in results:
+        pairs += [("fp32", kind) for kind in runs if kind != "fp32"]
     header = ["pair", "max step rel diff", "mean step rel diff", f"max {args.window}-step window", "validation"]
-    print(tabulate([["eager vs optimize", *compare(ea, oa, ev, ov, args.window)],
-                    ["eager vs control", *compare(ea, ca, ev, cv, args.window)]], headers=header, tablefmt="github"))
+    rows = [[f"{a} vs {b}", *compare(results[a][0], results[b][0], results[a][1], results[b][1], args.window)]
+            for a, b in pairs]
+    print(tabulate(rows, headers=header, tablefmt="github"))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({k: {"losses": v[0], "validation": v[1]} for k, v in results.items()} | {"args": vars(args)}, f)
