@@ -41,7 +41,8 @@ class OptimizeConfig:
     disabled_passes: names of registered passes to skip (see `nsa_compile.pass_names()`).
     dynamic:         passed to torch.compile (None: static first, dynamic after a change).
     fullgraph:       passed to torch.compile (True: a graph break is an error).
-    window_backend:  the window op's backend: 'auto' (flash where FA-2 can run, else reference),
+    window_backend:  the window op's backend: 'auto' (triton on CUDA in fp16/bf16 without packed
+                     documents, else flash where FA-2 can run, else reference), 'triton',
                      'flash' or 'reference'. A named backend that cannot run a graph's tensors
                      leaves that window un-rewritten, with the reason in `explain` (no fallback).
     selection_backend: the selected-attention op's backend: 'auto' (triton on CUDA where the

@@ -25,10 +25,11 @@ op then reads the same positions node. Identical mask subgraphs (one per layer) 
 
 Becomes `torch.ops.nsa.window_attention(q, k, v, w, c, backend[, pos])[0]` on the un-repeated
 K/V: no [S, S] scores, no K/V copy (nsa_compile/ops/window.py). The backend is chosen here, from
-the fake tensors, and written into the graph: `flash` (FA-2 with a window; with pos its varlen
-form, one sequence per document, at one host sync per call) on CUDA in fp16/bf16 with equal head
-dims <= 256, else `reference` (memory-bounded PyTorch, exact); `explain` shows which and, for
-reference, why not flash.
+the fake tensors, and written into the graph: `triton` (this project's window kernels) on CUDA in
+fp16/bf16 without packed documents, else `flash` (FA-2 with a window; with pos its varlen form,
+one sequence per document, at one host sync per call) on CUDA in fp16/bf16 with equal head dims
+<= 256, else `reference` (memory-bounded PyTorch, exact); `explain` shows which and why not the
+ones before it.
 
 Refuses (graph unchanged), with the reason shown by `explain`:
 - a mask that depends on data, is not [S, S] over the last two dims, is non-causal, or is not a
@@ -51,12 +52,23 @@ import torch.fx as fx
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.ops import flash
-from nsa_compile.ops.window import choose_backend
+from nsa_compile.ops.window import choose_backend, why_not_triton
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, keep_mask, only_user, strip_upcast, unrepeat
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.rewrite import PassLog, RewritePass
 
 KERNEL = "nsa.window_attention[{backend}] (w={window}{docs}, GQA-native, no S x S tensor{why})"
+
+
+def why_not_faster(requested: str, backend: str, q, k, v, pos) -> str:
+    """What `explain` adds after the kernel: why 'auto' passed over the backends before the one it
+    took (triton, then flash), or that the config named reference."""
+    if backend == "reference" and requested == "reference":
+        return f"; not triton or flash: window_backend={requested!r} in OptimizeConfig"
+    if requested != "auto" or backend == "triton":
+        return ""
+    why = f"; not triton: {why_not_triton(q, k, v, pos)}"
+    return why if backend == "flash" else f"{why}; not flash: {flash.unsupported_reason(q, k, v)}"
 
 
 def single_user(node: fx.Node, what: str) -> fx.Node:
@@ -439,7 +451,7 @@ class WindowAttention(RewritePass):
                 log.refused(softmax, str(why))
                 continue
             self.rewrite(graph, softmax, plan)
-            why = f"; not flash: {plan['why_not_flash']}" if plan["backend"] != "flash" else ""
+            why = plan["why_not_faster"]
             docs = "" if plan["pos"] is None else ", per document (pos)"
             log.matched(softmax, KERNEL.format(window=plan["window"], docs=docs, backend=plan["backend"], why=why))
 
@@ -501,8 +513,7 @@ class WindowAttention(RewritePass):
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(window_backend={requested!r}): {why}") from None
         return {"q": q, "k": k, "v": v, "window": window, "scale": scale, "pv": pv, "backend": backend, "pos": pos,
-                "why_not_flash": flash.unsupported_reason(qv, kv, vv) if requested == "auto"
-                else f"window_backend={requested!r} in OptimizeConfig",
+                "why_not_faster": why_not_faster(requested, backend, qv, kv, vv, value(pos)),
                 "chain": [pv, cast, softmax, masked, scaled, raw, qk, kt], "mask": mask}
 
     def rewrite(self, graph: fx.Graph, softmax: fx.Node, plan: dict) -> None:

@@ -59,7 +59,8 @@ def test_gqa_rewrite_parity_on_cuda(preset_name, dtype, optimize_fn):
 
 @pytest.mark.parametrize(
     "dtype, backend",
-    [(torch.bfloat16, "flash"), (torch.float16, "flash"), (torch.bfloat16, "reference"), (torch.float32, "auto")],
+    [(torch.bfloat16, "triton"), (torch.float16, "triton"), (torch.bfloat16, "flash"), (torch.float16, "flash"),
+     (torch.bfloat16, "reference"), (torch.bfloat16, "auto"), (torch.float32, "auto")],
 )
 def test_window_op_on_cuda_matches_the_eager_formula(dtype, backend):
     """Each CUDA backend against the float64 oracle: within 2x eager's own error (or the floor)."""
@@ -80,7 +81,8 @@ def test_window_op_on_cuda_matches_the_eager_formula(dtype, backend):
     ref64 = eager(*exact)
     from nsa_compile.ops.window import choose_backend
 
-    assert choose_backend(q, k, v, backend) == ("reference" if dtype == torch.float32 else backend)
+    auto = "reference" if dtype == torch.float32 else "triton"  # auto: triton in fp16/bf16
+    assert choose_backend(q, k, v, backend) == (auto if backend == "auto" else backend)
     out, lse = torch.ops.nsa.window_attention(q, k, v, w, D**-0.5, backend)
     expected = eager(q, k, v)
     grad = torch.randn_like(out)
@@ -204,9 +206,10 @@ def test_selection_triton_at_the_issue_sizes(S, h):
 @pytest.mark.sweep
 @pytest.mark.parametrize("S", [63, 100, 1000, 4096])
 @pytest.mark.parametrize("h", [1, 4, 6, 16])
-def test_window_flash_at_the_issue_sizes(S, h):
-    """FA-2 window against the float64 reference: windows shorter than, equal to and longer than
-    S, batch 2, fp16/bf16 (fp32 takes the reference route: tested above)."""
+@pytest.mark.parametrize("backend", ["triton", "flash"])
+def test_window_backends_at_the_issue_sizes(S, h, backend):
+    """The triton and flash windows against the float64 reference: windows shorter than, equal
+    to and longer than S, batch 2, fp16/bf16 (fp32 takes the reference route: tested above)."""
     import nsa_compile.ops  # noqa: F401
 
     g = torch.Generator(device="cuda").manual_seed(S * 17 + h)
@@ -217,7 +220,7 @@ def test_window_flash_at_the_issue_sizes(S, h):
         v = torch.randn(B, S, G, D, device="cuda", generator=g).to(dtype).transpose(1, 2)
         grad = torch.randn(B, G * h, S, D, device="cuda", generator=g).to(dtype)
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        o = torch.ops.nsa.window_attention(*leaves, w, 0.125, "flash")[0]
+        o = torch.ops.nsa.window_attention(*leaves, w, 0.125, backend)[0]
         got = (o, *torch.autograd.grad(o, leaves, grad))
         exact, ref_o = _fp64_reference(torch.ops.nsa.window_attention, (q, k, v), w, 0.125)
         ref = (ref_o, *torch.autograd.grad(ref_o, exact, grad.double()))

@@ -223,7 +223,7 @@ def test_backend_choice_gives_reasons():
     assert window_mod.choose_backend(q, k, v, "reference") == "reference"
     with pytest.raises(ValueError, match="backend 'flash' cannot run these inputs: FA-2 runs on CUDA only"):
         window_attention(q, k, v, 4, 0.5, "flash")
-    with pytest.raises(ValueError, match="unknown backend 'fast'; valid: auto, flash, reference"):
+    with pytest.raises(ValueError, match="unknown backend 'fast'; valid: auto, triton, flash, reference"):
         window_attention(q, k, v, 4, 0.5, "fast")
     # what flash cannot take, named whatever the device (fake CUDA tensors: no GPU needed)
     with torch._subclasses.fake_tensor.FakeTensorMode():
@@ -392,6 +392,29 @@ def test_pos_validation(change, match):
         window_attention_backward(grad_o, q, k, v, o, lse, 4, 0.5, "auto", change["pos"])
 
 
+def test_auto_takes_triton_on_cuda_in_half_precision_without_pos(monkeypatch):
+    """auto on (fake) CUDA tensors: triton in fp16/bf16, flash with packed documents (the Triton
+    kernels have no document mask), reference in fp32; every choice says why where it passes on."""
+    half = (torch.float16, torch.bfloat16)  # flash as on a GPU (no GPU needed)
+    monkeypatch.setattr(nsa_compile.ops.flash, "unsupported_reason", lambda q, k, v: None if q.dtype in half else "fp32")
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        def cuda(shape, dtype):
+            return torch.empty(shape, dtype=dtype, device="cuda")
+
+        for dtype in (torch.bfloat16, torch.float16):
+            q, k, v = cuda((1, 4, 8, 16), dtype), cuda((1, 2, 8, 16), dtype), cuda((1, 2, 8, 16), dtype)
+            assert window_mod.choose_backend(q, k, v) == "triton"
+            assert window_mod.why_not_triton(q, k, v) is None
+            pos = cuda((1, 8), torch.int64)
+            assert window_mod.choose_backend(q, k, v, "auto", pos) == "flash"
+            assert "packed documents" in window_mod.why_not_triton(q, k, v, pos)
+        q, k, v = (x.float() for x in (q, k, v))
+        assert window_mod.choose_backend(q, k, v) == "reference"
+        assert "fp16/bf16 only (float32: reference)" in window_mod.why_not_triton(q, k, v)
+    q, k, v, _ = make_inputs(8, 2, torch.bfloat16)  # the CPU: auto never takes Triton's interpreter
+    assert "on CUDA (tensors on cpu)" in window_mod.why_not_triton(q, k, v)
+
+
 def test_packed_backend_choice():
     """pos does not take flash off the table: on the CPU the reason stays the device."""
     q, k, v, _ = make_inputs(8, 2, torch.bfloat16)
@@ -399,6 +422,8 @@ def test_packed_backend_choice():
     assert window_mod.choose_backend(q, k, v, "auto", pos) == "reference"
     with pytest.raises(ValueError, match="backend 'flash' cannot run these inputs: FA-2 runs on CUDA only"):
         window_attention(q, k, v, 4, 0.5, "flash", pos=pos)
+    with pytest.raises(ValueError, match="backend 'triton' cannot run these inputs: packed documents"):
+        window_attention(q, k, v, 4, 0.5, "triton", pos=pos)
 
 
 # --- flash's sequences from pos (the builder runs on the CPU too) --------------------------------

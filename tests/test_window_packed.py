@@ -60,7 +60,8 @@ def test_packed_model_fires_on_every_layer_with_pos_and_matches_eager():
     r = row(model, PASS)
     assert (r["matches"], r["where"]) == (2, ["blocks.0.attn", "blocks.1.attn"])
     assert r["kernels"] == ["nsa.window_attention[reference] (w=32, per document (pos), GQA-native, no S x S "
-                            "tensor; not flash: FA-2 runs on CUDA only (tensors on cpu))"]
+                            "tensor; not triton: packed documents (pos): the Triton window kernels have no document mask; "
+                            "not flash: FA-2 runs on CUDA only (tensors on cpu))"]
     record = only_graph(model)
     calls = [ln for ln in record.code_after.splitlines() if "torch.ops.nsa.window_attention(" in ln]
     assert len(calls) == 2 and all("'reference', l_pos_)" in ln for ln in calls), calls

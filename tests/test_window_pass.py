@@ -36,6 +36,7 @@ def test_fires_once_per_layer_and_the_dense_scores_are_gone():
     r = row(model, PASS)
     assert (r["matches"], r["where"]) == (2, ["blocks.0.attn", "blocks.1.attn"])
     assert r["kernels"] == ["nsa.window_attention[reference] (w=32, GQA-native, no S x S tensor; "
+                            "not triton: the Triton kernels run on CUDA (tensors on cpu); "
                             "not flash: FA-2 runs on CUDA only (tensors on cpu))"]
     record = only_graph(model)
     assert record.code_after.count("torch.ops.nsa.window_attention") == 2
@@ -227,7 +228,7 @@ def test_backend_named_in_the_config_is_used_or_the_window_refused():
     r = row(ref, PASS)
     assert r["matches"] == 2
     assert r["kernels"] == ["nsa.window_attention[reference] (w=32, GQA-native, no S x S tensor; "
-                            "not flash: window_backend='reference' in OptimizeConfig)"]
+                            "not triton or flash: window_backend='reference' in OptimizeConfig)"]
     calls = [ln for ln in only_graph(ref).code_after.splitlines() if "nsa.window_attention" in ln]
     assert len(calls) == 2 and all("'reference'" in ln for ln in calls)
 

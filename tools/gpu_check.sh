@@ -40,7 +40,7 @@ fi
 if [ -z "$mode" ] || [ "$mode" = "--kernels" ]; then
   # the Triton kernels on CUDA (on the CPU the same files run them interpreted)
   python3 -m pytest -q -p no:cacheprovider -p no:logging -m "not sweep" tests/test_selection_triton.py tests/test_compressed_op.py \
-    tests/test_block_select_op.py tests/test_gated_combine.py tests/test_fused_projections.py 2>&1 \
+    tests/test_window_triton.py tests/test_block_select_op.py tests/test_gated_combine.py tests/test_fused_projections.py 2>&1 \
     | tee "$out/triton.log" | tail -5 || status=1
 fi
 if [ -z "$mode" ] || [ "$mode" = "--kernels" ] || [ "$mode" = "--all" ]; then

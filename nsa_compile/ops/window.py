@@ -23,6 +23,11 @@ scale, backend, pos) -> (dq, dk, dv)`, with dk and dv summed over each group's h
 pos gets no gradient.
 
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
+- `triton` (auto takes it on CUDA in fp16/bf16 without pos): this project's kernels
+  (nsa_compile/ops/window_triton.py), GQA-native, any head dims <= 256, the flash backend's
+  numerics (fp32 scores, fp32 softmax), and no atomics (its backward is bitwise repeatable).
+  Measured faster than FA-2 with a window on an H100 at the seed and the paper shapes
+  (BENCHMARKS.md, "Window branch"). No packed documents: with pos, auto goes on to flash.
 - `flash`: FlashAttention-2 with a window (left w - 1, right 0), GQA-native, through PyTorch's
   own kernels (nsa_compile/ops/flash.py): CUDA, fp16/bf16, Dk == Dv <= 256. Scores are
   accumulated in fp32 (eager rounds q @ k^T to fp16/bf16 first): closer to the exact result.
@@ -49,15 +54,15 @@ from typing import Optional
 
 import torch
 
-from . import flash
+from . import flash, window_triton
 from .common import (
     bshd_empty, check_grad_o, check_positive_int, check_qkv, empty_attention_grads, empty_attention_outputs,
-    pick_backend, upcast_dtype,
+    pick_backend, upcast_dtype, why_not_triton_on,
 )
 
 __all__ = ["BACKENDS", "choose_backend", "window_attention", "window_attention_backward"]
 
-BACKENDS = ("auto", "flash", "reference")
+BACKENDS = ("auto", "triton", "flash", "reference")
 
 # Query rows per chunk of the reference backend (a module constant so tests can shrink it).
 REFERENCE_CHUNK = 128
@@ -79,11 +84,25 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale
 def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto",
                    pos: torch.Tensor | None = None) -> str:
     """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
-    run these inputs), or for 'auto' flash where it can run and reference elsewhere. Packed
-    documents (pos) never rule flash out: it takes them as its varlen sequences."""
+    run these inputs), or for 'auto' triton where `why_not_triton` says nothing, else flash where
+    it can run, else reference. Packed documents (pos) never rule flash out: it takes them as its
+    varlen sequences."""
     why_not_flash = functools.partial(flash.unsupported_reason, q, k, v)
-    return pick_backend("window_attention", BACKENDS, backend, cannot_run={"flash": why_not_flash},
-                        preferred="flash", why_not_preferred=why_not_flash)
+    cannot_run = {"flash": why_not_flash, "triton": functools.partial(window_triton.unsupported_reason, q, k, v, pos)}
+    preferred = "triton" if backend == "auto" and why_not_triton(q, k, v, pos) is None else "flash"
+    return pick_backend("window_attention", BACKENDS, backend, cannot_run, preferred=preferred,
+                        why_not_preferred=why_not_flash if preferred == "flash" else lambda: None)
+
+
+def why_not_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None) -> str | None:
+    """Why 'auto' does not take the triton backend (None: it does): off CUDA, packed documents,
+    what the kernels cannot run, or fp32 (where auto keeps the eager arithmetic: reference)."""
+    if pos is not None:
+        return window_triton.unsupported_reason(q, k, v, pos)
+    why = why_not_triton_on(q.device, lambda: window_triton.unsupported_reason(q, k, v))
+    if why is None and q.dtype not in (torch.float16, torch.bfloat16):
+        why = f"auto takes the Triton window kernels in fp16/bf16 only ({str(q.dtype).removeprefix('torch.')}: reference)"
+    return why
 
 
 def _chunk_bounds(S: int, window: int, chunk: int):
@@ -194,7 +213,10 @@ def _window_attention_op(
     -> o [B, H, S, Dv] in v's dtype and lse [B, H, S] float32. Query t sees keys
     max(0, t - window + 1)..t (and with pos [B, S], only those >= its document start t - pos[t]);
     query head j reads KV head j // (H // G)."""
-    if _check(q, k, v, window, scale, backend, pos) == "flash":
+    chosen = _check(q, k, v, window, scale, backend, pos)
+    if chosen == "triton":
+        return window_triton.window_forward(q, k, v, window, scale)
+    if chosen == "flash":
         return flash.flash_forward(q, k, v, scale, window, **_documents(pos))
     return _reference_forward(q, k, v, window, scale, pos=pos)
 
@@ -214,6 +236,8 @@ def window_attention_backward(
     dk [B, G, S, Dk] (k's dtype), dv [B, G, S, Dv] (v's dtype). o and lse are the forward's."""
     chosen = _check(q, k, v, window, scale, backend, pos)
     _check_grad(grad_o, q, v)
+    if chosen == "triton":
+        return window_triton.window_backward(grad_o, q, k, v, o, lse, window, scale)
     if chosen == "flash":
         return flash.flash_backward(grad_o, q, k, v, o, lse, scale, window, **_documents(pos))
     return _reference_backward(grad_o, q, k, v, window, scale, pos=pos)

@@ -1,0 +1,388 @@
+"""Triton kernels for sliding-window causal GQA attention: the `triton` backend of
+`nsa::window_attention` (nsa_compile/ops/window.py), forward and backward.
+
+    o, lse = window_forward(q, k, v, window, scale)
+    dq, dk, dv = window_backward(grad_o, q, k, v, o, lse, window, scale)
+    why = unsupported_reason(q, k, v, pos)        # None when the kernels can run
+
+Semantics of the op without packed documents: q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv],
+H = G * h; query t of head j attends to the keys s of KV head j // h with s <= t and
+t - s < window. o [B, H, S, Dv] in v's dtype, lse [B, H, S] float32 (natural log). q, k, v and
+grad_o may be any strided views (the model passes [B, S, heads, D] memory transposed); o, dq, dk,
+dv come back as [B, heads, S, D] views of [B, S, heads, D] memory, the op's layout.
+
+Numerics (those of the op's `flash` backend, FA-2): scores q @ k^T accumulate in fp32 and stay
+fp32, softmax in fp32 with an online max (exp2, log2(e) folded into the scale), p cast to v's
+dtype for p @ v; the standard flash-attention backward with delta = rowsum(dO * O) in fp32.
+fp32 inputs use IEEE dots (no TF32). No atomics: every kernel is deterministic.
+
+Kernels (tile sizes from `_tiles`):
+- forward, grid (ceil(S / BLOCK_M), B * H): BLOCK_M consecutive queries of one head walk the key
+  tiles from the first key any of them sees (t0 - window + 1, rounded down to BLOCK_N) to the
+  last query, about (window + BLOCK_M) / BLOCK_N tiles whatever S; an online softmax in fp32.
+  The running max starts at a finite floor (-1e30), so a tile masked for a row leaves its state
+  unchanged instead of making NaN.
+- delta, the same grid: rowsum(dO * O) in fp32 per row, for both backward kernels (no
+  [B, H, S, Dv] fp32 temporary).
+- dk/dv, grid (ceil(S / BLOCK_N), B * G): BLOCK_N keys of one KV head walk, for each of the
+  group's h query heads in turn, the query tiles that see them (from the keys' own first token to
+  window - 1 tokens past their last), accumulating dk and dv in fp32 in registers: the sum over
+  the group's heads happens in the program, in a fixed order (no atomics, no partials).
+- dq, grid as the forward: recomputes p from the saved lse over the forward's key tiles and
+  accumulates dq = scale * ds @ k in fp32.
+
+Supported (`unsupported_reason` says why not): no packed documents (pos: the window op's flash
+backend takes them), CUDA tensors or any device under TRITON_INTERPRET=1, q, k, v all fp16, bf16
+or fp32, head dims up to 256 (padded to a power of two >= 16 by masking).
+
+CPU interpreter: kernels are built on first use (`_kernels`), as in selection_triton.py, with the
+same two interpreter workarounds (bf16 dot operands cast to fp32 first; the row reductions of
+`triton_support.row_reductions`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .common import bshd_empty, empty_attention_outputs
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the module still imports; unsupported_reason says why the kernels cannot run
+    triton = tl = None
+
+from .triton_support import (
+    cdiv as _cdiv, device_reason, dot_precision as _dot_precision, interpreting as _interpreting,
+    next_pow2 as _next_pow2, qkv_reason, row_reductions,
+)
+
+__all__ = ["unsupported_reason", "window_backward", "window_forward"]
+
+MAX_HEAD_DIM = 256
+
+
+def unsupported_reason(q, k, v, pos=None) -> str | None:
+    """Why the Triton window kernels cannot run these inputs, or None when they can."""
+    if pos is not None:
+        return "packed documents (pos): the Triton window kernels have no document mask"
+    return device_reason(q, k, v) or qkv_reason(q, k, v, MAX_HEAD_DIM)
+
+
+def _tiles(Dk: int, Dv: int, fp32: bool, override: dict | None = None) -> dict:
+    """Tile sizes and launch options per kernel ("fwd", "delta", "dkdv", "dq"); `override`
+    ({kernel: {parameter: value}}) replaces single entries (tools/bench_window.py --tiles).
+    BLOCK_M and BLOCK_N stay powers of two >= 16."""
+    DK_P, DV_P = max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))
+    wide = max(DK_P, DV_P) > 64
+    if fp32:  # IEEE dots without tensor cores: small tiles, no spills
+        small = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4}
+        tiles = {"fwd": small, "dkdv": small, "dq": small}
+    else:  # one-parameter sweeps on an H100 (tools/bench_window.py --tiles, 2026-11-26), fwd+bwd ms:
+        # D 128 (paper 16k): dk/dv at 4 warps 5.39 vs 6.88 at 8, dq at 4 warps 5.53, forward at 4
+        # warps 7.91 (worse); then the forward at BLOCK_M 64 with 4 warps 3.95 vs 4.25 (fwd 1.26 vs
+        # 1.49); D 64 (seed 2k x 32): dq BLOCK_N 32 2.23 vs 2.55, dk/dv at 4 warps 3.60 and BLOCK_N
+        # 64 2.94 (worse); the forward's variants within the run-to-run noise
+        tiles = {
+            "fwd": {"BLOCK_M": 64 if wide else 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+            "dkdv": {"BLOCK_M": 64, "BLOCK_N": 64 if wide else 128, "num_warps": 4 if wide else 8, "num_stages": 2},
+            "dq": {"BLOCK_M": 64 if wide else 128, "BLOCK_N": 64 if wide else 32, "num_warps": 4 if wide else 8,
+                   "num_stages": 2},
+        }
+    tiles = {"DK_P": DK_P, "DV_P": DV_P, "delta": {"BLOCK_M": 64, "num_warps": 4}, **tiles}
+    for kernel, params in (override or {}).items():
+        if kernel not in ("fwd", "delta", "dkdv", "dq"):
+            raise ValueError(f"window _tiles: unknown kernel {kernel!r} in override")
+        tiles[kernel] = tiles[kernel] | params
+    return tiles
+
+
+_rowmax = _rowsum = None
+_built_interpreted = False
+
+
+def _upcast_dots(q: torch.Tensor) -> bool:
+    """bf16 dot operands go to fp32 first when the kernels were built interpreted (Triton's
+    interpreter multiplies bf16 as raw bits). Call after `_kernels()`."""
+    return q.dtype == torch.bfloat16 and _built_interpreted
+
+
+@functools.cache
+def _kernels():
+    """The @triton.jit kernels, built on first use (TRITON_INTERPRET is read then)."""
+    global _rowmax, _rowsum, _built_interpreted
+    _built_interpreted = _interpreting()
+    _rowmax, _rowsum = row_reductions(_built_interpreted, "max", "sum")
+
+    @triton.jit
+    def fwd_kernel(
+        Q, K, V, O, LSE,
+        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sob, soh, sos, sod,
+        S, G, W, qk_scale,  # qk_scale = scale * log2(e)
+        HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        tile = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // (G * HPG)).to(tl.int64)
+        head = (bh % (G * HPG)).to(tl.int64)
+        g = head // HPG
+        t = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = t < S
+        dk = tl.arange(0, DK_P)
+        dv = tl.arange(0, DV_P)
+        dk_ok = dk < DK
+        dv_ok = dv < DV
+        t64 = t.to(tl.int64)
+        q = tl.load(Q + b * sqb + head * sqh + t64[:, None] * sqs + dk[None, :] * sqd,
+                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [BLOCK_M, DK_P]
+        if UPCAST:
+            q = q.to(tl.float32)
+        k_base = K + b * skb + g * skg
+        v_base = V + b * svb + g * svg
+        cols = tl.arange(0, BLOCK_N)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, DV_P], 0.0, tl.float32)
+        lo = tl.maximum(tile * BLOCK_M - W + 1, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(tile * BLOCK_M + BLOCK_M, S)
+        for start in range(lo, hi, BLOCK_N):
+            s = start + cols
+            col_ok = s < S
+            s64 = s.to(tl.int64)
+            k = tl.load(k_base + s64[:, None] * sks + dk[None, :] * skd, mask=col_ok[:, None] & dk_ok[None, :], other=0.0)
+            v = tl.load(v_base + s64[:, None] * svs + dv[None, :] * svd, mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            valid = col_ok[None, :] & (s[None, :] <= t[:, None]) & (t[:, None] - s[None, :] < W)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            qk = tl.where(valid, qk, float("-inf"))
+            m_new = tl.maximum(m_i, _rowmax(qk, 1))  # finite: at least the floor
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])  # 0 where masked
+            l_i = l_i * alpha + _rowsum(p, 1)
+            pv = p.to(V.dtype.element_ty)
+            if UPCAST:
+                pv = pv.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PREC)
+            m_i = m_new
+        empty = l_i == 0.0  # only rows past S: every query sees itself
+        l_safe = tl.where(empty, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # log2 -> ln
+        tl.store(O + b * sob + head * soh + t64[:, None] * sos + dv[None, :] * sod, o.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(LSE + (b * G * HPG + head) * S + t64, lse, mask=row_ok)
+
+    @triton.jit
+    def delta_kernel(
+        DO, O, DELTA, sdob, sdoh, sdos, sdod, sob, soh, sos, sod, S, H,
+        DV: tl.constexpr, DV_P: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
+        tile = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        b = bh // H
+        head = bh % H
+        t = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        dv = tl.arange(0, DV_P)
+        mask = (t < S)[:, None] & (dv < DV)[None, :]
+        do = tl.load(DO + b * sdob + head * sdoh + t[:, None] * sdos + dv[None, :] * sdod, mask=mask, other=0.0)
+        o = tl.load(O + b * sob + head * soh + t[:, None] * sos + dv[None, :] * sod, mask=mask, other=0.0)
+        tl.store(DELTA + bh * S + t, _rowsum(do.to(tl.float32) * o.to(tl.float32), 1), mask=t < S)
+
+    @triton.jit
+    def dkdv_kernel(
+        Q, K, V, DO, LSE, DELTA, DK, DV,
+        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sdob, sdoh, sdos, sdod,
+        sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
+        S, G, W, scale, qk_scale,
+        HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        ktile = tl.program_id(0)
+        bg = tl.program_id(1)
+        b = (bg // G).to(tl.int64)
+        g = (bg % G).to(tl.int64)
+        s = ktile * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = s < S
+        s64 = s.to(tl.int64)
+        dk = tl.arange(0, DK_P)
+        dv = tl.arange(0, DV_P)
+        kmask = col_ok[:, None] & (dk < DK_)[None, :]
+        vmask = col_ok[:, None] & (dv < DV_)[None, :]
+        k = tl.load(K + b * skb + g * skg + s64[:, None] * sks + dk[None, :] * skd, mask=kmask, other=0.0)
+        v = tl.load(V + b * svb + g * svg + s64[:, None] * svs + dv[None, :] * svd, mask=vmask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
+        acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
+        # the queries that see these keys: t >= the first key, t - s < W for the last key
+        q_lo = ktile * BLOCK_N // BLOCK_M * BLOCK_M
+        q_hi = tl.minimum(ktile * BLOCK_N + BLOCK_N - 1 + W, S)
+        n_tiles = (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M
+        rows = tl.arange(0, BLOCK_M)
+        for it in range(0, HPG * n_tiles):  # the group's heads in turn, each over its query tiles
+            j = it // n_tiles
+            head = g * HPG + j
+            t = q_lo + (it - j * n_tiles) * BLOCK_M + rows
+            row_ok = t < S
+            t64 = t.to(tl.int64)
+            q = tl.load(Q + b * sqb + head * sqh + t64[:, None] * sqs + dk[None, :] * sqd,
+                        mask=row_ok[:, None] & (dk < DK_)[None, :], other=0.0)  # [BLOCK_M, DK_P]
+            do = tl.load(DO + b * sdob + head * sdoh + t64[:, None] * sdos + dv[None, :] * sdod,
+                         mask=row_ok[:, None] & (dv < DV_)[None, :], other=0.0)  # [BLOCK_M, DV_P]
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            row_lin = (b * G * HPG + head) * S + t64
+            lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + row_lin, mask=row_ok, other=0.0)
+            qk_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
+            valid = row_ok[None, :] & col_ok[:, None] & (s[:, None] <= t[None, :]) & (t[None, :] - s[:, None] < W)
+            p_t = tl.where(valid, tl.exp2(qk_t - lse2[None, :]), 0.0)
+            pv = p_t.to(DO.dtype.element_ty)
+            if UPCAST:
+                pv = pv.to(tl.float32)
+            acc_v += tl.dot(pv, do, input_precision=PREC)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
+            ds_t = (p_t * (dp_t - delta[None, :])).to(Q.dtype.element_ty)
+            if UPCAST:
+                ds_t = ds_t.to(tl.float32)
+            acc_k += tl.dot(ds_t, q, input_precision=PREC)
+        acc_k = acc_k * scale
+        tl.store(DK + b * sdkb + g * sdkg + s64[:, None] * sdks + dk[None, :] * sdkd, acc_k.to(DK.dtype.element_ty),
+                 mask=kmask)
+        tl.store(DV + b * sdvb + g * sdvg + s64[:, None] * sdvs + dv[None, :] * sdvd, acc_v.to(DV.dtype.element_ty),
+                 mask=vmask)
+
+    @triton.jit
+    def dq_kernel(
+        Q, K, V, DO, LSE, DELTA, DQ,
+        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sdob, sdoh, sdos, sdod,
+        sdqb, sdqh, sdqs, sdqd,
+        S, G, W, scale, qk_scale,
+        HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        tile = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // (G * HPG)).to(tl.int64)
+        head = (bh % (G * HPG)).to(tl.int64)
+        g = head // HPG
+        t = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = t < S
+        t64 = t.to(tl.int64)
+        dk = tl.arange(0, DK_P)
+        dv = tl.arange(0, DV_P)
+        dk_ok = dk < DK
+        dv_ok = dv < DV
+        q = tl.load(Q + b * sqb + head * sqh + t64[:, None] * sqs + dk[None, :] * sqd,
+                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
+        do = tl.load(DO + b * sdob + head * sdoh + t64[:, None] * sdos + dv[None, :] * sdod,
+                     mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        row_lin = (b * G * HPG + head) * S + t64
+        lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA + row_lin, mask=row_ok, other=0.0)
+        k_base = K + b * skb + g * skg
+        v_base = V + b * svb + g * svg
+        cols = tl.arange(0, BLOCK_N)
+        acc = tl.full([BLOCK_M, DK_P], 0.0, tl.float32)
+        lo = tl.maximum(tile * BLOCK_M - W + 1, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(tile * BLOCK_M + BLOCK_M, S)
+        for start in range(lo, hi, BLOCK_N):
+            s = start + cols
+            col_ok = s < S
+            s64 = s.to(tl.int64)
+            k = tl.load(k_base + s64[:, None] * sks + dk[None, :] * skd, mask=col_ok[:, None] & dk_ok[None, :], other=0.0)
+            v = tl.load(v_base + s64[:, None] * svs + dv[None, :] * svd, mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            valid = row_ok[:, None] & col_ok[None, :] & (s[None, :] <= t[:, None]) & (t[:, None] - s[None, :] < W)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = (p * (dp - delta[:, None])).to(K.dtype.element_ty)
+            if UPCAST:
+                ds = ds.to(tl.float32)
+            acc += tl.dot(ds, k, input_precision=PREC)
+        tl.store(DQ + b * sdqb + head * sdqh + t64[:, None] * sdqs + dk[None, :] * sdqd,
+                 (acc * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok[None, :])
+
+    return fwd_kernel, delta_kernel, dkdv_kernel, dq_kernel
+
+
+def _require(q, k, v) -> None:
+    why = unsupported_reason(q, k, v)
+    if why is not None:
+        raise ValueError(f"window_attention (triton): cannot run these inputs: {why}")
+
+
+def _common(q, k, v, tiles):
+    B, H, S, Dk = q.shape
+    G, Dv = k.shape[1], v.shape[3]
+    T = _tiles(Dk, Dv, q.dtype == torch.float32, tiles)
+    consts = {"HPG": H // G, "DK_P": T["DK_P"], "DV_P": T["DV_P"], "PREC": _dot_precision(q.dtype)}
+    return B, H, S, G, T, consts
+
+
+def window_forward(q, k, v, window: int, scale: float, *, tiles: dict | None = None):
+    """o [B, H, S, Dv] (v's dtype, [B, S, H, Dv] memory) and lse [B, H, S] float32 (natural log).
+    `tiles`: an override of `_tiles` (tools/bench_window.py); None, the defaults."""
+    _require(q, k, v)
+    o, lse = empty_attention_outputs(q, v)
+    if q.shape[0] * q.shape[1] * q.shape[2] == 0:
+        return o, lse
+    B, H, S, G, T, consts = _common(q, k, v, tiles)
+    fwd_kernel = _kernels()[0]
+    cfg = T["fwd"]
+    fwd_kernel[(_cdiv(S, cfg["BLOCK_M"]), B * H)](
+        q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        S, G, window, scale * math.log2(math.e),
+        DK=q.shape[3], DV=v.shape[3], UPCAST=_upcast_dots(q), **consts, **cfg,
+    )  # fmt: skip
+    return o, lse
+
+
+def window_backward(grad_o, q, k, v, o, lse, window: int, scale: float, *, tiles: dict | None = None):
+    """dq (like q), dk (like k), dv (like v), each in [B, S, heads, D] memory; dk and dv summed
+    over the group's heads in fp32 inside the dk/dv kernel."""
+    _require(q, k, v)
+    B, H, S, Dk = q.shape
+    G, Dv = k.shape[1], v.shape[3]
+    dq, dk, dv = bshd_empty(B, H, S, Dk, q), bshd_empty(B, G, S, Dk, k), bshd_empty(B, G, S, Dv, v)
+    if B * H * S == 0:
+        return dq, dk, dv
+    if grad_o.dtype != v.dtype:
+        grad_o = grad_o.to(v.dtype)
+    lse = lse.contiguous()
+    _, _, _, _, T, consts = _common(q, k, v, tiles)
+    fwd_kernel, delta_kernel, dkdv_kernel, dq_kernel = _kernels()
+    delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    bm = T["delta"]["BLOCK_M"]
+    delta_kernel[(_cdiv(S, bm), B * H)](
+        grad_o, o, delta, *grad_o.stride(), *o.stride(), S, H, DV=Dv, DV_P=T["DV_P"], **T["delta"],
+    )  # fmt: skip
+    upcast = _upcast_dots(q)
+    qk_scale = scale * math.log2(math.e)
+    cfg = T["dkdv"]
+    dkdv_kernel[(_cdiv(S, cfg["BLOCK_N"]), B * G)](
+        q, k, v, grad_o, lse, delta, dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
+        S, G, window, scale, qk_scale, DK_=Dk, DV_=Dv, UPCAST=upcast, **consts, **cfg,
+    )  # fmt: skip
+    cfg = T["dq"]
+    dq_kernel[(_cdiv(S, cfg["BLOCK_M"]), B * H)](
+        q, k, v, grad_o, lse, delta, dq,
+        *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq.stride(),
+        S, G, window, scale, qk_scale, DK=Dk, DV=Dv, UPCAST=upcast, **consts, **cfg,
+    )  # fmt: skip
+    return dq, dk, dv
