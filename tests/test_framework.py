@@ -44,7 +44,7 @@ def test_config_is_frozen_and_validates_names():
     with pytest.raises(TypeError, match="tuple of pass names"):
         OptimizeConfig(disabled_passes="gqa_grouped_matmul")
     assert OptimizeConfig(disabled_passes=["gqa_grouped_matmul"]).disabled_passes == ("gqa_grouped_matmul",)
-    with pytest.raises(ValueError, match="unknown window_backend 'fa3'; valid: auto, flash, reference"):
+    with pytest.raises(ValueError, match="unknown window_backend 'fa3'; valid: auto, triton, flash, reference"):
         OptimizeConfig(window_backend="fa3")
     with pytest.raises(ValueError, match="unknown selection_backend 'fa3'; valid: auto, triton, reference, varlen, "
                                          "varlen_flash_attn"):
