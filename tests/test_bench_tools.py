@@ -25,6 +25,7 @@ from nsa_compile.models.nsa import apply_rope, rope_tables
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import bench_e2e
 import bench_layer
+import choice_overlap
 import profile_step
 import train_agreement
 
@@ -410,6 +411,23 @@ def test_train_agreement_refuses_runs_it_cannot_make(runs, why, capsys):
     with pytest.raises(SystemExit):
         train_agreement.main(["--model", "tiny", "--steps", "1", "--seq-len", "40", "--device", "cpu", "--runs", runs])
     assert why in capsys.readouterr().err
+
+
+def test_choice_overlap_counts_distinct_blocks_per_query_tile():
+    # [B=1, G=1, S=4, n=2]: queries 0, 1 share both blocks; 2 and 3 share one; -1 is padding
+    idx = torch.tensor([[[[0, 1], [0, 1], [0, 2], [2, -1]]]])
+    assert choice_overlap.union_sizes(idx, 3, 2).tolist() == [[2, 2]]
+    assert choice_overlap.union_sizes(idx, 3, 4).tolist() == [[3]]
+
+
+def test_choice_overlap_records_every_layer_on_the_cpu(capsys):
+    assert choice_overlap.main(["--model", "tiny", "--seq-len", "200", "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "tiny (random init), cpu, l' 16, n 3" in text
+    rows = [ln for ln in text.splitlines() if ln.split("|")[1:2] == [" 200 "]]
+    assert len(rows) == 2  # the tiny preset's two layers
+    for row in rows:  # n = 3 forced blocks: a tile past n * l' holds 1 to 2 blocks' worth
+        assert all(1.0 <= float(x) <= 2.0 for x in row.strip("|").split("|")[2:]), row
 
 
 def test_profile_step_lists_every_nsa_op_of_a_training_step(capsys):
