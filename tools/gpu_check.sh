@@ -5,7 +5,8 @@
 # (python3 there is the interpreter with torch; it installs the checkout without dependencies:
 # the GPU image already has torch, triton, click, networkx, tabulate and pytest).
 #   --tests    the GPU and Inductor tests without the size sweeps (8 min on an H100, 2026-11-26)
-#   --kernels  the Triton op test files on CUDA (4 min on an H100), then the CLI parity in three
+#   --kernels  the Triton op test files on CUDA (8 min on a cold H100 with the window kernels,
+#              2026-11-26: close to the limit), then the CLI parity in three
 #              dtypes and explain; --tests and --kernels each fit one 10-minute device call
 #   (none)     --tests, then --kernels (over 10 minutes)
 #   --sweep    only the GPU size sweeps (the kernels at the issues' sizes)
