@@ -93,9 +93,6 @@ def profile_variant(variant: str, args, device) -> None:
         prof.export_chrome_trace(str(Path(args.trace) / f"{variant}_S{args.seq_len}.json"))
     if cuda:
         print_kernels(kernels, args)
-    del wl, model, opt
-    if cuda:
-        torch.cuda.empty_cache()
 
 
 def print_kernels(kernels: list, args) -> None:
@@ -146,7 +143,9 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     print(f"{torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}")
     for variant in args.variant or ["optimize", "dense"]:
-        profile_variant(variant, args, device)
+        profile_variant(variant, args, device)  # its model and optimizer are freed on return
+        if cuda:
+            torch.cuda.empty_cache()
     return 0
 
 
