@@ -19,7 +19,8 @@ memory, and parity against a float64 (small S) or float32 reference, per variant
 
 Parity: the output (and, for the op variants, dq, dk and dv) against the window op's reference
 backend in float32, relative RMS error; above 1e-2 the variant prints FAIL and no time. One that
-runs out of memory prints OOM.
+runs out of memory prints OOM. Peak extra GiB: of that parity call (the forward, and for the op
+variants their backward too).
 """
 
 from __future__ import annotations
