@@ -69,6 +69,17 @@ def test_matches_reference(S, h, G, dk, dv, window, dtype):
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_a_window_past_the_int32_range_is_causal_attention():
+    """The kernels compute their tile bounds in int32: a window longer than S is passed as S (the
+    same attention), so a huge one cannot wrap around."""
+    q, k, v, grad_o = make_inputs(35, 2, 1, 16, 16, torch.float32, seed=7)
+    huge, huge_lse = run(q, k, v, grad_o, 2**31 + 5, 0.25, tiles=SMALL)
+    causal, causal_lse = run(q, k, v, grad_o, 35, 0.25, tiles=SMALL)
+    assert all(torch.equal(a, b) for a, b in zip(huge, causal)) and torch.equal(huge_lse, causal_lse)
+    ref, _ = reference(q, k, v, grad_o, 2**31 + 5, 0.25)
+    assert_kernel_matches_reference(huge, ref, torch.float32, "huge window")
+
+
 def test_default_tiles_match_the_small_tiles():
     """The default tiles (one tile spans the whole short sequence) against the shrunk ones."""
     q, k, v, grad_o = make_inputs(70, 2, 2, 16, 16, torch.float32, seed=3)

@@ -346,7 +346,7 @@ def window_forward(q, k, v, window: int, scale: float, *, tiles: dict | None = N
     cfg = T["fwd"]
     fwd_kernel[(_cdiv(S, cfg["BLOCK_M"]), B * H)](
         q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        S, G, window, scale * math.log2(math.e),
+        S, G, min(window, S), scale * math.log2(math.e),  # a window past S is S: int32-safe bounds
         DK=q.shape[3], DV=v.shape[3], UPCAST=_upcast_dots(q), **consts, **cfg,
     )  # fmt: skip
     return o, lse
@@ -377,12 +377,12 @@ def window_backward(grad_o, q, k, v, o, lse, window: int, scale: float, *, tiles
     dkdv_kernel[(_cdiv(S, cfg["BLOCK_N"]), B * G)](
         q, k, v, grad_o, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
-        S, G, window, scale, qk_scale, DK_=Dk, DV_=Dv, UPCAST=upcast, **consts, **cfg,
+        S, G, min(window, S), scale, qk_scale, DK_=Dk, DV_=Dv, UPCAST=upcast, **consts, **cfg,
     )  # fmt: skip
     cfg = T["dq"]
     dq_kernel[(_cdiv(S, cfg["BLOCK_M"]), B * H)](
         q, k, v, grad_o, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq.stride(),
-        S, G, window, scale, qk_scale, DK=Dk, DV=Dv, UPCAST=upcast, **consts, **cfg,
+        S, G, min(window, S), scale, qk_scale, DK=Dk, DV=Dv, UPCAST=upcast, **consts, **cfg,
     )  # fmt: skip
     return dq, dk, dv
