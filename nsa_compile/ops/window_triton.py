@@ -47,7 +47,7 @@ import math
 
 import torch
 
-from .common import bshd_empty, empty_attention_outputs
+from .common import empty_attention_grads, empty_attention_outputs
 
 try:
     import triton
@@ -326,28 +326,28 @@ def _require(q, k, v) -> None:
         raise ValueError(f"window_attention (triton): cannot run these inputs: {why}")
 
 
-def _common(q, k, v, tiles):
-    B, H, S, Dk = q.shape
-    G, Dv = k.shape[1], v.shape[3]
-    T = _tiles(Dk, Dv, q.dtype == torch.float32, tiles)
-    consts = {"HPG": H // G, "DK_P": T["DK_P"], "DV_P": T["DV_P"], "PREC": _dot_precision(q.dtype)}
-    return B, H, S, G, T, consts
+def _launch_config(q, k, v, tiles):
+    """`_tiles` for these inputs, and the constexprs every kernel but delta takes."""
+    T = _tiles(q.shape[3], v.shape[3], q.dtype == torch.float32, tiles)
+    consts = {"HPG": q.shape[1] // k.shape[1], "DK_P": T["DK_P"], "DV_P": T["DV_P"], "PREC": _dot_precision(q.dtype)}
+    return T, consts
 
 
 def window_forward(q, k, v, window: int, scale: float, *, tiles: dict | None = None):
     """o [B, H, S, Dv] (v's dtype, [B, S, H, Dv] memory) and lse [B, H, S] float32 (natural log).
     `tiles`: an override of `_tiles` (tools/bench_window.py); None, the defaults."""
     _require(q, k, v)
+    B, H, S, Dk = q.shape
     o, lse = empty_attention_outputs(q, v)
-    if q.shape[0] * q.shape[1] * q.shape[2] == 0:
+    if B * H * S == 0:
         return o, lse
-    B, H, S, G, T, consts = _common(q, k, v, tiles)
+    T, consts = _launch_config(q, k, v, tiles)
     fwd_kernel = _kernels()[0]
     cfg = T["fwd"]
     fwd_kernel[(_cdiv(S, cfg["BLOCK_M"]), B * H)](
         q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        S, G, min(window, S), scale * math.log2(math.e),  # a window past S is S: int32-safe bounds
-        DK=q.shape[3], DV=v.shape[3], UPCAST=_upcast_dots(q), **consts, **cfg,
+        S, k.shape[1], min(window, S), scale * math.log2(math.e),  # a window past S is S: int32-safe bounds
+        DK=Dk, DV=v.shape[3], UPCAST=_upcast_dots(q), **consts, **cfg,
     )  # fmt: skip
     return o, lse
 
@@ -358,14 +358,15 @@ def window_backward(grad_o, q, k, v, o, lse, window: int, scale: float, *, tiles
     _require(q, k, v)
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
-    dq, dk, dv = bshd_empty(B, H, S, Dk, q), bshd_empty(B, G, S, Dk, k), bshd_empty(B, G, S, Dv, v)
+    dq, dk, dv = empty_attention_grads(q, k, v)
     if B * H * S == 0:
         return dq, dk, dv
     if grad_o.dtype != v.dtype:
         grad_o = grad_o.to(v.dtype)
     lse = lse.contiguous()
-    _, _, _, _, T, consts = _common(q, k, v, tiles)
-    fwd_kernel, delta_kernel, dkdv_kernel, dq_kernel = _kernels()
+    T, consts = _launch_config(q, k, v, tiles)
+    W = min(window, S)  # a window past S is S: int32-safe bounds in the kernels
+    _, delta_kernel, dkdv_kernel, dq_kernel = _kernels()
     delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     bm = T["delta"]["BLOCK_M"]
     delta_kernel[(_cdiv(S, bm), B * H)](
@@ -377,12 +378,12 @@ def window_backward(grad_o, q, k, v, o, lse, window: int, scale: float, *, tiles
     dkdv_kernel[(_cdiv(S, cfg["BLOCK_N"]), B * G)](
         q, k, v, grad_o, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
-        S, G, min(window, S), scale, qk_scale, DK_=Dk, DV_=Dv, UPCAST=upcast, **consts, **cfg,
+        S, G, W, scale, qk_scale, DK_=Dk, DV_=Dv, UPCAST=upcast, **consts, **cfg,
     )  # fmt: skip
     cfg = T["dq"]
     dq_kernel[(_cdiv(S, cfg["BLOCK_M"]), B * H)](
         q, k, v, grad_o, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq.stride(),
-        S, G, min(window, S), scale, qk_scale, DK=Dk, DV=Dv, UPCAST=upcast, **consts, **cfg,
+        S, G, W, scale, qk_scale, DK=Dk, DV=Dv, UPCAST=upcast, **consts, **cfg,
     )  # fmt: skip
     return dq, dk, dv
