@@ -90,6 +90,14 @@ class TrainConfig:
     autocast: bool = True  # bf16 autocast on CUDA (False: fp32 there too); the CPU always runs fp32
 
 
+def autocast_for(cfg: TrainConfig, device: torch.device):
+    """The context factory the steps (and evaluate) run under: bf16 autocast on CUDA unless
+    cfg.autocast is off; nothing on the CPU."""
+    if device.type == "cuda" and cfg.autocast:
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
 def save_checkpoint(path: str, model: nn.Module, opt, step: int, losses: list[float]) -> None:
     """Write atomically: a kill during the write leaves the previous checkpoint whole."""
     tmp = f"{path}.tmp"
@@ -125,7 +133,7 @@ def train(model: nn.Module, corpus: Corpus, cfg: TrainConfig, device: torch.devi
     on_event = on_event or (lambda text: None)
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=fused or None)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if fused and cfg.autocast else contextlib.nullcontext
+    autocast = autocast_for(cfg, device)
     start_step, losses = 0, []
     if resume and cfg.checkpoint and Path(cfg.checkpoint).exists():
         start_step, losses = load_checkpoint(cfg.checkpoint, model, opt)

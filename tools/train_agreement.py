@@ -22,7 +22,6 @@ validation loss.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 
@@ -30,7 +29,7 @@ import torch
 from tabulate import tabulate
 
 from nsa_compile import OptimizeConfig, optimize
-from nsa_compile.train import TrainConfig, evaluate, load_corpus, train
+from nsa_compile.train import TrainConfig, autocast_for, evaluate, load_corpus, train
 from nsa_compile.workload import load_module
 
 RUNS = ("eager", "optimize", "control", "fp32")
@@ -50,9 +49,7 @@ def run(kind: str, args, corpus, device) -> tuple[list[float], float]:
     cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                       eval_every=0, save_every=0, autocast=kind != "fp32")
     losses = train(model, corpus, cfg, device)
-    cuda = device.type == "cuda" and cfg.autocast
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-    val = evaluate(model, corpus, cfg, device, autocast)
+    val = evaluate(model, corpus, cfg, device, autocast_for(cfg, device))
     print(f"{kind}: last loss {losses[-1]:.4f}, validation {val:.4f}", flush=True)
     return losses, val
 
@@ -87,11 +84,11 @@ def main(argv=None) -> int:
         ap.error(f"--runs: unknown run(s) {', '.join(bad)} (choose from {', '.join(RUNS)})")
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
+    if "fp32" in runs and not cuda:
+        ap.error("--runs fp32: the CPU runs are float32 already (the fp32 run is for CUDA)")
     corpus = load_corpus(args.data)
     print(f"{args.model}, S {args.seq_len}, batch {args.batch}, {args.steps} steps, lr {args.lr}, {device.type}"
           f"{' ' + torch.cuda.get_device_name() if cuda else ''}, torch {torch.__version__}", flush=True)
-    if "fp32" in runs and device.type != "cuda":
-        ap.error("--runs fp32: the CPU runs are float32 already (the fp32 run is for CUDA)")
     results = {kind: run(kind, args, corpus, device) for kind in runs}
     # each run against eager, and, with an fp32 run, every bf16 run against it
     pairs = [("eager", kind) for kind in runs if kind not in ("eager", "fp32")]
