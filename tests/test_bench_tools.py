@@ -446,6 +446,21 @@ def test_profile_step_lists_every_nsa_op_of_a_training_step(capsys):
     assert "GPU" not in text  # no kernels on the CPU: no GPU sections
 
 
+def test_profile_step_selection_tiles_apply_in_the_run_only():
+    from nsa_compile.ops import selection_triton as st
+
+    default = st._tiles(6, 64, 64, 64, seq_len=65536, n_selected=16)
+    with profile_step.selection_tiles({"fwd": {"TQ": 8, "ROWS": 64}}):
+        forced = st._tiles(6, 64, 64, 64, seq_len=65536, n_selected=16)
+        fp32 = st._tiles(6, 64, 64, 64, True, seq_len=65536, n_selected=16)
+    assert (forced["fwd"]["TQ"], forced["fwd"]["ROWS"], forced["dq"]) == (8, 64, default["dq"])
+    assert default["fwd"]["TQ"] == 1 and fp32["fwd"]["TQ"] == 1  # fp32 keeps its own tiles
+    assert st._tiles(6, 64, 64, 64, seq_len=65536, n_selected=16) == default  # restored
+    with pytest.raises(ValueError, match="unknown kernel"):
+        with profile_step.selection_tiles({"fdw": {"TQ": 2}}):
+            pass
+
+
 def test_profile_step_says_when_cuda_is_asked_for_but_absent(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert profile_step.main(["--device", "cuda"]) == 2

@@ -9,6 +9,10 @@ Triton kernels, the rest), then the top kernels. The step is bench.time_training
 backward and fused AdamW under bf16 autocast. --trace DIR writes a Chrome trace per variant.
 On the CPU (--device cpu: fp32, no autocast; the tests run it so) the op table gives CPU time and
 there are no kernels.
+
+--selection-tiles JSON forces tiles on the Triton selection kernels for the whole run (an override
+of `selection_triton._tiles` for fp16/bf16 calls, e.g. '{"fwd": {"TQ": 8, "ROWS": 64}}'): how a
+tile choice plays in the training step, with the model's own block choices.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -23,6 +28,7 @@ import torch
 
 from nsa_compile.bench import nsa_op_times, print_nsa_op_times
 from nsa_compile.cli import compile_variant
+from nsa_compile.ops import selection_triton
 from nsa_compile.workload import load_workload, loss_of
 
 VARIANTS = ("eager", "compile", "optimize", "dense")
@@ -123,6 +129,25 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+@contextlib.contextmanager
+def selection_tiles(forced: dict):
+    """While the block runs, every fp16/bf16 call of the selection kernels takes `forced` (a
+    `selection_triton._tiles` override) on top of its default tiles; restored after."""
+    unknown = set(forced) - {"fwd", "dq", "dkdv", "reduce"}
+    if unknown:
+        raise ValueError(f"--selection-tiles: unknown kernel(s) {sorted(unknown)} (fwd, dq, dkdv, reduce)")
+    original = selection_triton._tiles
+
+    def tiles(h, Dk, Dv, block_size, fp32=False, override=None, **sizes):
+        return original(h, Dk, Dv, block_size, fp32, override if fp32 else forced | (override or {}), **sizes)
+
+    selection_triton._tiles = tiles
+    try:
+        yield
+    finally:
+        selection_triton._tiles = original
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="seed")
@@ -135,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=None, help="write Chrome traces into this folder")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--compiler", default="inductor", help="optimize's compiler (nsa_compile.config.COMPILERS)")
+    ap.add_argument("--selection-tiles", type=json.loads, default={},
+                    help="JSON override of the Triton selection kernels' tiles for the whole run")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
@@ -142,10 +169,11 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda" if cuda else "cpu")
     print(f"{torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}")
-    for variant in args.variant or ["optimize", "dense"]:
-        profile_variant(variant, args, device)  # its model and optimizer are freed on return
-        if cuda:
-            torch.cuda.empty_cache()
+    with selection_tiles(args.selection_tiles):
+        for variant in args.variant or ["optimize", "dense"]:
+            profile_variant(variant, args, device)  # its model and optimizer are freed on return
+            if cuda:
+                torch.cuda.empty_cache()
     return 0
 
 
