@@ -52,29 +52,44 @@ def state_of(model: nn.Module) -> OptimizeState:
     return state
 
 
-def report(model: nn.Module) -> list[dict]:
+def report(model: nn.Module | None = None) -> list[dict]:
     """What the passes did so far: one row per enabled pass, in registry order.
 
     Each row: name, matches (count over all graphs compiled so far), where (module paths of the
     matches, in order, without repeats), kernels (what the matches became), refused (count),
     reasons (distinct refusal reasons), graphs (how many graphs the pass ran on), time_ms.
+
+    `report(model)` reads the record of a model passed through `optimize`; `report()` with no
+    model reads every `torch.compile(..., backend="nsa")` compile of this process (entry_point.py).
     """
-    state = state_of(model)
-    rows = []
-    for p in state.passes:
-        logs = [log for g in state.graphs for log in g.logs if log.pass_name == p.name]
-        matches = [m for log in logs for m in log.matches]
-        refusals = [r for log in logs for r in log.refusals]
-        rows.append(
-            {
-                "name": p.name,
-                "matches": len(matches),
-                "where": list(dict.fromkeys(m.where for m in matches)),
-                "kernels": list(dict.fromkeys(m.kernel for m in matches)),
-                "refused": len(refusals),
-                "reasons": list(dict.fromkeys(r.reason for r in refusals)),
-                "graphs": len(logs),
-                "time_ms": round(1000 * sum(log.seconds for log in logs), 3),
-            }
-        )
-    return rows
+    if model is None:
+        from .entry_point import backend_states
+
+        states = backend_states()
+        if not states:
+            raise ValueError("report() without a model reads torch.compile(backend='nsa') compiles, and none ran "
+                             "in this process yet; for a model passed through optimize(), call report(model)")
+    else:
+        states = [state_of(model)]
+    rows = {}
+    for state in states:
+        for p in state.passes:
+            logs = [log for g in state.graphs for log in g.logs if log.pass_name == p.name]
+            row = rows.setdefault(p.name, {"name": p.name, "matches": [], "refusals": [], "graphs": 0, "seconds": 0.0})
+            row["matches"] += [m for log in logs for m in log.matches]
+            row["refusals"] += [r for log in logs for r in log.refusals]
+            row["graphs"] += len(logs)
+            row["seconds"] += sum(log.seconds for log in logs)
+    return [
+        {
+            "name": row["name"],
+            "matches": len(row["matches"]),
+            "where": list(dict.fromkeys(m.where for m in row["matches"])),
+            "kernels": list(dict.fromkeys(m.kernel for m in row["matches"])),
+            "refused": len(row["refusals"]),
+            "reasons": list(dict.fromkeys(r.reason for r in row["refusals"])),
+            "graphs": row["graphs"],
+            "time_ms": round(1000 * row["seconds"], 3),
+        }
+        for row in rows.values()
+    ]
