@@ -57,7 +57,7 @@ from nsa_compile.cli import (VARIANTS, compile_variant, config_for, free_memory,
 from nsa_compile.models import preset
 
 DEFAULT_SEQ_LENS = (2048, 8192, 32768, 65536)
-# The seed model's optimize column took ~0.8 MB per token at S = 8192 (BENCHMARKS.md): 65536 tokens
+# The seed model's optimize column took ~0.8 MB per token at S = 8192 (docs/BENCHMARK_HISTORY.md): 65536 tokens
 # fit an 80 GB card. The passes verify their rewrites on probes whose cost grows with the tokens
 # per step and refuse beyond a cap; a refused branch runs as eager code, which the printed
 # rewrite summary shows (fewer matches, more refusals).
