@@ -10,8 +10,8 @@ from torch import fx
 
 from .fx import arg, op_name, value
 
-__all__ = ["Refused", "ancestors", "erase_replaced", "evaluate_node", "keep_mask", "only_user", "strip_upcast",
-           "unrepeat"]
+__all__ = ["LARGE_NEGATIVE", "Refused", "ancestors", "erase_replaced", "evaluate_node", "is_large_negative",
+           "keep_mask", "mask_fill", "only_user", "strip_upcast", "unrepeat"]
 
 
 class Refused(Exception):
@@ -46,23 +46,47 @@ def unrepeat(node: fx.Node) -> tuple[fx.Node, int]:
     return node, 1
 
 
-def keep_mask(masked: fx.Node, scores: fx.Node) -> tuple[fx.Node, bool]:
+# A finite fill at or below this hides a key from a float32 softmax as -inf does, next to any kept
+# score above fill + 104 (exp underflows to 0): finfo.min, -finfo.max, -1e9, fp16's -65504 ...
+# It differs from -inf only on a row that keeps no key (the uniform average of its keys, not NaN).
+LARGE_NEGATIVE = -1e4
+
+
+def is_large_negative(fill) -> bool:
+    """-inf, or a finite number at or below LARGE_NEGATIVE."""
+    return isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= LARGE_NEGATIVE
+
+
+def keep_mask(masked: fx.Node, scores: fx.Node, finite: bool = False) -> tuple[fx.Node, bool]:
     """(mask node, True if the positions where it is True are kept) of the -inf masking of `scores`:
     masked_fill(~m, -inf), masked_fill(logical_not(m), -inf), masked_fill(m_drop, -inf) or
-    where(m, scores, -inf)."""
+    where(m, scores, -inf). With `finite`, a large negative fill (`is_large_negative`) is read as
+    -inf too: the caller must make sure no row is left without a key (`mask_fill` tells which)."""
+    def hides(fill) -> bool:
+        return fill == float("-inf") or finite and is_large_negative(fill)
+
     name = op_name(masked)
     if name == "masked_fill":
         target, fill = arg(masked, 1, "mask"), arg(masked, 2, "value")
-        if arg(masked, 0, "input") is not scores or fill != float("-inf") or not isinstance(target, fx.Node):
+        if arg(masked, 0, "input") is not scores or not hides(fill) or not isinstance(target, fx.Node):
             raise Refused("masked_fill does not set -inf on the scores")
         if op_name(target) in ("invert", "logical_not", "bitwise_not"):
             return arg(target, 0, "input"), True
         return target, False
-    if name == "where" and len(masked.args) == 3 and masked.args[1] is scores and masked.args[2] == float("-inf"):
+    if name == "where" and len(masked.args) == 3 and masked.args[1] is scores and hides(masked.args[2]):
         if not isinstance(masked.args[0], fx.Node):
             raise Refused("torch.where keeps the scores by a constant condition")
         return masked.args[0], True
     raise Refused(f"the softmax input is {name}, not masked scores")
+
+
+def mask_fill(masked: fx.Node):
+    """The constant a masked_fill / where(m, scores, c) masking puts on the hidden scores, or None."""
+    if op_name(masked) == "masked_fill":
+        return arg(masked, 2, "value")
+    if op_name(masked) == "where" and len(masked.args) == 3:
+        return masked.args[2]
+    return None
 
 
 def ancestors(roots: list[fx.Node], stop: fx.Node | None = None) -> set[fx.Node]:

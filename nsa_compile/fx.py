@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["op_name", "arg", "value", "module_path", "call", "size", "MATMULS"]
+__all__ = ["op_name", "arg", "value", "module_path", "call", "size", "MATMULS", "contiguous_if_read_by_layout"]
 
 # op_name() of every node that computes a (batched) matrix product.
 MATMULS = ("matmul", "bmm")
@@ -96,3 +96,31 @@ def size(graph: fx.Graph, node: fx.Node, dim: int, anchor: fx.Node):
     if isinstance(val, int):
         return val
     return call(graph, torch.ops.aten.sym_size.int, node, dim % value(node).dim(), anchor=anchor)
+
+
+# Ops whose result may alias their input's memory (its strides follow the input's).
+_ALIASING = {"reshape", "transpose", "permute", "getitem", "select", "narrow", "unsqueeze", "squeeze", "expand",
+             "expand_as", "flatten", "unflatten", "split", "chunk", "unbind", "movedim", "swapaxes", "t"}
+# Ops that read a tensor's memory layout: as_strided reads other elements under other strides,
+# view fails on some layouts.
+_READ_LAYOUT = {"as_strided", "view", "view_as"}
+
+
+def contiguous_if_read_by_layout(graph: fx.Graph, new: fx.Node, old: fx.Node, anchor: fx.Node) -> fx.Node:
+    """`new` (a replacement holding `old`'s values) made contiguous when `old` was and `new` is
+    not and a use of `old`, directly or through views, reads the memory layout (as_strided,
+    view): Dynamo bakes the strides it saw into such calls (and drops a `.contiguous()` of a
+    contiguous tensor), so a rewrite must not change them. Otherwise `new` as it is."""
+    if not value(old).is_contiguous() or value(new).is_contiguous():
+        return new
+    stack, seen = [old], set()
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            name = op_name(user)
+            if name in _READ_LAYOUT:
+                return call(graph, torch.Tensor.contiguous, new, anchor=anchor)
+            if name in _ALIASING and user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return new

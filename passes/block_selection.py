@@ -12,6 +12,9 @@ Matches (torch IR), anchored at the descending sort or topk (models/nsa.py `NSAA
     chosen = torch.where(values > -inf, order, past_end)                     # or != -inf; past_end >= Ns
     chosen = torch.sort(chosen, dim=-1).values
     block_idx = torch.where(chosen == past_end, -1, chosen)                  # or masked_fill(.., -1)
+    # or, for the three lines above, the blocks in rank order: block_idx = torch.where(values > -inf, order, -1),
+    # where every use of block_idx is a selected branch that selection_attention accepts (it checks on probes
+    # that the attention depends on each query's blocks as a set: the op's ascending order gives the same)
 where overlap [Tc, Ns], forced and candidate [S, Ns] are computed from positions only.
 
 Verified, not assumed: p must be exactly compressed_attention's probabilities (the same chain and
@@ -75,7 +78,7 @@ import torch
 import torch.fx as fx
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
-from nsa_compile.attention_match import Refused, erase_replaced, evaluate_node, only_user
+from nsa_compile.attention_match import Refused, ancestors, erase_replaced, evaluate_node, only_user
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.block_select import choose_backend, why_not_triton
 from nsa_compile.rewrite import PassLog, RewritePass
@@ -488,7 +491,7 @@ class BlockSelection(RewritePass):
         if (Bp, Sp) != (B, S) or G != Gk or G * h != H or h != probs.h:
             raise Refused(f"the importance groups {H} heads as {G} x {h}; the compressed keys have {Gk} groups")
         try:
-            pooling = cmp.read_pooling(probs.k, "keys", data)
+            pooling = cmp.pooling_of(probs, probs.k, "keys", data, subgraphs)
             ops = compressed_ops(probs, pooling.block)
             if not ops:  # ask the pass why, for the reason
                 cmp.PASS.check(softmax, subgraphs, data, cmp_requested)
@@ -511,6 +514,8 @@ class BlockSelection(RewritePass):
         # forward from the sort or topk: values/indices -> first n -> > -inf filter -> ascending sort -> -1 padding
         n, tail = self.read_choice(ranking, Ns, width)
         final = tail[0]
+        if op_name(final) == "where" and final.args[2] == -1:
+            read_as_sets(final, requested_selection(ranking))
         if pos is None:  # the position-only subgraphs: evaluated, a proof for this shape
             cls = key_classes(self.grid(subgraphs, forced_fill, S, Ns, "forced-block mask"),
                               self.grid(subgraphs, cand_fill, S, Ns, "candidate mask"), forced_outside)  # [S, Ns]
@@ -627,10 +632,15 @@ class BlockSelection(RewritePass):
                 or chosen.args[1] is not order_n or not isinstance(chosen.args[2], int)):
             raise Refused("the unchosen slots are not marked with one constant (torch.where(keep, order, past_end))")
         past_end = chosen.args[2]
-        if past_end < Ns:
-            raise Refused(f"unchosen slots are marked {past_end}, which is a block id (< {Ns})")
         if single(order_n, "first n blocks") is not chosen:
             raise Refused("the first n blocks are used elsewhere")
+        if past_end == -1:  # the chosen blocks in rank order, -1 for the unchosen (last: -inf sorts last)
+            out = value(chosen)
+            if out is None or out.dtype != torch.int64 or out.shape[-1] != min(n, width):
+                raise Refused("the block ids are not int64 [B, G, S, n]")
+            return out.shape[-1], [chosen, valid, *head]
+        if past_end < Ns:
+            raise Refused(f"unchosen slots are marked {past_end}, which is a block id (< {Ns})")
         ascending = single(chosen, "chosen blocks")
         dim = arg(ascending, 1, "dim", -1)
         if (op_name(ascending) != "sort" or arg(ascending, 2, "descending", False) or not isinstance(dim, int)
@@ -695,6 +705,40 @@ class BlockSelection(RewritePass):
         # the selection chain, then what only it used: the masks, and the compressed branch's
         # probabilities and scores (the op computes o and the lse without them)
         erase_replaced(graph, plan["chain"], plan["roots"])
+
+
+def requested_selection(node: fx.Node) -> str:
+    return "auto"  # the selection backend does not change what its check accepts
+
+
+def read_as_sets(ids: fx.Node, selection_backend: str) -> None:
+    """Refused unless every use of `ids` (block ids in rank order, -1 padded) is the token-id and
+    mask arithmetic of a selected branch that selection_attention accepts: that pass checks on
+    probes that its attention depends on each query's blocks as a set, so the op's ascending order
+    gives the same result."""
+    from . import selected_attention as sel  # the pass that reads the ids after this one
+
+    graph = ids.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    region, seen, stack = set(), set(), [ids]
+    while stack:  # the softmaxes that read the ids (through the token ids, masks and gathers)
+        node = stack.pop()
+        for user in node.users:
+            if user not in seen and len(seen) < 10_000:
+                seen.add(user)
+                stack.append(user)
+    for softmax in [n for n in seen if op_name(n) == "softmax"]:
+        try:
+            plan = sel.PASS.check(softmax, order, set(), selection_backend)
+        except Refused:
+            continue
+        if plan["block_idx"] is ids:
+            region |= ancestors(plan["roots"], stop=ids)
+    outside = [u for u in ids.users if u not in region]
+    if outside:
+        raise Refused(f"the chosen blocks are in rank order (not sorted ascending), and {outside[0].name} reads "
+                      "them other than as the blocks of a selected branch that selection_attention accepts: their "
+                      "order may matter")
 
 
 def first_arg(node: fx.Node):

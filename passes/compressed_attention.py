@@ -7,14 +7,20 @@ Matches (torch IR), anchored at the softmax (models/nsa.py `NSAAttention.compres
     scores = upcast(q @ k_rep.transpose(-1, -2)) * c  # q [B, H, S, Dk]; upcast .float()/.to(float32)/none
     scores = scores.masked_fill(~visible, -inf)        # or torch.where(visible, scores, -inf)
     p = softmax(scores.masked_fill(~has_block, 0.0), dim=-1) * visible   # [B, H, S, Tc]
-    o = p.to(v.dtype) @ v_rep                         # v_rep as k_rep; .to optional
+    o = p.to(v.dtype) @ v_rep                         # v_rep as k_rep; .to optional (the cast may feed others too)
 Pooling: the compression blocks are read from the window view that cuts the key sequence into
 blocks, `x.unfold(1, l, d)` (mean pooling `.mean(-1)`, or the MLP BlockCompressor on it), an
 `as_strided` view with unfold's layout, or `x[:, :Tc*l].view(B, Tc, l, ..)` (l = d). Every op
 from that view to k_cmp must keep the block axis apart (elementwise ops, linear / norms over the
 feature dims, reductions and reshapes that do not touch it) and read no other sequence data
 (parameters and constants only): then compressed token i depends on tokens [i*d, i*d + l) alone,
-and (l, d) are the block and stride. A pooling they cannot be read from is refused.
+and (l, d) are the block and stride. The sequence may be padded at its end first (`F.pad`, then
+the view: the padded, partial block ends after the last token and is never visible). A pooling
+this reader cannot follow (a convolution, `avg_pool`, a weighted einsum, prefix sums) is probed
+instead (`probe_pooling`): for the (l, d) the visibility mask shows, random float64 values with
+tokens perturbed 2l apart (each residue in turn) may change only the pooled tokens whose block
+holds a perturbed token, and every pooled token must change for some token (a check on probes).
+A pooling that fails both is refused.
 
 Verified, not assumed: the position-only subgraphs of the three masks (the -inf mask, the
 has_block zeroing, the final `* visible`) are evaluated at compile time (no inputs, so this is a
@@ -321,9 +327,34 @@ def _prefix_slice_source(node: fx.Node, dim: int) -> fx.Node:
     return node
 
 
+def _end_padding_source(node: fx.Node, axis: int) -> fx.Node:
+    """F.pad(x, ...) that appends constant tokens at the end of dim `axis` only -> x; otherwise node.
+    The blocks that take padded tokens end after the last real token: the staircase mask (checked
+    later) never shows them, so what the padding holds does not matter."""
+    if op_name(node) != "pad" or not isinstance(first(node), fx.Node) or value(first(node)) is None:
+        return node
+    pads, mode = arg(node, 1, "pad"), arg(node, 2, "mode", "constant")
+    rank = value(first(node)).dim()
+    if mode != "constant" or not isinstance(pads, (tuple, list)) or not all(isinstance(p, int) for p in pads):
+        return node
+    end = 2 * (rank - 1 - axis) + 1  # pads run from the last dim backwards, (start, end) per dim
+    if end >= len(pads) or pads[end] < 0 or any(p for i, p in enumerate(pads) if i != end):
+        return node
+    return first(node)
+
+
 def window_view(node: fx.Node, axis: int) -> Pooling | None:
     """The Pooling when `node` cuts a sequence into blocks along its dim `axis`: x.unfold(axis, l, d),
-    x.as_strided with unfold's layout, or x[.., :Tc*l].view/reshape/unflatten(.., Tc, l, ..) (l = d)."""
+    x.as_strided with unfold's layout, or x[.., :Tc*l].view/reshape/unflatten(.., Tc, l, ..) (l = d);
+    x may be padded at the end of the sequence first (F.pad: the last, partial block)."""
+    pooling = _window_view(node, axis)
+    if pooling is None:
+        return None
+    return Pooling(_end_padding_source(pooling.source, pooling.seq_dim), pooling.seq_dim, pooling.block,
+                   pooling.stride)
+
+
+def _window_view(node: fx.Node, axis: int) -> Pooling | None:
     name, out = op_name(node), value(node)
     src = first(node)
     if out is None or not isinstance(src, fx.Node) or value(src) is None:
@@ -470,6 +501,103 @@ def read_pooling(kv: fx.Node, what: str, data: set) -> Pooling:
     if len(found) != 1:
         raise Refused(f"the compressed {what} is pooled by {len(found)} window views, not one")
     return found.pop()
+
+
+# --- a pooling read by probing ------------------------------------------------------------------
+
+# Random probes whose result moves by less than this (relative to its size) leave a pooled token
+# unchanged: float64 rounding, as in block sums written as differences of prefix sums.
+PROBE_TOLERANCE = 1e-9
+
+
+def staircase_of(probs: Probabilities, subgraphs: PositionSubgraphs) -> tuple[int, int]:
+    """(l, d) that the -inf mask's staircase shows: block 0 becomes visible at t = l - 1, block 1
+    d tokens later; Refused for a mask that reads data or shows no two blocks."""
+    _, _, S, Tc = probs.shape
+    mask, sense = probs.masks["inf"]
+    filled = subgraphs.evaluate(mask, "visibility mask")
+    if filled.dtype != torch.bool:
+        raise Refused(f"the visibility mask is {filled.dtype}, not bool")
+    keep = as_grid(filled if not sense else ~filled, S, Tc, "visibility mask")
+    first_seen = [int(keep[:, i].nonzero()[0]) if bool(keep[:, i].any()) else None for i in range(min(Tc, 2))]
+    if len(first_seen) < 2 or None in first_seen or first_seen[1] <= first_seen[0]:
+        raise Refused("the visibility mask shows fewer than two blocks: no (l, d) to read the pooling by")
+    return first_seen[0] + 1, first_seen[1] - first_seen[0]
+
+
+def probe_pooling(kv: fx.Node, what: str, block: int, stride: int, S: int) -> Pooling:
+    """The Pooling of kv [B, G, Tc, D] (block axis 2) from the sequence input it reads, checked on
+    random probes in float64: tokens perturbed 2l apart (every residue, so every token once) must
+    change exactly... at most the pooled tokens i whose window [i*d, i*d + l) holds a perturbed
+    token, and every pooled token must change for some perturbation. A check on probes, not a
+    proof: it is how poolings the structural reader cannot follow (convolutions, pooling ops,
+    weighted einsums, prefix sums) are accepted."""
+    B, _, Tc, _ = value(kv).shape
+    nodes = ancestors([kv])
+    sources = [n for n in nodes if n.op == "placeholder" and (val := value(n)) is not None and val.dim() >= 2
+               and tuple(val.shape[:2]) == (B, S) and val.is_floating_point()
+               and not isinstance(val, torch.nn.Parameter)]
+    if len(sources) != 1:
+        raise Refused(f"the compressed {what} are not pooled by a form the pass reads, and they read "
+                      f"{len(sources)} [B, S, ..] inputs, not one sequence to probe")
+    source = sources[0]
+    order = {n: i for i, n in enumerate(kv.graph.nodes)}
+    ops = sorted((n for n in nodes if n.op in ("call_function", "call_method")), key=order.__getitem__)
+    for node in ops:
+        name = op_name(node) or ""
+        if any(word in name for word in _RANDOM) or (name.endswith("_") and not name.startswith("_")):
+            raise Refused(f"the compressed {what} use {name} (random or in place): not probed")
+    gen = torch.Generator().manual_seed(0)
+    env = {}
+    for n in nodes:
+        if n.op == "placeholder" or n.op == "get_attr":
+            val = value(n)
+            if val is None or not val.is_floating_point():
+                raise Refused(f"the compressed {what} read {n.name}, not a floating-point tensor (not probed)")
+            if any(not isinstance(d, int) for d in val.shape):
+                raise Refused(f"the compressed {what} have symbolic sizes (dynamic shapes): not probed")
+            env[n] = torch.randn(tuple(val.shape), generator=gen, dtype=torch.float64)
+    from nsa_compile import probe  # float64 evaluation of a region
+
+    def pooled(values: dict) -> torch.Tensor:
+        return probe.run(ops, dict(values), kv, f"the compressed {what}")
+
+    base = pooled(env)
+    scale = float(base.abs().max()) + 1.0
+    period = 2 * block
+    t = torch.arange(S)
+    i = torch.arange(Tc)
+    reached = torch.zeros(Tc, dtype=torch.bool)
+    for r in range(min(period, S)):
+        perturbed = t % period == r
+        shifted = dict(env)
+        noise = torch.randn(tuple(value(source).shape), generator=gen, dtype=torch.float64)
+        shifted[source] = env[source] + noise * perturbed.view(1, S, *([1] * (value(source).dim() - 2)))
+        moved = (pooled(shifted) - base).abs().amax(dim=(0, 1, 3)) > PROBE_TOLERANCE * scale  # [Tc]
+        js = t[perturbed]
+        window = ((js[None, :] >= i[:, None] * stride) & (js[None, :] < i[:, None] * stride + block)).any(-1)
+        if bool((moved & ~window).any()):
+            k = int((moved & ~window).nonzero()[0])
+            raise Refused(f"the compressed {what}: pooled token {k} depends on tokens outside its block "
+                          f"[{k * stride}, {k * stride + block}) (probed, l={block}, d={stride})")
+        reached |= moved
+    if not bool(reached.all()):
+        raise Refused(f"the compressed {what}: pooled token {int((~reached).nonzero()[0])} depends on no token "
+                      "(probed)")
+    return Pooling(source, 1, block, stride)
+
+
+def pooling_of(probs: Probabilities, kv: fx.Node, what: str, data: set, subgraphs: PositionSubgraphs) -> Pooling:
+    """The pooling of kv: read from its code (`read_pooling`), or else probed for the (l, d) the
+    visibility mask shows (`probe_pooling`); the reader's reason where both fail."""
+    try:
+        return read_pooling(kv, what, data)
+    except Refused as why:
+        try:
+            block, stride = staircase_of(probs, subgraphs)
+            return probe_pooling(kv, what, block, stride, probs.shape[2])
+        except Refused as probed:
+            raise Refused(f"{why}; probed: {probed}") from None
 
 
 # --- the compressed probabilities -------------------------------------------------------------
@@ -862,10 +990,13 @@ def output_product(probs: Probabilities) -> tuple[fx.Node, fx.Node | None, fx.No
     """(p @ v matmul, the cast of p or None, v_rep) among the users of p, or Refused."""
     B, H, _, Tc = probs.shape
     found = []
+    candidates = []  # (cast or None, user): p's users, and the users of a cast of p (it may feed others too)
     for user in probs.p.users:
-        cast, mm = None, user
-        if op_name(user) in ("to", "type_as") and len(user.users) == 1:
-            cast, mm = user, next(iter(user.users))
+        if op_name(user) in ("to", "type_as"):
+            candidates += [(user, mm) for mm in user.users]
+        else:
+            candidates.append((None, user))
+    for cast, mm in candidates:
         if op_name(mm) not in MATMULS or mm.args[0] is not (cast or probs.p) or not isinstance(mm.args[1], fx.Node):
             continue
         v_rep = value(mm.args[1])
@@ -916,8 +1047,8 @@ class CompressedAttention(RewritePass):
             raise Refused(f"the {value(probs.p).dtype} probabilities multiply {vv.dtype} V without a cast")
         if value(probs.q).dtype != value(probs.k).dtype:
             raise Refused("q and the compressed keys differ in dtype")
-        pooling = read_pooling(probs.k, "keys", data)
-        v_pooling = read_pooling(v, "values", data)
+        pooling = pooling_of(probs, probs.k, "keys", data, subgraphs)
+        v_pooling = pooling_of(probs, v, "values", data, subgraphs)
         if (pooling.block, pooling.stride) != (v_pooling.block, v_pooling.stride):
             raise Refused(f"K and V are pooled with different blocks: (l, d) = {(pooling.block, pooling.stride)} "
                           f"and {(v_pooling.block, v_pooling.stride)}")

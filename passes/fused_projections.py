@@ -1,28 +1,43 @@
 """projections_rope: the Linear projections of one input -> one GEMM over their concatenated
 weights, with the RoPE of the rotated ones applied in that GEMM's epilogue.
 
-Matches (torch IR), per input node x (models/nsa.py `NSAAttention.forward`):
-    y_i = F.linear(x, W_i[, b_i])                     # every projection of the same x: q, k_c, v_c
-    out_i = rope(y_i)                                 # optional: arithmetic that is a rotation
-where rope is any arithmetic of views, slices, cat/stack, neg, mul, add, sub and casts that turns
-y_i.view(B, S, heads, D) into its rotation by two tables (cos, sin) [S, R/2] or [1 or B, S(, 1),
-R/2] read through views and casts, each any expression of data independent of y_i (rope_tables'
-cos; with packed documents the per-token gather cos[pos] [B, S, R/2], models/lm.py):
-rotate-half (pairs (j, j + R/2)) or interleaved (pairs (2j, 2j + 1)), the first R of each head's
-D dims (partial rotary), the rest passed through, by the angle or its opposite
-(x*cos - rotate(x)*sin: the op is given -sin).
+Matches (torch IR), per input node x (models/nsa.py `NSAAttention.forward`; tests/corpus/):
+    y_i = F.linear(x, W_i[, b_i])                     # every projection of the same x: q, k_c, v_c, the gate
+    q, k, v = y.split(sizes, -1)                      # optional: a fused Linear split by its columns
+    out_i = rope(piece_i)                             # optional: arithmetic that is a rotation
+It reads, top to bottom:
 
-Recognized from the arithmetic, not from names: the nodes that depend only on y_i and on data
-independent of it (the tables) are collected; for the output of each closed such subgraph of
-shape [B, S, heads, D] (largest first), the tables are found by walking up from what the
-arithmetic reads, through views, casts and signs of one tensor (a cat may repeat it), to where
-that chain starts (any other op, or one that reads a second tensor: the gather cos[pos] reads
-pos); on each chain the table is the node nearest its start whose value has a table's shape (the
-gather, not cos and pos: the op reads its value, whatever computed it). There must be two, and
-the subgraph is evaluated in float64 on random y and random tables (whatever values the model's
-tables hold) against the rotation formula, for both conventions, either table as cos and either
-sign. Its ops being linear in y and polynomial in the tables, one random probe tells a rotation
-from anything else. Identical subgraphs (one per layer) are evaluated once per graph.
+- anchor: the F.linear nodes of one input x, grouped by the dtype they compute in;
+- pieces: a projection whose output is only split by columns is taken apart, each piece a
+  projection by its rows of the weight: split / chunk / slices of the last dim, or a view to
+  [B, S, n, H, D] (any permute of it) then unbind / select / indexing along n. The views are run
+  on index codes (nsa_compile/probe.py): a piece is a node whose values are the columns
+  [a, a + n) of the output laid out as [B, S, n], [B, S, h, D] or [B, h, S, D]. Pieces that meet
+  again in the RoPE arithmetic (the two halves of a single head) are not taken apart, and a
+  split projection none of whose pieces is rotated stays whole;
+- region: the nodes reachable from a piece through _ROPE_OPS whose every input is in the region
+  or independent of the projection; for the output of each closed such subgraph of shape
+  [B, S, heads, D] or heads-first [B, heads, S, D] (largest first) the tables are found by
+  walking up from what the arithmetic reads, through views, casts and signs of one tensor (a
+  cat may repeat it), to where that chain starts (any other op, or one that reads a second
+  tensor: the gather cos[pos] reads pos); on each chain the table is the node nearest its start
+  whose value has a table's shape (the gather, not cos and pos: the op reads its value,
+  whatever computed it). Either two real tables, or one complex table (`view_as_complex`
+  arithmetic: its real part is the cosine, its imaginary part the sine);
+- parameters and verify: the subgraph is evaluated in float64 on random y and random tables
+  (whatever values the model's tables hold) against the rotation formula, for both conventions
+  (rotate-half: pairs (j, j + R/2); interleaved: pairs (2j, 2j + 1)), either table as cos and
+  either sign of the angle (x*cos - rotate(x)*sin: the op is given -sin), the first R of each
+  head's D dims rotated (partial rotary), the rest passed through. Tables are [S, F] or
+  [1 or B, S, F] with any size-1 dims between, of one entry per pair (F = R/2) or one per column
+  (F = R: the full-width tables of `x * cos + rotate_half(x) * sin`, cached as cat([f, f]) or
+  f.repeat_interleave(2); the op reads them as they are, `full_tables`, assuming nothing of
+  their values). Its ops being linear in y and polynomial in the tables, one random probe tells
+  a rotation from anything else.
+  Identical subgraphs (one per layer) are evaluated once per graph; tables computed the same
+  way twice (once for q, once for k) are one table pair;
+- replace: tables computed after the group's first projection are moved before it (they do not
+  depend on it), then the op below is inserted before that projection.
 
 Under autocast (`torch.autocast` around the compiled call, or a `with torch.autocast` inside
 it: Dynamo records no cast, only `torch.amp.autocast_mode._enter_autocast` / `_exit_autocast`
@@ -35,13 +50,13 @@ op: a `.to` and the custom op are outside autocast's op lists, so the ATen graph
 exactly what autocast's linear computes, one GEMM in A for the group.
 
 Becomes, before the group's first projection:
-    w = torch.cat([W_1, ..., W_n])                    # the module's own parameters, every call:
-    b = torch.cat([b_i or zeros])                     #   autograd splits dW back onto each
-    outs = torch.ops.nsa.projection_rope(x, w, b, cos, sin, widths, head_dims, style, backend)
+    w = torch.cat([W_1, ..., W_n])                    # the module's own parameters (or row ranges
+    b = torch.cat([b_i or zeros])                     #   of them), every call: autograd splits dW back
+    outs = torch.ops.nsa.projection_rope(x, w, b, cos, sin, widths, head_dims, style, backend, full_tables)
 (x, W_i, b_i each cast to the group's compute dtype first where they are not in it: autocast)
-and each y_i (unrotated) or out_i (rotated, viewed as [B, S, heads, D]) is replaced by its piece:
-one GEMM instead of n, no eager RoPE arithmetic, each piece written straight into its own
-contiguous tensor, as the eager code laid it out. The backend is chosen from the fake tensors and
+and each piece (unrotated) or out_i (rotated, viewed as [B, S, heads, D] or [B, heads, S, D]) is
+replaced by its piece of the op: one GEMM instead of n, no eager RoPE arithmetic, each piece
+written straight into its own contiguous tensor. The backend is chosen from the fake tensors and
 written into the graph (`triton` on CUDA in fp16/bf16, else `reference`; explain says why).
 
 Refuses (that projection stays eager, or its RoPE stays eager on its merged piece), with the
@@ -54,12 +69,15 @@ reason shown by `explain`:
   disabled around it only, or another autocast dtype) is not merged with them: it joins a group
   of its own dtype, and is refused when it is alone there (and has no RoPE);
 - RoPE-like arithmetic that is not a rotation on the probe (a wrong sign, a wrong partner, a
-  scale, one table used twice), that reads other than two tables, tables that require grad or
-  have another shape (another length than S, or [B, 1, R/2]: one angle per row), a rotary dim
-  over the head dim, a result in another dtype than the projection (a bf16 projection times
-  float32 tables is float32 by type promotion, the op's pieces are in the projection's dtype),
-  intermediate values used elsewhere, a second RoPE convention or table pair in the same group,
-  or symbolic sizes (dynamic shapes: the projections still merge, their RoPE stays eager);
+  scale, one table used twice), that reads other than two real tables or one complex one,
+  tables that require grad or have another shape (another length than S, or [B, 1, R/2]: one
+  angle per row), a rotary dim over the head dim, a result in another dtype than the projection (a bf16 projection times float32
+  tables is float32 by type promotion, the op's pieces are in the projection's dtype), values
+  used elsewhere (the unrotated projection too, e.g. keys compressed before RoPE: the op returns
+  the rotated piece only), tables computed after the first projection that cannot be moved
+  before it (an autocast boundary or an impure op on the way), a second RoPE convention or table
+  pair in the same group, or symbolic sizes (dynamic shapes: the projections still merge, their
+  RoPE stays eager);
 - more than MAX_PIECES projections of one input are split into several groups (not refused).
 """
 
@@ -67,15 +85,18 @@ from __future__ import annotations
 
 import heapq
 import inspect
+import math
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
-from nsa_compile.attention_match import Refused, erase_replaced
-from nsa_compile.fx import arg, call, module_path, op_name, value
+from nsa_compile import probe
+from nsa_compile.attention_match import Refused, ancestors, erase_replaced
+from nsa_compile.fx import arg, call, contiguous_if_read_by_layout, module_path, op_name, value
 from nsa_compile.ops import rope_triton
 from nsa_compile.ops.rope import choose_backend, rotate, why_not_triton
 from nsa_compile.rewrite import Match, PassLog, RewritePass
@@ -84,22 +105,30 @@ MAX_PIECES = rope_triton.MAX_PIECES
 # The probe evaluates the RoPE subgraph at the real shape, in float64, on the graph's device:
 # larger projections are not verified (the seed model at batch 8, S = 8192: 50M elements).
 MAX_VERIFIED_ELEMENTS = 2**28
-KERNEL = "nsa.projection_rope[{backend}] ({n} projection{s} -> 1 GEMM of {N} columns{cast}; {rope}{why})"
+KERNEL = "nsa.projection_rope[{backend}] ({n} projection{s}{of} -> 1 GEMM of {N} columns{cast}; {rope}{why})"
 
 # Ops the RoPE arithmetic may use on the projection (all linear in it, none random or in place).
 _ROPE_OPS = {
     "getitem", "view", "reshape", "unflatten", "flatten", "unsqueeze", "squeeze", "contiguous", "clone",
     "narrow", "select", "chunk", "split", "unbind", "tensor_split", "view_as", "reshape_as", "expand",
     "expand_as", "neg", "mul", "add", "sub", "cat", "concat", "concatenate", "stack", "to", "type_as",
-    "float", "half", "bfloat16", "double",
+    "float", "half", "bfloat16", "double", "transpose", "permute", "movedim", "view_as_complex", "view_as_real",
 }
 # Ops the table side may use between a table and the arithmetic (data movement, casts, a sign).
 _TABLE_OPS = {
     "getitem", "view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "broadcast_to", "to",
     "type_as", "float", "half", "bfloat16", "double", "cat", "concat", "concatenate", "stack", "repeat",
     "repeat_interleave", "flatten", "unflatten", "contiguous", "clone", "view_as", "narrow", "select", "neg",
+    "transpose", "permute",
 }
-_CASTS = {"float", "half", "bfloat16", "double"}
+# Ops that take a projection's output apart by columns (pieces) without computing anything.
+_VIEW_OPS = {
+    "view", "reshape", "unflatten", "flatten", "permute", "transpose", "contiguous", "getitem", "select", "narrow",
+    "movedim", "swapaxes", "squeeze", "unsqueeze",
+}
+_SPLIT_OPS = {"split", "chunk", "unbind", "tensor_split", "split_with_sizes"}
+# Table-side ops that must not be moved before the first projection (random, in place).
+_IMPURE_WORDS = ("rand", "dropout", "bernoulli", "normal", "uniform", "manual_seed")
 # What Dynamo records for a `with torch.autocast(...)` inside the compiled code (2.11 and 2.13).
 _ENTER_AUTOCAST = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
 _EXIT_AUTOCAST = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
@@ -203,57 +232,76 @@ def check_linear(linear: fx.Node, regions: AutocastRegions) -> tuple[fx.Node, fx
     return weight, bias, computes_in
 
 
-class Probe:
-    """Evaluates subgraphs for real, in float64 (casts to other float types become float64)."""
-
-    @staticmethod
-    def _f64(x):
-        return torch.float64 if isinstance(x, torch.dtype) and x.is_floating_point else x
-
-    @classmethod
-    def run(cls, nodes: list[fx.Node], env: dict, keep: fx.Node) -> torch.Tensor:
-        """The value of `keep`; values are dropped after their last use (the probe runs at the real
-        shape: at most a few projection-sized tensors live at once)."""
-        last = {i: n for n, node in enumerate(nodes) for i in node.all_input_nodes}
-        for step, node in enumerate(nodes):
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-            args, kwargs = torch.utils._pytree.tree_map(cls._f64, (args, kwargs))
-            try:
-                if node.op == "call_method" and node.target in _CASTS:
-                    env[node] = args[0].to(torch.float64)
-                elif node.op == "call_method":
-                    env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
-                else:
-                    env[node] = node.target(*args, **kwargs)
-            except torch.OutOfMemoryError:  # not a property of the user's code: never a refusal
-                raise
-            except Exception as error:  # the user's code, run on values it may not expect
-                raise Refused(f"evaluating the RoPE arithmetic on probe values failed at {node.name} "
-                              f"({type(error).__name__})") from None
-            for i in node.all_input_nodes:
-                if last.get(i) == step and i is not keep:
-                    del env[i]
-        return env[keep]
-
-
 def op_table(shape: tuple, B: int, S: int) -> tuple[int, ...] | None:
-    """The [S, R/2] or [Bt, S, R/2] shape the op reads a table of `shape` as, or None."""
+    """The [S, F] or [Bt, S, F] shape the op reads a table of `shape` as (any size-1 dims around
+    S: [S, 1, F] for [B, S, h, D] arithmetic, [1, 1, S, F] for heads-first), or None."""
     if len(shape) == 2 and shape[0] == S:
         return shape
     if len(shape) == 3 and shape[:2] in ((1, S), (B, S)):
         return shape
-    if len(shape) == 4 and shape[:3] in ((1, S, 1), (B, S, 1)):
-        return (shape[0], S, shape[3])
+    *lead, F = shape
+    big = [d for d in lead if d != 1]
+    if big == [S]:
+        return (S, F)
+    if big == [B, S]:
+        return (B, S, F)
     return None
 
 
 def table_layout(node: fx.Node, B: int, S: int) -> tuple[int, ...] | None:
-    """op_table of the node's value when it is a float tensor of static shape, else None."""
+    """op_table of the node's value when it is a float or complex tensor of static shape, else None."""
     val = value(node)
-    if not isinstance(val, torch.Tensor) or not val.is_floating_point() or \
+    if not isinstance(val, torch.Tensor) or not (val.is_floating_point() or val.is_complex()) or \
             not all(is_concrete_int(d) for d in val.shape):
         return None
     return op_table(tuple(int(d) for d in val.shape), B, S)
+
+
+def tokens(shape: tuple, layout: str) -> tuple[int, int]:
+    """(B, S) of a projection or RoPE output of `shape` in `layout` (packed tokens [N, ...]: 1, N)."""
+    if layout == "heads-first":
+        return shape[0], shape[-2]
+    if layout == "packed" or len(shape) == 2:
+        return 1, shape[0]
+    return shape[0], shape[1]
+
+
+def as_bsn(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A probe value laid out as `layout` as [B, S, n]: 'bsn' [B, S, n] (or [N, n]),
+    'tokens-first' [B, S, *heads, D], 'heads-first' [B, *heads, S, D], 'packed' [N, *heads, D]."""
+    B, S = tokens(tuple(t.shape), layout)
+    if layout == "heads-first":
+        t = t.movedim(-2, 1)
+    return t.reshape(B, S, -1)
+
+
+def rope_layouts(shape: tuple, B: int, S: int, n: int) -> list[str]:
+    """How a [B, S, n] piece can be split into heads of D in a tensor of `shape` (heads in one
+    dim or more: [B, H, S, D], [B, G, h, S, D])."""
+    found = []
+    if len(shape) >= 4 and shape[:2] == (B, S) and math.prod(shape[2:]) == n:
+        found.append("tokens-first")
+    if len(shape) >= 4 and shape[0] == B and shape[-2] == S and math.prod(shape[1:-2]) * shape[-1] == n:
+        found.append("heads-first")
+    if len(shape) >= 3 and B == 1 and shape[0] == S and math.prod(shape[1:]) == n:
+        found.append("packed")
+    return found
+
+
+@dataclass
+class Member:
+    """One projection of a group: a Linear, or a column range of one (a piece of a fused Linear)."""
+
+    linear: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    dtype: torch.dtype
+    node: fx.Node  # the tensor holding the projection: the linear itself, or a split / view of it
+    start: int  # its first column of the linear's output
+    width: int
+    layout: str  # 'bsn' [*lead, width], 'tokens-first', 'heads-first' or 'packed' (as_bsn)
+    rope: dict | None = None
+    late: bool = False
 
 
 class ProjectionsRope(RewritePass):
@@ -268,44 +316,175 @@ class ProjectionsRope(RewritePass):
                 groups.setdefault(arg(node, 0, "input"), []).append(node)
         regions = AutocastRegions(graph)
         verified: dict = {}  # structure of a RoPE subgraph -> its hypothesis (one per layer is the same)
+        keys: dict = {}  # what each table node computes, as a number (tables computed twice are one)
         for linears in groups.values():
             # one GEMM computes in one dtype: the projections of x are grouped by the dtype they
             # compute in (they differ where autocast is on for some and off for others)
-            by_dtype: dict[torch.dtype, list[dict]] = {}
+            by_dtype: dict[torch.dtype, list[Member]] = {}
             for linear in linears:
                 try:
                     weight, bias, dtype = check_linear(linear, regions)
                 except Refused as why:
                     log.refused(linear, str(why))
                     continue
-                by_dtype.setdefault(dtype, []).append(
-                    {"linear": linear, "weight": weight, "bias": bias, "dtype": dtype, "rope": None})
+                by_dtype.setdefault(dtype, []).extend(
+                    Member(linear, weight, bias, dtype, node, start, width, layout)
+                    for node, start, width, layout in self.pieces(linear))
             for dtype, members in by_dtype.items():
                 # a lone projection is rewritten only for its RoPE
-                if len(members) > 1 or any(self.rope_candidate(m["linear"]) for m in members):
+                if len(members) > 1 or any(self.rope_candidate(m.node) for m in members):
                     for m in members:  # (RoPE-less ones, the v projections, return None at once)
                         try:
-                            m["rope"] = self.find_rope(m["linear"], order, verified)
+                            m.rope = self.find_rope(m, order, verified, keys)
                         except Refused as why:
-                            log.refused(m["linear"], f"RoPE left eager: {why}")
-                chunks = self.plan(members, order, log)
+                            log.refused(m.node, f"RoPE left eager: {why}")
+                members = self.whole_unless_rotated(members)
+                chunks = self.plan(graph, members, order, log)
+                order = {node: i for i, node in enumerate(graph.nodes)}  # tables may have moved
                 if len(by_dtype) > 1:
                     others = ", ".join(str(d) for d in by_dtype if d != dtype)
                     for m in members:
-                        if not m.get("late") and not any(m in chunk for chunk in chunks):
-                            log.refused(m["linear"], f"it computes in {dtype}, the other projections of "
-                                                     f"{arg(m['linear'], 0, 'input').name} in {others} (autocast on for "
-                                                     "some, off for others?): one GEMM computes in one dtype")
+                        if not m.late and not any(m in chunk for chunk in chunks):
+                            log.refused(m.linear, f"it computes in {dtype}, the other projections of "
+                                                  f"{arg(m.linear, 0, 'input').name} in {others} (autocast on for "
+                                                  "some, off for others?): one GEMM computes in one dtype")
                 for chunk in chunks:
                     self.rewrite(graph, chunk, log)
                     order = {node: i for i, node in enumerate(graph.nodes)}  # the rewrite added nodes
 
+    # --- pieces of a fused projection ----------------------------------------------------------
+
+    def pieces(self, linear: fx.Node) -> list[tuple[fx.Node, int, int, str]]:
+        """(node, first column, width, layout) of each piece the projection's output is split
+        into (module docstring), or the whole projection [(linear, 0, N, 'bsn')]."""
+        shape = tuple(value(linear).shape)
+        whole = [(linear, 0, shape[-1], "bsn")]
+        if len(shape) != 3 or not all(is_concrete_int(d) for d in shape):
+            return whole
+        children, tree = self.view_tree(linear)
+        if len(tree) == 1:
+            return whole
+        B, S, N = (int(d) for d in shape)
+        if max(B * S, N) >= probe.EXACT_BELOW[torch.float32]:
+            return whole
+        # two probes of stride-0 views (no memory): each element's column, each element's token
+        device = value(linear).device
+        codes = (probe.index_codes((1, 1, N), device, torch.float32).expand(B, S, N),
+                 probe.index_codes((B, S, 1), device, torch.float32).expand(B, S, N))
+        try:
+            values = [probe.run_all(tree[1:], {linear: c}, "the views of the projection", torch.float32)
+                      for c in codes]
+        except Refused:
+            return whole
+        found = self.descend(linear, children, values, codes)
+        if not found or (len(found) == 1 and found[0][2] == N) or self.meet_again([node for node, *_ in found]):
+            return whole
+        return found  # (one piece: the only columns used)
+
+    @staticmethod
+    def view_tree(linear: fx.Node) -> tuple[dict, list[fx.Node]]:
+        """({node: the tensors made from it by one view or split}, the nodes in graph order): the
+        projection's output through ops that move data without computing (_VIEW_OPS, _SPLIT_OPS
+        and the getitems of a split), each reading only the tensor before it."""
+        children: dict[fx.Node, list[fx.Node]] = {}
+        tree, stack = [linear], [linear]
+        while stack:
+            node = stack.pop()
+            kids = []
+            for user in node.users:
+                name = op_name(user)
+                if arg(user, 0, "input") is not node or len(user.all_input_nodes) != 1:
+                    continue
+                if name in _SPLIT_OPS and all(op_name(u) == "getitem" for u in user.users):
+                    tree.append(user)
+                    kids += list(user.users)
+                elif name in _VIEW_OPS and isinstance(value(user), torch.Tensor):
+                    kids.append(user)
+            children[node] = kids
+            tree += kids
+            stack += kids
+        position = {n: i for i, n in enumerate(linear.graph.nodes)}
+        return children, sorted(set(tree), key=position.__getitem__)
+
+    def descend(self, node, children, values, codes) -> list[tuple[fx.Node, int, int, str]] | None:
+        """The pieces below `node` (a column range of the projection in any layout): the pieces
+        of the column ranges it is split into where it is split, else `node` itself when it
+        lays its columns out as a piece does (None when it does not)."""
+        mine = self.columns(node, values, codes)
+        if mine is None:
+            return None
+        itself = [(node, *mine)] if mine[2] else None
+        kids = children.get(node, [])
+        whole_use = any(u not in kids and not (op_name(u) in _SPLIT_OPS and all(g in kids for g in u.users))
+                        for u in node.users)
+        ranges = [self.columns(k, values, codes) for k in kids]
+        if whole_use or not kids or any(r is None for r in ranges):
+            return itself
+        if len(kids) == 1 and ranges[0][:2] == mine[:2]:  # a view of the same columns
+            return self.descend(kids[0], children, values, codes) or itself
+        spans = sorted(r[:2] for r in ranges)
+        if all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:])) and all(w < mine[1] for _, w in spans):
+            found = [self.descend(k, children, values, codes) for k in kids]
+            return None if any(f is None for f in found) else [p for f in found for p in f]
+        return itself
+
+    @staticmethod
+    def columns(node: fx.Node, values: list[dict], codes: tuple) -> tuple[int, int, str | None] | None:
+        """(first column, width, layout) when `node` holds the columns [a, a + width) of every
+        token (its probe values: each element's column and token, 1-based): layout 'bsn',
+        'tokens-first' or 'heads-first' when it lays them out as a piece, None when in another
+        order (a permute of [B, S, 3, H, D]); None for anything else."""
+        column, token = (v[node] for v in values)
+        B, S, _ = codes[0].shape
+        if column.numel() == 0 or column.numel() % (B * S):
+            return None
+        width = column.numel() // (B * S)
+        start = int(column.min()) - 1
+        if int(column.max()) != start + width:
+            return None
+        shape = tuple(column.shape)
+        for layout in (["bsn"] if shape == (B, S, width) else []) + rope_layouts(shape, B, S, width):
+            if torch.equal(as_bsn(column, layout), codes[0][:, :, start : start + width]) and \
+                    torch.equal(as_bsn(token, layout), codes[1][:, :, start : start + width]):
+                return start, width, layout
+        return start, width, None
+
+    @staticmethod
+    def meet_again(nodes: list[fx.Node]) -> bool:
+        """Whether arithmetic reached through RoPE-like ops combines two of these pieces (the
+        halves of one head: x1 * cos - x2 * sin), unlike the pieces of a q / k / v split."""
+        reached: dict[fx.Node, int] = {}
+        for i, node in enumerate(nodes):
+            stack = [node]
+            while stack:
+                for user in stack.pop().users:
+                    if op_name(user) not in _ROPE_OPS or reached.get(user) == i:
+                        continue
+                    if user in reached and op_name(user) in ("add", "sub", "mul"):
+                        return True
+                    reached[user] = i
+                    stack.append(user)
+        return False
+
+    @staticmethod
+    def whole_unless_rotated(members: list[Member]) -> list[Member]:
+        """The pieces of a split projection none of which is rotated, as the one projection."""
+        kept, merged = [], set()
+        for m in members:
+            parts = [p for p in members if p.linear is m.linear]
+            if len(parts) == 1 or any(p.rope for p in parts):
+                kept.append(m)
+            elif m.linear not in merged:
+                merged.add(m.linear)
+                kept.append(Member(m.linear, m.weight, m.bias, m.dtype, m.linear, 0, value(m.linear).shape[-1], "bsn"))
+        return kept
+
     # --- RoPE recognition -------------------------------------------------------------------------
 
     @staticmethod
-    def rope_candidate(linear: fx.Node) -> bool:
+    def rope_candidate(node: fx.Node) -> bool:
         """Whether the projection's output feeds any RoPE-like arithmetic at all (cheap pre-check)."""
-        seen, stack = set(), [linear]
+        seen, stack = set(), [node]
         while stack:
             node = stack.pop()
             for user in node.users:
@@ -317,23 +496,23 @@ class ProjectionsRope(RewritePass):
                     stack.append(user)
         return False
 
-    def region(self, linear: fx.Node, order: dict) -> list[fx.Node]:
-        """The nodes reachable from the projection through _ROPE_OPS whose every input is either in
-        the region or independent of the projection, in graph order (the projection first)."""
-        region, rejected = {linear}, set()
-        start = order[linear]
-        memo: dict[fx.Node, bool] = {}
+    def region(self, start: fx.Node, linear: fx.Node, order: dict) -> list[fx.Node]:
+        """The nodes reachable from the piece `start` through _ROPE_OPS whose every input is either
+        in the region or independent of the projection, in graph order (the piece first)."""
+        region, rejected = {start}, set()
+        first = order[linear]
+        memo: dict[fx.Node, bool] = {linear: True}  # other pieces of the projection depend on it too
 
         def depends(node: fx.Node) -> bool:
             """Whether node depends on the projection (nodes before it cannot); iterative, memoized."""
             stack = [node]
             while stack:
                 top = stack[-1]
-                if top in region or top in memo or order.get(top, -1) <= start:
+                if top in region or top in memo or order.get(top, -1) < first:
                     stack.pop()
                     continue
                 pending = [i for i in top.all_input_nodes
-                           if i not in region and i not in memo and order.get(i, -1) > start]
+                           if i not in region and i not in memo and order.get(i, -1) >= first]
                 if pending:
                     stack.extend(pending)
                     continue
@@ -341,7 +520,7 @@ class ProjectionsRope(RewritePass):
                 stack.pop()
             return node in region or memo.get(node, False)
 
-        heap = [(order[u], u.name, u) for u in linear.users]
+        heap = [(order[u], u.name, u) for u in start.users]
         heapq.heapify(heap)
         while heap:
             _, _, node = heapq.heappop(heap)
@@ -356,33 +535,37 @@ class ProjectionsRope(RewritePass):
                 heapq.heappush(heap, (order[user], user.name, user))
         return sorted(region, key=order.__getitem__)
 
-    def find_rope(self, linear: fx.Node, order: dict, verified: dict) -> dict | None:
+    def find_rope(self, m: Member, order: dict, verified: dict, keys: dict) -> dict | None:
         """The RoPE applied to this projection ({output node, subgraph, tables, style, ...}), None
         when there is no RoPE-like arithmetic, Refused when there is one that is not a rotation."""
-        if not self.rope_candidate(linear):
+        if not self.rope_candidate(m.node):
             return None
-        ys = static_shape(linear, "projection")
-        if len(ys) != 3:
+        shape = static_shape(m.node, "projection")
+        if m.layout == "bsn" and len(shape) not in (2, 3):
             return None
-        B, S, N = ys
-        region = self.region(linear, order)
+        B, S = tokens(shape, m.layout)
+        region = self.region(m.node, m.linear, order)
         first_reason = None
-        # candidates: the [B, S, heads, D] outputs of closed subgraphs, largest first
+        # candidates: the [B, S, heads, D] / [B, heads, S, D] (/ packed) outputs of closed subgraphs, largest first
         for out in reversed(region[1:]):
-            shape = tuple(value(out).shape) if value(out) is not None else ()
-            if len(shape) != 4 or shape[:2] != (B, S) or shape[2] * shape[3] != N:
+            layouts = rope_layouts(tuple(value(out).shape), B, S, m.width) if value(out) is not None else []
+            if not layouts:
                 continue
             sub = self.ancestors_in(out, region)
-            if any(u not in sub for n in sub if n is not out for u in n.users):
+            leaks = [(n, u) for n in sub if n is not out for u in n.users if u not in sub]
+            if leaks:
                 if first_reason is None and any(op_name(n) == "mul" for n in sub):
-                    first_reason = Refused("values inside the RoPE arithmetic (or the projection) are used elsewhere")
+                    n, u = leaks[0]
+                    first_reason = Refused(f"values inside the RoPE arithmetic (or the projection) are used "
+                                           f"elsewhere: {n.name} by {u.name}")
                 continue
-            if not any(op_name(n) == "mul" for n in sub):
+            if not any(op_name(n) in ("mul", "view_as_complex") for n in sub):
                 continue
-            try:
-                return self.verify(linear, out, sub, order, verified)
-            except Refused as why:
-                first_reason = first_reason or why
+            for layout in layouts:
+                try:
+                    return self.verify(m, out, layout, sub, order, verified, keys, B, S)
+                except Refused as why:
+                    first_reason = first_reason or why
         if first_reason is not None:
             raise first_reason
         return None
@@ -407,7 +590,8 @@ class ProjectionsRope(RewritePass):
         the table is the node nearest the stop whose value has a table's shape (else the stop
         itself, refused for its shape): the op reads its value, whatever computed it."""
         inside = set(sub)
-        externals = list(dict.fromkeys(i for n in sub[1:] for i in n.all_input_nodes if i not in inside))
+        externals = list(dict.fromkeys(i for n in sub[1:] for i in n.all_input_nodes
+                                       if i not in inside and i not in ProjectionsRope.like_only(n)))
         tables, side = [], set()
         for node in externals:
             chain = [node]  # from the arithmetic up
@@ -421,114 +605,185 @@ class ProjectionsRope(RewritePass):
             side.update(chain[: chain.index(table)])
         return sorted(tables, key=order.__getitem__), sorted(side, key=order.__getitem__), externals
 
-    def verify(self, linear: fx.Node, out: fx.Node, sub: list[fx.Node], order: dict, verified: dict) -> dict:
-        B, S, N = static_shape(linear, "projection")
-        heads, D = tuple(value(out).shape)[2:]
+    @staticmethod
+    def like_only(node: fx.Node) -> list[fx.Node]:
+        """The inputs `node` reads only for their dtype or shape (x.type_as(t), x.view_as(t), ...)."""
+        if op_name(node) in ("type_as", "view_as", "expand_as", "reshape_as") or \
+                (op_name(node) == "to" and isinstance(arg(node, 1, "other"), fx.Node)):
+            return [n for n in node.args[1:2] if isinstance(n, fx.Node)]
+        return []
+
+    def verify(self, m: Member, out: fx.Node, out_layout: str, sub: list[fx.Node], order: dict, verified: dict,
+               keys: dict, B: int, S: int) -> dict:
+        D = value(out).shape[-1]
         sources, side, externals = self.tables(sub, order, B, S)
         names = ", ".join(n.name for n in sources)
-        if len(sources) != 2:
-            raise Refused(f"the arithmetic reads {len(sources)} tables besides the projection ({names}); "
-                          "RoPE reads two (cos, sin)")
-        shapes = [static_shape(n, "RoPE table") for n in sources]
         vals = [value(n) for n in sources]
+        complex_table = len(sources) == 1 and vals[0] is not None and vals[0].is_complex()
+        if len(sources) != 2 and not complex_table:
+            raise Refused(f"the arithmetic reads {len(sources)} tables besides the projection ({names}); "
+                          "RoPE reads two (cos, sin) or one complex table")
+        shapes = [static_shape(n, "RoPE table") for n in sources]
         layout = op_table(shapes[0], B, S)
-        if shapes[0] != shapes[1] or layout is None or not all(v.is_floating_point() for v in vals):
-            raise Refused(f"the tables {names} are {shapes[0]} and {shapes[1]}; the op reads two float tables "
-                          f"[S, R/2] or [1 or B, S(, 1), R/2] (S = {S})")
+        if len(set(shapes)) != 1 or layout is None or not all(v.is_floating_point() or complex_table for v in vals):
+            pair = " and ".join(str(s) for s in shapes) if len(shapes) == 2 else str(shapes[0])
+            raise Refused(f"the tables {names} are {pair}; the op reads two float tables [S, R/2] or "
+                          f"[1 or B, S(, 1), R/2] (S = {S}), any size-1 dims between, or one complex table")
         if any(v.requires_grad for v in vals):
             raise Refused(f"the tables {names} require grad; the op gives them none")
-        R = 2 * layout[-1]
-        if R == 0 or R > D:
-            raise Refused(f"the rotary dim {R} (from the tables {shapes[0]}) exceeds the head dim {D}")
-        if value(out).dtype != value(linear).dtype:
+        if value(out).dtype != value(m.node).dtype:
             raise Refused(f"the rotated projection is {value(out).dtype} (type promotion with the "
                           f"{', '.join(sorted({str(v.dtype) for v in vals}))} tables), the op returns the projection's "
-                          f"{value(linear).dtype}")
-        if B * S * N > MAX_VERIFIED_ELEMENTS:
-            raise Refused(f"the projection has {B * S * N:,} elements, over the cap of {MAX_VERIFIED_ELEMENTS:,} "
-                          "for the probe: not verified at this size yet")
-        key = (self.structure(linear, sources, side, sub), (B, S, N, heads, D), shapes[0])
+                          f"{value(m.node).dtype}")
+        if B * S * m.width > MAX_VERIFIED_ELEMENTS:
+            raise Refused(f"the projection has {B * S * m.width:,} elements, over the cap of "
+                          f"{MAX_VERIFIED_ELEMENTS:,} for the probe: not verified at this size yet")
+        F = layout[-1]
+        # the table widths the rotary dim R fits: one entry per pair [.., R/2] (or complex), per column [.., R]
+        widths = [w for w in (["complex"] if complex_table else ["half", "full"])
+                  if (F if w == "full" else 2 * F) <= D and (w != "full" or F % 2 == 0)]
+        if not widths:
+            raise Refused(f"the rotary dim (from the tables {shapes[0]}) exceeds the head dim {D}")
+        key = (probe.fingerprint([*side, *sub[1:]], [m.node, *sources]), sub.index(out), tuple(value(m.node).shape),
+               m.layout, out_layout, shapes[0])
         if key not in verified:
-            verified[key] = self.probe(linear, out, sources, side, sub, layout, D)
-        swap, style, negate = verified[key]
-        cos, sin = sources[::-1] if swap else sources
-        return {"out": out, "sub": sub, "externals": externals, "cos": cos, "sin": sin, "negate": negate,
-                "style": style, "rotary": R, "head_dim": D, "table_shape": layout,
-                "signature": (cos, sin, negate, style, D)}
+            verified[key] = self.probe(m, out, out_layout, sources, side, sub, layout, D, widths)
+        swap, style, negate, width = verified[key]
+        if complex_table:
+            cos = sin = sources[0]  # its real and imaginary parts
+        else:
+            cos, sin = sources[::-1] if swap else sources
+        R = F if width == "full" else 2 * F
+        tables = [self.key(t, keys) for t in (cos, sin)]
+        return {"out": out, "out_layout": out_layout, "sub": sub, "externals": externals, "cos": cos, "sin": sin,
+                "negate": negate, "style": style, "width": width, "rotary": R, "head_dim": D, "table_shape": layout,
+                "signature": (*tables, negate, style, width, D)}
 
     @staticmethod
-    def structure(linear, sources, side, sub) -> str:
-        """What the subgraph computes from the projection and the tables, as text (equal texts:
-        the same function, so one probe serves both)."""
-        index = {n: i for i, n in enumerate([linear, *sources, *side, *sub[1:]])}
+    def key(node: fx.Node, keys: dict) -> int:
+        """What a table node computes, as a number: equal numbers for equal computations (graph
+        inputs by name, every op with its arguments: q's and k's tables computed twice are one).
+        `keys` holds node -> number and each (op, target, arguments) -> number."""
+        pending = [node]
+        while pending:
+            top = pending[-1]
+            if top in keys:
+                pending.pop()
+                continue
+            todo = [i for i in top.all_input_nodes if i not in keys]
+            if todo:
+                pending.extend(todo)
+                continue
+            if top.op in ("call_function", "call_method"):
+                what = (top.op, str(top.target), repr(fx.node.map_arg((top.args, top.kwargs), lambda a: keys[a])))
+            else:
+                what = (top.op, str(top.target))
+            keys[top] = keys.setdefault(what, len(keys))
+            pending.pop()
+        return keys[node]
 
-        class Ref:
-            def __init__(self, i):
-                self.i = i
-
-            def __repr__(self):
-                return f"<{self.i}>"
-
-        ops = [(n.op, n.target, fx.node.map_arg((n.args, n.kwargs), lambda a: Ref(index[a])))
-               for n in [*side, *sub[1:]]]
-        return repr((ops, index[sub[-1]] if sub else None, [index[s] for s in sources]))
-
-    def probe(self, linear, out, sources, side, sub, layout, D) -> tuple[bool, str, bool]:
-        """(tables swapped, style, angle negated) of the rotation the subgraph computes, or Refused."""
-        device = value(linear).device
+    def probe(self, m, out, out_layout, sources, side, sub, layout, D, widths) -> tuple[bool, str, bool, str]:
+        """(tables swapped, style, angle negated, table width) of the rotation the subgraph
+        computes on random y and random tables, or Refused. Widths: 'half' (one entry per pair),
+        'full' (one entry per column), 'complex' (one complex table: cos + i sin)."""
+        device = value(m.node).device
         gen = torch.Generator(device=device).manual_seed(0)
-        y = torch.randn(value(linear).shape, generator=gen, device=device, dtype=torch.float64)
-        t = [torch.rand(value(s).shape, generator=gen, device=device, dtype=torch.float64) * 2 - 1 for s in sources]
-        got = Probe.run([*side, *sub[1:]], {linear: y, sources[0]: t[0], sources[1]: t[1]}, keep=out)
+        y = torch.randn(value(m.node).shape, generator=gen, device=device, dtype=torch.float64)
+        shape = tuple(value(sources[0]).shape)
+        rand = lambda: torch.rand(shape, generator=gen, device=device, dtype=torch.float64) * 2 - 1
+        if widths == ["complex"]:
+            t = [torch.complex(rand(), rand())]
+            pairs = [(t[0].real.reshape(layout), t[0].imag.reshape(layout))]
+        else:
+            t = [rand() for _ in sources]
+            pairs = [(t[0].reshape(layout), t[1].reshape(layout))]
+            pairs.append(pairs[0][::-1])
+        env = {m.node: y, **dict(zip(sources, t))}
+        for n in sub[1:]:  # inputs read for their dtype or shape only: any values
+            env.update((i, torch.zeros(value(i).shape, device=device, dtype=torch.float64))
+                       for i in self.like_only(n) if i not in env and i not in sub)
+        got = probe.run([*side, *sub[1:]], env, out, "the RoPE arithmetic")
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(value(out).shape):
             raise Refused("the RoPE arithmetic evaluates to another shape than traced")
-        tables = [x.reshape(layout) for x in t]
-        for swap in (False, True):
-            cos, sin = tables[::-1] if swap else tables
-            for style in ("half", "interleaved"):
-                for negate in (False, True):  # negate: a rotation by the opposite angle
-                    want = rotate(y, cos, -sin if negate else sin, D, style).view(got.shape)
-                    if torch.allclose(got, want, rtol=1e-9, atol=1e-9):
-                        return swap, style, negate
+        got, y = as_bsn(got, out_layout), as_bsn(y, m.layout)
+        for width in widths:
+            for swap, (cos, sin) in enumerate(pairs):
+                for style in ("half", "interleaved"):
+                    for negate in (False, True):  # negate: a rotation by the opposite angle
+                        want = rotate(y, cos, -sin if negate else sin, D, style, full_tables=width == "full")
+                        if torch.allclose(got, want, rtol=1e-9, atol=1e-9):
+                            return bool(swap), style, negate, width
         raise Refused("the arithmetic on the projection is not a RoPE rotation (checked on random values: "
-                      "rotate-half and interleaved, either table as cos, either sign of the angle)")
+                      "rotate-half and interleaved, either table as cos, either sign of the angle, tables of one "
+                      "entry per pair or per column)")
 
     # --- grouping and rewriting -----------------------------------------------------------------
 
-    def plan(self, members: list[dict], order: dict, log: PassLog) -> list[list[dict]]:
-        """The groups to rewrite: members whose inputs exist before the group's first projection,
-        one RoPE signature per group, at most MAX_PIECES each; lone unrotated projections dropped."""
+    def plan(self, graph: fx.Graph, members: list[Member], order: dict, log: PassLog) -> list[list[Member]]:
+        """The groups to rewrite: members whose inputs exist before the group's first projection
+        (tables computed later are moved before it), one RoPE signature per group, at most
+        MAX_PIECES each; lone unrotated projections dropped."""
         if not members:
             return []
-        anchor = members[0]["linear"]
+        anchor = members[0].linear
         kept = []
         for m in members:
-            late = [n for n in (m["weight"], m["bias"]) if n is not None and order[n] >= order[anchor]]
+            late = [n for n in (m.weight, m.bias) if n is not None and order[n] >= order[anchor]]
             if late:
-                m["late"] = True
-                log.refused(m["linear"], f"its {late[0].name} is computed after the group's first projection "
-                                         f"{anchor.name}: one GEMM cannot read it")
+                m.late = True
+                log.refused(m.linear, f"its {late[0].name} is computed after the group's first projection "
+                                      f"{anchor.name}: one GEMM cannot read it")
             else:
                 kept.append(m)
-        signature = next((m["rope"]["signature"] for m in kept if m["rope"]), None)
+        signature = next((m.rope["signature"] for m in kept if m.rope), None)
+        linears, tables = {m.linear for m in members}, None
         for m in kept:
-            rope = m["rope"]
+            rope = m.rope
             if rope is None:
                 continue
             if rope["signature"] != signature:
-                log.refused(m["linear"], "RoPE left eager: the group already rotates with another table pair, "
-                                         "convention or head dim")
-                m["rope"] = None
-            elif any(order[s] >= order[anchor] for s in (rope["cos"], rope["sin"])):
-                log.refused(m["linear"], f"RoPE left eager: its tables are computed after the group's first "
-                                         f"projection {anchor.name}")
-                m["rope"] = None
+                log.refused(m.node, "RoPE left eager: the group already rotates with another table pair, "
+                                    "convention or head dim")
+                m.rope = None
+                continue
+            if tables is None:  # the group's table pair: this one's, moved before the anchor if need be
+                try:
+                    self.hoist(graph, [rope["cos"], rope["sin"]], anchor, linears)
+                    tables = rope["cos"], rope["sin"]
+                except Refused as why:
+                    log.refused(m.node, f"RoPE left eager: its tables are computed after the group's first "
+                                        f"projection {anchor.name} and cannot be moved before it: {why}")
+                    m.rope = None
+                    continue
+            rope["cos"], rope["sin"] = tables  # the same values (equal signatures): one pair for the op
         chunks = [kept[i : i + MAX_PIECES] for i in range(0, len(kept), MAX_PIECES)]
-        return [c for c in chunks if len(c) > 1 or (c and c[0]["rope"])]
+        return [c for c in chunks if len(c) > 1 or (c and c[0].rope)]
 
-    def rewrite(self, graph: fx.Graph, group: list[dict], log: PassLog) -> None:
-        anchor = group[0]["linear"]
-        dtype = group[0]["dtype"]
+    @staticmethod
+    def hoist(graph: fx.Graph, tables: list[fx.Node], anchor: fx.Node, linears: set) -> None:
+        """Move what computes the tables after `anchor` to before it, or Refused (graph unchanged)."""
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        needed = ancestors(tables)
+        late = sorted((n for n in needed if order[n] > order[anchor]), key=order.__getitem__)
+        if not late:
+            return
+        if needed & linears:
+            raise Refused("they are computed from a projection of the group")
+        for node in late:
+            name = (op_name(node) or "").lower()
+            if node.op not in ("call_function", "call_method") or name.endswith("_") or \
+                    any(word in name for word in _IMPURE_WORDS) or node.target in (_ENTER_AUTOCAST, _EXIT_AUTOCAST):
+                raise Refused(f"{node.name} ({name or node.op}) has effects or randomness")
+        between = [n for n in graph.nodes if order[anchor] < order[n] < order[late[-1]]
+                   and n.target in (_ENTER_AUTOCAST, _EXIT_AUTOCAST)]
+        if between:
+            raise Refused(f"an autocast region starts or ends on the way ({between[0].name})")
+        for node in late:
+            anchor.prepend(node)
+
+    def rewrite(self, graph: fx.Graph, group: list[Member], log: PassLog) -> None:
+        anchor = group[0].linear
+        dtype = group[0].dtype
         casts = []
 
         def cast(node: fx.Node) -> fx.Node:
@@ -539,47 +794,60 @@ class ProjectionsRope(RewritePass):
             casts.append(node)
             return call(graph, torch.Tensor.to, node, dtype, anchor=anchor)
 
+        def rows(t: fx.Node, start: int, width: int) -> fx.Node:
+            """Rows [start, start + width) of a weight or bias (all of it as it is)."""
+            if start == 0 and width == value(t).shape[0]:
+                return t
+            return call(graph, torch.narrow, t, 0, start, width, anchor=anchor)
+
         x = cast(arg(anchor, 0, "input"))
-        ropes = [m["rope"] for m in group if m["rope"]]
+        ropes = [m.rope for m in group if m.rope]
         rope = ropes[0] if ropes else None
-        widths = [value(m["weight"]).shape[0] for m in group]
-        head_dims = [m["rope"]["head_dim"] if m["rope"] else 0 for m in group]
-        # each piece cast before the cat, as autocast casts each weight (the cat then mixes no dtypes)
-        weights = [cast(m["weight"]) for m in group]
+        if rope and value(x).dim() == 2:  # packed tokens [N, K]: the op rotates [1, N, K]
+            x = call(graph, torch.unsqueeze, x, 0, anchor=anchor)
+        widths = [m.width for m in group]
+        head_dims = [m.rope["head_dim"] if m.rope else 0 for m in group]
+        # consecutive pieces of one weight as one range; each cast before the cat, as autocast
+        # casts each weight (the cat then mixes no dtypes)
+        spans = []
+        for m in group:
+            if spans and spans[-1][0] is m and spans[-1][1] + spans[-1][2] == m.start:
+                spans[-1][2] += m.width
+            else:
+                spans.append([m, m.start, m.width])
+        spans = [(m, start, width) for m, start, width in spans]
+        weights = [cast(rows(m.weight, start, width)) for m, start, width in spans]
         weight = weights[0] if len(weights) == 1 else call(graph, torch.cat, weights, 0, anchor=anchor)
         bias = None
-        if any(m["bias"] is not None for m in group):
-            parts = [cast(m["bias"]) if m["bias"] is not None else
-                     call(graph, torch.Tensor.new_zeros, x, (w,), anchor=anchor) for m, w in zip(group, widths)]
+        if any(m.bias is not None for m in group):
+            parts = [cast(rows(m.bias, start, width)) if m.bias is not None else
+                     call(graph, torch.Tensor.new_zeros, x, (width,), anchor=anchor) for m, start, width in spans]
             bias = parts[0] if len(parts) == 1 else call(graph, torch.cat, parts, 0, anchor=anchor)
         cos = sin = None
         style = rope["style"] if rope else "half"
         if rope:
-            cos, sin = rope["cos"], rope["sin"]
-            if tuple(value(cos).shape) != rope["table_shape"]:  # [Bt, S, 1, R/2] -> [Bt, S, R/2]
-                cos = call(graph, torch.reshape, cos, rope["table_shape"], anchor=anchor)
-                sin = call(graph, torch.reshape, sin, rope["table_shape"], anchor=anchor)
+            cos, sin = (self.op_table(graph, t, rope, anchor) for t in ("cos", "sin"))
             if rope["negate"]:  # the code rotates by -angle: the op gets -sin
                 sin = call(graph, torch.neg, sin, anchor=anchor)
         fakes = [value(n) if n is not None else None for n in (x, weight, bias, cos, sin)]
         backend = choose_backend(*fakes, widths, head_dims)
+        full = bool(rope) and rope["width"] == "full"
         outs = call(graph, torch.ops.nsa.projection_rope, x, weight, bias, cos, sin, widths, head_dims, style,
-                    backend, anchor=anchor)
+                    backend, full, anchor=anchor)
         # every new node goes in before the anchor (the first projection) is erased
-        pieces = [call(graph, operator.getitem, outs, i, anchor=anchor) for i in range(len(group))]
-        views = [call(graph, torch.reshape, piece, tuple(value(m["rope"]["out"]).shape), anchor=anchor)
-                 if m["rope"] else piece for m, piece in zip(group, pieces)]
-        paths = [module_path(m["linear"]).split(".") for m in group]
+        news = [self.laid_out(graph, call(graph, operator.getitem, outs, i, anchor=anchor), m, anchor)
+                for i, m in enumerate(group)]
+        paths = [module_path(m.linear).split(".") for m in group]
         order = {node: i for i, node in enumerate(graph.nodes)}
-        for m, new in zip(group, views):
-            if m["rope"]:
-                m["rope"]["out"].replace_all_uses_with(new)
+        for m, new in zip(group, news):
+            if m.rope:
+                m.rope["out"].replace_all_uses_with(new)
                 # the arithmetic, then the table views only it used (users before producers)
-                erase_replaced(graph, sorted(m["rope"]["sub"], key=order.__getitem__, reverse=True),
-                               m["rope"]["externals"])
+                erase_replaced(graph, sorted(m.rope["sub"], key=order.__getitem__, reverse=True),
+                               m.rope["externals"])
             else:
-                m["linear"].replace_all_uses_with(new)
-                erase_replaced(graph, [m["linear"]], [])
+                m.node.replace_all_uses_with(new)
+                erase_replaced(graph, [m.node], [])
         common = []
         for parts in zip(*paths):
             if len(set(parts)) != 1:
@@ -587,12 +855,40 @@ class ProjectionsRope(RewritePass):
             common.append(parts[0])
         where = ".".join(common) if len(group) > 1 else ".".join(paths[0][:-1])
         why = "" if backend == "triton" else f"; not triton: {why_not_triton(*fakes, widths, head_dims)}"
-        rope_text = (f"RoPE {rope['style']} r={rope['rotary']} on {len(ropes)} of them"
-                     if rope else "no RoPE")
+        rope_text = (f"RoPE {rope['style']} r={rope['rotary']} on {len(ropes)} of them" if rope else "no RoPE")
+        if rope and rope["width"] != "half":
+            rope_text += " (complex tables)" if rope["width"] == "complex" else " (full-width tables)"
         cast_text = f" in {dtype} (autocast: the inputs cast to it)" if casts else ""
+        n_linears = len({m.linear for m in group})
+        of = f" of {n_linears} Linear{'s' if n_linears > 1 else ''}" if n_linears != len(group) else ""
         log.matches.append(Match(anchor.name, where or "<top>", KERNEL.format(
-            backend=backend, n=len(group), s="s" if len(group) > 1 else "", N=sum(widths), cast=cast_text,
+            backend=backend, n=len(group), s="s" if len(group) > 1 else "", of=of, N=sum(widths), cast=cast_text,
             rope=rope_text, why=why)))
+
+    @staticmethod
+    def op_table(graph: fx.Graph, which: str, rope: dict, anchor: fx.Node) -> fx.Node:
+        """The op's [S, F] or [Bt, S, F] table from the model's: reshaped, or the real or
+        imaginary part of a complex table."""
+        node = rope[which]
+        if rope["width"] == "complex":
+            node = call(graph, torch.real if which == "cos" else torch.imag, node, anchor=anchor)
+        if tuple(value(node).shape) != rope["table_shape"]:  # [Bt, S, 1, R/2] -> [Bt, S, R/2]
+            node = call(graph, torch.reshape, node, rope["table_shape"], anchor=anchor)
+        return node
+
+    @staticmethod
+    def laid_out(graph: fx.Graph, piece: fx.Node, m: Member, anchor: fx.Node) -> fx.Node:
+        """The op's piece [*lead, width] laid out as what it replaces: the rotated output
+        [B, S, heads, D] or [B, heads, S, D], or the projection (piece) in its layout."""
+        layout, shape = (m.rope["out_layout"], tuple(value(m.rope["out"]).shape)) if m.rope else \
+            (m.layout, tuple(value(m.node).shape))
+        if layout == "heads-first":  # [B, S, *heads, D] with the token dim moved after the heads
+            B, S = tokens(shape, layout)
+            piece = call(graph, torch.reshape, piece, (B, S, *shape[1:-2], shape[-1]), anchor=anchor)
+            piece = call(graph, torch.movedim, piece, 1, -2, anchor=anchor)
+        elif tuple(value(piece).shape) != shape:
+            piece = call(graph, torch.reshape, piece, shape, anchor=anchor)
+        return contiguous_if_read_by_layout(graph, piece, m.rope["out"] if m.rope else m.node, anchor)
 
 
 PASS = ProjectionsRope()

@@ -1,121 +1,144 @@
 """gated_combine: the NSA gate (its MLP and softmax or sigmoid) and the gated sum of the three
 branch outputs -> one nsa.gated_combine op that reads each branch output once and writes o once.
 
-Matches (torch IR), anchored at the sum (models/nsa.py `NSAAttention.forward` and `.gates`):
-    o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_sel + g[..., 2:3] * o_win      # o_c [B, S, H, Dv]
-terms in any order and nesting, factors either way round, g[..., c:c+1] or g[..., c, None] or
-g[..., c].unsqueeze(-1); g [B, S, H, 3] computed, reading upwards, as
-    g = t.repeat_interleave(rep, dim=2)                     # optional: heads sharing a gate triple
-    t = softmax(z', dim=-1) over a last dim of 3  |  sigmoid(z')   # views of the trailing dims around
-    z = linear(a, w2, b2)                                   # [B, S, 3 * NI] or [B, S, R, 3 * NI]
-    a = act(linear(u, w1, b1))                              # optional hidden layer: silu, relu, gelu (erf)
-    u = v.mean(3) with v [B, S, R, m, Din]  |  any u [B, S, R, Din] or [B, S, Din]
-or, when z is not a Linear's output, z as it is (logits computed elsewhere: fused_projections
-merges the paper's gate Linear into the GEMM of the projections that read the same x, and
-whatever else computes the logits, an unknown activation or another tensor added in, stays).
-The seed's group gate: v = q.view(B, S, G, h, Dk), Linear -> SiLU -> Linear(., 3), softmax,
-repeat_interleave(h, dim=2). The paper's head gate: sigmoid(Linear(dim, 3H)(x)).view(B, S, H, 3)
-(after fused_projections: sigmoid(logits) with the logits a slice of the shared GEMM).
-The branch outputs are whatever tensors the sum reads: the attention ops' outputs when the
-attention passes fired, the eager attention code's otherwise.
+Recognized by what it computes, whatever the spelling (models/nsa.py `NSAAttention.gates` and its
+combine line; the corpus in tests/corpus/):
+    o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_sel + g[..., 2:3] * o_win          # any order, nesting
+    o = torch.einsum("bhns,sbhnd->bhnd", g, torch.stack([o_cmp, o_sel, o_win]))  # or its matmul form
+    o = (g.unsqueeze(-2) * torch.stack([o_cmp, o_sel, o_win], -1)).sum(-1)
+    g_cmp, g_sel, g_win = g.unbind(-1); o = torch.addcmul(o_sel * g_sel[..., None], o_cmp, g_cmp[..., None]) + ...
+with branch outputs and result in [B, S, H, Dv], heads-first [B, H, S, Dv] (heads in one dim or
+more: [B, G, h, S, Dv]) or packed tokens [N, H, Dv], each in its own, the result also flattened
+[B, S, H * Dv]. It reads, top to bottom:
+
+- anchor: the normalized gate T, a softmax over a last dim of 3 or a sigmoid, of [B, S, ...]
+  (or [N, ...]) with a last dim of 3 or a view that has a dim of 3;
+- region: every node that depends on T through data movement and arithmetic (views, slices,
+  unbind, repeat_interleave, repeat, expand, casts, mul, add, addcmul, sum, stack, cat, einsum,
+  matmul), up to the first node O that all of T's uses flow into, with nothing in between used
+  elsewhere, that reads three tensors besides T (the branch outputs; a stack of them, and a
+  view of the stack, count as the region's);
+- parameters, by running the region at compile time (nsa_compile/probe.py; float32 where the
+  codes stay exact, inputs of stride 0 where they can be: no memory): with index codes for T,
+  ones for one branch and zeros for the others, the codes that reach O say which gate column
+  weighs that branch and which heads share a triple; the layouts follow from the shapes;
+- verify: the region on a random T and random branches (varying over [B, S, H], then over Dv)
+  against sum_c G[..., c] * o_c, with G the gate read as the op reads it (triple k of a token
+  serves heads k * rep .. (k + 1) * rep - 1). A region is probed once per structure (its
+  fingerprint: the same in every layer);
+- the gate above T: views of the logits z, then
+      z = linear(a, w2, b2)                                   # [B, S, 3 * NI] or [B, S, R, 3 * NI]
+      a = act(linear(u, w1, b1))                              # optional hidden layer: silu, relu, gelu (erf)
+      u = v.mean(3) with v [B, S, R, m, Din]  |  any u [B, S, R, Din] or [B, S, Din]
+  or z as it is when it is not a Linear's output (logits computed elsewhere: fused_projections
+  merges the paper's gate Linear into the GEMM of the projections that read the same x, and
+  whatever else computes the logits, an unknown activation or another tensor added in, stays).
 
 Becomes `torch.ops.nsa.gated_combine(v or u (or z) as [B, S, R, m, Din], w1, b1, w2, b2, o_cmp,
-o_sel, o_win, act, normalize, backend)[0]` (nsa_compile/ops/gated_combine.py; w1 = b1 = w2 = b2 =
-None for logits from elsewhere), cast to the sum's dtype when that differs from the branch
-outputs' (a float32 gate on bf16 branch outputs: CUDA's bf16 autocast runs the softmax in float32)
-unless every use of the sum is the input of a Linear or matmul that rounds it back to the branch
-outputs' dtype itself (autocast's next Linear, wo): then the op's output goes there as it is.
-The backend is chosen here from the fake tensors (OptimizeConfig.combine_backend) and written
-into the graph; `explain` shows which and, for reference, why not triton.
+o_sel, o_win, act, normalize, backend)[0]` (nsa_compile/ops/gated_combine.py; the branches viewed
+as [B, S, H, Dv], the result viewed back as O was laid out), cast to O's dtype when that differs
+from the branch outputs' (a float32 gate on bf16 branch outputs: CUDA's bf16 autocast runs the
+softmax in float32) unless every use of O is the input of a Linear or matmul that rounds it back
+to the branch outputs' dtype itself (autocast's next Linear, wo): then the op's output goes there
+as it is. The backend is chosen here from the fake tensors (OptimizeConfig.combine_backend) and
+written into the graph; `explain` shows which and, for reference, why not triton.
 
-Refuses (graph unchanged), with the reason shown by `explain`, a sum with a gate-sliced term
-whose
-- terms are not three, or not each gate[..., c:c+1] * branch output (a gate that mixes two
-  branches), or slice different gates, or do not use the columns 0, 1, 2 once each;
-- gate is not a softmax over the three branches or a sigmoid (of whatever logits): a softmax
-  over another dim, or the normalized gate changed before it is sliced (scaled by another
-  tensor, say), or views that change [B, S];
-- gate, its slices, the products, partial sums, logits or hidden layer are used elsewhere
-  (they would have to stay: the op does not return them);
-- branch outputs differ in shape or dtype, or broadcast; shapes that do not fit (R rows of
-  3 * NI logits for H heads); symbolic (dynamic) sizes.
+Refuses (graph unchanged), with the reason shown by `explain`, a gate whose
+- region reads other than three branch outputs, or weighs them by other than the gate columns
+  0, 1, 2 once each (a gate that mixes two branches, a column used twice), or computes anything
+  but that weighted sum (a branch scaled, the gate squared: the random probe differs);
+- columns are branch-major (feature c * K + k: gate of branch c for triple k) or otherwise not
+  the op's triple order; heads that share a triple are not consecutive;
+- softmax runs over another dim than the three branches, or with a dtype other than float32;
+- values (T, its slices, the products, partial sums, logits, hidden layer) are used elsewhere:
+  they would have to stay, the op does not return them;
+- branch outputs differ in dtype, or are laid out in none of the ways above for the gate's
+  [B, S]; shapes that do not fit (R rows of 3 * NI logits for H heads); symbolic (dynamic)
+  sizes; a region with tensors over MAX_PROBE_ELEMENTS elements (not verified at that size).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 
 import torch
 import torch.fx as fx
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
+from nsa_compile import probe
 from nsa_compile.attention_match import Refused, erase_replaced, only_user
-from nsa_compile.fx import arg, call, op_name, value
+from nsa_compile.fx import arg, call, contiguous_if_read_by_layout, op_name, value
 from nsa_compile.ops.gated_combine import choose_backend, why_not_triton
 from nsa_compile.rewrite import PassLog, RewritePass
 
-KERNEL = "nsa.gated_combine[{backend}] ({gate} -> {norm}, {share}; branch outputs read once{why})"
-_VIEWS = ("view", "reshape", "unflatten")
+KERNEL = "nsa.gated_combine[{backend}] ({gate} -> {norm}, {share}; branch outputs read once{layout}{why})"
+# Ops the region between the normalized gate and the combined output may use (data movement,
+# casts and the arithmetic of a weighted sum); anything else ends the region.
+_REGION_OPS = {
+    "getitem", "view", "reshape", "unflatten", "flatten", "unsqueeze", "squeeze", "permute", "transpose",
+    "movedim", "contiguous", "clone", "expand", "expand_as", "repeat", "repeat_interleave", "unbind", "split", "chunk",
+    "select", "narrow", "to", "type_as", "float", "half", "bfloat16", "double", "mul", "add", "addcmul", "sum",
+    "stack", "cat", "concat", "einsum", "matmul", "bmm",
+}
+# Views between a stack of the branch outputs and the region (an einsum over the stack as a matmul).
+_STACK_VIEWS = ("permute", "transpose", "view", "reshape", "unsqueeze", "contiguous", "movedim")
+# Views that keep the row-major order of the elements (the logits' order is the op's order).
+_FLAT_VIEWS = ("view", "reshape", "unflatten", "flatten")
 _DTYPE_KEEPING_VIEWS = ("view", "reshape", "unflatten", "flatten", "transpose", "permute", "contiguous")
+# The probes run the region at its real shapes (float32 where the gate's index codes stay exact):
+# regions with larger tensors are not verified (the paper layer at 65536 tokens: 2**29 elements).
+MAX_PROBE_ELEMENTS = 2**30
 
 
-def is_add(node) -> bool:
-    """a + b of two tensors (operator, torch.add or Tensor.add, no alpha)."""
-    return (isinstance(node, fx.Node) and op_name(node) == "add" and len(node.args) == 2 and not node.kwargs
-            and all(isinstance(x, fx.Node) for x in node.args))
+def static_shape(node: fx.Node, what: str) -> tuple[int, ...]:
+    val = value(node)
+    if val is None:
+        raise Refused(f"the {what} has no recorded tensor value")
+    if not all(isinstance(d, int) for d in val.shape):
+        raise Refused(f"the {what} has symbolic sizes {tuple(val.shape)} (dynamic shapes): not matched yet")
+    return tuple(val.shape)
 
 
-def sum_terms(top: fx.Node) -> tuple[list, list[fx.Node]]:
-    """The leaves of a nest of additions under `top` (an inner sum is a leaf when it has other
-    users) and the addition nodes, outermost first."""
-    terms, adds, stack = [], [], [top]
-    while stack:
-        node = stack.pop(0)
-        adds.append(node)
-        for side in node.args:
-            if is_add(side) and len(side.users) == 1:
-                stack.append(side)
-            else:
-                terms.append(side)
-    return terms, adds
+def layouts(shape: tuple, lead: tuple) -> list[tuple[str, int]]:
+    """(layout, H) for each way a branch output or result of `shape` can hold [B, S, H, Dv] for
+    the gate's token dims `lead` ((B, S), or (N,) for packed tokens [N, ...] read as B = 1):
+    'tokens-first' [*lead, *heads, Dv] (heads: any dims, H their product; H = 0 when they are
+    merged with Dv, [*lead, H * Dv]) or 'heads-first' [B, *heads, S, Dv]."""
+    found, n = [], len(lead)
+    if tuple(shape[:n]) == lead and len(shape) > n:
+        found.append(("tokens-first", math.prod(shape[n:-1]) if len(shape) > n + 1 else 0))
+    if n == 2 and len(shape) >= 4 and shape[0] == lead[0] and shape[-2] == lead[1]:
+        found.append(("heads-first", math.prod(shape[1:-2])))
+    return found
 
 
-def gate_slice(node) -> tuple[fx.Node, int, list[fx.Node]] | None:
-    """g[..., c:c+1], g[..., c, None] or g[..., c].unsqueeze(-1) -> (g, c, [slice nodes, user first])."""
-    if not isinstance(node, fx.Node):
-        return None
-    chain = [node]
-    if op_name(node) == "unsqueeze" and arg(node, 1, "dim") == -1:
-        inner = arg(node, 0, "input")
-        if isinstance(inner, fx.Node) and op_name(inner) == "getitem":
-            g, index = inner.args
-            if isinstance(g, fx.Node) and index in ((Ellipsis, 0), (Ellipsis, 1), (Ellipsis, 2)):
-                return g, index[1], chain + [inner]
-        return None
-    if op_name(node) != "getitem" or not isinstance(node.args[0], fx.Node) or not isinstance(node.args[1], tuple):
-        return None
-    g, index = node.args
-    if len(index) == 3 and index[0] is Ellipsis and index[2] is None and isinstance(index[1], int):
-        return g, index[1], chain
-    last = index[-1] if index else None
-    leading = index[:-1]
-    if isinstance(last, slice) and last.step in (None, 1) and isinstance(last.start, int) \
-            and last.stop == last.start + 1 and all(x is Ellipsis or x == slice(None) for x in leading) \
-            and (Ellipsis in leading or len(index) == 4):
-        return g, last.start, chain
-    return None
+def canonical(t: torch.Tensor, layout: str, B: int, S: int, H: int) -> torch.Tensor:
+    """A probe value (or fake) in `layout` as [B, S, H, Dv]."""
+    if layout == "heads-first":
+        return t.reshape(B, H, S, -1).transpose(1, 2)
+    return t.reshape(B, S, H, -1)
 
 
-def gate_term(node) -> tuple[fx.Node, int, fx.Node, list[fx.Node]] | None:
-    """slice * o or o * slice -> (g, column, o, [mul, slice nodes])."""
-    if not isinstance(node, fx.Node) or op_name(node) != "mul" or len(node.args) != 2 or node.kwargs:
-        return None
-    for s, o in (node.args, node.args[::-1]):
-        found = gate_slice(s)
-        if found is not None and isinstance(o, fx.Node):
-            g, c, chain = found
-            return g, c, o, [node, *chain]
+def is_linear(node) -> bool:
+    return isinstance(node, fx.Node) and op_name(node) == "linear"
+
+
+def linear_parts(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
+    x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
+    if not isinstance(x, fx.Node) or not isinstance(w, fx.Node) or not (b is None or isinstance(b, fx.Node)):
+        raise Refused("a gate Linear does not take tensors (input, weight, bias)")
+    return x, w, b
+
+
+def activation_of(node) -> str | None:
+    """'silu', 'relu' or 'gelu' for F.silu / torch.relu / F.relu / F.gelu (exact) without in-place."""
+    name = op_name(node) if isinstance(node, fx.Node) else None
+    if name in ("silu", "relu") and not arg(node, 1, "inplace", False):
+        return name
+    if name == "gelu" and arg(node, 1, "approximate", "none") == "none":
+        return name
     return None
 
 
@@ -150,172 +173,328 @@ def refresh_value(node: fx.Node) -> None:
     node.meta["example_value"] = fresh
 
 
-def static_shape(node: fx.Node, what: str) -> tuple[int, ...]:
-    val = value(node)
-    if val is None:
-        raise Refused(f"the {what} has no recorded tensor value")
-    if not all(isinstance(d, int) for d in val.shape):
-        raise Refused(f"the {what} has symbolic sizes {tuple(val.shape)} (dynamic shapes): not matched yet")
-    return tuple(val.shape)
-
-
-def is_linear(node) -> bool:
-    return isinstance(node, fx.Node) and op_name(node) == "linear"
-
-
-def linear_parts(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
-    x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
-    if not isinstance(x, fx.Node) or not isinstance(w, fx.Node) or not (b is None or isinstance(b, fx.Node)):
-        raise Refused("a gate Linear does not take tensors (input, weight, bias)")
-    return x, w, b
-
-
-def activation_of(node) -> str | None:
-    """'silu', 'relu' or 'gelu' for F.silu / torch.relu / F.relu / F.gelu (exact) without in-place."""
-    name = op_name(node) if isinstance(node, fx.Node) else None
-    if name in ("silu", "relu") and not arg(node, 1, "inplace", False):
-        return name
-    if name == "gelu" and arg(node, 1, "approximate", "none") == "none":
-        return name
-    return None
-
-
 class GatedCombine(RewritePass):
     name = "gated_combine"
     summary = "gate MLP + softmax/sigmoid + gated sum of the three branch outputs -> nsa.gated_combine, one kernel"
 
     def apply(self, graph: fx.Graph, log: PassLog) -> None:
         requested = log.config.combine_backend if log.config else "auto"
-        for top in list(graph.nodes):
-            if top._erased or not is_add(top):
+        verified: dict = {}  # region fingerprint -> how it mixes the branches (one probe per structure)
+        for gate in list(graph.nodes):
+            if gate._erased or not self.is_gate(gate):
                 continue
-            users = list(top.users)
-            if len(users) == 1 and is_add(users[0]):
-                continue  # an inner sum: its outermost sum is the candidate
-            terms, adds = sum_terms(top)
-            if not any(gate_term(t) for t in terms):
-                continue  # not a gated sum (residual adds and the like)
             try:
-                plan = self.check(top, terms, adds, requested)
+                plan = self.check(gate, requested, verified)
             except Refused as why:
-                log.refused(top, str(why))
+                log.refused(gate, str(why))
                 continue
-            self.rewrite(graph, top, plan)
+            self.rewrite(graph, plan)
             why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
-            log.matched(top, KERNEL.format(backend=plan["backend"], gate=plan["gate"], norm=plan["normalize"],
-                                           share=plan["share"], why=why))
+            log.matched(plan["out"], KERNEL.format(
+                backend=plan["backend"], gate=plan["gate"], norm=plan["normalize"], share=plan["share"],
+                layout=", heads-first" if plan["out_layout"] == "heads-first" else "", why=why))
 
-    def check(self, top: fx.Node, terms: list, adds: list[fx.Node], requested: str = "auto") -> dict:
-        for t in terms:
-            if is_add(t) and any(gate_term(x) for x in t.args):
-                raise Refused("a partial sum of the gated terms is also used elsewhere; it must stay as it is")
-        if len(terms) != 3:
-            raise Refused(f"the gated sum has {len(terms)} terms; the op mixes exactly three branches")
-        parsed = [gate_term(t) for t in terms]
-        if not all(parsed):
-            raise Refused("a term of the gated sum is not gate[..., c:c+1] * branch output")
-        g = parsed[0][0]
-        if any(p[0] is not g for p in parsed):
-            raise Refused("the three terms slice different gate tensors")
-        columns = sorted(p[1] for p in parsed)
-        if columns != [0, 1, 2]:
-            raise Refused(f"the terms use gate columns {columns}, not 0, 1, 2 once each")
-        branches = [p[2] for p in sorted(parsed, key=lambda p: p[1])]  # o_cmp, o_sel, o_win
-        shape = static_shape(branches[0], "branch output")
-        if len(shape) != 4:
-            raise Refused(f"the branch outputs are {len(shape)}-D, not [B, S, H, Dv]")
-        B, S, H, _ = shape
-        if any(static_shape(o, "branch output") != shape for o in branches):
-            raise Refused("the branch outputs differ in shape")
-        if len({value(o).dtype for o in branches}) != 1:
-            raise Refused(f"the branch outputs differ in dtype: {', '.join(str(value(o).dtype) for o in branches)}")
-        if not value(branches[0]).is_floating_point():
+    # --- anchor ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def is_gate(node: fx.Node) -> bool:
+        """A softmax or sigmoid whose result has a last dim of 3, or is viewed with a dim of 3
+        after its first (a triple per head, or three branches of heads)."""
+        if op_name(node) not in ("softmax", "sigmoid") or value(node) is None or value(node).dim() < 2:
+            return False
+        if value(node).shape[-1] == 3:
+            return True
+        return any(op_name(u) in _FLAT_VIEWS and value(u) is not None and 3 in tuple(value(u).shape)[1:]
+                   for u in node.users)
+
+    def check(self, gate: fx.Node, requested: str, verified: dict) -> dict:
+        """The plan for the rewrite of the gate and the region after it (module docstring), or Refused."""
+        shape = static_shape(gate, "gate")
+        if op_name(gate) == "softmax":
+            dim = arg(gate, 1, "dim")
+            dtype = next((x for x in (*gate.args[2:], gate.kwargs.get("dtype")) if isinstance(x, torch.dtype)), None)
+            if not isinstance(dim, int) or dim % len(shape) != len(shape) - 1 or shape[-1] != 3:
+                raise Refused(f"the gate softmax runs over dim {dim} of {shape}, not over the three branches "
+                              "(the last dim, of size 3)")
+            if dtype not in (None, torch.float32):
+                raise Refused(f"the gate softmax computes in {dtype}; the op computes it in float32")
+        # the gate's token dims: [B, S, ...], or packed tokens [N, 3K] / [N, K, 3]
+        leads = [shape[:2]] if len(shape) > 3 or (len(shape) == 3 and shape[-1] != 3) else \
+            [shape[:2], shape[:1]] if len(shape) == 3 else [shape[:1]]
+        nodes, out, branches = self.region(gate, leads)
+        mix = self.mixing(gate, nodes, out, branches, leads, verified)
+        plan = self.read_gate(gate, mix["lead"], mix["H"], mix["K"])
+        branch_fakes = [value(b) for b in mix["branches"]]
+        if len({b.dtype for b in branch_fakes}) != 1:
+            raise Refused(f"the branch outputs differ in dtype: {', '.join(str(b.dtype) for b in branch_fakes)}")
+        if not branch_fakes[0].is_floating_point():
             raise Refused("the branch outputs are not floating point")
-        if static_shape(g, "gate") != (B, S, H, 3):
-            raise Refused(f"the gate is {tuple(value(g).shape)}, not [B, S, H, 3] = {(B, S, H, 3)}")
-        for node in adds + [p[3][0] for p in parsed]:
-            if static_shape(node, "gated sum") != shape:
-                raise Refused(f"a product or partial sum is {tuple(value(node).shape)}, not the branch outputs' "
-                              f"{shape} (broadcasting)")
-        chain = list(adds)
-        for _, _, _, nodes in parsed:
-            mul, *slices = nodes
-            only_user(mul, "gated product")
-            chain.append(mul)
-            for node in slices:
-                only_user(node, "gate slice")
-            chain.extend(slices)
-        if len(g.users) != 3:
-            names = ", ".join(op_name(u) or u.op for u in g.users)
-            raise Refused(f"the gate is used by {len(g.users)} nodes ({names}); it must stay as it is")
-        gate = self.gate_chain(g, B, S, H)
-        chain += gate["chain"]
-        fakes = {name: value(gate[name]) if gate[name] is not None else None for name in ("w1", "w2")}
-        gate_in = value(gate["gate_in"])
-        # the op's gate input [B, S, R, m, Din] as a fake (the graph nodes are made in rewrite)
-        gate_in = gate_in.unsqueeze(2) if gate_in.dim() == 3 else gate_in
-        gate_in = gate_in.unsqueeze(3) if gate_in.dim() == 4 else gate_in
+        gate_in = self.gate_input(value(plan["gate_in"]), mix["lead"])  # the op's [B, S, R, m, Din], as a fake
+        w1, w2 = (value(plan[k]) if plan[k] is not None else None for k in ("w1", "w2"))
+        o_like = canonical(branch_fakes[0], mix["branch_layouts"][0], mix["B"], mix["S"], mix["H"])
         try:
-            backend = choose_backend(gate_in, fakes["w1"], fakes["w2"], value(branches[0]), gate["act"], requested)
+            backend = choose_backend(gate_in, w1, w2, o_like, plan["act"], requested)
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(combine_backend={requested!r}): {why}") from None
-        why_not = (why_not_triton(gate_in, fakes["w1"], fakes["w2"], value(branches[0]), gate["act"])
+        why_not = (why_not_triton(gate_in, w1, w2, o_like, plan["act"])
                    if requested == "auto" else f"combine_backend={requested!r} in OptimizeConfig")
-        return {**gate, "branches": branches, "chain": chain, "backend": backend, "why_not_triton": why_not,
-                "dtype": value(top).dtype}
+        return {**plan, **mix, "out": out, "dead": nodes + plan["chain"], "backend": backend,
+                "why_not_triton": why_not, "dtype": value(out).dtype}
 
-    def gate_chain(self, g: fx.Node, B: int, S: int, H: int) -> dict:
-        """Read the gate upwards from g [B, S, H, 3] (module docstring); Refused if it is not one."""
-        chain, node, rep, normalize = [], g, 1, None
-        while True:
-            name = op_name(node)
-            shape = static_shape(node, "gate")
-            if shape[:2] != (B, S):
-                raise Refused(f"a gate tensor is {shape}: its leading dims are not [B, S] = {(B, S)}")
-            if is_linear(node) or (normalize is not None and name not in _VIEWS and name != "repeat_interleave"):
-                break  # the logits: a Linear's output, or computed elsewhere
-            if name in _VIEWS:
-                pass
-            elif name == "repeat_interleave" and rep == 1:
-                repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
-                source = arg(node, 0, "input")
-                if not isinstance(repeats, int) or not isinstance(dim, int) or arg(node, 3, "output_size") is not None \
-                        or not isinstance(source, fx.Node) or len(static_shape(source, "gate")) != 4 \
-                        or dim % 4 != 2 or static_shape(source, "gate")[3] != 3:
-                    raise Refused("the gate is repeated other than t.repeat_interleave(heads, dim=2) on [B, S, K, 3]")
-                rep = repeats
-            elif name == "softmax" and normalize is None:
-                dim = arg(node, 1, "dim")
-                if any(isinstance(x, torch.dtype) for x in (*node.args[2:], node.kwargs.get("dtype"))):
-                    raise Refused("the gate softmax has a dtype argument")
-                if not isinstance(dim, int) or dim % len(shape) != len(shape) - 1 or shape[-1] != 3:
-                    raise Refused(f"the gate softmax runs over dim {dim} of {shape}, not over the three branches "
-                                  "(the last dim, of size 3)")
-                normalize = "softmax"
-            elif name == "sigmoid" and normalize is None:
-                normalize = "sigmoid"
+    @staticmethod
+    def gate_input(t, lead: tuple, unsqueeze=torch.unsqueeze):
+        """The gate input [*lead, (R, (m,)) Din] as the op's [B, S, R, m, Din] (unsqueeze: the
+        function that adds a dim, torch.unsqueeze or one that inserts a graph node)."""
+        if len(lead) == 1:  # packed tokens: B = 1
+            t = unsqueeze(t, 0)
+        dims = (value(t) if isinstance(t, fx.Node) else t).dim()
+        if dims == 3:
+            t, dims = unsqueeze(t, 2), 4
+        return unsqueeze(t, 3) if dims == 4 else t
+
+    # --- region ---------------------------------------------------------------------------------
+
+    def region(self, gate: fx.Node, leads: list[tuple]) -> tuple[list[fx.Node], fx.Node, list[fx.Node]]:
+        """(the region's nodes after the gate in graph order (with the stacks of branch outputs it
+        absorbed), its result O, the branch outputs it reads), or Refused."""
+        reach = {gate}
+        for node in self.after(gate):
+            if op_name(node) in _REGION_OPS and node.op in ("call_function", "call_method") and \
+                    any(i in reach for i in node.all_input_nodes):
+                reach.add(node)
+        order = [n for n in self.after(gate) if n in reach]
+        uses = set(gate.users)
+        escaped = sorted({u.name for u in uses if u not in reach})
+        if escaped:
+            raise Refused(f"the gate is also used by {', '.join(escaped)} (not part of a weighted sum); "
+                          "it must stay as it is")
+        closed = []  # nodes that every use of the gate flows into, with nothing between used elsewhere
+        for node in order:
+            ancestors = self.ancestors_within(node, reach)
+            if value(node) is not None and uses <= ancestors and \
+                    all(u in ancestors for n in ancestors if n is not node for u in n.users):
+                closed.append((node, ancestors))
+        branches = []
+        for out, inside in closed:  # the first of a result's shape reading three tensors besides the gate, else the last
+            nodes = [n for n in order if n in inside and n is not gate]
+            reads = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside))
+            absorbed, branches = self.stacked(reads, inside)
+            if len(branches) == 3 and any(self.fits(out, branches, lead) for lead in leads):
+                break
+        # the region's values used outside it, but for the last (the result)
+        label = lambda u: u.name if op_name(u) in (None, u.name) else f"{u.name} ({op_name(u)})"
+        leaks = [(n, [label(u) for u in n.users if u not in reach]) for n in order]
+        leaks = [(n, users) for n, users in leaks if users][:-1]
+        if len(branches) < 3 and leaks:
+            where = "; ".join(f"{n.name} ({op_name(n)}) by {', '.join(users)}" for n, users in leaks[:2])
+            raise Refused(f"values of the gated sum are also used elsewhere: {where}; they would have to stay")
+        if len(branches) != 3 or any(value(b) is None for b in branches):
+            names = ", ".join(b.name for b in branches)
+            raise Refused(f"the weighted sum reads {len(branches)} tensors besides the gate ({names}); the op mixes "
+                          "exactly three branch outputs")
+        for node in nodes:
+            if value(node) is not None:
+                static_shape(node, "gated sum")
+        position = {n: i for i, n in enumerate(gate.graph.nodes)}
+        return sorted(nodes + absorbed, key=position.__getitem__), out, branches
+
+    @staticmethod
+    def stacked(reads: list[fx.Node], inside: set) -> tuple[list[fx.Node], list[fx.Node]]:
+        """(nodes to absorb, the branch outputs): a stack (or cat) of the branch outputs that only
+        the region reads, and the views of it the region reads (a permute, when canonicalize
+        spelled an einsum over the stack as a matmul), are part of the region."""
+        absorbed, branches = [], []
+        for node in reads:
+            chain = [node]
+            while op_name(chain[-1]) in _STACK_VIEWS and isinstance(arg(chain[-1], 0, "input"), fx.Node):
+                chain.append(arg(chain[-1], 0, "input"))
+            top = chain[-1]
+            users_inside = all(u in inside or u in chain for n in chain for u in n.users)
+            if op_name(top) in ("stack", "cat") and users_inside:
+                absorbed += chain
+                branches += top.all_input_nodes
             else:
-                raise Refused(f"the gate is computed by {name or node.op} ({node.name}), not by a softmax over the "
-                              "three branches or a sigmoid")
-            if node is not g:
-                only_user(node, "gate tensor")
-            chain.append(node)
-            node = arg(node, 0, "input")
-            if not isinstance(node, fx.Node):
-                raise Refused("the gate is not computed from a tensor in the graph")
-        if normalize is None:
-            raise Refused("the gate logits reach the sum without a softmax or sigmoid")
-        z = node
+                branches.append(node)
+        return absorbed, list(dict.fromkeys(branches))
+
+    @staticmethod
+    def fits(out: fx.Node, branches: list[fx.Node], lead: tuple) -> bool:
+        """Whether the result and the branches can all hold [B, S, H, Dv] with one H (0: any)."""
+        if any(value(n) is None for n in (out, *branches)):
+            return False
+        heads = [{h for _, h in layouts(tuple(value(n).shape), lead)} for n in (out, *branches)]
+        if not all(heads):
+            return False
+        known = [h - {0} for h in heads if h - {0}]
+        return not known or bool(set.intersection(*known))
+
+    @staticmethod
+    def after(node: fx.Node):
+        node = node.next
+        while node.op != "output":
+            yield node
+            node = node.next
+
+    @staticmethod
+    def ancestors_within(node: fx.Node, inside: set) -> set:
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack.extend(i for i in n.all_input_nodes if i in inside)
+        return seen
+
+    # --- parameters and verification -------------------------------------------------------------
+
+    def mixing(self, gate, nodes, out, branches, leads: list[tuple], verified: dict) -> dict:
+        """How the region mixes the branches: the gate's token dims, the branches in the order of
+        the gate columns that weigh them, their layouts and the result's, H and K; or Refused.
+        Probed once per region structure (one per layer is the same)."""
+        shapes = [static_shape(b, "branch output") for b in branches]
+        out_shape = static_shape(out, "combined output")
+        key = (probe.fingerprint(nodes, [gate, *branches]), tuple(value(gate).shape), tuple(shapes), out_shape)
+        if key not in verified:
+            try:
+                verified[key] = self.probe(gate, nodes, out, branches, leads, shapes, out_shape)
+            except Refused as why:
+                verified[key] = why
+        if isinstance(verified[key], Refused):
+            raise verified[key]
+        found = dict(verified[key])
+        order = found.pop("order")
+        return found | {"branches": [branches[j] for j in order]}
+
+    def probe(self, gate, nodes, out, branches, leads, shapes, out_shape) -> dict:
+        size = max(value(n).numel() for n in [out, *branches])
+        if size > MAX_PROBE_ELEMENTS:
+            raise Refused(f"the weighted sum has {size:,} elements per tensor, over the cap of "
+                          f"{MAX_PROBE_ELEMENTS:,} for its probe: not verified at this size yet")
+        first = None
+        for lead in leads:
+            B, S = lead if len(lead) == 2 else (1, lead[0])
+            n_gate = value(gate).numel()
+            options = [layouts(s, lead) for s in shapes]
+            if n_gate % (B * S * 3) or not all(options):
+                continue
+            K = n_gate // (B * S * 3)  # gate triples per token
+            known = [found for found in ({h for _, h in opts if h} for opts in options) if found]
+            heads = set.intersection(*known) if known else {K}  # H from the branches, else one triple per head
+            for H in sorted(heads):
+                if H % K:
+                    first = first or Refused(f"the gate has {K} triples per token for {H} heads")
+                    continue
+                dims = (B, S, H, K)
+                for out_layout, h in layouts(out_shape, lead):
+                    if h not in (0, H):
+                        continue
+                    try:
+                        columns = [self.column(gate, nodes, out, branches, j, out_layout, dims) for j in range(3)]
+                    except Refused as why:
+                        first = first or why
+                        continue
+                    if sorted(columns) != [0, 1, 2]:
+                        raise Refused(f"the branches are weighed by gate columns {columns}, not 0, 1, 2 once each")
+                    found = self.verify(gate, nodes, out, branches, columns, options, out_layout, dims)
+                    if found is not None:
+                        order = sorted(range(3), key=columns.__getitem__)  # the branches by gate column
+                        return {"lead": lead, "B": B, "S": S, "H": H, "K": K, "order": order,
+                                "branch_layouts": [found[j] for j in order], "out_layout": out_layout}
+                    first = first or Refused("the region is not the weighted sum of the branch outputs by the gate "
+                                             "columns (checked on random values)")
+        raise first or Refused(f"the branch outputs {shapes} and the result {out_shape} are not [B, S, H, Dv] or "
+                               f"[B, H, S, Dv] (or packed [N, H, Dv]) for the gate {tuple(value(gate).shape)}")
+
+    @staticmethod
+    def probe_dtype(gate: fx.Node) -> torch.dtype:
+        """float32 where the gate's index codes stay exact in it (half the memory), else float64."""
+        return torch.float32 if value(gate).numel() < probe.EXACT_BELOW[torch.float32] else torch.float64
+
+    def column(self, gate, nodes, out, branches, j: int, out_layout: str, dims: tuple) -> int:
+        """The gate column that weighs branch j: the region run on index codes for the gate, ones
+        for branch j and zeros for the others (stride-0 views: no memory); the codes reaching O
+        name the gate entries."""
+        B, S, H, K = dims
+        device, dtype = value(gate).device, self.probe_dtype(gate)
+        env = {gate: probe.index_codes(value(gate).shape, device, dtype)}
+        for i, b in enumerate(branches):
+            env[b] = torch.full((), 1.0 if i == j else 0.0, dtype=dtype, device=device).expand(value(b).shape)
+        got = probe.run(nodes, env, out, "the weighted sum", dtype)
+        got = canonical(got, out_layout, B, S, H)  # [B, S, H, Dv]
+        index = probe.decode(got, value(gate).numel())
+        if index is None or not bool((index == index[..., :1]).all()):
+            raise Refused(f"branch {branches[j].name} is not weighed by one gate entry per head and token")
+        index = index[..., 0]  # [B, S, H]: flat index of the gate entry
+        per_token = 3 * K
+        b = torch.arange(B, device=device)[:, None, None]
+        s = torch.arange(S, device=device)[None, :, None]
+        if not bool((index // per_token == b * S + s).all()):
+            raise Refused(f"branch {branches[j].name} of a token is weighed by another token's gate")
+        r = index % per_token  # [B, S, H]: the entry within the token
+        if not bool((r == r[:1, :1]).all()):
+            raise Refused("the gate entries weighing a head differ between tokens")
+        r = r[0, 0]  # [H]
+        rep = H // K
+        triple = torch.arange(H, device=device) // rep
+        if bool((r % 3 == r[0] % 3).all()) and bool((r // 3 == triple).all()):
+            return int(r[0]) % 3
+        if bool((r // K == r[0] // K).all()) and bool((r % K == triple).all()):
+            raise Refused("the gate's columns are branch-major (entry c * K + k: branch c of triple k); the op "
+                          "reads triples (entry 3 * k + c)")
+        raise Refused(f"the gate entries weighing branch {branches[j].name} are {r.tolist()} over the heads, not "
+                      f"one column of consecutive triples shared by {rep} heads each")
+
+    def verify(self, gate, nodes, out, branches, columns, options, out_layout: str, dims: tuple) -> list[str] | None:
+        """The branches' layouts under which the region computes sum_c G[..., c] * o_c for a random
+        gate, on two random probes of the branches made of stride-0 views (no memory): one that
+        varies over [B, S, H] and one over Dv (None: under no layouts)."""
+        B, S, H, K = dims
+        device, dtype = value(gate).device, self.probe_dtype(gate)
+        gen = torch.Generator(device=device).manual_seed(0)
+        rand = lambda *shape: torch.rand(shape, generator=gen, device=device, dtype=dtype) * 2 - 1
+        t = rand(*value(gate).shape)
+        g = t.reshape(B, S, K, 3).repeat_interleave(H // K, dim=2)  # [B, S, H, 3]
+        Dv = value(branches[0]).numel() // (B * S * H)
+        probes = [[rand(B, S, H, 1).expand(B, S, H, Dv) for _ in branches],
+                  [rand(1, 1, 1, Dv).expand(B, S, H, Dv) for _ in branches]]
+        choices = [[lay for lay, h in opts if h in (0, H)] for opts in options]
+        for combo in ((a, b, c) for a in choices[0] for b in choices[1] for c in choices[2]):
+            for canon in probes:  # each branch in its layout, from [B, S, H, Dv]
+                env = {gate: t}
+                for b, lay, o in zip(branches, combo, canon):
+                    env[b] = (o.transpose(1, 2) if lay == "heads-first" else o).reshape(value(b).shape)
+                got = canonical(probe.run(nodes, env, out, "the weighted sum", dtype), out_layout, B, S, H)
+                want = sum(g[..., col, None] * o for col, o in zip(columns, canon))
+                if want.shape != got.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+                    break
+            else:
+                return list(combo)
+        return None
+
+    # --- the gate above T -------------------------------------------------------------------------
+
+    def read_gate(self, gate: fx.Node, lead: tuple, H: int, K: int) -> dict:
+        """Read the gate upwards from its softmax or sigmoid (module docstring); Refused if the
+        logits or their MLP do not fit the op."""
+        normalize = op_name(gate)
+        chain, z, n = [gate], arg(gate, 0, "input"), len(lead)
+        # up through views of the logits that keep the token dims
+        while isinstance(z, fx.Node) and op_name(z) in _FLAT_VIEWS and isinstance(arg(z, 0, "input"), fx.Node) and \
+                value(arg(z, 0, "input")) is not None and tuple(value(arg(z, 0, "input")).shape[:n]) == lead:
+            only_user(z, "gate logits")
+            chain.append(z)
+            z = arg(z, 0, "input")
+        if not isinstance(z, fx.Node):
+            raise Refused("the gate is not computed from a tensor in the graph")
         zs = static_shape(z, "gate logits")
-        if len(zs) not in (3, 4) or zs[-1] % 3:
-            raise Refused(f"the gate logits are {zs}, not [B, S, (R,) 3 * NI]")
-        R = 1 if len(zs) == 3 else zs[2]
+        if zs[:n] != lead or len(zs) not in (n + 1, n + 2) or zs[-1] % 3:
+            raise Refused(f"the gate logits are {zs}, not [*tokens, (R,) 3 * NI] with tokens {lead}")
+        R = 1 if len(zs) == n + 1 else zs[-2]
         NI = zs[-1] // 3
-        if R * NI * rep != H:
-            raise Refused(f"the gate gives {R} x {NI} triples (x{rep} repeats) for {H} heads")
-        shared = f"one triple per {rep} heads" if rep > 1 else "one triple per head"
+        rep = H // K
+        share = f"one triple per {rep} heads" if rep > 1 else "one triple per head"
         plan = {"w1": None, "b1": None, "w2": None, "b2": None, "act": "none", "normalize": normalize,
-                "share": shared, "M": 1}
+                "share": share, "M": 1}
         if not is_linear(z):  # logits computed elsewhere (e.g. a GEMM shared with the projections): read as they are
             if not value(z).is_floating_point():
                 raise Refused("the gate logits are not floating point")
@@ -337,14 +516,14 @@ class GatedCombine(RewritePass):
         mean_of = arg(u, 0, "input")
         dim = arg(u, 1, "dim")
         dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
-        if op_name(u) == "mean" and isinstance(mean_of, fx.Node) and len(static_shape(mean_of, "gate input")) == 5 \
-                and isinstance(dim, int) and dim % 5 == 3 and not arg(u, 2, "keepdim", False) \
+        if op_name(u) == "mean" and isinstance(mean_of, fx.Node) and len(static_shape(mean_of, "gate input")) == n + 3 \
+                and isinstance(dim, int) and dim % (n + 3) == n + 1 and not arg(u, 2, "keepdim", False) \
                 and arg(u, 3, "dtype") is None:
-            gate_in, M = mean_of, static_shape(mean_of, "gate input")[3]
+            gate_in, M = mean_of, static_shape(mean_of, "gate input")[n + 1]
         else:
             gate_in, M = u, 1
-        if us[:2] != (B, S) or len(us) != len(zs) or (len(us) == 4 and us[2] != R):
-            raise Refused(f"the gate input is {us}, not [B, S, (R,) Din] with R = {R} gate rows")
+        if us[:n] != lead or len(us) != len(zs) or (len(us) == n + 2 and us[n] != R):
+            raise Refused(f"the gate input is {us}, not [*tokens, (R,) Din] with tokens {lead} and R = {R} gate rows")
         for name, t in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
             if t is not None and (value(t) is None or not value(t).is_floating_point()):
                 raise Refused(f"the gate's {name} is not a floating-point tensor")
@@ -355,27 +534,42 @@ class GatedCombine(RewritePass):
         return plan | {"chain": chain, "u": u, "gate_in": gate_in, "M": M, "w1": w1, "b1": b1, "w2": w2, "b2": b2,
                        "act": act, "gate": f"{source} -> {mlp}"}
 
-    def rewrite(self, graph: fx.Graph, top: fx.Node, plan: dict) -> None:
-        gate_in = plan["gate_in"]
-        while value(gate_in).dim() < 5:  # [B, S, Din] / [B, S, R, Din] -> [B, S, R, m, Din]
-            gate_in = call(graph, torch.unsqueeze, gate_in, 2 if value(gate_in).dim() == 3 else 3, anchor=top)
+    # --- replacement ------------------------------------------------------------------------------
+
+    def rewrite(self, graph: fx.Graph, plan: dict) -> None:
+        out = plan["out"]
+        B, S, H = plan["B"], plan["S"], plan["H"]
+        gate_in = self.gate_input(plan["gate_in"], plan["lead"],
+                                  lambda t, dim: call(graph, torch.unsqueeze, t, dim, anchor=out))
+        branches = []
+        for b, layout in zip(plan["branches"], plan["branch_layouts"]):  # as [B, S, H, Dv] views
+            first = (B, H, S, -1) if layout == "heads-first" else (B, S, H, -1)
+            if tuple(value(b).shape[:3]) != first[:3] or value(b).dim() != 4:
+                b = call(graph, torch.reshape, b, first, anchor=out)
+            branches.append(call(graph, torch.transpose, b, 1, 2, anchor=out) if layout == "heads-first" else b)
         both = call(graph, torch.ops.nsa.gated_combine, gate_in, plan["w1"], plan["b1"], plan["w2"], plan["b2"],
-                    *plan["branches"], plan["act"], plan["normalize"], plan["backend"], anchor=top)
-        out = call(graph, operator.getitem, both, 0, anchor=top)
+                    *branches, plan["act"], plan["normalize"], plan["backend"], anchor=out)
+        new = call(graph, operator.getitem, both, 0, anchor=out)  # [B, S, H, Dv]
+        if plan["out_layout"] == "heads-first":
+            new = call(graph, torch.transpose, new, 1, 2, anchor=out)
+        if tuple(value(new).shape) != tuple(value(out).shape):
+            new = call(graph, torch.reshape, new, tuple(value(out).shape), anchor=out)
+        new = contiguous_if_read_by_layout(graph, new, out, out)
         views = []
-        if value(out).dtype != plan["dtype"] and rounded_by_its_users(top, value(out).dtype, views):
-            # bf16 autocast: the sum is float32 (the softmax ran in float32) but the next Linear
-            # rounds it to bf16 itself: the op's bf16 output gives it the same values, without a
-            # cast kernel there and back
-            top.replace_all_uses_with(out)
+        if value(new).dtype != plan["dtype"] and rounded_by_its_users(out, value(new).dtype, views):
+            # bf16 autocast: O is float32 (the softmax ran in float32) but the next Linear rounds
+            # it to bf16 itself: the op's bf16 output gives it the same values, without a cast
+            # kernel there and back
+            out.replace_all_uses_with(new)
             for node in views:
                 refresh_value(node)
         else:
-            if value(out).dtype != plan["dtype"]:
-                out = call(graph, torch.Tensor.to, out, plan["dtype"], anchor=top)
-            top.replace_all_uses_with(out)
-        # the sum, products, slices and the gate chain; then the mean if only the gate used it
-        erase_replaced(graph, plan["chain"], [plan["u"]])
+            if value(new).dtype != plan["dtype"]:
+                new = call(graph, torch.Tensor.to, new, plan["dtype"], anchor=out)
+            out.replace_all_uses_with(new)
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        # the region, the stacks it read and the gate chain, users first; then the mean if only the gate used it
+        erase_replaced(graph, sorted(set(plan["dead"]), key=order.__getitem__, reverse=True), [plan["u"]])
 
 
 PASS = GatedCombine()

@@ -19,7 +19,10 @@ Refuses (graph unchanged), with the reason shown by `explain`:
 - a repeat over a matrix dim of the matmul (not a head dim);
 - kv_rep used by anything but such a matmul (the copy must stay for that use), or on the left;
 - a matmul that broadcasts over batch dims, or whose operands differ in rank;
-- an operand with a dim of size 0 (nothing to compute; unflatten could not infer its sizes).
+- an operand with a dim of size 0 (nothing to compute; unflatten could not infer its sizes);
+- K/V read by advanced indexing (`k[b, tokens, h]`): the fake strides PyTorch gives aten.index can
+  differ from the real ones (a non-contiguous index tensor), and the matmul's view of the
+  un-copied tensor would fail at run time.
 """
 
 from __future__ import annotations
@@ -70,6 +73,20 @@ def matmul_uses(rep: fx.Node) -> tuple[list[tuple[fx.Node, fx.Node | None]], str
     if not uses:
         return [], "the repeated tensor has no matmul consumer"
     return uses, None
+
+
+_VIEWS = ("transpose", "permute", "swapaxes", "view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten",
+          "expand", "contiguous")
+
+
+def read_by_advanced_indexing(node: fx.Node) -> bool:
+    """node is, through views, the result of indexing with a tensor (x[b, tokens, h])."""
+    while op_name(node) in _VIEWS and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    if op_name(node) != "getitem" or len(node.args) < 2:
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    return any(isinstance(i, fx.Node) and value(i) is not None for i in index)
 
 
 def check_matmul(mm: fx.Node, dim: int) -> str | None:
@@ -140,6 +157,10 @@ class GQAGroupedMatmul(RewritePass):
         if val is None or not val.is_floating_point():
             return "the repeated tensor is not a floating-point tensor (not K/V)", None
         dim %= val.dim()
+        if read_by_advanced_indexing(kv):
+            return ("the repeated tensor is read by advanced indexing (x[idx, ...]): PyTorch's fake strides of "
+                    "aten.index differ from the real ones for a non-contiguous index, and the matmul's view of it "
+                    "would fail at run time; the copy stays"), None
         uses, reason = matmul_uses(rep)
         if reason:
             return reason, None

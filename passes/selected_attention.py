@@ -11,7 +11,10 @@ Matches (torch IR), anchored at the softmax (models/nsa.py `NSAAttention.selecte
     p = softmax(scores.masked_fill(~valid.repeat_interleave(h, 1), -inf), dim=-1)  # or where(valid, scores, -inf)
     o = (p.to(v.dtype).unsqueeze(-2) @ v_sel).squeeze(-2)                        # v_sel as k_sel
 upcast: .float(), .to(float32) or none (fp32); squeeze and upcast in either order; c: `* c`,
-`c *`, `/ c` with a python number, or no scale (c = 1).
+`c *`, `/ c` with a python number, or no scale (c = 1); `p = torch.nan_to_num(p)` after the
+softmax (canonicalize's form of SDPA's rows with no key: 0, the op's own result, so no NaN fill);
+the fill a large negative (finfo.min, -1e9: `attention_match.is_large_negative`) in place of -inf
+where block_idx is nsa.select_blocks' output (every row keeps its own token, so the two agree).
 Packed documents (models/nsa.py with pos [B, S], each token's position in its document): the
 token ids also add the query's document start, blocks being counted within the document,
     tokens = tokens + (t - pos[:, None, :, None])                               # [B, G, S, n*l']
@@ -54,6 +57,7 @@ Refuses (graph unchanged), with the reason shown by `explain`:
 - a softmax not followed by p.unsqueeze(-2) @ v_sel (compressed branch, gates, dense attention);
 - scores, probabilities, the masked tensor, the gathered or repeated K/V used anywhere else;
 - fp16/bf16 scores without the upcast (the op computes the softmax in float32);
+- a finite fill where the block ids may leave a query no token (eager's uniform average there);
 - K/V not gathered along the sequence dim of [B, G, S, D] with one token id per row;
 - token ids or a mask that depend on other data, or that differ from the blocks on the probes:
   padding not masked, the current token hidden or a later one seen (off by one), a mapping that
@@ -72,7 +76,7 @@ import torch.fx as fx
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.attention_match import (
-    Refused, ancestors, erase_replaced, evaluate_node, keep_mask, only_user, strip_upcast, unrepeat,
+    Refused, ancestors, erase_replaced, evaluate_node, keep_mask, mask_fill, only_user, strip_upcast, unrepeat,
 )
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.common import upcast_dtype
@@ -451,8 +455,11 @@ class SelectionAttention(RewritePass):
             raise Refused("not a softmax over the last dim of [B, H, S, T] scores")
         if arg(softmax, 2, "dtype") is not None:
             raise Refused("the softmax has a dtype argument")
-        # forward: p -> [.to(v.dtype)] -> unsqueeze(-2) -> @ v_sel -> squeeze(-2)
+        # forward: p -> [nan_to_num] -> [.to(v.dtype)] -> unsqueeze(-2) -> @ v_sel -> squeeze(-2)
         nxt = only_user(softmax, "probability tensor")
+        zeroed = None
+        if is_nan_to_zero(nxt, softmax):  # rows with no token -> 0, as the op gives them
+            zeroed, nxt = nxt, only_user(nxt, "probability tensor")
         cast = None
         if op_name(nxt) in ("to", "type_as"):
             cast, nxt = nxt, only_user(nxt, "probability tensor")
@@ -471,7 +478,8 @@ class SelectionAttention(RewritePass):
         scaled = first(masked) if op_name(masked) == "masked_fill" else arg(masked, 1, "input")
         if not isinstance(scaled, fx.Node):
             raise Refused(f"the softmax input is {op_name(masked)}, not masked scores")
-        mask, keep_where_true = keep_mask(masked, scaled)
+        mask, keep_where_true = keep_mask(masked, scaled, finite=True)
+        fill = mask_fill(masked)
         only_user(masked, "masked score tensor")
         only_user(scaled, "score tensor")
         qk, scale, chain = scores_chain(scaled)
@@ -548,6 +556,10 @@ class SelectionAttention(RewritePass):
                 raise Refused("the gather index leaves [0, S) on probe block ids (eager's gather would raise; "
                               "the op would ignore them)")
         verified.add(key)
+        if fill != float("-inf") and may_leave_rows_empty({"rows_zeroed": False, "block_idx": block_idx}):
+            raise Refused(f"the scores are filled with {fill:g}, not -inf, and the block ids may leave a query no "
+                          "token (they are not nsa.select_blocks' output): such a row gets the uniform average of its "
+                          "gathered tokens in eager code, 0 or NaN from the op")
         fakes = [value(x) for x in (q, k, v, block_idx)]
         fake_pos = None if pos is None else value(pos)
         try:
@@ -558,8 +570,8 @@ class SelectionAttention(RewritePass):
                 "backend": backend,
                 "why_not_triton": why_not_triton(*fakes, block, fake_pos) if requested == "auto"
                 else f"selection_backend={requested!r} in OptimizeConfig",
-                "out": out, "chain": [out, pv, p4, cast, softmax, masked, *chain, qk, q4, kt, *repeats,
-                                      *k_nodes, *v_nodes],
+                "out": out, "rows_zeroed": zeroed is not None,
+                "chain": [out, pv, p4, cast, zeroed, softmax, masked, *chain, qk, q4, kt, *repeats, *k_nodes, *v_nodes],
                 "roots": roots}
 
     def rewrite(self, graph: fx.Graph, plan: dict) -> None:
@@ -576,9 +588,21 @@ class SelectionAttention(RewritePass):
         # erase the per-query chain, then whatever only it used (token ids, mask, K/V views)
         erase_replaced(graph, plan["chain"], plan["roots"])
 
+def is_nan_to_zero(node: fx.Node, p: fx.Node) -> bool:
+    """node is torch.nan_to_num(p) with nan = 0 (posinf, neginf as default): the rows of -inf
+    scores, NaN after the softmax, become 0 (the canonical form of SDPA's empty rows)."""
+    nan = arg(node, 1, "nan", 0.0)
+    return (op_name(node) == "nan_to_num" and first(node) is p and isinstance(nan, (int, float)) and nan == 0
+            and arg(node, 2, "posinf") is None and arg(node, 3, "neginf") is None)
+
+
 def may_leave_rows_empty(plan: dict) -> bool:
-    """False when block_idx is nsa.select_blocks' output: it forces each query's current block
-    (NSA's rule, kept by that op exactly), so every row holds its own token."""
+    """False when the eager code zeroes the rows with no token itself (nan_to_num after the
+    softmax: the op's own result there), or when block_idx is nsa.select_blocks' output: it forces
+    each query's current block (NSA's rule, kept by that op exactly), so every row holds its own
+    token."""
+    if plan["rows_zeroed"]:
+        return False
     source = plan["block_idx"]
     return not (source.op == "call_function" and source.target in (torch.ops.nsa.select_blocks,
                                                                     torch.ops.nsa.select_blocks.default))

@@ -2,7 +2,8 @@
 
 Matches (torch IR), anchored at the softmax:
     k_rep = k.repeat_interleave(h, dim=1)            # optional (GQA); k [B, G, S, Dk]
-    scores = upcast(q @ k_rep.transpose(-1, -2)) * c  # q [B, H, S, Dk]; upcast: .float(), .to(float32), or none
+    scores = upcast(q @ k_rep.transpose(-1, -2)) * c  # q [B, H, S, Dk]; upcast: .float(), .to(float32), or none;
+                                                      # `* c` optional (q scaled before the product: c = 1)
     p = softmax(scores.masked_fill(~mask, -inf), dim=-1)      # or masked_fill(not_mask, -inf), where(mask, scores, -inf)
     o = p.to(v.dtype) @ v_rep                         # .to optional; v_rep as k_rep
 where `mask` [S, S] is computed from positions only (aranges, comparisons, arithmetic). The mask
@@ -76,7 +77,8 @@ def single_user(node: fx.Node, what: str) -> fx.Node:
 
 
 def split_scale(node: fx.Node) -> tuple[fx.Node, float]:
-    """scores * c, c * scores, scores / c -> (scores, scale)."""
+    """scores * c, c * scores, scores / c -> (scores, scale); unscaled scores (q scaled before the
+    product, or no scale) -> (scores, 1.0)."""
     name, (a, b) = op_name(node), (node.args + (None, None))[:2]
     if name == "mul" and isinstance(b, (int, float)) and isinstance(a, fx.Node):
         return a, float(b)
@@ -84,7 +86,9 @@ def split_scale(node: fx.Node) -> tuple[fx.Node, float]:
         return b, float(a)
     if name in ("truediv", "div") and isinstance(b, (int, float)) and isinstance(a, fx.Node):
         return a, 1.0 / float(b)
-    raise Refused("the scores are not scaled by a constant (q @ k^T * c)")
+    if name in ("mul", "truediv", "div"):
+        raise Refused("the scores are not scaled by a constant (q @ k^T * c)")
+    return node, 1.0
 
 
 # Ops that act element by element (with broadcasting): rows r0..r1 of their output are the op
@@ -95,7 +99,7 @@ POINTWISE = {
     "lt", "le", "gt", "ge", "eq", "ne", "and_", "or_", "xor", "invert", "logical_and", "logical_or",
     "logical_not", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor",
     "__and__", "__or__", "__xor__", "__invert__", "where", "to", "bool", "int", "long", "clamp",
-    "clamp_min", "clamp_max", "minimum", "maximum",
+    "clamp_min", "clamp_max", "minimum", "maximum", "masked_fill", "float", "double", "half", "bfloat16",
     # the same as tensor methods: PyTorch 2.11's Dynamo records `a == b` on tensors as a.__eq__(b)
     "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__add__", "__radd__", "__sub__", "__rsub__",
     "__mul__", "__rmul__", "__neg__", "__floordiv__", "__mod__",

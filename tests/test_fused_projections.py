@@ -326,7 +326,8 @@ def test_a_tied_weight_and_a_raw_output_used_elsewhere():
     r = row(optimized, PASS)
     # merged with its bias; k's RoPE stays eager on its piece (the raw projection is used too)
     assert r["matches"] == 1 and "(2 projections -> 1 GEMM of 32 columns; RoPE half r=8 on 1 of" in r["kernels"][0]
-    assert r["reasons"] == ["RoPE left eager: values inside the RoPE arithmetic (or the projection) are used elsewhere"]
+    assert r["reasons"] == ["RoPE left eager: values inside the RoPE arithmetic (or the projection) are used "
+                            "elsewhere: k_raw by cat_8"]
 
 
 def test_a_weight_computed_after_the_first_projection_is_left_out():
@@ -566,13 +567,15 @@ def test_mixed_dtypes_are_taken_only_in_an_autocast_region_of_the_projections_dt
 
 
 def op_args(B=2, S=5, K=12, widths=(16, 8, 8), head_dims=(8, 8, 0), rot=4, bias=True, table_batch=None,
-            dtype=torch.float32, device="cpu", seed=0):
+            dtype=torch.float32, device="cpu", seed=0, full=False):
+    """The op's inputs; full: tables of one entry per rotated column [.., rot] (else per pair)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, S, K, generator=g)
     w = torch.randn(sum(widths), K, generator=g) / K**0.5
     b = torch.randn(sum(widths), generator=g) if bias else None
     if any(head_dims):
-        shape = (S, rot // 2) if table_batch is None else (table_batch, S, rot // 2)
+        F = rot if full else rot // 2
+        shape = (S, F) if table_batch is None else (table_batch, S, F)
         cos, sin = torch.randn(shape, generator=g), torch.randn(shape, generator=g)  # any values: tables are inputs
     else:
         cos = sin = None
@@ -597,6 +600,64 @@ def test_opcheck(kwargs, style):
                           (grads, cos, sin, head_dims, style, "reference"))
 
 
+def eager_full_tables(x, w, b, cos, sin, widths, head_dims, style):
+    """The op with full-width tables written as the models write RoPE, y * cos + rotate(y) * sin,
+    per head of each rotated piece (autograd is the oracle of the backward)."""
+    y = nn.functional.linear(x, w, b)
+    outs, start = [], 0
+    for width, D in zip(widths, head_dims):
+        piece = y[..., start : start + width]
+        start += width
+        if D:
+            B, S, _ = piece.shape
+            h, R = piece.view(B, S, width // D, D), cos.shape[-1]
+            c, s_ = ((t if t.dim() == 3 else t[None])[:, :, None] for t in (cos, sin))  # [Bt, S, 1, R]
+            rot, rest = h[..., :R], h[..., R:]
+            if style == "half":
+                r1, r2 = rot.chunk(2, dim=-1)
+                rotated = torch.cat([-r2, r1], dim=-1)
+            else:
+                r1, r2 = rot[..., 0::2], rot[..., 1::2]
+                rotated = torch.stack([-r2, r1], dim=-1).flatten(-2)
+            piece = torch.cat([rot * c + rotated * s_, rest], dim=-1).reshape(B, S, width)
+        outs.append(piece)
+    return outs
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("table_batch", [None, 2], ids=["tables-SR", "tables-BSR"])
+def test_full_tables_reference_matches_the_eager_formula(style, table_batch):
+    """full_tables: one entry per column, whatever the values (random: the entries of a pair differ)."""
+    x, w, b, cos, sin, widths, head_dims = (t.double() if isinstance(t, torch.Tensor) else t for t in op_args(
+        widths=(16, 12, 8), head_dims=(8, 6, 0), rot=4, table_batch=table_batch, full=True))
+    leaves = [x.requires_grad_(), w.requires_grad_(), b.requires_grad_()]
+    got = rope_op.projection_rope(x, w, b, cos, sin, widths, head_dims, style, "reference", full_tables=True)
+    want = eager_full_tables(x, w, b, cos, sin, widths, head_dims, style)
+    grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64) for o in want]
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    for a, e in zip(torch.autograd.grad(got, leaves, grads), torch.autograd.grad(want, leaves, grads)):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    # with the entries of each pair equal (cat([f, f]) / repeat_interleave(2)) they are the per-pair tables
+    c, s_ = cos[..., :2], sin[..., :2]
+    repeat = (lambda t: torch.cat([t, t], dim=-1)) if style == "half" else (lambda t: t.repeat_interleave(2, dim=-1))
+    same = rope_op.projection_rope(x, w, b, repeat(c), repeat(s_), widths, head_dims, style, "reference",
+                                   full_tables=True)
+    for a, e in zip(same, rope_op.projection_rope(x, w, b, c, s_, widths, head_dims, style, "reference")):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+def test_opcheck_full_tables():
+    x, w, b, cos, sin, widths, head_dims = op_args(table_batch=2, full=True)
+    for t in (x, w, b):
+        t.requires_grad_()
+    torch.library.opcheck(torch.ops.nsa.projection_rope,
+                          (x, w, b, cos, sin, widths, head_dims, "interleaved", "reference", True))
+    grads = [torch.randn(*x.shape[:-1], n) for n in widths]
+    torch.library.opcheck(torch.ops.nsa.projection_rope_backward,
+                          (grads, cos, sin, head_dims, "half", "reference", True))
+
+
 def test_the_op_checks_its_arguments():
     x, w, b, cos, sin, widths, head_dims = op_args()
     with pytest.raises(ValueError, match="weight has 32 rows, the pieces 31"):
@@ -607,6 +668,9 @@ def test_the_op_checks_its_arguments():
         rope_op.projection_rope(x, w, b, cos, sin, widths, head_dims, style="full")
     with pytest.raises(ValueError, match="backend 'triton' cannot run these inputs: device cpu"):
         rope_op.projection_rope(x, w, b, cos, sin, widths, head_dims, backend="triton")
+    with pytest.raises(ValueError, match="full-width tables need an even rotary dim, got 3"):
+        rope_op.projection_rope(x, w, b, cos[:, :1].repeat(1, 3), sin[:, :1].repeat(1, 3), widths, head_dims,
+                                full_tables=True)
 
 
 # --- the Triton kernels -------------------------------------------------------------------------------
@@ -649,22 +713,25 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @pytest.mark.parametrize(
-    "case, dtype, style",
-    [("nsa-like-aligned", torch.float32, "half"), ("nsa-like-aligned", torch.bfloat16, "half"),
-     ("nsa-like-aligned", torch.float16, "interleaved"), ("partial-rotary", torch.bfloat16, "interleaved"),
-     ("partial-rotary", torch.float32, "half"), ("odd-sizes", torch.float16, "half"),
-     ("odd-sizes", torch.float32, "interleaved"), ("batch-tables", torch.bfloat16, "half"),
-     ("no-rotation", torch.float16, "half")],
-    ids=lambda v: str(v).replace("torch.", ""),
+    "case, dtype, style, full",
+    [("nsa-like-aligned", torch.float32, "half", False), ("nsa-like-aligned", torch.bfloat16, "half", False),
+     ("nsa-like-aligned", torch.float16, "interleaved", False), ("partial-rotary", torch.bfloat16, "interleaved", False),
+     ("partial-rotary", torch.float32, "half", False), ("odd-sizes", torch.float16, "half", False),
+     ("odd-sizes", torch.float32, "interleaved", False), ("batch-tables", torch.bfloat16, "half", False),
+     ("no-rotation", torch.float16, "half", False),
+     # full-width tables (one entry per column, the entries of a pair different)
+     ("nsa-like-aligned", torch.bfloat16, "half", True), ("nsa-like-aligned", torch.float32, "interleaved", True),
+     ("partial-rotary", torch.float16, "interleaved", True), ("batch-tables", torch.float32, "half", True)],
+    ids=lambda v: {True: "full-tables", False: "pair-tables"}.get(v, str(v).replace("torch.", "")),
 )
-def test_triton_forward_and_backward_match_float64(interpreter, case, dtype, style):
+def test_triton_forward_and_backward_match_float64(interpreter, case, dtype, style, full):
     B, S, K, widths, head_dims, rot, bias, table_batch = TRITON_CASES[case]
-    args = op_args(B, S, K, widths, head_dims, rot, bias, table_batch, dtype, DEVICE)
+    args = op_args(B, S, K, widths, head_dims, rot, bias, table_batch, dtype, DEVICE, full=full)
     leaves = [t.requires_grad_() if t is not None and i < 3 else t for i, t in enumerate(args)]
-    outs = rope_op.projection_rope(*leaves, style=style, backend="triton")
+    outs = rope_op.projection_rope(*leaves, style=style, backend="triton", full_tables=full)
     ref_leaves = [t.detach().double().requires_grad_() if t is not None and i < 3 else t for i, t in enumerate(args)]
     ref_leaves[3:5] = float64(args[3:5])
-    refs = rope_op.projection_rope(*ref_leaves, style=style, backend="reference")
+    refs = rope_op.projection_rope(*ref_leaves, style=style, backend="reference", full_tables=full)
     tol = TOLERANCE[dtype]
     for o, ref in zip(outs, refs):
         assert o.dtype == dtype and o.is_contiguous() and o.shape == ref.shape

@@ -452,14 +452,16 @@ def test_accepted_forms(gate, change):
 @pytest.mark.parametrize(
     "gate, change, reason",
     [
-        ("group", "two-branches", "the gated sum has 2 terms; the op mixes exactly three branches"),
-        ("group", "column-twice", "the terms use gate columns [0, 0, 2], not 0, 1, 2 once each"),
+        ("group", "two-branches", "the weighted sum reads 2 tensors besides the gate (l_o_cmp_, l_o_sel_); the op "
+                                  "mixes exactly three branch outputs"),
+        ("group", "column-twice", "the branches are weighed by gate columns [0, 0, 2], not 0, 1, 2 once each"),
         ("group", "softmax-wrong-dim", "the gate softmax runs over dim 2 of (2, 5, 2, 3), not over the three branches"),
         ("head", "softmax-over-all-heads", "the gate softmax runs over dim -1 of (2, 5, 12), not over the three"),
-        ("group", "gate-scaled-by-another-tensor", "the gate is computed by mul"),
-        ("group", "gate-returned", "the gate is used by 4 nodes"),
-        ("group", "partial-sum-returned", "a partial sum of the gated terms is also used elsewhere"),
-        ("group", "product-returned", "the gated product is used by 2 nodes"),
+        ("group", "gate-scaled-by-another-tensor", "the weighted sum reads 4 tensors besides the gate "
+                                                   "(l_self_modules_other_parameters_bias_, l_o_cmp_, l_o_sel_, l_o_win_)"),
+        ("group", "gate-returned", "values of the gated sum are also used elsewhere: g_1 (repeat_interleave) by output"),
+        ("group", "partial-sum-returned", "values of the gated sum are also used elsewhere: partial (add) by output"),
+        ("group", "product-returned", "values of the gated sum are also used elsewhere: product (mul) by output"),
     ],
     ids=["two-branches", "column-twice", "softmax-wrong-dim", "softmax-over-all-heads", "gate-scaled-by-another-tensor",
          "gate-returned", "partial-sum-returned", "product-returned"],

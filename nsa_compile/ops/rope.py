@@ -1,7 +1,8 @@
 """The Linear projections of one input as one GEMM, with RoPE applied to some of them, as a
 functional custom op (NSA section 1).
 
-    outs = torch.ops.nsa.projection_rope(x, weight, bias, cos, sin, widths, head_dims, style, backend)
+    outs = torch.ops.nsa.projection_rope(x, weight, bias, cos, sin, widths, head_dims, style, backend,
+                                         full_tables)
 
 x [*lead, K]; weight [N, K]: the projections' weights one after another (N = sum(widths); the
 pass concatenates the module's own parameters in the graph, so autograd splits dW back onto
@@ -18,12 +19,23 @@ cos, sin: [S, R/2] or [Bt, S, R/2] with Bt 1 or B, any float dtype (the values a
 op rotates by whatever angles they hold); None when no piece is rotated. head_dims[i] = 0 leaves
 piece i unrotated. The tables get no gradient.
 
+With full_tables, cos and sin are [S, R] or [Bt, S, R], one entry per rotated column, as models
+that cache `cat([freqs, freqs])` (rotate-half) or `freqs.repeat_interleave(2)` (interleaved)
+hold them: column a of a pair uses entry a, its partner b entry b,
+
+    out_a = y_a * cos[b, s, a] - y_b * sin[b, s, a]
+    out_b = y_b * cos[b, s, b] + y_a * sin[b, s, b]
+
+which is `y * cos + rotate(y) * sin` for any tables: the op does not assume that the entries of
+a pair are equal (a table read from a buffer holds whatever it is given).
+
 Numerics: the rotation runs in the upcast dtype (fp16/bf16 -> fp32) with the tables in it, and
 rounds once (the eager code casts the tables to the projection's dtype and rounds each product).
 
-Backward: `nsa::projection_rope_backward(grads, cos, sin, head_dims, style, backend) -> dy`, the
-gradient of x @ weight^T + bias (before the rotation: the inverse rotation of the pieces'
-gradients, concatenated), [*lead, N]; the autograd formula then takes dx = dy @ weight,
+Backward: `nsa::projection_rope_backward(grads, cos, sin, head_dims, style, backend, full_tables)
+-> dy`, the gradient of x @ weight^T + bias (before the rotation: the transposed rotation of the
+pieces' gradients, its inverse for pair tables, concatenated), [*lead, N]; the autograd formula
+then takes dx = dy @ weight,
 dW = dy^T x and db = sum(dy) with torch matmuls (cuBLAS on CUDA, visible to Inductor).
 
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
@@ -42,7 +54,8 @@ import torch.nn.functional as F
 from . import rope_triton
 from .common import upcast_dtype
 
-__all__ = ["BACKENDS", "STYLES", "choose_backend", "projection_rope", "projection_rope_backward", "rotate"]
+__all__ = ["BACKENDS", "STYLES", "choose_backend", "projection_rope", "projection_rope_backward", "rotary_dim",
+           "rotate"]
 
 BACKENDS = ("auto", "triton", "reference")
 STYLES = ("half", "interleaved")
@@ -73,7 +86,7 @@ def choose_backend(x, weight, bias, cos, sin, widths, head_dims, backend: str = 
     return backend
 
 
-def _check(x, weight, bias, cos, sin, widths, head_dims, style, backend) -> str:
+def _check(x, weight, bias, cos, sin, widths, head_dims, style, backend, full_tables=False) -> str:
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
     dtypes, layout and backend are valid."""
     op = "projection_rope"
@@ -103,13 +116,13 @@ def _check(x, weight, bias, cos, sin, widths, head_dims, style, backend) -> str:
     if any(isinstance(d, bool) or not isinstance(d, (int, torch.SymInt)) or d < 0 for d in head_dims):
         raise ValueError(f"{op}: head_dims must be ints >= 0 (0: not rotated), got {list(head_dims)}")
     if any(head_dims):
-        _check_rotation(x, cos, sin, widths, head_dims)
+        _check_rotation(x, cos, sin, widths, head_dims, full_tables)
     elif cos is not None or sin is not None:
         raise ValueError(f"{op}: cos and sin are given but no piece is rotated (all head_dims 0)")
     return choose_backend(x, weight, bias, cos, sin, widths, head_dims, backend)
 
 
-def _check_rotation(x, cos, sin, widths, head_dims) -> None:
+def _check_rotation(x, cos, sin, widths, head_dims, full_tables) -> None:
     op = "projection_rope"
     if x.dim() != 3:
         raise ValueError(f"{op}: rotated pieces need x of shape [B, S, K], got {tuple(x.shape)}")
@@ -123,52 +136,71 @@ def _check_rotation(x, cos, sin, widths, head_dims) -> None:
     if lead != (S,) and lead not in ((1, S), (B, S)):
         raise ValueError(f"{op}: cos and sin must be [S, R/2] or [1 or B, S, R/2] with B, S = {B}, {S}, "
                          f"got {tuple(cos.shape)}")
-    R = 2 * cos.shape[-1]
+    R = rotary_dim(cos, full_tables)
+    if full_tables and cos.shape[-1] % 2:
+        raise ValueError(f"{op}: full-width tables need an even rotary dim, got {cos.shape[-1]}")
     for i, (w, d) in enumerate(zip(widths, head_dims)):
         if d and (w % d or R > d or R == 0):
             raise ValueError(f"{op}: piece {i} (width {w}, head dim {d}) must be whole heads of at least the "
                              f"rotary dim R = {R} (> 0)")
 
 
+def rotary_dim(cos: torch.Tensor, full_tables: bool) -> int:
+    """R, the rotated columns of each head: the table width (full tables) or twice it."""
+    return cos.shape[-1] if full_tables else 2 * cos.shape[-1]
+
+
 def _table(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cos or sin [S, R/2] / [Bt, S, R/2] -> [Bt, S, 1, R/2] in dtype (broadcasts over heads)."""
+    """cos or sin [S, F] / [Bt, S, F] -> [Bt, S, 1, F] in dtype (broadcasts over heads)."""
     t = t if t.dim() == 3 else t[None]
     return t[:, :, None, :].to(dtype)
 
 
+def _halves(t: torch.Tensor, style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full-width table's entries for the first and the second column of each pair."""
+    if style == "half":
+        return t[..., : t.shape[-1] // 2], t[..., t.shape[-1] // 2 :]
+    return t[..., 0::2], t[..., 1::2]
+
+
 def rotate(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, style: str,
-           inverse: bool = False) -> torch.Tensor:
-    """y [B, S, width] -> y rotated per head of head_dim columns (first R = 2 * cos.shape[-1]
-    of each), in the upcast dtype; `inverse` rotates by the opposite angle (the backward)."""
+           inverse: bool = False, full_tables: bool = False) -> torch.Tensor:
+    """y [B, S, width] -> y rotated per head of head_dim columns (its first R columns, R from the
+    tables), in the upcast dtype; `inverse` applies the transposed map (the backward: the
+    rotation by the opposite angle for pair tables)."""
     up = upcast_dtype(y.dtype)
     B, S, width = y.shape
     h = y.reshape(B, S, width // head_dim, head_dim).to(up)
-    R2 = cos.shape[-1]
-    c, s = _table(cos, up), _table(sin, up)
-    if inverse:
-        s = -s
+    c_a, s_a = _table(cos, up), _table(sin, up)
+    c_b, s_b = c_a, s_a
+    if full_tables:
+        (c_a, c_b), (s_a, s_b) = _halves(c_a, style), _halves(s_a, style)
+    if inverse:  # [[c_a, -s_a], [s_b, c_b]] transposed: [[c_a, s_b], [-s_a, c_b]]
+        s_a, s_b = -s_b, -s_a
+    R2 = c_a.shape[-1]
     if style == "half":
         a, b = h[..., :R2], h[..., R2 : 2 * R2]
-        rotated = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+        rotated = torch.cat([a * c_a - b * s_a, b * c_b + a * s_b], dim=-1)
     else:
         a, b = h[..., 0 : 2 * R2 : 2], h[..., 1 : 2 * R2 : 2]
-        rotated = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+        rotated = torch.stack([a * c_a - b * s_a, b * c_b + a * s_b], dim=-1).flatten(-2)
     return torch.cat([rotated, h[..., 2 * R2 :]], dim=-1).reshape(B, S, width)
 
 
-def _reference_forward(x, weight, bias, cos, sin, widths, head_dims, style) -> list[torch.Tensor]:
+def _reference_forward(x, weight, bias, cos, sin, widths, head_dims, style, full_tables) -> list[torch.Tensor]:
     y = F.linear(x, weight, bias)  # [*lead, N]
     outs, start = [], 0
     for width, dim in zip(widths, head_dims):
         piece = y[..., start : start + width]
         # contiguous: a column slice is copied out (outputs may not alias each other)
-        outs.append(rotate(piece, cos, sin, dim, style).to(x.dtype) if dim else piece.contiguous())
+        outs.append(rotate(piece, cos, sin, dim, style, full_tables=full_tables).to(x.dtype) if dim
+                    else piece.contiguous())
         start += width
     return outs
 
 
-def _reference_backward(grads, cos, sin, head_dims, style) -> torch.Tensor:
-    parts = [rotate(g, cos, sin, dim, style, inverse=True).to(g.dtype) if dim else g
+def _reference_backward(grads, cos, sin, head_dims, style, full_tables) -> torch.Tensor:
+    parts = [rotate(g, cos, sin, dim, style, inverse=True, full_tables=full_tables).to(g.dtype) if dim else g
              for g, dim in zip(grads, head_dims)]
     return torch.cat(parts, dim=-1)
 
@@ -177,25 +209,26 @@ def _reference_backward(grads, cos, sin, head_dims, style) -> torch.Tensor:
 def _projection_rope_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor | None,
     sin: torch.Tensor | None, widths: list[int], head_dims: list[int], style: str, backend: str = "auto",
+    full_tables: bool = False,
 ) -> list[torch.Tensor]:
     """Projections of x [*lead, K] by weight [N, K] (+ bias [N]) split into pieces [*lead, widths[i]],
     piece i rotated per head of head_dims[i] columns when that is > 0 (module docstring)."""
-    if _check(x, weight, bias, cos, sin, widths, head_dims, style, backend) == "triton":
+    if _check(x, weight, bias, cos, sin, widths, head_dims, style, backend, full_tables) == "triton":
         K = x.shape[-1]
         S = x.shape[1] if any(head_dims) else 1
         outs = rope_triton.projection_rope_forward(x.reshape(-1, K), weight, bias, cos, sin, list(widths),
-                                                   list(head_dims), style, S)
+                                                   list(head_dims), style, S, full_tables=full_tables)
         return [o.view(*x.shape[:-1], o.shape[1]) for o in outs]
-    return _reference_forward(x, weight, bias, cos, sin, widths, head_dims, style)
+    return _reference_forward(x, weight, bias, cos, sin, widths, head_dims, style, full_tables)
 
 
 @_projection_rope_op.register_fake
-def _projection_rope_fake(x, weight, bias, cos, sin, widths, head_dims, style, backend="auto"):
-    _check(x, weight, bias, cos, sin, widths, head_dims, style, backend)
+def _projection_rope_fake(x, weight, bias, cos, sin, widths, head_dims, style, backend="auto", full_tables=False):
+    _check(x, weight, bias, cos, sin, widths, head_dims, style, backend, full_tables)
     return [x.new_empty((*x.shape[:-1], w)) for w in widths]
 
 
-def _check_grads(grads, cos, sin, head_dims, style, backend) -> str:
+def _check_grads(grads, cos, sin, head_dims, style, backend, full_tables) -> str:
     op = "projection_rope_backward"
     if len(grads) == 0 or len(grads) != len(head_dims):
         raise ValueError(f"{op}: one gradient per piece: {len(grads)} gradients, {len(head_dims)} head dims")
@@ -207,51 +240,54 @@ def _check_grads(grads, cos, sin, head_dims, style, backend) -> str:
     N = sum(widths)
     # the forward's checks, on a stand-in x and weight of the gradients' lead dims and dtype
     x = grads[0].new_empty((*lead, 1))
-    return _check(x, x.new_empty((N, 1)), None, cos, sin, widths, list(head_dims), style, backend)
+    return _check(x, x.new_empty((N, 1)), None, cos, sin, widths, list(head_dims), style, backend, full_tables)
 
 
 @torch.library.custom_op("nsa::projection_rope_backward", mutates_args=())
 def projection_rope_backward(
     grads: list[torch.Tensor], cos: torch.Tensor | None, sin: torch.Tensor | None, head_dims: list[int],
-    style: str, backend: str = "auto",
+    style: str, backend: str = "auto", full_tables: bool = False,
 ) -> torch.Tensor:
     """The gradient [*lead, N] of the projection before the rotation, from the pieces' gradients
-    grads[i] [*lead, widths[i]]: inverse-rotated where head_dims[i] > 0, concatenated."""
-    if _check_grads(grads, cos, sin, head_dims, style, backend) == "triton":
+    grads[i] [*lead, widths[i]]: through the transposed rotation where head_dims[i] > 0, concatenated."""
+    if _check_grads(grads, cos, sin, head_dims, style, backend, full_tables) == "triton":
         lead = grads[0].shape[:-1]
         widths = [g.shape[-1] for g in grads]
         S = lead[1] if any(head_dims) else 1
         dy = rope_triton.projection_rope_grad([g.reshape(-1, g.shape[-1]) for g in grads], cos, sin, widths,
-                                              list(head_dims), style, S)
+                                              list(head_dims), style, S, full_tables=full_tables)
         return dy.view(*lead, dy.shape[1])
-    return _reference_backward(grads, cos, sin, head_dims, style)
+    return _reference_backward(grads, cos, sin, head_dims, style, full_tables)
 
 
 @projection_rope_backward.register_fake
-def _projection_rope_backward_fake(grads, cos, sin, head_dims, style, backend="auto"):
-    _check_grads(grads, cos, sin, head_dims, style, backend)
+def _projection_rope_backward_fake(grads, cos, sin, head_dims, style, backend="auto", full_tables=False):
+    _check_grads(grads, cos, sin, head_dims, style, backend, full_tables)
     return grads[0].new_empty((*grads[0].shape[:-1], sum(g.shape[-1] for g in grads)))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, cos, sin, widths, head_dims, style, *backend = inputs
+    x, weight, bias, cos, sin, widths, head_dims, style, *options = inputs
     ctx.save_for_backward(x, weight, cos, sin)
     ctx.has_bias = bias is not None
     ctx.piece_shapes = [(*x.shape[:-1], w) for w in widths]
-    ctx.head_dims, ctx.style, ctx.backend = list(head_dims), style, (backend or ["auto"])[0]
+    ctx.head_dims, ctx.style = list(head_dims), style
+    ctx.backend, ctx.full_tables = [*options, *("auto", False)[len(options):]]  # the defaults where not given
 
 
 def _backward(ctx, grads):
     x, weight, cos, sin = ctx.saved_tensors
     # a piece that got no gradient contributes zeros
     grads = [g if g is not None else x.new_zeros(shape) for g, shape in zip(grads, ctx.piece_shapes)]
-    dy = torch.ops.nsa.projection_rope_backward(list(grads), cos, sin, ctx.head_dims, ctx.style, ctx.backend)
+    dy = torch.ops.nsa.projection_rope_backward(list(grads), cos, sin, ctx.head_dims, ctx.style, ctx.backend,
+                                                ctx.full_tables)
     N, K = weight.shape
     dy2 = dy.reshape(-1, N)  # [M, N]
     dx = (dy2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
     dw = dy2.t() @ x.reshape(-1, K) if ctx.needs_input_grad[1] else None
     db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    return dx, dw, db, None, None, None, None, None, None
+    # one gradient per input the op was called with (the dispatcher drops trailing defaults)
+    return (dx, dw, db) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 _projection_rope_op.register_autograd(_backward, setup_context=_setup_context)
@@ -260,6 +296,8 @@ _projection_rope_op.register_autograd(_backward, setup_context=_setup_context)
 def projection_rope(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor | None,
     sin: torch.Tensor | None, widths, head_dims, style: str = "half", backend: str = "auto",
+    full_tables: bool = False,
 ) -> list[torch.Tensor]:
     """`torch.ops.nsa.projection_rope` (see the module docstring)."""
-    return torch.ops.nsa.projection_rope(x, weight, bias, cos, sin, list(widths), list(head_dims), style, backend)
+    return torch.ops.nsa.projection_rope(x, weight, bias, cos, sin, list(widths), list(head_dims), style, backend,
+                                         full_tables)

@@ -10,7 +10,9 @@ row m is token m % S of batch m // S), weight [N, K] (the pieces' weights one af
 N = sum(widths)), bias [N] or None; piece i is x2 @ weight[rows of i]^T + bias, [M, widths[i]],
 and when head_dims[i] = D > 0 each head of D columns has its first R = 2 * cos.shape[-1] columns
 rotated by the angle of the row's position (pairs (j, j + R/2) for style 'half', (2j, 2j + 1) for
-'interleaved'; the remaining D - R columns pass through). cos, sin: [Bt, S, R/2] with Bt 1 or B.
+'interleaved'; the remaining D - R columns pass through). cos, sin: [Bt, S, R/2] with Bt 1 or B;
+with full_tables [Bt, S, R], one entry per column (FULL: the partner b of a pair reads its own
+entries, from views of the same tables, out_b = b*cos_b + a*sin_b; two more loads per pair).
 
 Forward kernel, a 1-D grid over (row tile, column tile), the column tile fastest (the programs
 of one row tile run together and share its x rows in L2; the weights, a few MB, stay in L2).
@@ -45,7 +47,8 @@ in the sweep. Reaching cuBLAS needs bigger tiles fed by TMA with warp specializa
 
 Backward kernel: the gradient of the projection before the rotation, dy [M, N], from the
 pieces' gradients in one elementwise pass over the same tiles: for a pair,
-dy_a = g_a*cos + g_b*sin, dy_b = g_b*cos - g_a*sin (the inverse rotation); the rest is copied.
+dy_a = g_a*cos + g_b*sin, dy_b = g_b*cos - g_a*sin (the inverse rotation; with full tables the
+transposed map, dy_a = g_a*cos + g_b*sin_b, dy_b = g_b*cos_b - g_a*sin); the rest is copied.
 dx = dy @ W and dW = dy^T @ x are left to cuBLAS (the op's autograd formula).
 
 Supported (`unsupported_reason` says why not): CUDA tensors (or any device with
@@ -182,11 +185,11 @@ def _kernels():
 
     @triton.jit
     def fwd_kernel(
-        X, W, BIAS, COS, SIN, TILES, O0, O1, O2, O3, O4, O5, O6, O7,
+        X, W, BIAS, COS, SIN, COS_B, SIN_B, TILES, O0, O1, O2, O3, O4, O5, O6, O7,
         M, K, S, NT, sxm, sxk, swn, swk, scb, scs, scf,
         D: tl.constexpr, R2: tl.constexpr, HT: tl.constexpr, NA: tl.constexpr, NP: tl.constexpr,
         JA: tl.constexpr, JP: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
-        HAS_TABLE: tl.constexpr, NOUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+        HAS_TABLE: tl.constexpr, FULL: tl.constexpr, NOUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
         EVEN_K: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
@@ -288,15 +291,27 @@ def _kernels():
                 t_ptr = t_off[:, None] + fr[None, :] * scf
                 c = tl.reshape(tl.broadcast_to(tl.load(COS + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
                 s = tl.reshape(tl.broadcast_to(tl.load(SIN + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
+                if FULL:  # the partners' own entries of full-width tables
+                    c_b = tl.reshape(tl.broadcast_to(tl.load(COS_B + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
+                    s_b = tl.reshape(tl.broadcast_to(tl.load(SIN_B + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
             else:
                 t_ptr = t_off[:, None] + f[None, :] * scf
                 c = tl.load(COS + t_ptr)
                 s = tl.load(SIN + t_ptr)
+                if FULL:
+                    c_b = tl.load(COS_B + t_ptr)
+                    s_b = tl.load(SIN_B + t_ptr)
             # raw tiles rotate by nothing: cos 1, sin 0
             c = tl.where(rot[None, :], c.to(tl.float32), 1.0)
             s = tl.where(rot[None, :], s.to(tl.float32), 0.0)
+            if FULL:
+                c_b = tl.where(rot[None, :], c_b.to(tl.float32), 1.0)
+                s_b = tl.where(rot[None, :], s_b.to(tl.float32), 0.0)
+            else:
+                c_b = c
+                s_b = s
             out_a = acc_a * c - acc_b * s
-            out_b = acc_b * c + acc_a * s
+            out_b = acc_b * c_b + acc_a * s_b
         else:
             out_a = acc_a
             out_b = acc_b
@@ -336,10 +351,10 @@ def _kernels():
 
     @triton.jit
     def grad_kernel(
-        G0, G1, G2, G3, G4, G5, G6, G7, DY, COS, SIN, TILES,
+        G0, G1, G2, G3, G4, G5, G6, G7, DY, COS, SIN, COS_B, SIN_B, TILES,
         M, N, S, NT, scb, scs, scf,
         D: tl.constexpr, R2: tl.constexpr, HT: tl.constexpr, NA: tl.constexpr, NP: tl.constexpr,
-        JA: tl.constexpr, JP: tl.constexpr, HALF: tl.constexpr, HAS_TABLE: tl.constexpr,
+        JA: tl.constexpr, JP: tl.constexpr, HALF: tl.constexpr, HAS_TABLE: tl.constexpr, FULL: tl.constexpr,
         NOUT: tl.constexpr, BM: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
@@ -418,14 +433,27 @@ def _kernels():
                 t_ptr = t_off[:, None] + fr[None, :] * scf
                 c = tl.reshape(tl.broadcast_to(tl.load(COS + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
                 s = tl.reshape(tl.broadcast_to(tl.load(SIN + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
+                if FULL:
+                    c_b = tl.reshape(tl.broadcast_to(tl.load(COS_B + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
+                    s_b = tl.reshape(tl.broadcast_to(tl.load(SIN_B + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
             else:
                 t_ptr = t_off[:, None] + f[None, :] * scf
                 c = tl.load(COS + t_ptr)
                 s = tl.load(SIN + t_ptr)
+                if FULL:
+                    c_b = tl.load(COS_B + t_ptr)
+                    s_b = tl.load(SIN_B + t_ptr)
             c = tl.where(rot[None, :], c.to(tl.float32), 1.0)
             s = tl.where(rot[None, :], s.to(tl.float32), 0.0)
-            da = ga * c + gb * s
-            db = gb * c - ga * s
+            if FULL:
+                c_b = tl.where(rot[None, :], c_b.to(tl.float32), 1.0)
+                s_b = tl.where(rot[None, :], s_b.to(tl.float32), 0.0)
+            else:
+                c_b = c
+                s_b = s
+            # the forward's [[c, -s], [s_b, c_b]] transposed
+            da = ga * c + gb * s_b
+            db = gb * c_b - ga * s
         else:
             da = ga
             db = gb
@@ -462,12 +490,26 @@ def _same_strides(cos, sin):
     return cos.contiguous(), sin.contiguous()
 
 
+def _tables(cos, sin, style: str, full_tables: bool) -> tuple:
+    """(cos, sin, cos_b, sin_b, R/2) as the kernels read them: one entry per pair, and for
+    full-width tables the partners' entries (views of the same tables: one set of strides)."""
+    if cos is None:
+        return None, None, None, None, 0
+    cos, sin = _same_strides(cos, sin)
+    if not full_tables:
+        return cos, sin, cos, sin, cos.shape[-1]
+    R2 = cos.shape[-1] // 2
+    if style == "half":
+        return cos[..., :R2], sin[..., :R2], cos[..., R2:], sin[..., R2:], R2
+    return cos[..., 0::2], sin[..., 0::2], cos[..., 1::2], sin[..., 1::2], R2
+
+
 def _pad_outputs(tensors: list) -> list:
     return tensors + [tensors[0]] * (MAX_PIECES - len(tensors))
 
 
 def projection_rope_forward(x2, weight, bias, cos, sin, widths, head_dims, style: str, S: int,
-                            *, override: dict | None = None) -> list[torch.Tensor]:
+                            *, override: dict | None = None, full_tables: bool = False) -> list[torch.Tensor]:
     """The pieces [M, widths[i]] (x2's dtype, contiguous); see the module docstring. S is the
     sequence length (rows per batch) when a piece is rotated."""
     why = unsupported_reason(x2, weight, bias, cos, sin, widths, head_dims)
@@ -479,21 +521,21 @@ def projection_rope_forward(x2, weight, bias, cos, sin, widths, head_dims, style
     if M == 0:
         return outs
     rotated = any(head_dims)
-    rot_half = cos.shape[-1] if rotated else 0
+    cos, sin, cos_b, sin_b, rot_half = _tables(cos, sin, style, full_tables) if rotated else (None,) * 4 + (0,)
     cfg = _config(x2.dtype, override)["fwd"]
     lay = _layout(widths, head_dims, rot_half, cfg.get("HT"))
     table, NT = _tiles_on(x2.device, widths, head_dims, lay["TW"])
-    cos, sin = _same_strides(cos, sin)
     scb, scs, scf = _table_strides(cos) if rotated else (0, 0, 0)
     kernel = _kernels()[0]
     launch = {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
     BM, BK = cfg["BM"], cfg["BK"]
     kernel[(_cdiv(M, BM) * NT,)](
-        x2, weight, bias if bias is not None else weight, cos if rotated else weight, sin if rotated else weight,
+        x2, weight, bias if bias is not None else weight, *((cos, sin, cos_b, sin_b) if rotated else (weight,) * 4),
         table, *_pad_outputs(outs),
         M, K, max(S, 1), NT, *x2.stride(), *weight.stride(), scb, scs, scf,
         D=lay["D"], R2=lay["R2"], HT=lay["HT"], NA=lay["NA"], NP=lay["NP"], JA=lay["JA"], JP=lay["JP"],
-        HALF=style == "half", HAS_BIAS=bias is not None, HAS_TABLE=rotated, NOUT=len(widths), BM=BM, BK=BK,
+        HALF=style == "half", HAS_BIAS=bias is not None, HAS_TABLE=rotated, FULL=rotated and full_tables,
+        NOUT=len(widths), BM=BM, BK=BK,
         EVEN_K=K % BK == 0, WIDE=M * max(widths) >= 2**31, ALIGNED=lay["ALIGNED"],
         PREC="ieee" if x2.dtype == torch.float32 else "tf32",
         UPCAST=x2.dtype == torch.bfloat16 and _built_interpreted, **launch,
@@ -502,7 +544,7 @@ def projection_rope_forward(x2, weight, bias, cos, sin, widths, head_dims, style
 
 
 def projection_rope_grad(grads, cos, sin, widths, head_dims, style: str, S: int,
-                         *, override: dict | None = None) -> torch.Tensor:
+                         *, override: dict | None = None, full_tables: bool = False) -> torch.Tensor:
     """dy [M, N] (the pieces' dtype): the gradient of the projection before the rotation, from the
     pieces' gradients grads[i] [M, widths[i]] (any row stride; columns contiguous)."""
     grads = [g if g.stride(-1) == 1 and g.stride(0) == g.shape[1] else g.contiguous() for g in grads]
@@ -512,20 +554,19 @@ def projection_rope_grad(grads, cos, sin, widths, head_dims, style: str, S: int,
     if M == 0:
         return dy
     rotated = any(head_dims)
-    rot_half = cos.shape[-1] if rotated else 0
+    cos, sin, cos_b, sin_b, rot_half = _tables(cos, sin, style, full_tables) if rotated else (None,) * 4 + (0,)
     cfg = _config(grads[0].dtype, override)
     lay = _layout(widths, head_dims, rot_half, cfg["fwd"].get("HT"))
     table, NT = _tiles_on(dy.device, widths, head_dims, lay["TW"])
-    cos, sin = _same_strides(cos, sin)
     scb, scs, scf = _table_strides(cos) if rotated else (0, 0, 0)
     kernel = _kernels()[1]
     BM = cfg["bwd"]["BM"]
     launch = {k: v for k, v in cfg["bwd"].items() if k in ("num_warps", "num_stages")}
     kernel[(_cdiv(M, BM) * NT,)](
-        *_pad_outputs(grads), dy, cos if rotated else dy, sin if rotated else dy, table,
+        *_pad_outputs(grads), dy, *((cos, sin, cos_b, sin_b) if rotated else (dy,) * 4), table,
         M, N, max(S, 1), NT, scb, scs, scf,
         D=lay["D"], R2=lay["R2"], HT=lay["HT"], NA=lay["NA"], NP=lay["NP"], JA=lay["JA"], JP=lay["JP"],
-        HALF=style == "half", HAS_TABLE=rotated, NOUT=len(widths), BM=BM, WIDE=M * N >= 2**31, ALIGNED=lay["ALIGNED"],
+        HALF=style == "half", HAS_TABLE=rotated, FULL=rotated and full_tables, NOUT=len(widths), BM=BM, WIDE=M * N >= 2**31, ALIGNED=lay["ALIGNED"],
         **launch,
     )  # fmt: skip
     return dy

@@ -1,0 +1,121 @@
+"""Running a region of a Dynamo graph on probe values at compile time.
+
+A pass that recognizes a computation by what it computes (the RoPE arithmetic, the gated sum of
+the branch outputs) evaluates the region's nodes on values it chooses and compares the result
+with its op's formula. Here every floating-point value and every dtype argument becomes one
+probe dtype, float64 by default (complex: complex128), so
+
+- random probes compare with the formula up to that dtype's rounding (one random probe tells a
+  function that is linear in its inputs from any other: the passes' regions are);
+- index codes (`index_codes`: 1, 2, ..., n, exact below EXACT_BELOW: 2**53 in float64, 2**24 in
+  float32) pass through data movement unchanged: reading a result's codes tells which input
+  element reached each output element (`decode`);
+- `fingerprint` writes what a region computes as text, so that the same region (one per layer)
+  is probed once.
+
+The values are dropped after their last use: a probe runs at the graph's real shapes (float32
+halves its memory where codes stay exact).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from .attention_match import Refused
+
+__all__ = ["EXACT_BELOW", "decode", "fingerprint", "index_codes", "run", "run_all"]
+
+_CASTS = {"float", "half", "bfloat16", "double"}
+# Index codes (integers) are exact in these dtypes below these numbers.
+EXACT_BELOW = {torch.float32: 2**24, torch.float64: 2**53}
+
+
+def _widen(dtype: torch.dtype):
+    """x -> float dtypes as `dtype`, complex ones as its complex twin (anything else as it is)."""
+    complex_twin = torch.complex128 if dtype == torch.float64 else torch.complex64
+
+    def wide(x):
+        if isinstance(x, torch.dtype):
+            if x.is_complex:
+                return complex_twin
+            if x.is_floating_point:
+                return dtype
+        return x
+
+    return wide
+
+
+def run(nodes: list[fx.Node], env: dict, keep: fx.Node, what: str, dtype=torch.float64) -> torch.Tensor:
+    """The value of `keep` after running `nodes` (in graph order) on the values in `env` (a node
+    -> tensor map holding every input the nodes read from outside them), every float in `dtype`
+    (float32 halves the memory of a probe at a large shape; index codes stay exact below 2**24).
+    The user's code failing on probe values refuses the rewrite, naming `what` and the node;
+    running out of memory is raised (it says nothing of the code)."""
+    return _run(nodes, env, keep, what, dtype)[keep]
+
+
+def run_all(nodes: list[fx.Node], env: dict, what: str, dtype=torch.float64) -> dict:
+    """`env` with the value of every node in `nodes` (views of a few inputs: nothing is dropped)."""
+    return _run(nodes, env, None, what, dtype)
+
+
+def _run(nodes: list[fx.Node], env: dict, keep: fx.Node | None, what: str, dtype: torch.dtype) -> dict:
+    last = {i: n for n, node in enumerate(nodes) for i in node.all_input_nodes} if keep is not None else {}
+    wide = _widen(dtype)
+    for step, node in enumerate(nodes):
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+        args, kwargs = torch.utils._pytree.tree_map(wide, (args, kwargs))
+        try:
+            if node.op == "call_method" and node.target in _CASTS:
+                env[node] = args[0].to(dtype)
+            elif node.op == "call_method":
+                env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                env[node] = node.target(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # the user's code, run on values it may not expect
+            raise Refused(f"evaluating {what} on probe values failed at {node.name} ({type(error).__name__})") from None
+        for i in node.all_input_nodes:
+            if last.get(i) == step and i is not keep:
+                del env[i]
+    return env
+
+
+def index_codes(shape, device, dtype=torch.float64) -> torch.Tensor:
+    """[shape] holding 1, 2, ..., n in row-major order (0 stays free for 'no element')."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return torch.arange(1, n + 1, dtype=dtype, device=device).reshape(tuple(shape))
+
+
+def fingerprint(nodes: list[fx.Node], inputs: list[fx.Node]) -> str:
+    """What `nodes` compute from `inputs`, as text: each op with its arguments, inputs and nodes
+    by position, anything else by name (equal texts: the same function of the inputs, so one
+    probe serves both, e.g. the same region in every layer; shapes enter through the arguments
+    of views and must be compared by the caller too)."""
+    index = {n: i for i, n in enumerate([*inputs, *nodes])}
+
+    class Ref:
+        def __init__(self, node):
+            self.text = f"<{index[node]}>" if node in index else node.name
+
+        def __repr__(self):
+            return self.text
+
+    ops = [(n.op, n.target, fx.node.map_arg((n.args, n.kwargs), Ref)) for n in nodes]
+    return repr(ops)
+
+
+def decode(result: torch.Tensor, numel: int) -> torch.Tensor | None:
+    """The flat input indices (int64, result's shape) that index codes of an input of `numel`
+    elements became in `result`, or None where some element is not one input element (a sum,
+    a product, a zero, a value changed on the way)."""
+    if numel >= EXACT_BELOW.get(result.dtype, 0):
+        return None
+    index = result.round()
+    if not torch.equal(index, result) or bool((index < 1).any()) or bool((index > numel).any()):
+        return None
+    return index.to(torch.int64) - 1

@@ -1,0 +1,1374 @@
+"""canonicalize: rewrite equivalent spellings of attention into the one form the NSA passes read.
+
+Runs first. Each rule rewrites one family of spellings into the normal form below and proves
+the rewrite where it applies (statically, from shapes, equations and constants, or by evaluating
+position-only masks at compile time); a rule that cannot prove it leaves the graph unchanged and
+records a refusal with the reason. Every firing is one match in `report()` and `explain`, its
+text starting with the rule's name ("einsum: ...", "scores: ..."). Code already in the normal
+form is left as it is.
+
+The normal form, anchored at the softmax of attention scores:
+    scores = q @ k.transpose(-1, -2)                 # [batch.., M, D] @ [batch.., D, N]
+    scores = scores.to(torch.float32)                # only where the product is fp16/bf16
+    scores = scores * c                              # one positive python number (or no scale)
+    scores = scores.masked_fill(drop, float("-inf")) # drop = ~keep; one node per run of masks
+    scores = scores.masked_fill(empty, 0.0)          # optional: rows with no key (compressed branch)
+    p = torch.softmax(scores, dim=-1)                # no dtype argument
+    p = p * (keep & ~empty)                          # with the zero fill above
+    o = p.to(v.dtype) @ v
+
+Rules, in the order they run:
+
+sdpa
+    `F.scaled_dot_product_attention(q, k, v, attn_mask=m[, scale=c][, enable_gqa=True])` becomes
+    the normal form by SDPA's definition (softmax(q k^T * c + m) v, a bool m keeping True, K/V
+    repeat_interleave'd for enable_gqa), but only where a pass reads the result: queries = keys
+    with a position mask that is a causal sliding window (the window branch); another key count
+    with a position mask whose rows keep growing prefixes of the keys (compressed blocks, memory
+    slots first), where rows that keep no key get SDPA's 0 through the zero fill and `* keep`; 5-D
+    per-query SDPA ([B, H, S, 1, D] against gathered [B, H, S, n, D], the selected branch) with a
+    bool mask, followed by `nan_to_num(p)` (SDPA's 0 for a row with no key, which the selected op
+    gives too). Other masked SDPA calls stay (SDPA's own kernels are their fast path) with the
+    reason; `is_causal` without a mask is dense causal attention and is left alone.
+
+grouped_heads
+    5-D grouped attention, two einsums over q [.., G, h, ..] and K/V [.., G, ..] shared by a
+    group's h heads (`'bghsd,bgtd->bghst'`, `'bsghd,bgcd->bsghc'`, `'bghsd,bgsnd->bghsn'`) with the
+    masks, scale and softmax between them, becomes 4-D heads [B, G * h, S, ..] (see GroupedHeads).
+
+einsum
+    A two-operand `torch.einsum` (explicit `->`; `...` allowed) becomes permutes, one matmul and
+    views back to the equation's output order. Letters of both operands and the output are batch
+    dims, letters of one operand and the output the rows (M) or columns (N), letters of both
+    operands only are contracted (K): the left operand becomes [batch.., M, K], the right
+    [batch.., K, N] (`transpose(-1, -2)` when it holds N before K); several letters of a kind are
+    flattened, none is a size-1 dim (`unsqueeze(-2)` / `unsqueeze(-1)`, then `squeeze`). Proven by
+    the equation: every output element is the same sum of products, in the same dtype. Refused:
+    other than two operands, a repeated letter within an operand (a diagonal), a letter summed
+    within the right operand, a letter whose size differs between the operands (broadcast),
+    operands of two dtypes (einsum may promote them, matmul does not), symbolic sizes, an implicit
+    output. A letter summed within the left operand only (a group sum
+    folded into the product, 'bghsc,cj->bgsj') is kept through the product and summed after it:
+    the same sum with those terms added last. A right operand that is a matrix [K, N] is
+    broadcast by matmul over the left operand's rows, kept as dims (a leading unflatten of the left
+    operand moves after the product).
+
+gqa_expand
+    A K/V copy for the heads of each group, `x[:, :, None].expand(B, G, h, ..).reshape(B, G*h, ..)`
+    (Hugging Face's repeat_kv, einops `repeat('b g ... -> b (g h) ...')`, `unsqueeze(2).repeat(1, 1,
+    h, ..).flatten(1, 2)`), becomes `x.repeat_interleave(h, dim=1)`: shapes show head g * h + r
+    reads group g. Tiling, `x.repeat(1, h, 1, 1)` or `x[:, None].expand(B, h, G, ..)`, gives head
+    r * G + g group g, another grouping: refused unless the tiled dim has size 1 (then the two agree).
+
+key_layout
+    Scores `q @ k.permute(0, 2, 3, 1)`, whose permute also swaps the last two dims, become
+    `q @ k.permute(0, 2, 1, 3).transpose(-1, -2)`: the same tensor.
+
+gqa_layout
+    A permute or transpose that moves the repeated dim of a `repeat_interleave` copy (sequence-first
+    [B, S, H, D] code: `x.repeat_interleave(h, dim=2).transpose(1, 2)`) is moved before the copy:
+    `x.transpose(1, 2).repeat_interleave(h, dim=1)`, the same elements in the same places, with
+    the copy on the head dim the passes read.
+
+scores
+    The steps between the score product (a matmul) and the softmax over its last dim are read as
+    casts, one positive scale and masks, and written again in the normal order:
+    - `softmax(x, dim, dtype=torch.float32)` is `softmax(x.to(torch.float32), dim)`: PyTorch casts
+      the input to `dtype` first.
+    - A cast up after a mask moves before it: masked_fill(x, m, f) in bf16, then cast, is the cast
+      then masked_fill with f as bf16 stores it (the same number in every element).
+    - A mask before a positive scale c moves after it: masked_fill(x, m, f) * c is
+      masked_fill(x * c, m, f * c) (-inf * c = -inf, 0 * c = 0).
+    - A scale before the cast up moves after it. Exact when c is a power of two; otherwise eager
+      rounds s * c to fp16/bf16 once more than the normal form does (the op is the more accurate),
+      and the match says so.
+    - masked_fill(x, m, f), torch.where(m, x, f), torch.where(m, f, x) and an additive bias x + b
+      (b from positions only; evaluated, its values must be 0 and one fill f) become
+      masked_fill(x, drop, -inf); adjacent ones merge (drop1 | drop2).
+    - A finite fill f (finfo.min, -finfo.max, -1e9, `mask_value // 10`, ...) becomes -inf only
+      where nothing changes: f <= -1e4 as the softmax sees it (exp(f - m) is then 0 in float32 for
+      any kept score m above f + 104), and every row keeps a key or is overwritten whole by a
+      later zero fill (a fully masked row gives the uniform average of its keys with a finite
+      fill, NaN with -inf). The masks are evaluated at compile time. A finite fill that cannot be
+      shown safe (its mask reads data: block ids, document positions; or a row can be fully
+      masked) stays finite, as the softmax sees it, while the rest of the chain is rewritten
+      (selection_attention takes a finite fill where block_selection's op gives every row a key);
+      with nothing else to rewrite, that is a refusal.
+    Refused: a negative or non-constant scale, two scales, a cast down, a fill other than -inf, 0
+    or a large negative, a bias that reads data or holds other values.
+
+empty_rows
+    Probabilities set to 0 after the softmax for rows with no visible key, `p.masked_fill(empty,
+    0.0)` (empty a per-row mask, last dim 1) or `torch.nan_to_num(p)` (the NaN of the all -inf
+    rows), become the compressed branch's form `softmax(x.masked_fill(empty, 0.0)) * (keep &
+    ~empty)`. Exact: a row in `empty` is 0 both ways; in any other row p is already 0 where keep is
+    False. For nan_to_num, empty = `~keep.any(-1, keepdim=True)`: the same rows for finite scores
+    (nan_to_num would also zero a NaN from non-finite scores; the match says so). Where no row is
+    empty (the mask evaluated), the fill is dropped instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import string
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from nsa_compile.attention_match import LARGE_NEGATIVE, Refused, erase_replaced
+from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.rewrite import PassLog, RewritePass
+
+from . import compressed_attention as cmp
+
+INF = float("inf")
+# Node meta: a zeroing of the output whose rows the scores rule turned from a finite fill to -inf
+# (they were finite in eager, so eager's backward was finite there too).
+FINITE_ROWS = "nsa_canonical_finite_rows"
+
+
+def first(node: fx.Node):
+    return arg(node, 0, "input")
+
+
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def static_shape(node: fx.Node) -> tuple[int, ...] | None:
+    val = value(node)
+    if val is None or not all(isinstance(d, int) for d in val.shape):
+        return None
+    return tuple(val.shape)
+
+
+# --- einsum -------------------------------------------------------------------------------------
+
+
+def parse_equation(equation: str, ranks: list[int]) -> tuple[list[str], str]:
+    """'bhid,bhjd->bhij' -> (['bhid', 'bhjd'], 'bhij'): spaces dropped, '...' spelled out as
+    upper-case letters; Refused for an implicit output, ellipses of different widths, a term
+    that does not fit its operand or repeats a letter."""
+    equation = equation.replace(" ", "")
+    if "->" not in equation:
+        raise Refused("einsum without '->' (implicit output order)")
+    lhs, out = equation.split("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ranks):
+        raise Refused(f"the einsum equation names {len(terms)} operands for {len(ranks)} tensors")
+    spare = [c for c in string.ascii_uppercase if c not in equation]
+    widths = {rank - len(term.replace("...", "")) for term, rank in zip(terms, ranks) if "..." in term}
+    if len(widths) > 1:
+        raise Refused("the einsum operands' ellipses cover different numbers of dims (broadcast)")
+    dots = "".join(spare[: widths.pop()]) if widths else ""
+    terms, out = [term.replace("...", dots) for term in terms], out.replace("...", dots)
+    for term, rank in zip(terms, ranks):
+        if len(term) != rank or not term.isalpha():
+            raise Refused(f"the einsum term {term!r} does not fit a {rank}-D operand")
+        if len(set(term)) != len(term):
+            raise Refused(f"the einsum term {term!r} repeats a letter (a diagonal)")
+    return terms, out
+
+
+def einsum_to_matmul(graph: fx.Graph, node: fx.Node) -> str | None:
+    """torch.einsum(eq, a, b) -> permute/reshape, matmul, reshape/permute (module docstring)."""
+    if op_name(node) != "einsum" or node.op != "call_function" or not node.args or not isinstance(node.args[0], str):
+        return None
+    equation, operands = node.args[0], list(node.args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if len(operands) != 2 or not all(isinstance(x, fx.Node) and value(x) is not None for x in operands):
+        raise Refused(f"einsum of {len(operands)} operands (the matmul form takes two tensors)")
+    a, b = operands
+    shapes = [static_shape(a), static_shape(b)]
+    if None in shapes:
+        raise Refused("the einsum operands have symbolic sizes (dynamic shapes)")
+    if value(a).dtype != value(b).dtype:  # einsum may promote (an outer product is a mul); matmul does not
+        raise Refused(f"einsum of {value(a).dtype} and {value(b).dtype} operands (matmul takes one dtype)")
+    (ta, tb), out = parse_equation(equation, [len(s) for s in shapes])
+    if len(set(out)) != len(out) or any(c not in ta + tb for c in out):
+        raise Refused(f"the einsum output {out!r} repeats a letter or names one no operand has")
+    size = {}
+    for term, shape in zip((ta, tb), shapes):
+        for c, n in zip(term, shape):
+            if size.setdefault(c, n) != n:
+                raise Refused(f"einsum letter {c!r} has sizes {size[c]} and {n} (broadcast)")
+    batch = [c for c in out if c in ta and c in tb]
+    rows = [c for c in out if c in ta and c not in tb]
+    cols = [c for c in out if c in tb and c not in ta]
+    inner = [c for c in ta if c in tb and c not in out]
+    summed = [c for c in ta if c not in tb and c not in out]  # summed within the left operand
+    if any(c not in out and c not in ta for c in tb):
+        raise Refused("a letter of the right einsum operand is summed within it (not a product of the two)")
+    # the product keeps the summed letters, in the left operand's order; they are summed after it
+    rows_all = [c for c in ta if c in rows or c in summed] if summed else rows
+
+    def arranged(x: fx.Node, term: str, order: list[str]) -> fx.Node:
+        perm = [term.index(c) for c in order]
+        return x if perm == sorted(perm) else call(graph, torch.permute, x, perm, anchor=node)
+
+    def matrix(x: fx.Node, first_group: list[str], second_group: list[str]) -> fx.Node:
+        """[batch.., *first, *second] -> [batch.., prod first, prod second]."""
+        lengths = (len(first_group), len(second_group))
+        if lengths == (1, 1):
+            return x
+        if lengths == (0, 1):
+            return call(graph, torch.unsqueeze, x, -2, anchor=node)
+        if lengths == (1, 0):
+            return call(graph, torch.unsqueeze, x, -1, anchor=node)
+        shape = [size[c] for c in batch] + [math.prod(size[c] for c in g) for g in (first_group, second_group)]
+        return call(graph, torch.reshape, x, shape, anchor=node)
+
+    if not batch and len(inner) == 1 and len(cols) == 1 and rows_all:
+        # a matrix on the right ([K, N]): matmul broadcasts it over the left operand's rows, kept as dims
+        left = arranged(a, ta, rows_all + inner)
+        unflattened = None
+        if op_name(left) == "unflatten" and isinstance(first(left), fx.Node):
+            dim, sizes = arg(left, 1, "dim"), arg(left, 2, "sizes")
+            if isinstance(dim, int) and dim % len(rows_all + inner) + len(sizes) < len(rows_all):
+                unflattened, left = (dim, sizes), first(left)  # unflatten a leading dim after the product
+        right = arranged(b, tb, inner + cols)
+        product = call(graph, torch.matmul, left, right, anchor=node)  # [rows.., N]
+        if unflattened is not None:
+            product = call(graph, torch.unflatten, product, *unflattened, anchor=node)
+        natural = rows_all + cols
+    else:
+        left = matrix(arranged(a, ta, batch + rows_all + inner), rows_all, inner)  # [batch.., M, K]
+        if cols and inner and tb.index(cols[0]) < tb.index(inner[0]):  # the right operand holds N before K
+            right = matrix(arranged(b, tb, batch + cols + inner), cols, inner)
+            right = call(graph, torch.transpose, right, -1, -2, anchor=node)
+        else:
+            right = matrix(arranged(b, tb, batch + inner + cols), inner, cols)  # [batch.., K, N]
+        product = call(graph, torch.matmul, left, right, anchor=node)  # [batch.., M, N]
+        natural = batch + rows_all + cols
+        lengths = (len(rows_all), len(cols))
+        if lengths == (0, 1):
+            product = call(graph, torch.squeeze, product, -2, anchor=node)
+        elif lengths == (1, 0):
+            product = call(graph, torch.squeeze, product, -1, anchor=node)
+        elif lengths != (1, 1):
+            product = call(graph, torch.reshape, product, [size[c] for c in natural], anchor=node)
+    if summed:
+        dims = [natural.index(c) for c in summed]
+        product = call(graph, torch.sum, product, dims[0] if len(dims) == 1 else dims, anchor=node)
+        natural = [c for c in natural if c not in summed]
+    result = arranged(product, "".join(natural), list(out))
+    node.replace_all_uses_with(result)
+    erase_replaced(graph, [node], [])  # and a view of the left operand the product no longer reads
+    if summed:
+        return (f"einsum: {equation!r} -> matmul, then a sum over {''.join(summed)} (the same sum, the "
+                f"{''.join(summed)} terms added after the product)")
+    return f"einsum: {equation!r} -> matmul"
+
+
+# --- grouped 5-D heads ------------------------------------------------------------------------------
+
+
+def einsum_terms(node: fx.Node) -> tuple[list[str], str, list[fx.Node]] | None:
+    """(operand terms, output term, operands) of a two-operand einsum with static shapes, or None."""
+    if op_name(node) != "einsum" or node.op != "call_function" or not node.args or not isinstance(node.args[0], str):
+        return None
+    operands = list(node.args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    shapes = [static_shape(x) if isinstance(x, fx.Node) else None for x in operands]
+    if len(operands) != 2 or None in shapes:
+        return None
+    try:
+        terms, out = parse_equation(node.args[0], [len(x) for x in shapes])
+    except Refused:
+        return None
+    return terms, out, operands
+
+
+def group_letters(terms: list[str], out: str) -> tuple[str, str] | None:
+    """(g, h) of a grouped product: g a letter of both operands and the output, followed in the
+    output by h, a letter of the first operand and the output only (the query heads of group g).
+    The output's first letter is the batch, never a group."""
+    (a, b) = terms
+    pairs = [(g, h) for g, h in itertools.pairwise(out[1:]) if g in a and g in b and h in a and h not in b]
+    return pairs[0] if len(pairs) == 1 else None
+
+
+class GroupedHeads:
+    """The `grouped_heads` rule: attention over 5-D grouped queries q [.., G, h, ..] against K/V
+    [.., G, ..] shared by the h heads of a group (two einsums with the masks, scale, casts and
+    softmax between them) is written on 4-D heads [B, G * h, S, ..]: q with (G, h) flattened, K and
+    V repeat_interleave(h) on their group dim, every mask and operand between them reshaped the
+    same way, and the output brought back to 5-D. Each score, probability and output element is
+    the same number (head g * h + r is query head r of group g, as repeat_interleave pairs them).
+    The 4-D tensors put the heads right after the batch dim and the queries next (the layout the
+    passes read), whatever order the 5-D ones had. Tensors of the region used elsewhere are given
+    back in their 5-D layout."""
+
+    def __call__(self, graph: fx.Graph, softmax: fx.Node) -> str | None:
+        if op_name(softmax) != "softmax" or value(softmax) is None or value(softmax).dim() != 5:
+            return None
+        chain, node = [], first(softmax)
+        while isinstance(node, fx.Node) and op_name(node) != "einsum":
+            step = read_step(node) if node.op in ("call_function", "call_method") else None
+            if step is None:
+                return None
+            chain.append(step)
+            node = step.source
+        found = einsum_terms(node) if isinstance(node, fx.Node) else None
+        if found is None:
+            return None
+        (ta, tb), out, (q, k) = found
+        letters = group_letters([ta, tb], out)
+        if letters is None:
+            return None
+        g, h = letters
+        pos = out.index(g)  # the (G, h) dims of the 5-D scores and probabilities
+        product, post, node = node, [], softmax
+        while True:
+            products = [u for u in node.users if self.grouped_product(u, node, pos)]
+            if len(products) == 1:
+                second = products[0]
+                break
+            nxt = [u for u in node.users if cast_dtype(u) is not None or zeroing_of(u, node) is not None]
+            if products or len(nxt) != 1:
+                raise Refused("the grouped probabilities are not multiplied by V once (p @ v as an einsum over the "
+                              "same group and head dims)")
+            post.append(nxt[0])
+            node = nxt[0]
+        (tp, tv), out2, (_, v) = einsum_terms(second)
+        g2, h2 = group_letters([tp, tv], out2)
+        if ta.index(h) != ta.index(g) + 1:
+            raise Refused("the grouped queries do not hold their heads right after their group dim")
+        region = [s.node for s in reversed(chain)] + [softmax, *post]
+        zeros = {a for p_node in post if op_name(p_node) == "where" for a in p_node.args[1:] if is_zero(a)}
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        early = [u for n in [product, *region] for u in n.users
+                 if u not in region and u is not second and u not in zeros and order[u] < order[second]]
+        if early:
+            raise Refused(f"{early[0].name} reads the grouped chain before p @ v (not rewritten)")
+        G, heads = static_shape(q)[ta.index(g)], static_shape(q)[ta.index(h)]
+        fresh = next(c for c in string.ascii_uppercase if c not in ta + tb + out + tp + tv + out2)
+        merged = out.replace(g + h, fresh)  # the 4-D scores with the heads where the group was
+        layout = heads_first(merged, fresh)  # ... and in the order the passes read
+        anchor = second
+
+        def heads_of(x):
+            """An operand of the 5-D chain (it broadcasts against `out`) in the 4-D `layout`."""
+            shape = static_shape(x) if isinstance(x, fx.Node) else None
+            if shape is None:
+                raise Refused("an operand of the grouped chain is not a tensor of static shape")
+            full = (1,) * (5 - len(shape)) + shape
+            if full[pos : pos + 2] not in ((1, 1), (G, heads)):
+                sizes = list(full)
+                sizes[pos : pos + 2] = [G, heads]
+                x = call(graph, torch.Tensor.expand, call(graph, torch.reshape, x, list(full), anchor=anchor),
+                         sizes, anchor=anchor)
+                full = tuple(sizes)
+            four = list(full[:pos]) + [full[pos] * full[pos + 1]] + list(full[pos + 2:])
+            if len(shape) <= 5 - pos - 2 and layout == merged:
+                return x  # it does not reach the group and head dims, and the layout is kept
+            x = call(graph, torch.reshape, x, four, anchor=anchor)
+            perm = [merged.index(c) for c in layout]
+            return x if perm == sorted(perm) else call(graph, torch.permute, x, perm, anchor=anchor)
+
+        qa = call(graph, torch.flatten, q, ta.index(g), ta.index(h), anchor=anchor)
+        ka = call(graph, torch.repeat_interleave, k, heads, tb.index(g), anchor=anchor)
+        x = call(graph, torch.functional.einsum, f"{ta.replace(g + h, fresh)},{tb.replace(g, fresh)}->{layout}",
+                 qa, ka, anchor=anchor)
+        replaced = {product: x}
+        for step in reversed(chain):
+            replaced[step.node] = x = recreate(graph, step.node, step.source, x, heads_of, anchor)
+        replaced[softmax] = x = recreate(graph, softmax, first(softmax), x, heads_of, anchor)
+        before = softmax
+        for p_node in post:
+            source = first(p_node) if cast_dtype(p_node) is not None else zeroing_of(p_node, before).target
+            replaced[p_node] = x = recreate(graph, p_node, source, x, heads_of, anchor)
+            before = p_node
+        # p @ v on the 4-D probabilities: their letters are E2's names for E1's output dims
+        rename = dict(zip(out, tp))
+        p_layout = "".join(fresh if c == fresh else rename[c] for c in layout)
+        va = call(graph, torch.repeat_interleave, v, heads, tv.index(g2), anchor=anchor)
+        o_layout = heads_first(out2.replace(g2 + h2, fresh), fresh)
+        o4 = call(graph, torch.functional.einsum, f"{p_layout},{tv.replace(g2, fresh)}->{o_layout}", x, va,
+                  anchor=anchor)
+        o5 = call(graph, torch.unflatten, o4, o_layout.index(fresh), (G, heads), anchor=anchor)
+        five = o_layout.replace(fresh, g2 + h2)
+        perm = [five.index(c) for c in out2]
+        if perm != sorted(perm):
+            o5 = call(graph, torch.permute, o5, perm, anchor=anchor)
+        second.replace_all_uses_with(o5)
+        back_perm = [layout.replace(fresh, g + h).index(c) for c in out]
+        for old in reversed([product, *region]):  # users outside the region get the 5-D layout back
+            outside = [u for u in old.users if u is not second and u not in region]
+            if outside:
+                back = call(graph, torch.unflatten, replaced[old], layout.index(fresh), (G, heads), anchor=anchor)
+                if back_perm != sorted(back_perm):
+                    back = call(graph, torch.permute, back, back_perm, anchor=anchor)
+                for user in outside:
+                    user.replace_input_with(old, back)
+        erase_replaced(graph, [second, *reversed(region), product], [])
+        return f"grouped_heads: 5-D grouped attention [.., G, h, ..] -> heads G * h with repeat_interleave({heads}) K/V"
+
+    @staticmethod
+    def grouped_product(node: fx.Node, p: fx.Node, pos: int) -> bool:
+        """node is an einsum of p (first) with a tensor shared by the heads of each group, over p's
+        group and head dims at pos, pos + 1."""
+        found = einsum_terms(node)
+        if found is None or found[2][0] is not p:
+            return False
+        (tp, tv), out, _ = found
+        letters = group_letters([tp, tv], out)
+        return letters is not None and (tp.index(letters[0]), tp.index(letters[1])) == (pos, pos + 1)
+
+
+def heads_first(term: str, heads: str) -> str:
+    """A 4-D term with the heads letter moved right after the first (batch) letter."""
+    rest = [c for c in term if c != heads]
+    return rest[0] + heads + "".join(rest[1:])
+
+
+def recreate(graph: fx.Graph, node: fx.Node, old_input: fx.Node, new_input: fx.Node, convert, anchor: fx.Node):
+    """The op of `node` again on `new_input` in place of `old_input`, its other tensor operands
+    passed through `convert` (the zeros of a where(rows, p, zeros_like(p)) as the number 0)."""
+    def swap(i, x):
+        if x is old_input:
+            return new_input
+        if op_name(node) == "where" and i and is_zero(x):
+            return 0.0
+        return convert(x) if isinstance(x, fx.Node) else x
+
+    args = [swap(i, a) for i, a in enumerate(node.args)]
+    kwargs = {key: swap(-1, a) for key, a in node.kwargs.items()}
+    target = getattr(torch.Tensor, node.target) if node.op == "call_method" else node.target
+    return call(graph, target, *args, anchor=anchor, **kwargs)
+
+
+# --- the score chain ----------------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    """One step between the score product and the softmax."""
+
+    node: fx.Node
+    kind: str  # "cast", "scale" or "mask"
+    source: fx.Node  # the scores it reads
+    dtype: torch.dtype | None = None  # cast: the dtype it makes
+    scale: float | None = None
+    mask: fx.Node | None = None  # mask: the bool tensor
+    fill_where_true: bool = True  # mask: the fill applies where `mask` is True
+    fill: float | None = None  # mask: the fill, as the softmax sees it (None for a bias, until evaluated)
+    bias: fx.Node | None = None  # an additive bias (its mask is found by evaluating it)
+
+
+@dataclass
+class Chain:
+    """The steps from the score product to the softmax (read by `read_chain`)."""
+
+    softmax: fx.Node
+    product: fx.Node  # the score matmul (or its squeeze, `is_product`)
+    steps: list[Step]  # product side first
+    compute: torch.dtype  # the dtype the softmax computes in
+    softmax_dtype: torch.dtype | None  # its dtype argument
+    scale: float | None = None
+    scale_before_cast: bool = False
+
+    @property
+    def masks(self) -> list[Step]:
+        return [s for s in self.steps if s.kind == "mask"]
+
+
+def softmax_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype argument of a softmax call (function, F.softmax or method)."""
+    if "dtype" in node.kwargs:
+        return node.kwargs["dtype"]
+    index = 3 if node.op == "call_function" and node.target is F.softmax else 2
+    return node.args[index] if len(node.args) > index else None
+
+
+def cast_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype a float -> float cast makes (float(), to(dtype), type_as(t), bfloat16(), ...)."""
+    if op_name(node) not in ("float", "double", "half", "bfloat16", "to", "type", "type_as"):
+        return None
+    src, out = value(first(node)), value(node)
+    if src is None or out is None or not src.is_floating_point() or not out.is_floating_point():
+        return None
+    if src.device != out.device:
+        return None
+    return out.dtype
+
+
+def scale_of(node: fx.Node, x: fx.Node) -> float | None:
+    """c when `node` is x * c, c * x or x / c with a python number c; None otherwise."""
+    name = cmp.name_of(node)
+    a, b = (node.args + (None, None))[:2]
+    if node.kwargs or len(node.args) != 2:
+        return None
+    if name == "mul" and a is x and is_number(b):
+        return float(b)
+    if name == "mul" and b is x and is_number(a):
+        return float(a)
+    if name in ("truediv", "div") and a is x and is_number(b) and b != 0:
+        return 1.0 / float(b)
+    return None
+
+
+def reads_data(node: fx.Node) -> bool:
+    """Whether a node depends on a graph input (data or a parameter), not positions only."""
+    return any(n.op == "placeholder" or n.op == "get_attr" for n in _ancestors(node))
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def read_step(node: fx.Node) -> Step | None:
+    """The chain step `node` is, or None (then it is not part of a score chain)."""
+    name = cmp.name_of(node)
+    x = first(node)
+    dtype = cast_dtype(node)
+    if dtype is not None and isinstance(x, fx.Node):
+        return Step(node, "cast", x, dtype=dtype)
+    for operand in node.args[:2]:
+        if isinstance(operand, fx.Node) and (c := scale_of(node, operand)) is not None:
+            return Step(node, "scale", operand, scale=c)
+    if name == "masked_fill" and isinstance(x, fx.Node):
+        mask, fill = arg(node, 1, "mask"), arg(node, 2, "value")
+        if isinstance(mask, fx.Node) and is_number(fill):
+            return Step(node, "mask", x, mask=mask, fill_where_true=True, fill=float(fill))
+        return None
+    if name == "where" and len(node.args) == 3 and not node.kwargs and isinstance(node.args[0], fx.Node):
+        cond, a, b = node.args
+        if isinstance(a, fx.Node) and is_number(b):
+            return Step(node, "mask", a, mask=cond, fill_where_true=False, fill=float(b))
+        if isinstance(b, fx.Node) and is_number(a):
+            return Step(node, "mask", b, mask=cond, fill_where_true=True, fill=float(a))
+        return None
+    if name == "add" and len(node.args) == 2 and not node.kwargs and all(isinstance(n, fx.Node) for n in node.args):
+        a, b = node.args
+        # the bias is the operand computed from positions only; the scores read q and k
+        sides = [(s, t) for s, t in ((a, b), (b, a)) if reads_data(s) and not reads_data(t)]
+        if len(sides) == 1 and value(sides[0][1]) is not None and value(sides[0][1]).is_floating_point():
+            scores, bias = sides[0]
+            return Step(node, "mask", scores, bias=bias)
+    return None
+
+
+def is_product(node: fx.Node) -> bool:
+    """A matmul, or the per-query product of the selected branch (q.unsqueeze(-2) @ k^T).squeeze(-2)."""
+    if op_name(node) in MATMULS:
+        return True
+    source, dim, val = first(node), arg(node, 1, "dim"), value(node)
+    return (op_name(node) == "squeeze" and isinstance(source, fx.Node) and op_name(source) in MATMULS
+            and len(source.users) == 1 and val is not None and isinstance(dim, int)
+            and dim % (val.dim() + 1) == val.dim() - 1)
+
+
+def read_chain(softmax: fx.Node) -> Chain | None:
+    """The score chain ending at `softmax` (a softmax over the last dim of a matmul's result
+    through casts, scales and masks, each used once), or None where it is not one."""
+    dim, x, probs = arg(softmax, 1, "dim"), first(softmax), value(softmax)
+    if probs is None or not isinstance(x, fx.Node) or not isinstance(dim, int) or probs.dim() < 2 \
+            or dim % probs.dim() != probs.dim() - 1:
+        return None
+    steps, node = [], x
+    while node.op in ("call_function", "call_method") and not is_product(node):
+        step = read_step(node) if len(node.users) == 1 else None
+        if step is None:
+            return None
+        steps.append(step)
+        node = step.source
+    if not is_product(node) or value(node) is None or not value(node).is_floating_point():
+        return None
+    dtype = softmax_dtype(softmax)
+    return Chain(softmax, node, steps[::-1], dtype if dtype is not None else value(x).dtype, dtype)
+
+
+def precision(dtype: torch.dtype) -> int:
+    """Orders float dtypes by what they hold (bf16 and fp16 differ in range, not ordered)."""
+    return {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}.get(dtype, 0)
+
+
+def resolve(chain: Chain) -> None:
+    """Fills in what the softmax sees of each step (fills after the casts and scales that follow,
+    the scale and whether it came before the cast), or Refused for a chain with no normal form."""
+    current = value(chain.product).dtype
+    pending = []  # masks read so far: a scale after them scales their fill
+    for step in chain.steps:
+        if step.kind == "cast":
+            if precision(step.dtype) < precision(current) or (precision(step.dtype) == precision(current)
+                                                               and step.dtype != current):
+                raise Refused(f"the scores are cast from {current} to {step.dtype} before the softmax")
+            current = step.dtype
+        elif step.kind == "scale":
+            if chain.scale is not None:
+                raise Refused("the scores are scaled twice (one constant scale is read)")
+            if step.scale <= 0:
+                raise Refused(f"the scores are scaled by {step.scale}, not a positive number")
+            chain.scale = step.scale
+            chain.scale_before_cast = current != chain.compute
+            for mask in pending:
+                mask.fill = None if mask.fill is None else mask.fill * step.scale
+        else:
+            if step.fill is not None:
+                step.fill = float(torch.tensor(step.fill, dtype=current))  # as this dtype stores it
+            pending.append(step)
+    if chain.compute != current and precision(chain.compute) <= precision(current):
+        raise Refused(f"the softmax computes in {chain.compute} on {current} scores")
+    for step in chain.masks:
+        if step.fill is not None and step.fill != 0.0 and not step.fill <= LARGE_NEGATIVE:
+            raise Refused(f"the scores are filled with {step.fill} (not -inf, 0 or a large negative <= "
+                          f"{LARGE_NEGATIVE:g}): a mask that only shifts scores")
+
+
+def is_normal(chain: Chain, finite_ok: bool = False) -> bool:
+    """The chain is already in the normal form (nothing to rewrite); with `finite_ok`, but for
+    large negative fills in place of -inf."""
+    if chain.softmax_dtype is not None:
+        return False
+    kinds = []
+    for step in chain.steps:
+        if step.kind == "cast":
+            kinds.append("cast")
+        elif step.kind == "scale":
+            kinds.append("scale")
+        elif finite_ok and step.bias is None and step.fill is not None and step.fill <= LARGE_NEGATIVE:
+            kinds.append("inf")
+        elif step.bias is not None or (step.fill != 0.0 and step.fill != -INF):
+            return False
+        elif step.fill == -INF and step.fill_where_true and cmp.name_of(step.node) == "where":
+            return False  # where(drop, -inf, x): the window pass reads masked_fill or where(keep, x, -inf)
+        else:
+            kinds.append("inf" if step.fill == -INF else "zero")
+    order = "".join({"cast": "a", "scale": "b", "inf": "c", "zero": "d"}[k] for k in kinds)
+    return order == "".join(sorted(order)) and order.count("a") <= 1 and order.count("c") <= 1
+
+
+@dataclass
+class MaskValues:
+    """Masks of a chain evaluated at compile time (bool, broadcast to one shape)."""
+
+    keep: torch.Tensor  # True where no large-negative mask or -inf bias hides the key
+    overwritten: torch.Tensor  # True where a zero fill after them rewrites the entry
+
+
+def mask_values(chain: Chain, subgraphs: cmp.PositionSubgraphs) -> MaskValues:
+    """Evaluate the chain's masks (positions only) and its biases (values 0 and one fill)."""
+    keeps, overwritten = [], []
+    for step in chain.masks:
+        if step.bias is not None:
+            bias = subgraphs.evaluate(step.bias, "additive mask")
+            fills = bias.unique()
+            fills = fills[fills != 0]
+            if len(fills) > 1:
+                raise Refused(f"the additive mask holds {len(fills)} values besides 0 (not one fill): it shifts scores")
+            fill = float(fills[0]) if len(fills) else -INF
+            if not fill <= LARGE_NEGATIVE:
+                raise Refused(f"the additive mask adds {fill} (not -inf or a large negative <= {LARGE_NEGATIVE:g})")
+            step.fill = fill
+            keeps.append(bias == 0)
+            continue
+        got = subgraphs.evaluate(step.mask, "mask")
+        if got.dtype != torch.bool:
+            raise Refused(f"the mask is {got.dtype}, not bool")
+        filled = got if step.fill_where_true else ~got
+        if step.fill == 0.0:
+            overwritten.append(filled)
+        else:
+            keeps.append(~filled)
+    shape = torch.broadcast_shapes(*(t.shape for t in keeps + overwritten))
+    keep = torch.ones(shape, dtype=torch.bool)
+    for k in keeps:
+        keep = keep & k
+    over = torch.zeros(shape, dtype=torch.bool)
+    for o in overwritten:
+        over = over | o
+    return MaskValues(keep, over)
+
+
+class ScoreChains:
+    """The `scores` rule (module docstring), one softmax at a time."""
+
+    def __init__(self, subgraphs: cmp.PositionSubgraphs):
+        self.subgraphs = subgraphs
+
+    def __call__(self, graph: fx.Graph, softmax: fx.Node) -> str | None:
+        if op_name(softmax) != "softmax":
+            return None
+        chain = read_chain(softmax)
+        if chain is None or is_normal(chain):
+            return None
+        resolve(chain)
+        notes = []
+        finite = [s for s in chain.masks if s.fill is not None and s.fill not in (0.0, -INF)]
+        biases = [s for s in chain.masks if s.bias is not None]
+        kept = None  # why the finite fills stay finite
+        if finite or biases:
+            try:
+                values = mask_values(chain, self.subgraphs)  # fills the biases' fill
+            except Refused as why:
+                if biases or not finite:
+                    raise
+                values, kept = None, f"its mask is not from positions only ({why})"
+            finite = [s for s in chain.masks if s.fill not in (0.0, -INF)]
+            if values is not None and finite:
+                safe = (values.keep | values.overwritten).any(-1)
+                zero = row_zeroing(softmax) if not bool(safe.all()) else None
+                if zero is not None and zero.empty is not None:  # rows zeroed after the softmax (not nan_to_num)
+                    rows = self.subgraphs.evaluate(zero.empty, "zeroing mask")[..., 0]
+                    safe = safe | (rows if zero.empty_where_true else ~rows)
+                    zero.node.meta[FINITE_ROWS] = True  # empty_rows: these rows were finite in eager
+                if not bool(safe.all()):
+                    kept = ("a row can be fully masked: with the finite fill it gets the uniform average of its keys, "
+                            "with -inf NaN")
+            fills = ", ".join(f"{s.fill:g}" for s in finite)
+            if kept is not None:
+                if is_normal(chain, finite_ok=True):
+                    raise Refused(f"finite fill {fills} not rewritten: {kept}")
+                notes.append(f"finite fill {fills} kept ({kept})")
+            elif finite:
+                for step in finite:
+                    step.fill = -INF
+                notes.append(f"finite fill {fills} -> -inf (every row keeps a key)")
+            if biases:
+                notes.append("additive mask -> masked_fill")
+        if chain.softmax_dtype is not None:
+            notes.append(f"softmax dtype={chain.softmax_dtype} -> cast first")
+        low = value(chain.product).dtype
+        if chain.scale is not None and chain.scale_before_cast:
+            exact = math.frexp(chain.scale)[0] == 0.5
+            notes.append(f"scale {chain.scale:g} moved after the cast to {chain.compute}" +
+                         ("" if exact else f" (eager rounds s * c to {low} once more)"))
+        self.rewrite(graph, chain)
+        if not notes:
+            notes.append("reordered to cast, scale, masks")
+        return "scores: " + "; ".join(notes)
+
+    @staticmethod
+    def rewrite(graph: fx.Graph, chain: Chain) -> None:
+        softmax = chain.softmax
+        x = chain.product
+        if value(x).dtype != chain.compute:
+            x = call(graph, torch.Tensor.to, x, chain.compute, anchor=softmax)
+        if chain.scale is not None:
+            x = call(graph, operator.mul, x, chain.scale, anchor=softmax)
+        run = []  # drop masks of adjacent -inf masks, merged into one masked_fill
+
+        def flush(x):
+            if not run:
+                return x
+            drop = run[0]
+            for other in run[1:]:
+                drop = call(graph, operator.or_, drop, other, anchor=softmax)
+            run.clear()
+            return call(graph, torch.masked_fill, x, drop, -INF, anchor=softmax)
+
+        for step in chain.masks:
+            if step.bias is not None:
+                drop = call(graph, torch.ne, step.bias, 0, anchor=softmax)
+            elif step.fill_where_true:
+                drop = step.mask
+            else:
+                drop = call(graph, operator.invert, step.mask, anchor=softmax)
+            if step.fill == -INF:
+                run.append(drop)
+            else:  # a zero fill, or a finite fill that stays
+                x = flush(x)
+                x = call(graph, torch.masked_fill, x, drop, step.fill, anchor=softmax)
+        x = flush(x)
+        new = call(graph, torch.softmax, x, arg(softmax, 1, "dim"), anchor=softmax)
+        softmax.replace_all_uses_with(new)
+        erase_replaced(graph, [softmax, *reversed([s.node for s in chain.steps])], [])
+
+
+# --- empty rows after the softmax ----------------------------------------------------------------
+
+
+def is_zero(x) -> bool:
+    """The constant 0, or a tensor of zeros made in the graph (zeros_like, new_zeros, zeros)."""
+    if is_number(x):
+        return float(x) == 0.0
+    if not isinstance(x, fx.Node):
+        return False
+    name = op_name(x)
+    if name in ("zeros_like", "new_zeros", "zeros"):
+        return True
+    fill = arg(x, 1, "fill_value")
+    return name in ("full_like", "new_full") and is_number(fill) and float(fill) == 0
+
+
+@dataclass
+class RowZeroing:
+    """Rows set to 0 after a softmax: `node` zeroes `target` (the probabilities, a cast of them, or
+    the output p @ v) where `empty` [.., S, 1] is True; `empty` None for nan_to_num (the rows whose
+    probabilities are NaN, i.e. whose scores are all -inf)."""
+
+    node: fx.Node
+    target: fx.Node
+    empty: fx.Node | None
+    empty_where_true: bool  # False: `empty` holds the rows that are kept (where(has_key, p, 0))
+
+
+def zeroing_of(node: fx.Node, target: fx.Node) -> RowZeroing | None:
+    """The row zeroing `node` applies to `target`, or None."""
+    name = op_name(node)
+    if name == "nan_to_num" and first(node) is target:
+        nan = arg(node, 1, "nan", 0.0)
+        if is_number(nan) and float(nan) == 0.0 and arg(node, 2, "posinf") is None and arg(node, 3, "neginf") is None:
+            return RowZeroing(node, target, None, True)
+        return None
+    if name == "masked_fill" and first(node) is target and is_zero(arg(node, 2, "value")):
+        mask = arg(node, 1, "mask")
+        return RowZeroing(node, target, mask, True) if isinstance(mask, fx.Node) else None
+    if name == "where" and len(node.args) == 3 and not node.kwargs and isinstance(node.args[0], fx.Node):
+        cond, a, b = node.args
+        if a is target and is_zero(b):
+            return RowZeroing(node, target, cond, False)
+        if b is target and is_zero(a):
+            return RowZeroing(node, target, cond, True)
+    return None
+
+
+def row_zeroing(softmax: fx.Node) -> RowZeroing | None:
+    """The zeroing of rows after `softmax`: of the probabilities (through casts) or of the output
+    p @ v that is the probabilities' only use; None where there is none. Per row: `empty` must
+    have a last dim of 1."""
+    node = softmax
+    for _ in range(4):
+        users = [u for u in node.users if not (is_zero(u) and first(u) is node)]  # zeros_like(p): a shape
+        if len(users) != 1:
+            return None
+        user = users[0]
+        found = zeroing_of(user, node)
+        if found is not None:
+            shape = static_shape(found.empty) if found.empty is not None else (1,)
+            return found if shape is not None and shape[-1] == 1 else None
+        if cast_dtype(user) is not None or (op_name(user) in MATMULS and user.args[0] is node):
+            node = user
+            continue
+        return None
+    return None
+
+
+def hoist(node: fx.Node, anchor: fx.Node) -> None:
+    """Move `node` and the inputs it needs before `anchor` where they come after it (pure ops
+    only: Refused for in-place ops and graph inputs, which cannot move)."""
+    order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    if order[node] < order[anchor]:
+        return
+    if node.op not in ("call_function", "call_method") or (op_name(node) or "").endswith("_"):
+        raise Refused(f"{node.name} is computed after the softmax and cannot move before it")
+    for x in node.all_input_nodes:
+        hoist(x, anchor)
+    anchor.prepend(node)
+
+
+class EmptyRows:
+    """The `empty_rows` rule (module docstring), one softmax at a time."""
+
+    def __init__(self, subgraphs: cmp.PositionSubgraphs):
+        self.subgraphs = subgraphs
+
+    def __call__(self, graph: fx.Graph, softmax: fx.Node) -> str | None:
+        if op_name(softmax) != "softmax":
+            return None
+        zero = row_zeroing(softmax)
+        if zero is None:
+            return None
+        chain = read_chain(softmax)
+        if chain is not None and op_name(chain.product) == "squeeze" and zero.empty is None:
+            return None  # per-query scores (selected branch): nan_to_num is the form selection_attention reads
+        if chain is None or not is_normal(chain) or not chain.masks or chain.masks[-1].fill != -INF \
+                or any(m.fill == -INF for m in chain.masks[:-1]):
+            raise Refused("rows are zeroed after the softmax, but the scores are not masked with -inf last")
+        last = chain.masks[-1]
+        output = op_name(zero.target) in MATMULS
+        where = "the output" if output else "the probabilities"
+        try:
+            keep = self.subgraphs.evaluate(last.mask, "mask")
+            keep = ~keep if last.fill_where_true else keep
+            if zero.empty is None:
+                hits = not bool(keep.any(-1).all())
+            else:
+                rows = self.subgraphs.evaluate(zero.empty, "zeroing mask")
+                hits = bool((rows if zero.empty_where_true else ~rows).any())
+            nan_rows = not bool(keep.any(-1).all())
+        except Refused:
+            hits = nan_rows = True  # masks that read data: rows not known
+        if output and nan_rows and not zero.node.meta.get(FINITE_ROWS):
+            raise Refused("rows with no key are NaN until the output is zeroed: eager's backward is NaN there "
+                          "(p^T @ grad_o with NaN rows of p), the rewritten one would not be")
+        if not hits:
+            zero.node.replace_all_uses_with(zero.target)
+            erase_replaced(graph, [zero.node], [])
+            return f"empty_rows: a zeroing of {where} that hits no row -> dropped"
+        anchor = softmax
+        if zero.empty is not None:
+            hoist(zero.empty, anchor)  # the user may compute it after the softmax (it zeroes the output)
+        drop = last.mask if last.fill_where_true else call(graph, operator.invert, last.mask, anchor=anchor)
+        if zero.empty is None:  # nan_to_num: the rows that keep no key
+            has_key = call(graph, torch.any, call(graph, operator.invert, drop, anchor=anchor), -1, keepdim=True,
+                           anchor=anchor)
+            empty = call(graph, operator.invert, has_key, anchor=anchor)
+        elif zero.empty_where_true:
+            empty = zero.empty
+        else:
+            empty = call(graph, operator.invert, zero.empty, anchor=anchor)
+        drop = call(graph, operator.or_, drop, empty, anchor=anchor)  # the empty rows are overwritten below
+        masked = call(graph, torch.masked_fill, last.source, drop, -INF, anchor=anchor)
+        zeroed = call(graph, torch.masked_fill, masked, empty, 0.0, anchor=anchor)
+        probs = call(graph, torch.softmax, zeroed, arg(softmax, 1, "dim"), anchor=anchor)
+        out = call(graph, operator.mul, probs, call(graph, operator.invert, drop, anchor=anchor), anchor=anchor)
+        zero.node.replace_all_uses_with(zero.target)  # first: the target may be the softmax itself
+        softmax.replace_all_uses_with(out)
+        erase_replaced(graph, [zero.node, softmax, last.node], [])
+        if zero.empty is None:
+            return f"empty_rows: nan_to_num of {where} -> zero fill before the softmax, * keep after (finite scores)"
+        return f"empty_rows: zeroing of {where} per row -> zero fill before the softmax, * keep after"
+
+
+# --- GQA copies ----------------------------------------------------------------------------------
+
+
+def inserted_dim(node: fx.Node) -> int | None:
+    """p when `node` inserts one size-1 dim at p: x.unsqueeze(p), or x[:, :, None] (full slices and
+    one None, an Ellipsis only at the end)."""
+    src = first(node)
+    if not isinstance(src, fx.Node) or value(src) is None:
+        return None
+    rank = value(src).dim()
+    if op_name(node) == "unsqueeze":
+        dim = arg(node, 1, "dim")
+        return dim % (rank + 1) if isinstance(dim, int) else None
+    index = arg(node, 1, "index")
+    if op_name(node) != "getitem" or not isinstance(index, tuple):
+        return None
+    if index and index[-1] is Ellipsis:
+        index = index[:-1]
+    if index.count(None) != 1 or any(i is not None and i != slice(None) for i in index):
+        return None
+    return index.index(None)
+
+
+def merged_dims(node: fx.Node) -> int | None:
+    """a when `node` (reshape / view / flatten) merges dims a and a + 1 of its input and keeps the rest."""
+    if op_name(node) not in ("reshape", "view", "flatten"):
+        return None
+    before, after = static_shape(first(node)), static_shape(node)
+    if before is None or after is None or len(after) != len(before) - 1:
+        return None
+    for a in range(len(after)):
+        if before[:a] == after[:a] and before[a + 2:] == after[a + 1:] and before[a] * before[a + 1] == after[a]:
+            return a
+    return None
+
+
+def copied_dim(node: fx.Node, p: int) -> int | None:
+    """h when `node` (expand / repeat / broadcast_to) copies its input h times along the size-1 dim p
+    and leaves every other dim as it is."""
+    src = first(node)
+    if op_name(node) not in ("expand", "repeat", "broadcast_to", "expand_as") or not isinstance(src, fx.Node):
+        return None
+    before, after = static_shape(src), static_shape(node)
+    if before is None or after is None or len(before) != len(after) or before[p] != 1:
+        return None
+    if any(b != a for i, (b, a) in enumerate(zip(before, after)) if i != p):
+        return None
+    return after[p]
+
+
+def feeds_matmul(node: fx.Node, depth: int = 4) -> bool:
+    """Whether `node` reaches a matmul through at most `depth` single-input layout ops (K/V)."""
+    for user in node.users:
+        if op_name(user) in MATMULS or op_name(user) == "einsum":
+            return True
+        if depth and op_name(user) in ("transpose", "permute", "swapaxes", "reshape", "view", "flatten",
+                                       "contiguous", "to", "float", "unsqueeze") and feeds_matmul(user, depth - 1):
+            return True
+    return False
+
+
+def gqa_copy(graph: fx.Graph, node: fx.Node) -> str | None:
+    """The `gqa_expand` rule: a copy of K/V for the heads of a group -> repeat_interleave."""
+    val = value(node)
+    if val is None or not val.is_floating_point():
+        return None
+    if op_name(node) == "repeat" and node.op == "call_method":
+        return tiled_repeat(graph, node)
+    a = merged_dims(node)
+    if a is None:
+        return None
+    copy = first(node)
+    if not isinstance(copy, fx.Node) or len(copy.users) != 1:
+        return None
+    inserted = first(copy)
+    if not isinstance(inserted, fx.Node) or len(inserted.users) != 1:
+        return None
+    p = inserted_dim(inserted)
+    if p is None or p not in (a, a + 1):
+        return None
+    h = copied_dim(copy, p)
+    if h is None:
+        return None
+    x = first(inserted)
+    what = f"{op_name(inserted)} + {op_name(copy)} + {op_name(node)}"
+    # [.., G, h, ..] merged: head g * h + r reads group g; [.., h, 1, ..]: one group, where tiling
+    # and interleaving agree
+    if p == a + 1 or value(x).shape[a] == 1:
+        dim = a
+    else:
+        raise Refused(f"{what} tiles K/V over the heads (head r * G + g reads group g); the ops take head "
+                      "g * h + r (repeat_interleave): a different grouping, not rewritten")
+    new = call(graph, torch.repeat_interleave, x, h, dim, anchor=node)
+    node.replace_all_uses_with(new)
+    erase_replaced(graph, [node, copy, inserted], [])
+    return f"gqa_expand: {what} -> repeat_interleave({h}, dim={dim})"
+
+
+def tiled_repeat(graph: fx.Graph, node: fx.Node) -> str | None:
+    """x.repeat(1, h, 1, 1) of K/V: repeat_interleave where the tiled dim has size 1, else Refused."""
+    reps = node.args[1:]
+    if len(reps) == 1 and isinstance(reps[0], (tuple, list)):
+        reps = tuple(reps[0])
+    x = first(node)
+    shape = static_shape(x)
+    if shape is None or len(reps) != len(shape) or not all(isinstance(r, int) for r in reps):
+        return None
+    copied = [i for i, r in enumerate(reps) if r != 1]
+    if len(copied) != 1 or not feeds_matmul(node):
+        return None
+    dim = copied[0]
+    if shape[dim] != 1:
+        raise Refused(f"x.repeat{tuple(reps)} tiles K/V over the heads (head r * G + g reads group g); the ops take "
+                      "head g * h + r (repeat_interleave): a different grouping, not rewritten")
+    new = call(graph, torch.repeat_interleave, x, reps[dim], dim, anchor=node)
+    node.replace_all_uses_with(new)
+    erase_replaced(graph, [node], [])
+    return f"gqa_expand: repeat over a size-1 dim -> repeat_interleave({reps[dim]}, dim={dim})"
+
+
+def layout_of(node: fx.Node) -> list[int] | None:
+    """The permutation a permute / transpose / swapaxes node applies (output dim i = input dim perm[i])."""
+    src = first(node)
+    shape = static_shape(src) if isinstance(src, fx.Node) else None
+    if shape is None:
+        return None
+    rank = len(shape)
+    name = op_name(node)
+    if name in ("transpose", "swapaxes"):
+        d0, d1 = arg(node, 1, "dim0"), arg(node, 2, "dim1")
+        if not isinstance(d0, int) or not isinstance(d1, int):
+            return None
+        perm = list(range(rank))
+        perm[d0 % rank], perm[d1 % rank] = perm[d1 % rank], perm[d0 % rank]
+        return perm
+    if name == "permute":
+        dims = node.args[1:]
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = dims[0]
+        dims = dims or arg(node, 1, "dims")
+        if isinstance(dims, (tuple, list)) and all(isinstance(d, int) for d in dims) and len(dims) == rank:
+            return [d % rank for d in dims]
+    return None
+
+
+def key_transpose(graph: fx.Graph, softmax: fx.Node) -> str | None:
+    """The `key_layout` rule: scores q @ k.permute(..) whose permute also swaps the last two dims
+    (k [B, S, H, D].permute(0, 2, 3, 1)) -> q @ k.permute(0, 2, 1, 3).transpose(-1, -2): the same
+    tensor, written as the transposed keys the passes read."""
+    if op_name(softmax) != "softmax":
+        return None
+    chain = read_chain(softmax)
+    if chain is None:
+        return None
+    product = chain.product if op_name(chain.product) in MATMULS else first(chain.product)
+    rhs = product.args[1] if len(product.args) > 1 else None
+    perm = layout_of(rhs) if isinstance(rhs, fx.Node) and op_name(rhs) == "permute" else None
+    if perm is None or len(rhs.users) != 1:
+        return None
+    rank = len(perm)
+    keys = perm[:-2] + [perm[-1], perm[-2]]  # permute to [.., N, K], then transpose the last two
+    x = first(rhs)
+    if keys != list(range(rank)):
+        x = call(graph, torch.permute, x, keys, anchor=product)
+    new = call(graph, torch.transpose, x, -1, -2, anchor=product)
+    product.replace_input_with(rhs, new)
+    erase_replaced(graph, [rhs], [])
+    return "key_layout: keys permuted with their last two dims swapped -> permute, then transpose(-1, -2)"
+
+
+def layout_past_copy(graph: fx.Graph, node: fx.Node) -> str | None:
+    """The `gqa_layout` rule: permute(x.repeat_interleave(h, d)) -> permute(x).repeat_interleave(h, d'),
+    where the permute moves the repeated dim d (a layout change of K/V after its GQA copy: the copy
+    then sits on the head dim the passes read). Exact: the same elements in the same places."""
+    perm = layout_of(node)
+    rep = first(node)
+    if perm is None or op_name(rep) != "repeat_interleave":
+        return None
+    repeats, dim = arg(rep, 1, "repeats"), arg(rep, 2, "dim")
+    x = first(rep)
+    if not isinstance(repeats, int) or not isinstance(dim, int) or not isinstance(x, fx.Node) \
+            or arg(rep, 3, "output_size") is not None:
+        return None
+    dim %= len(perm)
+    if perm.index(dim) == dim or any(layout_of(u) is None for u in rep.users):
+        return None  # the permute keeps the repeated dim in place, or the copy has other users
+    moved = call(graph, torch.permute, x, perm, anchor=node)
+    new = call(graph, torch.repeat_interleave, moved, repeats, perm.index(dim), anchor=node)
+    node.replace_all_uses_with(new)
+    erase_replaced(graph, [node], [])
+    return f"gqa_layout: layout change after repeat_interleave -> before it (dim {dim} -> {perm.index(dim)})"
+
+
+# --- F.scaled_dot_product_attention -----------------------------------------------------------------
+
+
+@dataclass
+class SDPACall:
+    """The arguments of one F.scaled_dot_product_attention call."""
+
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    mask: fx.Node | None
+    scale: float
+    groups: int  # enable_gqa: the query heads per K/V head (1 without)
+
+
+def read_sdpa(node: fx.Node) -> SDPACall | None:
+    """The call's arguments, or None if it is not an SDPA call; Refused for dropout, is_causal
+    without a mask and other forms the decomposition does not take."""
+    if op_name(node) != "scaled_dot_product_attention" or node.op != "call_function":
+        return None
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    given = dict(zip(names, node.args)) | dict(node.kwargs)
+    q, k, v, mask = given.get("query"), given.get("key"), given.get("value"), given.get("attn_mask")
+    if mask is None:
+        return None  # plain or is_causal attention: SDPA's own kernels are the fast path, no window to read
+    if given.get("dropout_p", 0.0) not in (0, 0.0):
+        raise Refused("SDPA with dropout (the decomposition has none)")
+    if given.get("is_causal", False):
+        raise Refused("SDPA with both attn_mask and is_causal")
+    shapes = [static_shape(x) if isinstance(x, fx.Node) else None for x in (q, k, v, mask)]
+    if None in shapes:
+        raise Refused("SDPA operands that are not tensors of static shape")
+    qs, ks, vs, _ = shapes
+    if len(qs) not in (4, 5) or len(ks) != len(qs) or len(vs) != len(qs):
+        raise Refused(f"SDPA on {len(qs)}-D tensors (the passes read 4-D, or 5-D with one query row)")
+    scale = given.get("scale")
+    if scale is None:
+        scale = qs[-1] ** -0.5
+    if not is_number(scale):
+        raise Refused("SDPA with a scale that is not a number")
+    groups = 1
+    if qs[-3] != ks[-3]:
+        if not given.get("enable_gqa", False) or ks[-3] == 0 or qs[-3] % ks[-3]:
+            raise Refused(f"SDPA with {qs[-3]} query heads and {ks[-3]} K/V heads")
+        groups = qs[-3] // ks[-3]
+    return SDPACall(q, k, v, mask, float(scale), groups)
+
+
+def staircase_like(keep: torch.Tensor) -> bool:
+    """keep [.., L, S] is one pattern whose rows each keep a prefix of the keys, no shorter than the
+    row before (causal visibility of compressed blocks or a window over one sequence)."""
+    grid = keep.reshape(-1, *keep.shape[-2:])
+    if grid.shape[0] != 1:
+        return False
+    grid = grid[0]
+    counts = grid.sum(-1)
+    prefix = torch.arange(grid.shape[-1])[None, :] < counts[:, None]
+    return torch.equal(grid, prefix) and bool((counts[1:] >= counts[:-1]).all())
+
+
+def causal_window(keep: torch.Tensor) -> bool:
+    """keep [.., S, S] is one causal sliding window (s <= t and t - s < w, some w >= 1)."""
+    grid = keep.reshape(-1, *keep.shape[-2:])
+    if grid.shape[0] != 1 or grid.shape[-1] != grid.shape[-2]:
+        return False
+    grid = grid[0]
+    w = int(grid.sum(-1).max())
+    t = torch.arange(grid.shape[0])[:, None]
+    s = torch.arange(grid.shape[1])[None, :]
+    return w >= 1 and torch.equal(grid, (s <= t) & (t - s < w))
+
+
+class SDPADecomposition:
+    """The `sdpa` rule: F.scaled_dot_product_attention with an attn_mask -> the normal form.
+
+    Decomposed (exact, from SDPA's definition: softmax(q k^T * scale + mask) v, bool masks keeping
+    True, K/V repeated per head with enable_gqa), where a pass can then read it:
+    - 4-D, queries = keys, a mask from positions only that is a causal sliding window (the window
+      branch; every row keeps its own key);
+    - 4-D, another key count, a mask from positions only whose rows keep growing prefixes of the
+      keys (compressed blocks, memory slots first); rows that keep no key are 0 in SDPA (bool or
+      -inf masks), written as the compressed form's zero fill and final mask;
+    - 5-D with one query row per token ([B, H, S, 1, D] against gathered [B, H, S, n, D]: the
+      selected branch), any bool mask: the rows with no key are 0 in SDPA, so the probabilities
+      are followed by nan_to_num (0 there, the selected op's own result).
+    Other masked SDPA calls stay (SDPA's kernels are the fast path for them), with the reason.
+    The decomposition computes the scores in q's dtype and the softmax in float32 (fp16/bf16),
+    as the normal form does; SDPA's fused kernels keep the scores in float32 throughout."""
+
+    def __init__(self, subgraphs: cmp.PositionSubgraphs):
+        self.subgraphs = subgraphs
+
+    def __call__(self, graph: fx.Graph, node: fx.Node) -> str | None:
+        call_ = read_sdpa(node)
+        if call_ is None:
+            return None
+        qs, ks = static_shape(call_.q), static_shape(call_.k)
+        mask_val = value(call_.mask)
+        per_query = len(qs) == 5
+        if per_query and qs[-2] != 1:
+            raise Refused("5-D SDPA with more than one query row per token")
+        empty_rows = None
+        if not per_query:
+            if reads_data(call_.mask):
+                raise Refused("SDPA's mask reads data (not positions only): the window and compressed passes "
+                              "read position masks")
+            got = self.subgraphs.evaluate(call_.mask, "SDPA mask")
+            keep = got if got.dtype == torch.bool else got == 0
+            if got.dtype != torch.bool:
+                fills = got.unique()
+                fills = fills[fills != 0]
+                if len(fills) > 1 or (len(fills) and not float(fills[0]) <= LARGE_NEGATIVE):
+                    raise Refused("SDPA's additive mask holds values other than 0 and one large negative fill")
+            if qs[-2] == ks[-2]:
+                if not causal_window(keep):
+                    raise Refused("SDPA's mask is not a causal sliding window: SDPA stays")
+            elif not staircase_like(keep):
+                raise Refused("SDPA's mask does not keep a growing prefix of the keys per query: SDPA stays")
+            finite = got.dtype != torch.bool and bool((got != 0).any()) and bool(torch.isfinite(got).all())
+            if not bool(keep.any(-1).all()) and not finite:
+                empty_rows = True  # SDPA gives 0 where a bool / -inf mask keeps no key
+        elif mask_val.dtype != torch.bool:
+            raise Refused("5-D SDPA with an additive mask")
+        self.rewrite(graph, node, call_, per_query, empty_rows)
+        what = "per-query 5-D" if per_query else ("window" if qs[-2] == ks[-2] else "prefix mask")
+        return f"sdpa: F.scaled_dot_product_attention ({what}) -> scores, mask, softmax, @ v"
+
+    @staticmethod
+    def rewrite(graph: fx.Graph, node: fx.Node, c: SDPACall, per_query: bool, empty_rows) -> None:
+        rank = len(static_shape(c.q))
+        k, v = c.k, c.v
+        if c.groups > 1:
+            k = call(graph, torch.repeat_interleave, k, c.groups, rank - 3, anchor=node)
+            v = call(graph, torch.repeat_interleave, v, c.groups, rank - 3, anchor=node)
+        scores = call(graph, torch.matmul, c.q, call(graph, torch.transpose, k, -1, -2, anchor=node), anchor=node)
+        mask = c.mask
+        if per_query:
+            scores = call(graph, torch.squeeze, scores, -2, anchor=node)
+            mshape = static_shape(mask)
+            if len(mshape) >= 2 and mshape[-2] == 1:
+                mask = call(graph, torch.squeeze, mask, -2, anchor=node)
+        low = value(scores).dtype
+        compute = torch.float32 if low in (torch.float16, torch.bfloat16) else low
+        if compute != low:
+            scores = call(graph, torch.Tensor.to, scores, compute, anchor=node)
+        scores = call(graph, operator.mul, scores, c.scale, anchor=node)
+        if value(mask).dtype == torch.bool:
+            keep = mask
+            scores = call(graph, torch.masked_fill, scores, call(graph, operator.invert, mask, anchor=node), -INF,
+                          anchor=node)
+        else:
+            keep = None
+            scores = call(graph, operator.add, scores, mask, anchor=node)
+        if empty_rows:
+            if keep is None:
+                keep = call(graph, torch.eq, mask, 0, anchor=node)
+            has_key = call(graph, torch.any, keep, -1, keepdim=True, anchor=node)
+            empty = call(graph, operator.invert, has_key, anchor=node)
+            scores = call(graph, torch.masked_fill, scores, empty, 0.0, anchor=node)
+        p = call(graph, torch.softmax, scores, -1, anchor=node)
+        if empty_rows:
+            p = call(graph, operator.mul, p, call(graph, operator.and_, keep, has_key, anchor=node), anchor=node)
+        if per_query:
+            p = call(graph, torch.nan_to_num, p, 0.0, anchor=node)
+        p = call(graph, torch.Tensor.to, p, value(v).dtype, anchor=node)
+        if per_query:
+            out = call(graph, torch.matmul, call(graph, torch.unsqueeze, p, -2, anchor=node), v, anchor=node)
+        else:
+            out = call(graph, torch.matmul, p, v, anchor=node)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+
+
+# --- sorts --------------------------------------------------------------------------------------------
+
+
+def argsort_to_sort(graph: fx.Graph, node: fx.Node) -> str | None:
+    """The `sort` rule: `order = x.argsort(dim, descending, stable)[..]` with the keys read back by
+    `torch.take_along_dim(x, order, dim)` (or `x.gather(dim, order)`) -> `values, order =
+    torch.sort(x, ...)` cut the same way: sort's values are the keys at its indices, element for
+    element, and argsort is sort's indices."""
+    if op_name(node) != "argsort":
+        return None
+    x, dim = first(node), arg(node, 1, "dim", -1)
+    descending, stable = arg(node, 2, "descending", False), node.kwargs.get("stable", False)
+    if not isinstance(x, fx.Node) or not isinstance(dim, int) or value(x) is None:
+        return None
+    reads = []  # (take node, the cut of the order it reads: a getitem of node, or node itself)
+    for user in node.users:
+        cut_users = list(user.users) if op_name(user) == "getitem" else [user]
+        for take in cut_users:
+            if op_name(take) in ("take_along_dim", "gather") and first(take) is x:
+                index = arg(take, 1, "indices") if op_name(take) == "take_along_dim" else arg(take, 2, "index")
+                take_dim = arg(take, 2, "dim") if op_name(take) == "take_along_dim" else arg(take, 1, "dim")
+                order_read = user if op_name(user) == "getitem" else node
+                rank = value(x).dim()
+                if index is order_read and isinstance(take_dim, int) and take_dim % rank == dim % rank:
+                    reads.append((take, order_read))
+    if not reads:
+        return None
+    both = call(graph, torch.sort, x, dim=dim, descending=descending, stable=stable, anchor=node)
+    values = call(graph, operator.getitem, both, 0, anchor=node)
+    order = call(graph, operator.getitem, both, 1, anchor=node)
+    for take, order_read in reads:
+        if order_read is node:
+            keys = values
+        else:
+            keys = call(graph, operator.getitem, values, order_read.args[1], anchor=take)
+        take.replace_all_uses_with(keys)
+        graph.erase_node(take)
+    node.replace_all_uses_with(order)
+    graph.erase_node(node)
+    return f"sort: argsort + take_along_dim of the keys -> torch.sort ({len(reads)} read{'s' * (len(reads) > 1)})"
+
+
+# --- the pass -------------------------------------------------------------------------------------
+
+
+class Canonicalize(RewritePass):
+    name = "canonicalize"
+    summary = "equivalent spellings of attention (einsum, mask forms, softmax dtype, ...) -> the form the passes read"
+
+    def apply(self, graph: fx.Graph, log: PassLog) -> None:
+        subgraphs = cmp.PositionSubgraphs()  # position masks evaluated once per structure (the layers share them)
+        rules = (("sdpa", SDPADecomposition(subgraphs)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort),
+                 ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("key_layout", key_transpose),
+                 ("gqa_layout", layout_past_copy), ("scores", ScoreChains(subgraphs)),
+                 ("empty_rows", EmptyRows(subgraphs)))
+        for name, rule in rules:
+            for node in list(graph.nodes):
+                if node._erased or node.op not in ("call_function", "call_method"):
+                    continue
+                try:
+                    what = rule(graph, node)
+                except Refused as why:
+                    log.refused(node, f"{name}: {why}")
+                    continue
+                if what:
+                    log.matched(node, what)
+
+    def source_files(self) -> tuple[str, ...]:
+        return super().source_files() + (cmp.__file__,)
+
+
+PASS = Canonicalize()

@@ -1,0 +1,508 @@
+"""Graph tests of canonicalize: for each rule a small module in a foreign spelling; the rule fires
+(exact count), the source op is gone and the normal form is there, the NSA pass then fires (exact
+count), outputs and gradients match eager (fp32; bf16 where the rule moves casts), and near misses
+are refused with the graph unchanged and a reason."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import FAST, optimize_fresh, row
+
+import nsa_compile
+from nsa_compile.api import state_of
+
+B, G, h, S, D = 2, 2, 2, 24, 8
+H = G * h
+W = 5  # window
+L, STRIDE = 8, 4  # compression block and stride
+
+
+def only(*names):
+    """aot_eager with only the named passes enabled."""
+    return FAST.replace(disabled_passes=tuple(p for p in nsa_compile.pass_names() if p not in names))
+
+
+def canonical_log(model):
+    (record,) = state_of(model).graphs
+    (log,) = [log for log in record.logs if log.pass_name == "canonicalize"]
+    return record, log
+
+
+def fired(model) -> dict[str, int]:
+    """Matches of canonicalize per rule (the word before ':' in what the match became)."""
+    counts = {}
+    for match in canonical_log(model)[1].matches:
+        rule = match.kernel.split(":")[0]
+        counts[rule] = counts.get(rule, 0) + 1
+    return counts
+
+
+def code_after_canonicalize(model) -> str:
+    return canonical_log(model)[1].code_after
+
+
+def run(module, inputs, config=FAST, tol=1e-5):
+    """Optimize a copy of `module`, and check its outputs and the gradients of every float input
+    against eager. Returns the optimized module."""
+    def leaves():
+        return [x.detach().clone().requires_grad_() if x.is_floating_point() else x for x in inputs]
+
+    eager_in, opt_in = leaves(), leaves()
+    expected = module(*eager_in)
+    optimized = optimize_fresh(copy.deepcopy(module), config)
+    got = optimized(*opt_in)
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    floats = [x for x in eager_in if x.is_floating_point()]
+    grad = torch.randn_like(expected, dtype=torch.float32, generator=torch.Generator().manual_seed(5)).to(got.dtype)
+    want = torch.autograd.grad(expected, floats, grad)
+    have = torch.autograd.grad(got, [x for x in opt_in if x.is_floating_point()], grad)
+    for a, b in zip(have, want):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    return optimized
+
+
+def qkv(dtype=torch.float32, layout="bhsd"):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, S, D, generator=g)
+    k = torch.randn(B, G, S, D, generator=g)
+    v = torch.randn(B, G, S, D, generator=g)
+    if layout == "bshd":
+        q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    return [x.to(dtype) for x in (q, k, v)]
+
+
+def window_mask(S, device, w=W):
+    t = torch.arange(S, device=device)[:, None]
+    s = torch.arange(S, device=device)[None, :]
+    return (s <= t) & (t - s < w)
+
+
+# --- the window branch in foreign spellings -----------------------------------------------------
+
+
+class Window(nn.Module):
+    """Sliding-window attention over q [B, H, S, D] and k, v [B, G, S, D] (or [B, S, H|G, D] for the
+    sequence-first spellings), spelled as `spelling` says."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, q, k, v):
+        sp = self.spelling
+        c = D**-0.5
+        if sp == "sdpa-bool":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(q.shape[2], q.device), enable_gqa=True)
+        if sp == "sdpa-additive":
+            bias = torch.zeros(S, S, device=q.device).masked_fill(~window_mask(S, q.device), float("-inf"))
+            kr, vr = k.repeat_interleave(h, 1), v.repeat_interleave(h, 1)
+            return F.scaled_dot_product_attention(q, kr, vr, attn_mask=bias)
+        if sp == "grouped-5d":  # q [B, G, h, S, D] against k, v [B, G, S, D]
+            q5 = q.view(B, G, h, S, D)
+            s = torch.einsum("bghsd,bgtd->bghst", q5, k).float() * c
+            p = s.masked_fill(~window_mask(S, q.device), -torch.finfo(torch.float32).max).softmax(-1)
+            return torch.einsum("bghst,bgtd->bghsd", p.to(v.dtype), v).flatten(1, 2)
+        if sp == "sequence-first":  # [B, S, H, D]: einsum, GQA by expand + flatten, q scaled first
+            kr = k.unsqueeze(3).expand(B, S, G, h, D).flatten(2, 3)
+            vr = v.unsqueeze(3).expand(B, S, G, h, D).flatten(2, 3)
+            s = torch.einsum("bqhd,bkhd->bhqk", q * c, kr)
+            p = s.masked_fill(~window_mask(S, q.device), float("-inf")).softmax(-1)
+            return torch.einsum("bhqk,bkhd->bqhd", p, vr)
+        if sp == "key-permute":  # [B, S, G, D] keys repeated on dim 2, permuted to k^T in one permute
+            kr, vr = k.repeat_interleave(h, dim=2), v.repeat_interleave(h, dim=2)
+            s = torch.matmul(q.transpose(1, 2), kr.permute(0, 2, 3, 1)) * c
+            p = torch.softmax(torch.where(window_mask(S, q.device), s, float("-inf")), dim=-1)
+            return torch.matmul(p, vr.transpose(1, 2)).transpose(1, 2)
+        if sp == "hf-repeat-kv":  # Hugging Face's repeat_kv
+            kr, vr = (x[:, :, None].expand(B, G, h, S, D).reshape(B, H, S, D) for x in (k, v))
+        else:
+            kr, vr = k.repeat_interleave(h, 1), v.repeat_interleave(h, 1)
+        keep = window_mask(S, q.device)
+        if sp == "einsum":
+            s = torch.einsum("bhid,bhjd->bhij", q, kr)
+        else:
+            s = q @ kr.transpose(-1, -2)
+        if sp == "mask-before-upcast":  # scaled and masked in q's dtype, the softmax upcasts (dtype=float32)
+            p = (s * c).masked_fill(~keep, float("-inf")).softmax(dim=-1, dtype=torch.float32)
+            return p.to(v.dtype) @ vr
+        s = s.float() * c
+        if sp == "finfo-min":
+            s = s.masked_fill(~keep, torch.finfo(s.dtype).min)
+        elif sp == "minus-1e9":
+            s = torch.where(keep, s, -1e9)
+        elif sp == "where-fill-first":
+            s = torch.where(~keep, float("-inf"), s)
+        elif sp == "additive":
+            s = s + torch.zeros(S, S, device=q.device).masked_fill(~keep, float("-inf"))
+        elif sp == "two-masks":  # causal, then the band, each with -inf
+            t = torch.arange(S, device=q.device)
+            s = s.masked_fill(t[None, :] > t[:, None], float("-inf")).masked_fill(t[:, None] - t[None, :] >= W, -1e30)
+        else:
+            s = s.masked_fill(~keep, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        if sp == "einsum":
+            return torch.einsum("bhij,bhjd->bhid", p.to(v.dtype), vr)
+        return p.to(v.dtype) @ vr
+
+
+WINDOW_SPELLINGS = {
+    # spelling: (rules that fire, with counts), inputs layout
+    "einsum": ({"einsum": 2}, "bhsd"),
+    "sequence-first": ({"einsum": 2, "gqa_expand": 2, "gqa_layout": 2}, "bshd"),
+    "hf-repeat-kv": ({"gqa_expand": 2}, "bhsd"),
+    "key-permute": ({"key_layout": 1, "gqa_layout": 2}, "bshd"),
+    "finfo-min": ({"scores": 1}, "bhsd"),
+    "minus-1e9": ({"scores": 1}, "bhsd"),
+    "where-fill-first": ({"scores": 1}, "bhsd"),
+    "additive": ({"scores": 1}, "bhsd"),
+    "two-masks": ({"scores": 1}, "bhsd"),
+    "mask-before-upcast": ({"scores": 1}, "bhsd"),
+    "sdpa-bool": ({"sdpa": 1}, "bhsd"),
+    "sdpa-additive": ({"sdpa": 1, "scores": 1}, "bhsd"),
+    "grouped-5d": ({"grouped_heads": 1, "einsum": 2, "scores": 1}, "bhsd"),
+}
+
+
+@pytest.mark.parametrize("spelling", list(WINDOW_SPELLINGS))
+def test_window_spellings_become_the_normal_form_and_the_window_pass_fires(spelling):
+    rules, layout = WINDOW_SPELLINGS[spelling]
+    model = run(Window(spelling), qkv(layout=layout), only("canonicalize", "window_attention"))
+    assert fired(model) == rules
+    code = code_after_canonicalize(model)
+    for gone in ("einsum", "scaled_dot_product_attention", "expand", "finfo", "1e+09", "1e+30"):
+        assert gone not in code.split("def forward")[1] or gone == "expand" and spelling != "hf-repeat-kv", gone
+    assert "softmax" in code and ("masked_fill" in code or "where" in code)
+    r = row(model, "window_attention")
+    assert (r["matches"], r["refused"]) == (1, 0), r["reasons"]
+    assert r["kernels"][0].startswith(f"nsa.window_attention[reference] (w={W}, ")
+
+
+@pytest.mark.parametrize("spelling", ["mask-before-upcast", "minus-1e9"])
+def test_window_spellings_in_bf16_match_eager(spelling):
+    """The scores rule moves the upcast before the mask (and the mask after the scale): in bf16 the
+    rewritten model agrees with eager bf16 as closely as eager agrees with itself in float64."""
+    inputs = qkv(torch.bfloat16)
+    module = Window(spelling)
+    model = run(module, inputs, only("canonicalize", "window_attention"), tol=2e-2)
+    assert fired(model) == {"scores": 1} and row(model, "window_attention")["matches"] == 1
+    exact = module(*(x.double() for x in inputs))
+    eager_err = (module(*inputs).double() - exact).norm() / exact.norm()
+    got_err = (model(*inputs).double() - exact).norm() / exact.norm()
+    assert got_err <= 3 * eager_err + 1e-3, (got_err, eager_err)
+
+
+def test_the_reference_spelling_is_left_as_it_is():
+    model = run(Window("reference"), qkv(), only("canonicalize", "window_attention"))
+    record, log = canonical_log(model)
+    assert fired(model) == {} and log.refusals == [] and log.code_after == record.code_before
+    assert row(model, "window_attention")["matches"] == 1
+
+
+# --- near misses: refused, graph unchanged -------------------------------------------------------
+
+
+class NearMiss(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, q, k, v):
+        sp = self.spelling
+        t = torch.arange(S, device=q.device)
+        if sp == "tiled-gqa":  # head j reads K/V head j % G: not repeat_interleave's j // h
+            kr, vr = k.repeat(1, h, 1, 1), v.repeat(1, h, 1, 1)
+        else:
+            kr, vr = k.repeat_interleave(h, 1), v.repeat_interleave(h, 1)
+        if sp == "sdpa-two-sided":  # not causal: SDPA stays
+            return F.scaled_dot_product_attention(q, kr, vr, attn_mask=(t[:, None] - t[None, :]).abs() < W)
+        if sp == "einsum-three-operands":
+            s = torch.einsum("bhid,bhjd,h->bhij", q, kr, torch.ones(H, device=q.device)) * D**-0.5
+        else:
+            s = (q @ kr.transpose(-1, -2)).float() * D**-0.5
+        if sp == "finite-fill-empty-row":  # query 0 sees no key: uniform with -1e9, NaN with -inf
+            s = s.masked_fill(~((t[None, :] < t[:, None]) & (t[:, None] - t[None, :] < W)), -1e9)
+        elif sp == "additive-shift":  # a bias of 0 and -1: it shifts scores, it does not mask
+            s = s + torch.zeros(S, S, device=q.device).masked_fill(~window_mask(S, q.device), -1.0)
+        else:
+            s = s.masked_fill(~window_mask(S, q.device), float("-inf"))
+        return torch.softmax(s, dim=-1) @ vr
+
+
+@pytest.mark.parametrize("spelling, reason", [
+    ("finite-fill-empty-row", ("scores: finite fill -1e+09 not rewritten: a row can be fully masked: with the finite "
+                               "fill it gets the uniform average of its keys, with -inf NaN")),
+    ("additive-shift", "scores: the additive mask adds -1.0 (not -inf or a large negative <= -10000)"),
+    ("tiled-gqa", ("gqa_expand: x.repeat(1, 2, 1, 1) tiles K/V over the heads (head r * G + g reads group g); the "
+                   "ops take head g * h + r (repeat_interleave): a different grouping, not rewritten")),
+    ("sdpa-two-sided", "sdpa: SDPA's mask is not a causal sliding window: SDPA stays"),
+    ("einsum-three-operands", "einsum: einsum of 3 operands (the matmul form takes two tensors)"),
+])
+def test_near_misses_are_refused_with_the_graph_unchanged(spelling, reason):
+    model = run(NearMiss(spelling), qkv(), only("canonicalize"))
+    record, log = canonical_log(model)
+    assert [r.reason for r in log.refusals] == [reason] * (2 if spelling == "tiled-gqa" else 1)  # K and V
+    assert log.matches == [] and log.code_after == record.code_before
+
+
+def test_a_tiled_gqa_is_still_correct_as_full_heads():
+    """The window pass takes the tiled copy as H heads of their own (correct, without the GQA saving)."""
+    model = run(NearMiss("tiled-gqa"), qkv(), only("canonicalize", "window_attention"))
+    assert row(model, "window_attention")["matches"] == 1
+
+
+# --- the compressed branch: empty rows zeroed after the softmax -----------------------------------
+
+
+class Compressed(nn.Module):
+    """Compressed attention: mean pooling of l tokens every d, the staircase i*d + l - 1 <= t, the
+    first l - 1 rows with no block zeroed after the softmax as `spelling` says."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, q, k, v):
+        sp = self.spelling
+        kc = k.unfold(2, L, STRIDE).mean(-1).repeat_interleave(h, 1)  # [B, H, Tc, D]
+        vc = v.unfold(2, L, STRIDE).mean(-1).repeat_interleave(h, 1)
+        Tc = kc.shape[2]
+        t = torch.arange(S, device=q.device)[:, None]
+        visible = torch.arange(Tc, device=q.device)[None, :] * STRIDE + L - 1 <= t  # [S, Tc]
+        empty = ~visible.any(-1, keepdim=True)  # [S, 1]
+        s = (q @ kc.transpose(-1, -2)).float() * D**-0.5
+        fill = torch.finfo(s.dtype).min if sp.startswith("finfo-min") else float("-inf")
+        p = torch.softmax(s.masked_fill(~visible, fill), dim=-1)
+        if sp == "nan_to_num":
+            p = torch.nan_to_num(p)
+        elif sp == "where-zeros-like":
+            p = torch.where(empty, torch.zeros_like(p), p)
+        elif sp in ("masked_fill-after", "finfo-min-then-zero"):
+            p = p.masked_fill(empty, 0.0)
+        o = p.to(v.dtype) @ vc
+        if sp.endswith("output-zeroed"):  # rows of uniform weights (finfo.min) or NaN (-inf) zeroed
+            o = o.masked_fill(empty, 0.0)
+        return o
+
+
+@pytest.mark.parametrize("spelling, rules", [
+    ("masked_fill-after", {"empty_rows": 1}),
+    ("nan_to_num", {"empty_rows": 1}),
+    ("where-zeros-like", {"empty_rows": 1}),
+    ("finfo-min-then-zero", {"scores": 1, "empty_rows": 1}),
+    ("finfo-min-output-zeroed", {"scores": 1, "empty_rows": 1}),
+])
+def test_empty_rows_become_the_compressed_form_and_the_compressed_pass_fires(spelling, rules):
+    model = run(Compressed(spelling), qkv(), only("canonicalize", "compressed_attention"))
+    assert fired(model) == rules
+    code = code_after_canonicalize(model).split("def forward")[1]
+    assert "nan_to_num" not in code and "zeros_like" not in code
+    r = row(model, "compressed_attention")
+    assert (r["matches"], r["refused"]) == (1, 0), r["reasons"]
+    assert r["kernels"][0].startswith(f"nsa.compressed_attention[reference] (l={L}, d={STRIDE}, ")
+
+
+def test_zeroing_the_output_of_nan_rows_is_refused():
+    """-inf on every block of the first rows, then the *output* zeroed: eager's forward is 0 there but
+    its backward is NaN (p^T @ grad_o with NaN rows of p); the rewrite would make it finite."""
+    module = Compressed("output-zeroed")
+    inputs = [x.requires_grad_() for x in qkv()]
+    model = optimize_fresh(copy.deepcopy(module), only("canonicalize", "compressed_attention"))
+    out = model(*inputs)
+    torch.testing.assert_close(out, module(*inputs))
+    assert torch.autograd.grad(out.sum(), inputs[2])[0].isnan().any()  # as eager's
+    record, log = canonical_log(model)
+    assert [r.reason for r in log.refusals] == [
+        ("empty_rows: rows with no key are NaN until the output is zeroed: eager's backward is NaN there "
+         "(p^T @ grad_o with NaN rows of p), the rewritten one would not be")]
+    assert log.code_after == record.code_before
+    assert row(model, "compressed_attention")["matches"] == 0
+
+
+# --- the selected branch as a 5-D SDPA -------------------------------------------------------------
+
+
+class SelectedSDPA(nn.Module):
+    """Selected attention as SDPA over [B, H, S, 1, D] queries and gathered [B, H, S, n*l', D] keys
+    with a boolean mask (SDPA gives 0 to a row with no key)."""
+
+    block = 4
+
+    def forward(self, q, k, v, block_idx):
+        ls = self.block
+        t = torch.arange(S, device=q.device)[:, None]
+        tokens = (block_idx.clamp(min=0)[..., None] * ls + torch.arange(ls, device=q.device)).flatten(-2)
+        valid = (block_idx >= 0)[..., None].expand(-1, -1, -1, -1, ls).flatten(-2) & (tokens <= t)
+        index = tokens.clamp(max=S - 1).flatten(2)[..., None].expand(-1, -1, -1, D)
+        ks = torch.gather(k, 2, index).view(B, G, S, -1, D).repeat_interleave(h, 1)
+        vs = torch.gather(v, 2, index).view(B, G, S, -1, D).repeat_interleave(h, 1)
+        mask = valid.repeat_interleave(h, 1).unsqueeze(-2)  # [B, H, S, 1, n*l']
+        return F.scaled_dot_product_attention(q.unsqueeze(-2), ks, vs, attn_mask=mask).squeeze(-2)
+
+
+def test_selected_sdpa_becomes_the_per_query_form_and_the_selection_pass_fires():
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(-1, S // SelectedSDPA.block, (B, G, S, 3), generator=g)
+    blocks[:, :, :5] = -1  # rows with no block at all: 0 in SDPA, and in the op
+    model = run(SelectedSDPA(), [*qkv(), blocks], only("canonicalize", "selection_attention"))
+    assert fired(model) == {"sdpa": 1}
+    assert "scaled_dot_product_attention" not in code_after_canonicalize(model).split("def forward")[1]
+    r = row(model, "selection_attention")
+    assert (r["matches"], r["refused"]) == (1, 0), r["reasons"]
+    assert "NaN as eager" not in r["kernels"][0]  # SDPA's empty rows are 0: no NaN fill
+
+
+# --- what the passes read beyond the canonical form -------------------------------------------------
+
+
+from nsa_compile.models import preset  # noqa: E402
+from nsa_compile.models.nsa import NSAAttention, rope_tables  # noqa: E402
+
+TINY = preset("tiny")
+NSA_S = 100
+
+
+class Variant(NSAAttention):
+    """models/nsa.py's attention with one spelling changed: block ids in rank order (no ascending
+    sort), a finite fill in the selected branch, a pooling by convolution or by padding, ..."""
+
+    def __init__(self, change):
+        super().__init__(TINY)
+        self.change = change
+
+    def forward(self, x):
+        cos, sin = rope_tables(x.shape[1], TINY.rot_dim, TINY.rope_base, x.device)
+        return super().forward(x, cos, sin)
+
+    def compress(self, x, compressor, stride):  # [B, S, G, D] -> [B, Tc, G, D]
+        l = self.cfg.cmp_block
+        if self.change == "conv-pooling":  # a depthwise convolution with an averaging kernel, stride d
+            B, S, G, D = x.shape
+            flat = x.permute(0, 2, 3, 1).reshape(B, G * D, S)
+            weight = torch.full((G * D, 1, l), 1.0 / l, device=x.device, dtype=x.dtype)
+            return F.conv1d(flat, weight, stride=stride, groups=G * D).view(B, G, D, -1).permute(0, 3, 1, 2)
+        if self.change == "leaky-pooling":  # each block also reads the token after it
+            B, S, G, D = x.shape
+            flat = F.pad(x.permute(0, 2, 3, 1).reshape(B, G * D, S), (0, 1))
+            weight = torch.full((G * D, 1, l + 1), 1.0 / (l + 1), device=x.device, dtype=x.dtype)
+            out = F.conv1d(flat, weight, stride=stride, groups=G * D).view(B, G, D, -1).permute(0, 3, 1, 2)
+            return out[:, : (S - l) // stride + 1]
+        return super().compress(x, compressor, stride)
+
+    def select_blocks(self, p_cmp, S, pos=None):
+        if self.change not in ("rank-order", "rank-order-also-returned"):
+            return super().select_blocks(p_cmp, S, pos)
+        # the reference up to the sort, then the first n in rank order with -1 for the unchosen
+        cfg = self.cfg
+        B, H, _, Tc = p_cmp.shape
+        l, d, ls, n, G = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.n_kv_groups
+        Ns = (S + ls - 1) // ls
+        i = torch.arange(Tc, device=p_cmp.device)[:, None]
+        j = torch.arange(Ns, device=p_cmp.device)[None, :]
+        overlap = (torch.minimum(i * d + l, (j + 1) * ls) - torch.maximum(i * d, j * ls)).clamp(min=0)
+        p_grp = (p_cmp @ (overlap.to(p_cmp.dtype) / l)).view(B, G, H // G, S, Ns).sum(2)
+        t = torch.arange(S, device=p_cmp.device)[:, None]
+        forced = (j == 0) | (j == t // ls) | (j == t // ls - 1)
+        key = torch.where(forced, float("inf"), torch.where(j * ls <= t, p_grp, float("-inf")))
+        values, order = torch.sort(key, dim=-1, descending=True, stable=True)
+        chosen = torch.where(values[..., :n] > float("-inf"), order[..., :n], -1)
+        self.leaked = chosen if self.change == "rank-order-also-returned" else None
+        return chosen
+
+    def selected_attention(self, q, k, v, block_idx, pos=None):
+        o = super().selected_attention(q, k, v, block_idx, pos)
+        if self.change == "rank-order-also-returned":  # the ids read in rank order: their order matters
+            first = self.leaked[..., :1].repeat_interleave(o.shape[2] // self.leaked.shape[1], dim=1)  # [B, H, S, 1]
+            o = o + first.transpose(1, 2).to(o.dtype)
+        return o
+
+
+def nsa_input():
+    return [torch.randn(2, NSA_S, TINY.dim, generator=torch.Generator().manual_seed(3))]
+
+
+def branch_counts(model):
+    return {name: row(model, name)["matches"] for name in
+            ("window_attention", "compressed_attention", "block_selection", "selection_attention")}
+
+
+ALL_BRANCHES = {"window_attention": 1, "compressed_attention": 1, "block_selection": 1, "selection_attention": 1}
+BRANCHES = only("canonicalize", "window_attention", "compressed_attention", "block_selection", "selection_attention")
+
+
+@pytest.mark.parametrize("change", ["rank-order", "conv-pooling"])
+def test_variants_the_passes_read_beyond_the_canonical_form(change):
+    torch.manual_seed(0)
+    model = run(Variant(change), nsa_input(), BRANCHES, tol=1e-4)
+    assert branch_counts(model) == ALL_BRANCHES, [row(model, p)["reasons"] for p in ALL_BRANCHES]
+
+
+def test_block_ids_in_rank_order_read_elsewhere_are_refused():
+    torch.manual_seed(0)
+    model = run(Variant("rank-order-also-returned"), nsa_input(), BRANCHES, tol=1e-4)
+    r = row(model, "block_selection")
+    assert r["matches"] == 0 and any("the chosen blocks are in rank order (not sorted ascending)" in x
+                                     for x in r["reasons"]), r["reasons"]
+
+
+def test_a_pooling_that_reads_past_its_block_is_refused_by_the_probe():
+    torch.manual_seed(0)
+    model = run(Variant("leaky-pooling"), nsa_input(), BRANCHES, tol=1e-4)
+    r = row(model, "compressed_attention")
+    assert r["matches"] == 0 and any("depends on tokens outside its block" in x for x in r["reasons"]), r["reasons"]
+
+
+class PaddedPooling(Compressed):
+    """Non-overlapping blocks of l tokens through F.pad to a multiple of l and a view (the last,
+    partial block is never visible)."""
+
+    def forward(self, q, k, v):
+        nc = -(-S // L)
+        kc = F.pad(k, (0, 0, 0, nc * L - S)).view(B, G, nc, L, D).mean(-2).repeat_interleave(h, 1)
+        vc = F.pad(v, (0, 0, 0, nc * L - S)).view(B, G, nc, L, D).mean(-2).repeat_interleave(h, 1)
+        t = torch.arange(S, device=q.device)[:, None]
+        visible = (torch.arange(nc, device=q.device)[None, :] + 1) * L - 1 <= t
+        s = (q @ kc.transpose(-1, -2)) * D**-0.5
+        p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+        return torch.nan_to_num(p) @ vc
+
+
+def test_a_pooling_padded_at_the_end_is_read():
+    model = run(PaddedPooling("padded"), qkv(), only("canonicalize", "compressed_attention"))
+    assert fired(model) == {"empty_rows": 1}
+    r = row(model, "compressed_attention")
+    assert r["matches"] == 1 and r["kernels"][0].startswith(f"nsa.compressed_attention[reference] (l={L}, d={L}, ")
+
+
+class IndexedKeys(nn.Module):
+    """Keys fetched by advanced indexing with a non-contiguous index, repeated for GQA."""
+
+    def forward(self, q, k, v):
+        perm = torch.arange(S, device=q.device).flip(0).view(1, S).expand(G, S).t()  # [S, G], not contiguous
+        rows = k.transpose(1, 2)[torch.arange(B, device=q.device)[:, None, None], perm, torch.arange(G)]
+        kr = rows.transpose(1, 2).repeat_interleave(h, 1)  # [B, H, S, D]
+        return torch.softmax(q @ kr.transpose(-1, -2), dim=-1) @ v.repeat_interleave(h, 1)
+
+
+def test_keys_read_by_advanced_indexing_keep_their_copy():
+    model = run(IndexedKeys(), qkv(), only("gqa_grouped_matmul"))
+    r = row(model, "gqa_grouped_matmul")
+    assert r["matches"] == 1 and r["refused"] == 1  # V's copy is removed; K's stays
+    assert r["reasons"][0].startswith("the repeated tensor is read by advanced indexing")
+
+
+def test_an_einsum_of_two_dtypes_is_refused():
+    """einsum promotes an outer product of float32 and bfloat16 (it is a mul); matmul would not."""
+    class Outer(nn.Module):
+        def forward(self, a, b):
+            return torch.einsum("i,j->ij", a, b.to(torch.bfloat16))
+
+    model = run(Outer(), [torch.randn(5), torch.randn(3)], only("canonicalize"), tol=1e-2)
+    record, log = canonical_log(model)
+    assert [r.reason for r in log.refusals] == [
+        "einsum: einsum of torch.float32 and torch.bfloat16 operands (matmul takes one dtype)"]
+    assert log.code_after == record.code_before
