@@ -63,6 +63,13 @@ class OptimizeConfig:
                      an error here. It sets no global state: the rest of the model (embedding and
                      gather backwards, cuBLAS) needs torch.use_deterministic_algorithms(True)
                      and CUBLAS_WORKSPACE_CONFIG=:4096:8, both set by the user.
+    strict:          True: the first compile raises nsa_compile.coverage.CoverageError, with the
+                     coverage table (per layer: branches rewritten / detected; each eager branch
+                     with its source line and reasons), where an NSA branch it detects stays eager,
+                     so that a training job cannot silently run the slow eager code. Detected: every
+                     softmax, F.scaled_dot_product_attention and top-k/sort ranking left after the
+                     passes (coverage.py), so a model whose other softmaxes are not NSA (a router)
+                     cannot use it. Frames Dynamo skips whole are not seen (`explain` lists them).
     """
 
     compiler: str = "inductor"
@@ -75,6 +82,7 @@ class OptimizeConfig:
     block_select_backend: str = "auto"
     combine_backend: str = "auto"
     deterministic: bool = False
+    strict: bool = False
     # the backend fields that deterministic=True turned from 'auto' into a deterministic backend
     # (replace() starts them from 'auto' again, so that replace(deterministic=False) undoes it)
     _resolved_auto: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
@@ -85,6 +93,8 @@ class OptimizeConfig:
         # torch.compile reads these as truthy (fullgraph='no' is True) or fails at the first call
         if not isinstance(self.fullgraph, bool):
             raise TypeError(f"fullgraph must be a bool, not {type(self.fullgraph).__name__}")
+        if not isinstance(self.strict, bool):
+            raise TypeError(f"strict must be a bool, not {type(self.strict).__name__}")
         if self.dynamic is not None and not isinstance(self.dynamic, bool):
             raise TypeError(f"dynamic must be None, True or False, not {type(self.dynamic).__name__}")
         from .ops import block_select, compressed, gated_combine, selection, window
@@ -132,4 +142,5 @@ class OptimizeConfig:
         """What of this config changes the rewritten graph (part of each pass's uuid)."""
         fields = dataclasses.asdict(self)
         fields.pop("_resolved_auto")  # bookkeeping for replace(), no behaviour of its own
+        fields.pop("strict")  # checks the rewritten graph, changes nothing in it (checked on cache hits too)
         return repr(sorted(fields.items()))

@@ -3,7 +3,9 @@
 `NSAGraphPass` is the composite pass: one object per hook that runs every enabled pass in
 registry order (timed, counted, logged), then any pass that was already installed on the hook.
 It is a `CustomGraphPass` whose uuid covers the pass sources and the config, so Inductor's
-caches never serve code compiled by other passes or options.
+caches never serve code compiled by other passes or options. After the passes it records the
+graph's NSA branches, rewritten or left eager (coverage.py), and under OptimizeConfig(strict=True)
+raises CoverageError where one stays eager.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.fx as fx
+from torch._guards import CompileContext
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .config import OptimizeConfig
+from .coverage import Branch, Coverage, CoverageError, graph_branches
 from .registry import registered_passes
 from .rewrite import PassLog, RewritePass
 
@@ -40,6 +44,10 @@ class GraphRecord:
     # The rewritten graph as (name, op, target, input names), for networkx exports.
     nodes_after: list[tuple[str, str, str, tuple[str, ...]]] = field(default_factory=list)
     new_nodes: set[str] = field(default_factory=set)  # nodes the passes created
+    branches: list[Branch] = field(default_factory=list)  # the NSA branches left after the passes (coverage.py)
+    # Dynamo's frame and its compile count (a recompile of the frame replaces its graphs; None outside Dynamo)
+    frame: int | None = None
+    frame_compile: int | None = None
 
     def diffs(self) -> list[tuple[str, str]]:
         """(pass name, unified diff of the graph code before -> after that pass), changed ones only."""
@@ -93,6 +101,17 @@ def _target_name(node: fx.Node) -> str:
     return str(node.target)
 
 
+def check_strict(record: GraphRecord) -> None:
+    """OptimizeConfig(strict=True): raise CoverageError, with the coverage table, where an NSA
+    branch of this graph stays eager."""
+    coverage = Coverage(record.branches)
+    if coverage.eager:
+        raise CoverageError(
+            f"OptimizeConfig(strict=True): {len(coverage.eager)} of {len(coverage.branches)} NSA branches detected in "
+            f"graph {record.graph_id} stay eager, so this model would run their slow eager code:\n"
+            f"{coverage.table()}\n(nsa-compile explain --model ... says more; strict=False runs them eager)")
+
+
 class NSAGraphPass(CustomGraphPass):
     """The composite pass installed on one hook (Inductor's pre_grad_custom_pass)."""
 
@@ -118,6 +137,12 @@ class NSAGraphPass(CustomGraphPass):
             (n.name, n.op, _target_name(n), tuple(a.name for a in n.all_input_nodes)) for n in graph.nodes
         ]
         record.new_nodes = {name for name, *_ in record.nodes_after} - before_names
+        record.branches = graph_branches(graph, record.graph_id, record.logs, self.state.config.disabled_passes)
+        compile_id = CompileContext.current_compile_id()
+        record.frame = getattr(compile_id, "frame_id", None)
+        record.frame_compile = getattr(compile_id, "frame_compile_id", None)
+        if self.state.config.strict:
+            check_strict(record)
         if graph.owning_module is not None:
             graph.owning_module.recompile()
         if self.chained is not None:
