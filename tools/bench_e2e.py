@@ -17,11 +17,14 @@ the shared one), so the first step is a cold compile. A variant that runs out of
 reported as OOM. Batch: --batch, or --tokens-per-step // seq-len (at least 1).
 
 Parity, after the timings: nsa_compile.parity.check_parity of the first training step (loss,
-output and every gradient in bf16, fp32 on the CPU, against the float64 eager model), at batch 1 and the run's
-seq-len if the float64 oracle fits, else at the longest half, quarter, ... that does (stated in
-the output). Ratios between variants are shown only when parity passed. Below n * l' tokens every
-candidate block is selected, so a parity length that short does not exercise the top-n choice;
-the output says so.
+output and every gradient in bf16, fp32 on the CPU, against the float64 eager model run block by
+block), at batch 1 and the run's seq-len, or --parity-len where shorter (default: the model's
+nsa_compile.parity.choice_length, the shortest power of two >= (n + 3) * l', where the top-n block
+choice is exercised: 2048 for the seed model, whose float64 oracle then needs about 38 GiB); at the
+longest half, quarter, ... that fits where the oracle does not (stated in the output). The
+aggregate bar and the block-choice agreement are printed with the verdict. Ratios between variants
+are shown only when parity passed. Below n * l' tokens every candidate block is selected, so a
+parity length that short does not exercise the top-n choice; the output says so.
 
 Every result is appended to --out (JSON lines: one record per variant and one per parity check,
 each with card, torch version, date and command), so a sweep can be split over several calls:
@@ -55,6 +58,7 @@ from nsa_compile.bench import cuda_time_ms, time_training
 from nsa_compile.cli import (VARIANTS, compile_variant, config_for, free_memory, get_workload, pass_table,
                              rewrite_summary, run_parity)
 from nsa_compile.models import preset
+from nsa_compile.parity import choice_length
 
 DEFAULT_SEQ_LENS = (2048, 8192, 32768, 65536)
 # The seed model's optimize column took ~0.8 MB per token at S = 8192 (docs/BENCHMARK_HISTORY.md): 65536 tokens
@@ -221,8 +225,9 @@ def run_variant(variant: str, args, wl, device, dense_backend: str | None) -> di
 
 
 class ParityCache:
-    """check_parity at batch 1 and the longest length <= the run's seq-len that fits, halving on OOM.
-    Results and OOMs are remembered per length, so later seq-lens of the same run reuse them."""
+    """check_parity at batch 1 and the longest length <= min(the run's seq-len, --parity-len or the
+    model's choice_length) that fits, halving on OOM. Results and OOMs are remembered per length,
+    so later seq-lens of the same run reuse them."""
 
     def __init__(self, args, device: torch.device):
         self.args, self.device = args, device
@@ -232,7 +237,7 @@ class ParityCache:
 
     def check(self, seq_len: int) -> dict:
         args = self.args
-        length = min(seq_len, args.parity_len or seq_len)
+        length = min(seq_len, args.parity_len or choice_length(preset(args.model)) or seq_len)
         while True:
             if length in self.done:  # the lengths that ran out of memory, of those this seq-len tried
                 tried = sorted((n for n in self.too_long if length < n <= seq_len), reverse=True)
@@ -261,7 +266,10 @@ class ParityCache:
         return {"ok": result.ok, "parity_len": length, "batch": PARITY_BATCH,
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "selection_exercised": length > cfg.n_selected * cfg.sel_block,
-                "worst": [row.as_dict() for row in result.rows[:5]]}
+                "choice_exercised": any(c.rows for c in result.choices),
+                "mean_ratio": result.mean_ratio, "block_choice": [c.as_dict() for c in result.choices],
+                "summary": result.summary(),
+                "worst": [row.as_dict() for row in (result.failures() or result.rows)[:5]]}
 
 
 def parity_sentence(seq_len: int, p: dict) -> str:
@@ -273,7 +281,7 @@ def parity_sentence(seq_len: int, p: dict) -> str:
     if p["oom_at"]:
         where += f"; the float64 oracle did not fit at {', '.join(map(str, p['oom_at']))}"
     elif p["parity_len"] != seq_len:
-        where += " (--parity-len)"
+        where += " (--parity-len, or the length where the block choice is exercised)"
     if not p["selection_exercised"]:
         where += "; every candidate block is selected at this length (top-n choice not exercised)"
     return f"parity of the first step (loss, output, every gradient vs float64; {where}): " \
@@ -312,6 +320,8 @@ def run_seq_len(seq_len: int, args, device, env: dict, parity: ParityCache) -> l
     append_record(args.out, parity_record)
     records.append(parity_record)
     print(parity_sentence(seq_len, p))
+    for line in p.get("summary", []):  # the aggregate bar and the block choice
+        print(line)
     if p["ok"] is False:
         print(tabulate([[r["name"], f"{r['err_optimized']:.2e}", f"{r['err_eager']:.2e}", f"{r['bar']:.2e}"]
                         for r in p["worst"]], headers=["tensor (worst first)", "optimized err", "eager err", "bar"],
@@ -482,7 +492,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--dense-backend", choices=["auto", "default", *SDPA_BACKENDS], default="auto",
                     help="the dense twin's SDPA backend; auto: the fastest at its shape (default)")
     ap.add_argument("--parity-len", type=int, default=None,
-                    help="the longest parity length to try (default: the run's seq-len)")
+                    help="the longest parity length to try (default: the model's "
+                         "nsa_compile.parity.choice_length, 2048 for seed; at most the run's seq-len)")
     ap.add_argument("--parity-min-len", type=int, default=64, help="give up on parity below this length")
     ap.add_argument("--no-parity", action="store_true", help="skip parity (ratios then print n/a)")
     ap.add_argument("--warm-cache", action="store_true",

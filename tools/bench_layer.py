@@ -25,9 +25,11 @@ Parity, in the same run, before the timings: nsa_compile.parity.check_parity of 
 layer against the eager layer in float64 (output, the gradients of q and every K/V, and of the
 layer's parameters), at the shortest --seq-len, halving while the float64 oracle runs out of
 memory (the length used is printed; below n * l' tokens every candidate block is selected, so the
-top-n choice is not exercised, and the output says so). Ratios and targets are printed only when
-parity passed. --profile (CUDA) adds, per length, where one forward + backward of the nsa
-variant spends its GPU time: the device time under each NSA op, then the top kernels.
+top-n choice is not exercised, and the output says so), with the aggregate bar and the
+block-choice agreement. The layer is one block: its float64 oracle is not checkpointed. Ratios
+and targets are printed only when parity passed. --profile (CUDA) adds, per length, where one
+forward + backward of the nsa variant spends its GPU time: the device time under each NSA op,
+then the top kernels.
 
     python3 tools/bench_layer.py --shape paper --seq-len 8192 --seq-len 16384 --seq-len 32768 --seq-len 65536
     python3 tools/bench_layer.py --shape seed --seq-len 2048 --variants nsa,sdpa
@@ -149,7 +151,8 @@ def check_layer_parity(cfg, args, device, dtype, config) -> dict:
         free_memory()
         return {"ok": result.ok, "parity_len": length, "oom_at": too_long,
                 "selection_exercised": length > cfg.n_selected * cfg.sel_block,
-                "rows": [r.as_dict() for r in result.rows]}
+                "choice_exercised": any(c.rows for c in result.choices), "summary": result.summary(),
+                "rows": [r.as_dict() for r in result.rows], "failures": [r.as_dict() for r in result.failures()]}
     return {"ok": None, "parity_len": None, "detail": f"the float64 oracle ran out of memory down to {too_long[-1]}"}
 
 
@@ -404,9 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         parity = check_layer_parity(cfg, args, device, dtype, config)
     print(parity_sentence(parity, dtype))
+    for line in parity.get("summary", []):  # the aggregate bar and the block choice
+        print(line)
     if parity["ok"] is False and "rows" in parity:
         print(tabulate([[r["name"], f"{r['err_optimized']:.2e}", f"{r['err_eager']:.2e}", f"{r['bar']:.2e}"]
-                        for r in parity["rows"][:5]],
+                        for r in (parity["failures"] or parity["rows"])[:5]],
                        headers=["tensor (worst first)", "optimized err", "eager err", "bar"], tablefmt="github",
                        disable_numparse=True))
     base = {"record": "layer", **env, "shape": args.shape, "batch": args.batch, "dtype": str(dtype),

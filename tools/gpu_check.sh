@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # The GPU-marked and Inductor tests and the parity checks, on the H100 with the GPU image's
 # PyTorch (2.11): run it whenever kernel or pass code changes.
-# On the device machine: bash tools/gpu_check.sh [--tests | --kernels | --sweep | --all]
+# On the device machine: bash tools/gpu_check.sh [--tests | --kernels | --parity | --sweep | --all]
 # (python3 there is the interpreter with torch; it installs the checkout without dependencies:
 # the GPU image already has torch, triton, click, networkx, tabulate and pytest).
-#   --tests    the GPU and Inductor tests without the size sweeps (8 min on an H100, 2026-11-26)
+#   --tests    the GPU and Inductor tests without the size sweeps (8 min on an H100, 2026-11-26),
+#              then --parity's part (not yet timed on a GPU; if the two pass the 10-minute limit,
+#              run --parity in its own call, and the rest as python3 -m pytest -m "(gpu or
+#              inductor) and not sweep" --ignore=tests/test_parity_verdict.py tests)
+#   --parity   the parity verdict on the seed model at S 2048 (tests/test_parity_verdict.py, GPU
+#              part: unchanged code passes and each injected error fails at every seed; the float64
+#              oracle's peak memory against 40 GiB and the meta-device estimate), then
+#              tools/parity_breakdown.py --oracle-memory for the seed model at S 2048
 #   --kernels  the Triton op test files on CUDA (8 min on a cold H100 with the window kernels,
 #              2026-11-26: close to the limit), then the CLI parity in three
 #              dtypes and explain; --tests and --kernels each fit one 10-minute device call
@@ -15,8 +22,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
 case "$mode" in
-  ""|--tests|--kernels|--sweep|--all) ;;
-  *) echo "gpu_check.sh: unknown option $mode (valid: --tests, --kernels, --sweep, --all)"; exit 2 ;;
+  ""|--tests|--kernels|--parity|--sweep|--all) ;;
+  *) echo "gpu_check.sh: unknown option $mode (valid: --tests, --kernels, --parity, --sweep, --all)"; exit 2 ;;
 esac
 out=${OUT:-/tmp/nsa_gpu_check}
 mkdir -p "$out"
@@ -31,12 +38,19 @@ except ImportError as err:
     print("no varlen_attn:", err)
 PY
 status=0
-if [ "$mode" != "--kernels" ]; then
-  selection=(-m "(gpu or inductor) and not sweep")
+if [ "$mode" != "--kernels" ] && [ "$mode" != "--parity" ]; then
+  # the seed parity verdict runs on its own below (its own log)
+  selection=(-m "(gpu or inductor) and not sweep" --ignore=tests/test_parity_verdict.py)
   [ "$mode" = "--sweep" ] && selection=(-m sweep)
   [ "$mode" = "--all" ] && selection=()
   python3 -m pytest -q -p no:cacheprovider -p no:logging --durations=12 "${selection[@]}" tests 2>&1 \
     | tee "$out/pytest.log" | tail -15 || status=1
+fi
+if [ -z "$mode" ] || [ "$mode" = "--tests" ] || [ "$mode" = "--parity" ]; then
+  python3 -m pytest -q -p no:cacheprovider -p no:logging --durations=8 -m gpu tests/test_parity_verdict.py 2>&1 \
+    | tee "$out/parity_verdict.log" | tail -12 || status=1
+  python3 tools/parity_breakdown.py --oracle-memory --model seed --seq-len 2048 --batch 1 2>&1 \
+    | tee "$out/oracle_memory.log" | tail -5 || status=1
 fi
 if [ -z "$mode" ] || [ "$mode" = "--kernels" ]; then
   # the Triton kernels on CUDA (on the CPU the same files run them interpreted)
