@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig, preset
-from .nsa import DenseAttention, NSAAttention, check_positions, rope_tables
+from .nsa import DenseAttention, NSAAttention, check_positions, reject_input, rope_tables
 
 __all__ = ["TinyLM", "build_model"]
 
@@ -54,13 +54,16 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            reject_input(f"tokens must be int64 or int32 [B, S], got {tokens.dtype} {list(tokens.shape)}")
         S = tokens.shape[1]
         cos, sin = rope_tables(S, self.cfg.rot_dim, self.cfg.rope_base, tokens.device)
         if pos is not None:
             if self.cfg.attention != "nsa":
-                raise ValueError("packed documents (pos) are supported by the NSA model only, not the dense twin")
-            if not torch.compiler.is_compiling():
-                check_positions(pos, S)
+                reject_input("packed documents (pos) are supported by the NSA model only, not the dense twin")
+            check_positions(pos, S)  # under torch.compile too: no sync, see check_positions
+            if pos.shape[0] not in (1, tokens.shape[0]):  # one row of positions serves every row
+                reject_input(f"pos has {pos.shape[0]} rows for {tokens.shape[0]} rows of tokens (or 1 for all)")
             cos, sin = cos[pos], sin[pos]  # [B, S, r/2]: RoPE at each token's document position
         x = self.embed(tokens)  # [B, S, dim]
         for block in self.blocks:  # pos only when packed: a user's wrapper of a block may take 3 inputs

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .config import ModelConfig
 
 __all__ = ["NSAAttention", "DenseAttention", "rope_tables", "apply_rope", "upcast", "positions_from_cu_seqlens",
-           "check_positions"]
+           "check_positions", "reject_input"]
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -52,13 +52,37 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.T
     return t - cu[doc]
 
 
+POSITIONS_ERROR = "pos must be positions within documents: 0 at each document start, then +1 per token"
+
+
+@torch.compiler.disable
+def reject_input(message: str) -> None:
+    """Raise ValueError(message). Under torch.compile a call to this is a graph break, so that the
+    error is raised by eager code: a `raise` that Dynamo traces itself makes it give up on the
+    whole frame, which then stays eager (uncompiled) at every later recompile."""
+    raise ValueError(message)
+
+
 def check_positions(pos: torch.Tensor, seq_len: int) -> None:
-    """Raise ValueError unless pos [B, S] restarts at 0 and otherwise counts up by one."""
+    """Raise unless pos [B, S] is int64, restarts at 0 and otherwise counts up by one (so that
+    0 <= pos[b, t] <= t < S).
+
+    Eager: ValueError, after one host sync. Under torch.compile the dtype and shape are checked
+    while tracing (ValueError, see reject_input) and the values on the device, with no sync and
+    no graph break: `torch._assert_async` on one bool, which raises RuntimeError(POSITIONS_ERROR)
+    where it runs on the CPU, and on a GPU fails the CUDA context (a device-side assert) at the
+    next sync.
+    """
     if pos.dtype != torch.int64 or pos.dim() != 2 or pos.shape[1] != seq_len:
-        raise ValueError(f"pos must be int64 [B, {seq_len}], got {pos.dtype} {list(pos.shape)}")
-    steps_ok = (pos[:, 1:] == pos[:, :-1] + 1) | (pos[:, 1:] == 0)
-    if seq_len and (bool((pos[:, 0] != 0).any()) or not bool(steps_ok.all())):
-        raise ValueError("pos must be positions within documents: 0 at each document start, then +1 per token")
+        reject_input(f"pos must be int64 [B, {seq_len}], got {pos.dtype} {list(pos.shape)}")
+    if not seq_len:
+        return
+    steps_ok = (pos[:, 1:] == pos[:, :-1] + 1) | (pos[:, 1:] == 0)  # [B, S - 1]
+    valid = (pos[:, 0] == 0).all() & steps_ok.all()  # [] bool
+    if torch.compiler.is_compiling():
+        torch._assert_async(valid, POSITIONS_ERROR)
+    elif not bool(valid):
+        raise ValueError(POSITIONS_ERROR)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:

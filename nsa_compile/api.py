@@ -22,6 +22,13 @@ def optimize(model: nn.Module, config: OptimizeConfig | None = None) -> nn.Modul
     and an optimizer built before or after trains it. Calling optimize again recompiles with
     the new config. Rewrites happen at the first forward; `report(model)` lists them.
 
+    What eager gives, the optimized model gives: a gradient eager leaves None (a parameter that
+    only outputs the loss did not use depend on, or only non-differentiable ones) stays None, where
+    plain torch.compile gives zeros (backend.keep_unreached_grads_none); a model on the meta device,
+    or a batch of 0, runs as traced, without the passes. A graph compiled with symbolic sizes
+    (Dynamo's default after a size changes; `OptimizeConfig(dynamic=False)` recompiles per size
+    instead) keeps branches the passes cannot verify eager: a DynamicShapesWarning says so, once.
+
     Under DistributedDataParallel (`DDP(optimize(model))` or `optimize(DDP(model))`) the passes
     see whole graphs, which are then split at DDP's gradient buckets as Dynamo would split them
     (see ddp.py), so DDP makes the same rewrites as one process and still overlaps its all-reduce

@@ -1,26 +1,32 @@
 """Reliability: unknown and near-miss models, dynamic shapes, checkpoints, activation
-checkpointing and bad input. Every model runs eager and optimized (aot_eager: the same passes,
-AOTAutograd, eager execution) and must give the same numbers; one test goes through Inductor."""
+checkpointing, bad input (malformed packed positions) and gradients that eager leaves None.
+Every model runs eager and optimized (aot_eager: the same passes, AOTAutograd, eager execution)
+and must give the same numbers; a few tests go through Inductor."""
 
 from __future__ import annotations
 
 import copy
+import re
+import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import GQA_ONLY as FAST, growing_float_expands, optimize_fresh, row, tokens
-from reliability_models import NEAR_MISSES, NO_NSA, REWRITTEN, CheckpointedGQA, qkv
+from helpers import FAST as ALL_PASSES
+from helpers import GQA_ONLY as FAST, growing_float_expands, optimize_fresh, packed_positions, row, tokens
+from reliability_models import (NEAR_MISSES, NO_NSA, REWRITTEN, CheckpointedGQA, HeadAndIds, TwoHeads, WindowedGQA,
+                                qkv, randn)
 from torch._dynamo.utils import counters
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 import nsa_compile
 from nsa_compile.api import state_of
-from nsa_compile.backend import _record_cache_hit
+from nsa_compile.backend import DynamicShapesWarning, _record_cache_hit, inputs_with_partial_grads
 from nsa_compile.models import build_model, preset
 from nsa_compile.models.lm import TinyLM
+from nsa_compile.models.nsa import POSITIONS_ERROR
 from nsa_compile.pass_manager import OptimizeState
 
 PASS = "gqa_grouped_matmul"
@@ -178,6 +184,58 @@ def test_training_with_changing_sequence_length_compiles_twice():
         (log,) = record.logs
         assert len(log.matches) == KV_COPIES
     assert row(optimized, PASS)["matches"] == 2 * KV_COPIES
+
+
+# the passes that fire once per layer on the tiny LM
+TINY_REWRITES = ("projections_rope", "window_attention", "compressed_attention", "block_selection",
+                 "selection_attention", "gated_combine")
+
+
+def windowed_inputs(B, S):
+    return randn(B, 4, S, 8, seed=1), randn(B, 2, S, 8, seed=2), randn(B, 2, S, 8, seed=3)
+
+
+def test_symbolic_sizes_warn_once_naming_the_pass_and_reason():
+    """dynamic=None: Dynamo compiles the second length with symbolic sizes, where the window pass
+    cannot verify the mask: optimize warns once per model (a third, batch-dynamic, compile does not
+    warn again), naming the pass, where and why; the answers stay eager's."""
+    eager = WindowedGQA()
+    optimized = optimize_fresh(WindowedGQA(), ALL_PASSES)
+    caught = []
+    for B, S in [(2, 9), (2, 11), (3, 13)]:
+        with warnings.catch_warnings(record=True) as found:
+            warnings.simplefilter("always")
+            got, expected = optimized(*windowed_inputs(B, S)), eager(*windowed_inputs(B, S))
+            assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+        caught.append([w for w in found if issubclass(w.category, DynamicShapesWarning)])
+    assert len(state_of(optimized).graphs) == 3  # static, then S dynamic, then B dynamic too
+    assert [len(c) for c in caught] == [0, 1, 0]
+    text = str(caught[1][0].message)
+    assert re.search(r"\n  window_attention at <top>: [^\n]*(symbolic sizes|placeholder s\d+)", text), text
+    assert "OptimizeConfig(dynamic=False)" in text
+    (static, dynamic, _) = state_of(optimized).graphs
+    assert [len(log.matches) for log in static.logs if log.pass_name == "window_attention"] == [1]
+    assert [len(log.matches) for log in dynamic.logs if log.pass_name == "window_attention"] == [0]
+
+
+def test_static_recompiles_keep_every_rewrite():
+    """dynamic=False: each new length is a static recompile with every branch rewritten (one graph
+    per length; S in {100, 101, 150, 200, 257, 1000, 2048} measured 7 graphs, all rewritten, where
+    dynamic=None gives 2 graphs and eager branches from the second length on), no warning."""
+    torch.manual_seed(0)
+    eager = build_model(preset("tiny", n_layers=1))
+    optimized = optimize_fresh(copy.deepcopy(eager), ALL_PASSES.replace(dynamic=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DynamicShapesWarning)
+        for S in (40, 41, 64):
+            batch = tokens(1, S, seed=S)
+            assert relative_error(optimized.loss(batch), eager.loss(batch)) < 1e-6, S
+    graphs = state_of(optimized).graphs
+    assert len(graphs) == 3
+    for record in graphs:
+        assert "torch.SymInt" not in record.code_before
+        assert {log.pass_name: len(log.matches) for log in record.logs if log.pass_name in TINY_REWRITES} == \
+            dict.fromkeys(TINY_REWRITES, 1)
 
 
 # --- 3. checkpoints -------------------------------------------------------------------------------
@@ -389,6 +447,111 @@ def test_nan_embedding_gives_nan_like_eager():
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
+# Packed positions eager refuses with ValueError; the optimized model checks them in its graph
+# (torch._assert_async: RuntimeError with the same message, raised where the check runs).
+S_PACKED = 40
+GOOD_POSITIONS = packed_positions([[13, 27], [S_PACKED]])
+
+
+def _bumped(pos, value, at=(0, 20)):
+    bad = pos.clone()
+    bad[at] = value
+    return bad
+
+
+def _past_the_end(pos):
+    bad = pos.clone()
+    bad[0, 20:] += 1000  # counts up by one, from 1007: indexes the RoPE tables out of bounds
+    return bad
+
+
+MALFORMED_POSITIONS = {
+    "past S": _past_the_end,
+    "-1": lambda pos: _bumped(pos, -1),
+    "shuffled": lambda pos: pos[:, torch.randperm(S_PACKED, generator=torch.Generator().manual_seed(0))],
+    "reversed": lambda pos: pos.flip(1),
+    "first not 0": lambda pos: _bumped(pos, 3, at=(1, 0)),
+    "a step of 2": lambda pos: _bumped(pos, 9),
+}
+
+
+@pytest.fixture(scope="module")
+def packed_models():
+    """(eager, optimized, tokens [2, 40], eager's logits) of the packed tiny LM, compiled once
+    (aot_eager, every pass) on the good positions."""
+    torch.manual_seed(0)
+    eager = build_model(preset("tiny", n_layers=1))
+    optimized = optimize_fresh(copy.deepcopy(eager), ALL_PASSES)
+    batch = tokens(2, S_PACKED, seed=3)[:, :-1]
+    expected = eager(batch, GOOD_POSITIONS)
+    assert relative_error(optimized(batch, GOOD_POSITIONS), expected) < 1e-5
+    return eager, optimized, batch, expected
+
+
+@pytest.mark.parametrize("case", list(MALFORMED_POSITIONS))
+def test_malformed_positions_raise_under_optimize(packed_models, case):
+    eager, optimized, batch, expected = packed_models
+    bad = MALFORMED_POSITIONS[case](GOOD_POSITIONS)
+    with pytest.raises(ValueError, match=re.escape(POSITIONS_ERROR)):
+        eager(batch, bad)
+    graphs = len(state_of(optimized).graphs)
+    with pytest.raises(RuntimeError, match=re.escape(POSITIONS_ERROR)):
+        optimized(batch, bad)
+    assert len(state_of(optimized).graphs) == graphs  # checked inside the compiled graph
+    assert relative_error(optimized(batch, GOOD_POSITIONS), expected) < 1e-5  # and it still works
+
+
+def test_position_check_is_one_device_assert_without_a_sync(packed_models):
+    """The values are checked by one aten._assert_async in the compiled forward: no graph break
+    (one graph), no read back to the host (no _local_scalar_dense, no .item())."""
+    _, optimized, _, _ = packed_models
+    (record,) = state_of(optimized).graphs
+    assert record.code_before.count("torch._assert_async(") == 1
+    forward = record.aten["forward"].code
+    assert forward.count("torch.ops.aten._assert_async.msg(") == 1
+    assert "_local_scalar_dense" not in forward
+
+
+def test_int32_positions_raise_and_the_model_stays_compiled():
+    """A dtype is known while tracing: ValueError, as eager. The error is raised by eager code
+    after a graph break, so Dynamo does not give up on the frame: a later length still compiles
+    with every rewrite."""
+    torch.manual_seed(0)
+    eager = build_model(preset("tiny", n_layers=1))
+    optimized = optimize_fresh(copy.deepcopy(eager), ALL_PASSES.replace(dynamic=False))
+    batch = tokens(2, S_PACKED, seed=3)[:, :-1]
+    optimized(batch, GOOD_POSITIONS)
+    for model in (eager, optimized):
+        with pytest.raises(ValueError, match=re.escape(f"pos must be int64 [B, {S_PACKED}], got torch.int32")):
+            model(batch, GOOD_POSITIONS.int())
+    with pytest.raises(ValueError, match="pos must be int64"):
+        optimized(batch, GOOD_POSITIONS[0])  # 1-D
+    longer = tokens(1, 48, seed=4)[:, :-1]
+    pos = packed_positions([[20, 28]])
+    assert relative_error(optimized(longer, pos), eager(longer, pos)) < 1e-5
+    last = state_of(optimized).graphs[-1]
+    assert {log.pass_name: len(log.matches) for log in last.logs if log.pass_name in TINY_REWRITES} == \
+        dict.fromkeys(TINY_REWRITES, 1)
+
+
+@pytest.mark.inductor
+def test_inductor_malformed_positions_raise():
+    """Through Inductor's CPU code (where a position past S aborted the process from generated
+    code before): each malformed case raises RuntimeError with eager's message."""
+    torch.manual_seed(0)
+    eager = build_model(preset("tiny", n_layers=1))
+    optimized = optimize_fresh(copy.deepcopy(eager), ALL_PASSES.replace(compiler="inductor"))
+    batch = tokens(2, S_PACKED, seed=3)[:, :-1]
+    expected = eager(batch, GOOD_POSITIONS)
+    assert relative_error(optimized(batch, GOOD_POSITIONS), expected) < 1e-5
+    for make in MALFORMED_POSITIONS.values():
+        with pytest.raises(RuntimeError, match=re.escape(POSITIONS_ERROR)):
+            optimized(batch, make(GOOD_POSITIONS))
+    with pytest.raises(ValueError, match="pos must be int64"):
+        optimized(batch, GOOD_POSITIONS.int())
+    assert relative_error(optimized(batch, GOOD_POSITIONS), expected) < 1e-5
+
+
 def test_bad_arguments_raise_clear_type_errors():
     model = build_model("tiny")
     with pytest.raises(TypeError, match="an nn.Module instance, not the class TinyLM"):
@@ -408,3 +571,87 @@ def test_bad_arguments_raise_clear_type_errors():
         nsa_compile.report("model")
     with pytest.raises(ValueError, match="not passed through nsa_compile.optimize"):
         state_of(model)  # nothing was half-done
+
+
+# --- 6. gradients that eager leaves None ------------------------------------------------------------
+
+
+def test_partial_gradient_inputs_are_found_from_the_traced_graph():
+    """Which inputs' gradients come from some outputs only: head_a's from output 0, head_b's from
+    output 1, the trunk's from both (left alone); a Linear that feeds only argmax from none (an
+    integer output is no gradient path); a single output (a language model) needs nothing."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for module in (TwoHeads(), HeadAndIds(), nn.Linear(8, 8)):
+        torch._dynamo.reset()
+        torch.compile(module, backend=capture)(randn(2, 8))
+    names = [[n.name for n in gm.graph.find_nodes(op="placeholder")] for gm in graphs]
+    found = [{names[k][i]: set(outputs) for i, outputs in inputs_with_partial_grads(gm).items()}
+             for k, gm in enumerate(graphs)]
+    assert found[0] == {f"l_self_modules_head_{h}_parameters_{p}_": {j} for h, j in (("a", 0), ("b", 1))
+                        for p in ("weight", "bias")}
+    assert found[1] == {f"l_self_modules_ids_parameters_{p}_": set() for p in ("weight", "bias")}
+    assert found[2] == {}
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_gradient_eager_leaves_none_stays_none(compiler):
+    """A loss of one output: eager leaves the other head's .grad None, so AdamW (weight decay)
+    leaves that head alone; plain torch.compile gives it zeros and decays it. optimize matches
+    eager: None, the same weights after the step; a loss of both outputs then reaches it."""
+    torch.manual_seed(0)
+    eager = TwoHeads()
+    optimized = optimize_fresh(copy.deepcopy(eager), ALL_PASSES.replace(compiler=compiler))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5) for m in (eager, optimized)]
+    before = copy.deepcopy(eager.head_b.state_dict())
+    x = randn(4, 8, seed=5)
+    for model, opt in zip((eager, optimized), optimizers):
+        model(x)[0].square().mean().backward()
+        assert model.head_b.weight.grad is None and model.head_b.bias.grad is None
+        assert model.head_a.weight.grad is not None and model.trunk.weight.grad is not None
+        opt.step()
+        opt.zero_grad()
+    assert_state_equal(optimized.head_b.state_dict(), before)
+    assert_state_equal(eager.head_b.state_dict(), before)
+    for p, q in zip(eager.parameters(), optimized.parameters()):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+    # both outputs, then the second alone: each backward decides for itself
+    for model in (eager, optimized):
+        a, b = model(x)
+        (a.sum() + b.sum()).backward()
+        assert all(p.grad is not None for p in model.parameters())
+        model.zero_grad()
+        a, b = model(x)
+        b.sum().backward()
+        assert [p.grad is None for p in model.parameters()] == [False, False, True, True, False, False]
+        model.zero_grad()
+
+
+def test_gradient_accumulation_over_calls_reaching_different_outputs():
+    """Two forwards, one backward of both losses: call 1's loss reads output 0, call 2's output 1;
+    every parameter is reached by one call and gets eager's gradient."""
+    torch.manual_seed(0)
+    eager = TwoHeads()
+    optimized = optimize_fresh(copy.deepcopy(eager), ALL_PASSES)
+    for model in (eager, optimized):
+        loss = model(randn(4, 8, seed=6))[0].sum() + model(randn(4, 8, seed=7))[1].square().sum()
+        loss.backward()
+    for (name, p), q in zip(eager.named_parameters(), optimized.parameters()):
+        assert q.grad is not None and torch.allclose(q.grad, p.grad, rtol=1e-5, atol=1e-6), name
+
+
+def test_parameter_feeding_only_argmax_keeps_a_none_gradient():
+    """A Linear computed for its argmax has no gradient path: eager leaves its .grad None (plain
+    torch.compile gives zeros); optimize gives None too, and the other head its gradient."""
+    torch.manual_seed(0)
+    eager = HeadAndIds()
+    optimized = optimize_fresh(copy.deepcopy(eager), ALL_PASSES)
+    for model in (eager, optimized):
+        out, ids = model(randn(4, 8, seed=9))
+        assert ids.dtype == torch.int64
+        out.sum().backward()
+        assert model.ids.weight.grad is None and model.ids.bias.grad is None and model.head.weight.grad is not None
