@@ -5,11 +5,15 @@ user's selection graph, and an out-of-memory error during the first compile.
 The bar: the eager behaviour (the same error, NaN where eager has NaN) or a clear error, never a
 silent different result. Where the code falls short today the test is marked xfail(strict=True)
 with what has to change: it fails (XPASS) once the fix lands, and the mark comes off.
+
+The tiny-model tests share one optimized model compiled once at [2, SEQ] (the `tiny` fixture);
+a test that changes its weights or gradients puts them back.
 """
 
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,15 +33,30 @@ def counts(model) -> dict[str, int]:
 
 # --- token ids and non-finite activations, every pass on -------------------------------------------
 
+SEQ = 64  # every tiny-model test feeds token ids [2, SEQ] ...
+# ... as the view batch[:, :-1] of a [2, SEQ + 1] batch, what model.loss(batch) passes on: one
+# compile serves them all (a contiguous [2, SEQ] has other strides, and Dynamo would recompile)
 
-def test_out_of_range_token_ids_raise_like_eager_with_every_pass():
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The eager tiny model, an optimized copy compiled once at [2, SEQ], and that compile's
+    rewrite counts (taken before any other test can reset Dynamo)."""
     torch.manual_seed(0)
     eager = build_model("tiny")
     optimized = optimize_fresh(copy.deepcopy(eager))
-    good = tokens(2, 64, seed=1)[:, :-1].contiguous()  # the strides of the clones below
+    optimized.loss(tokens(2, SEQ, seed=1))
+    return SimpleNamespace(eager=eager, optimized=optimized, clean_counts=counts(optimized))
+
+
+def test_out_of_range_token_ids_raise_like_eager_with_every_pass(tiny):
+    eager, optimized = tiny.eager, tiny.optimized
+    batch = tokens(2, SEQ, seed=1)
+    good = batch[:, :-1]
     expected = eager(good)
+    graphs = len(state_of(optimized).graphs)
     for bad_id in (eager.cfg.vocab_size, -1, 10**9):
-        bad = good.clone()
+        bad = batch.clone()[:, :-1]
         bad[1, 50] = bad_id
         with pytest.raises((IndexError, RuntimeError)) as eager_error:
             eager(bad)
@@ -46,11 +65,11 @@ def test_out_of_range_token_ids_raise_like_eager_with_every_pass():
         assert optimized_error.type is eager_error.type
         assert "index out of range" in str(optimized_error.value)
     torch.testing.assert_close(optimized(good), expected, rtol=1e-5, atol=1e-5)  # still works
-    assert len(state_of(optimized).graphs) == 1  # the errors did not recompile anything
+    assert len(state_of(optimized).graphs) == graphs  # the errors did not recompile anything
     assert counts(optimized)["window_attention"] == counts(optimized)["selection_attention"] == 2
 
 
-def poisoned_batch(seq: int = 100):
+def poisoned_batch(seq: int = SEQ):
     """tokens [2, seq + 1] and a token id that occurs in row 1 only, first at position > seq / 2."""
     batch = tokens(2, seq, seed=1)
     for position in range(seq // 2, seq):
@@ -61,36 +80,55 @@ def poisoned_batch(seq: int = 100):
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_non_finite_activations_are_never_hidden_nor_invented(value):
+def test_non_finite_activations_are_never_hidden_nor_invented(value, tiny):
     """One embedding row poisoned, in row 1 only, first at position p. Every logit of row 1 from
     p on depends on it: non-finite in eager and in the optimized model (every branch rewritten).
     Eager also spreads NaN to positions before p (its masked matmuls multiply 0 by the NaN of a
     later token); the ops read fewer masked keys, so the optimized model may keep some of those
     finite: it must then give there the clean model's values. Nowhere is the optimized output
     non-finite where eager's is finite; row 0 is the eager row."""
-    torch.manual_seed(0)
-    eager = build_model("tiny")
-    clean = copy.deepcopy(eager)
+    eager, optimized = tiny.eager, tiny.optimized
     batch, token, position = poisoned_batch()
-    with torch.no_grad():
-        eager.embed.weight[token] = value
-    optimized = optimize_fresh(copy.deepcopy(eager))
     inputs = batch[:, :-1]
-    expected, got, unpoisoned = eager(inputs), optimized(inputs), clean(inputs)
-    assert expected[0].isfinite().all() and not expected[1, position:].isfinite().any()
-    assert not got[1, position:].isfinite().any()  # not hidden
-    assert not (~got.isfinite() & expected.isfinite()).any()  # not invented
-    both = got.isfinite() & expected.isfinite()
-    torch.testing.assert_close(got[both], expected[both], rtol=1e-5, atol=1e-5)
-    spared = got.isfinite() & ~expected.isfinite()  # eager's 0 * NaN before p
-    torch.testing.assert_close(got[spared], unpoisoned.detach()[spared], rtol=1e-5, atol=1e-5)
-    eager.loss(batch).backward()
-    optimized.loss(batch).backward()
-    for (name, p), q in zip(eager.named_parameters(), optimized.parameters()):
-        assert not (~q.grad.isfinite() & p.grad.isfinite()).any(), name
-        assert not q.grad.isfinite().all(), name  # the NaN loss reaches every gradient
+    unpoisoned = eager(inputs).detach()
+    clean_rows = [m.embed.weight[token].clone() for m in (eager, optimized)]
+    try:
+        with torch.no_grad():  # the weights are graph inputs: no recompile
+            eager.embed.weight[token] = value
+            optimized.embed.weight[token] = value
+        expected, got = eager(inputs), optimized(inputs)
+        assert expected[0].isfinite().all() and not expected[1, position:].isfinite().any()
+        assert not got[1, position:].isfinite().any()  # not hidden
+        assert not (~got.isfinite() & expected.isfinite()).any()  # not invented
+        both = got.isfinite() & expected.isfinite()
+        torch.testing.assert_close(got[both], expected[both], rtol=1e-5, atol=1e-5)
+        spared = got.isfinite() & ~expected.isfinite()  # eager's 0 * NaN before p
+        torch.testing.assert_close(got[spared], unpoisoned[spared], rtol=1e-5, atol=1e-5)
+        eager.loss(batch).backward()
+        optimized.loss(batch).backward()
+        for (name, p), q in zip(eager.named_parameters(), optimized.parameters()):
+            assert not (~q.grad.isfinite() & p.grad.isfinite()).any(), name
+            assert not q.grad.isfinite().all(), name  # the NaN loss reaches every gradient
+        assert len(state_of(optimized).graphs) == 1, "the poisoned weights recompiled"
+    finally:
+        with torch.no_grad():
+            for m, row_ in zip((eager, optimized), clean_rows):
+                m.embed.weight[token] = row_
+        for m in (eager, optimized):
+            m.zero_grad(set_to_none=True)
     rewritten = counts(optimized)
     assert rewritten["window_attention"] == rewritten["selection_attention"] == 2, rewritten
+
+
+def test_no_nan_fill_when_the_blocks_come_from_nsa_select_blocks(tiny):
+    """In the NSA model the block ids are block_selection's op output, which forces each query's
+    current block: no row can be empty, and the rewrite adds nothing after the op."""
+    optimized = tiny.optimized
+    optimized(tokens(2, SEQ, seed=3)[:, :-1])
+    (kernel,) = set(row(optimized, "selection_attention")["kernels"])
+    assert "NaN" not in kernel
+    code = state_of(optimized).graphs[0].code_after
+    assert "nsa.select_blocks" in code and "isneginf" not in code
 
 
 # --- block ids out of range in a user's selection graph --------------------------------------------
@@ -186,18 +224,6 @@ def test_a_query_left_with_no_valid_block_gets_eager_nan():
     assert "torch.isneginf" in state_of(optimized).graphs[0].code_after
 
 
-def test_no_nan_fill_when_the_blocks_come_from_nsa_select_blocks():
-    """In the NSA model the block ids are block_selection's op output, which forces each query's
-    current block: no row can be empty, and the rewrite adds nothing after the op."""
-    torch.manual_seed(0)
-    optimized = optimize_fresh(build_model("tiny"))
-    optimized(torch.randint(0, 256, (2, 40)))
-    (kernel,) = set(row(optimized, "selection_attention")["kernels"])
-    assert "NaN" not in kernel
-    code = state_of(optimized).graphs[0].code_after
-    assert "nsa.select_blocks" in code and "isneginf" not in code
-
-
 def test_unclamped_gather_index_out_of_range_fails_like_eager():
     q, k, v, block_idx = selection_inputs()
     bad = with_out_of_range_ids(block_idx, S=q.shape[1])
@@ -260,13 +286,11 @@ def oom_in_aot(monkeypatch):
     monkeypatch.setattr(nsa_compile.backend, "_aot_eager", compile_once_out_of_memory)
 
 
-def first_call_out_of_memory_then_recompile():
-    """The optimized tiny model after a first call that ran out of memory while compiling (raised,
-    not swallowed) and a second that compiled and gave eager's loss."""
-    torch.manual_seed(0)
-    eager = build_model("tiny")
+def first_call_out_of_memory_then_recompile(eager):
+    """An optimized copy of the tiny model after a first call that ran out of memory while
+    compiling (raised, not swallowed) and a second that compiled and gave eager's loss."""
     optimized = optimize_fresh(copy.deepcopy(eager))
-    batch = tokens(2, 64, seed=2)
+    batch = tokens(2, SEQ, seed=2)
     with pytest.raises(Exception) as error:
         optimized.loss(batch)
     assert is_out_of_memory(error.value), repr(error.value)
@@ -277,18 +301,13 @@ def first_call_out_of_memory_then_recompile():
 
 
 @pytest.mark.parametrize("where", ["oom_pass", "oom_in_aot"])
-def test_out_of_memory_while_compiling_raises_and_the_next_call_works(where, request):
+def test_out_of_memory_while_compiling_raises_and_the_next_call_works(where, request, tiny):
+    """...and report() counts only the compile that ran: the same rewrites as a clean compile of
+    this model at this shape (the `tiny` fixture's), nothing from the failed one."""
     request.getfixturevalue(where)
-    optimized = first_call_out_of_memory_then_recompile()
-    assert counts(optimized)["window_attention"] >= 2  # the second compile rewrote
-
-
-def test_report_counts_only_the_compile_that_ran(oom_in_aot):
-    optimized = first_call_out_of_memory_then_recompile()
-    torch._dynamo.reset()
-    clean = optimize_fresh(build_model("tiny"))
-    clean.loss(tokens(2, 64, seed=2))
-    assert counts(optimized) == counts(clean)
+    optimized = first_call_out_of_memory_then_recompile(tiny.eager)
+    assert counts(optimized)["window_attention"] == 2  # the second compile rewrote
+    assert counts(optimized).items() >= tiny.clean_counts.items()  # oom_pass adds its own row
 
 
 def test_out_of_memory_while_verifying_the_selection_is_raised_not_refused(monkeypatch):
