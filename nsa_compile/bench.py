@@ -1,8 +1,15 @@
-"""Timing of training steps, side by side in one process (used by the CLI and tools/)."""
+"""Timing of training steps, side by side in one process (used by the CLI and tools/).
+
+The bench columns (VARIANTS): eager, torch.compile's default, nsa_compile.optimize and the
+compiled dense twin of a preset; `compile_variant` makes one column's model, `time_variants`
+times the columns one after the other (freeing each model before the next) and `bench_rows`
+turns the timings into the table `nsa-compile bench` and `demo` print.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import statistics
 import time
@@ -11,12 +18,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .workload import loss_of
+from .api import optimize
+from .config import OptimizeConfig
+from .registry import pass_names
+from .workload import Workload, checked_workload, loss_of
 
 __all__ = [
-    "StepTiming", "cuda_graph_time_ms", "cuda_time_ms", "nsa_op_times", "print_kernel_profile", "print_nsa_op_times",
-    "time_training",
+    "BENCH_HEADERS", "StepTiming", "VARIANTS", "bench_rows", "compile_variant", "config_for", "cuda_graph_time_ms",
+    "cuda_time_ms", "free_memory", "nsa_op_times", "print_kernel_profile", "print_nsa_op_times", "time_training",
+    "time_training_of", "time_variants",
 ]
+
+VARIANTS = ("eager", "compile", "optimize", "dense")
+BENCH_HEADERS = ["", "tok/s", "step ms", "first step s", "peak GiB", "vs eager"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,89 @@ def _time_training(model, inputs, steps, warmup, autocast_dtype, is_lm, progress
     tokens = lead.shape[0] * (lead.shape[1] - 1) if is_lm else lead.shape[0]
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return StepTiming(tokens / median, 1000 * median, first, peak)
+
+
+def time_training_of(model: nn.Module, wl: Workload, steps: int, autocast: torch.dtype | None,
+                     progress=None) -> StepTiming | None:
+    """time_training of `model` on the workload's inputs and loss (None: out of memory)."""
+    return time_training(model, wl.inputs, steps, autocast_dtype=autocast, is_lm=wl.is_lm, progress=progress)
+
+
+def config_for(compiler: str, only_pass: str | None = None) -> OptimizeConfig:
+    """The OptimizeConfig of a run: `compiler`, and every registered pass, or only `only_pass`.
+    ValueError, one line naming the valid passes, for an unknown pass."""
+    if only_pass is None:
+        return OptimizeConfig(compiler=compiler)
+    if only_pass not in pass_names():
+        raise ValueError(f"unknown pass {only_pass!r}; valid: {', '.join(pass_names())}")
+    return OptimizeConfig(compiler=compiler, disabled_passes=tuple(n for n in pass_names() if n != only_pass))
+
+
+def free_memory() -> None:
+    """Forget Dynamo's compiled code and give the memory of dropped models back (between columns)."""
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def compile_variant(variant: str, wl: Workload, compiler: str, device: torch.device) -> nn.Module | None:
+    """A fresh model for one bench column (a copy: wl.model stays eager), or None where the variant
+    does not apply (dense, for a model without a dense twin). `compiler`: optimize's."""
+    torch._dynamo.reset()
+    if variant == "eager":
+        return copy.deepcopy(wl.model)
+    if variant == "compile":  # torch.compile's default, no NSA passes
+        model = copy.deepcopy(wl.model)
+        model.compile()
+        return model
+    if variant == "optimize":
+        return optimize(copy.deepcopy(wl.model), config_for(compiler))
+    if wl.dense_twin is None:
+        return None
+    torch.manual_seed(0)
+    twin = checked_workload(wl.dense_twin, 1, 1, device).model
+    twin.compile()
+    return twin
+
+
+def time_variants(wl: Workload, variants: list[str], steps: int, compiler: str, device: torch.device,
+                  progress=None, on_optimized=None) -> dict[str, StepTiming | None]:
+    """{variant: its timing (None: out of memory)} of `steps` training steps per column, bf16
+    autocast on CUDA; columns that do not apply are left out. `progress(variant, length)`, if
+    given, returns a context manager around a column's steps whose value's update(n) is told of
+    each step (click.progressbar's). `on_optimized(model)`, if given, sees the optimize column's
+    model after its timed steps (the demo reads its rewrite report there instead of compiling again)."""
+    autocast = torch.bfloat16 if device.type == "cuda" else None
+    results = {}
+    for variant in variants:
+        model = compile_variant(variant, wl, compiler, device)
+        if model is None:
+            continue
+        with (progress(variant, steps + 2) if progress is not None else contextlib.nullcontext()) as bar:
+            results[variant] = time_training_of(model, wl, steps, autocast, None if bar is None else bar.update)
+        if variant == "optimize" and on_optimized is not None:
+            on_optimized(model)
+        del model
+        free_memory()
+    return results
+
+
+def bench_rows(results: dict[str, StepTiming | None], parity_ok: bool) -> list[list]:
+    """One row of BENCH_HEADERS per timed variant; the speedup over eager only where parity passed."""
+    base = results.get("eager")
+    rows = []
+    for variant, t in results.items():
+        if t is None:
+            rows.append([variant, "out of memory", "-", "-", "-", "-"])
+            continue
+        if not parity_ok:
+            speedup = "n/a (parity failed)"
+        else:
+            speedup = f"{t.tokens_per_s / base.tokens_per_s:.2f}x" if base is not None else "-"
+        rows.append([variant, f"{t.tokens_per_s:,.0f}", f"{t.step_ms:.1f}", f"{t.first_step_s:.1f}",
+                     "-" if t.peak_memory_gib is None else f"{t.peak_memory_gib:.2f}", speedup])
+    return rows
 
 
 def cuda_time_ms(fn, reps: int = 10, warmup: int = 1) -> float:

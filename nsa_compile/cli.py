@@ -10,7 +10,6 @@ running explain or parity (a child: isolation.py) crashed (one line: the signal,
 from __future__ import annotations
 
 import copy
-import gc
 import json
 import math
 import os
@@ -24,17 +23,16 @@ import torch
 from tabulate import tabulate
 
 from .api import optimize, state_of
-from .config import COMPILERS, OptimizeConfig
+from .bench import BENCH_HEADERS, VARIANTS, bench_rows, config_for, free_memory, time_variants
+from .config import COMPILERS
 from .explain import (coverage, coverage_line, graph_breaks, near_misses, networkx_graph, pass_table,
                       print_coverage, print_graph_breaks, print_near_misses, print_pass_table, rewrite_summary,
                       skipped_frames, to_dot, to_graphml)
 from .isolation import can_isolate, run_isolated
-from .parity import check_parity, choice_length
-from .registry import pass_names
-from .workload import ModelSpecError, Workload, cast_inputs, check_runs, load_workload, loss_of, user_error, user_frame
+from .parity import choice_length, run_parity
+from .workload import ModelSpecError, Workload, cast_inputs, checked_workload, loss_of, user_error, user_frame
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-VARIANTS = ("eager", "compile", "optimize", "dense")
 EXIT_VERDICT_FAILED, EXIT_USER_ERROR, EXIT_INTERNAL_ERROR, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
@@ -109,36 +107,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def get_workload(spec: str, batch: int, seq_len: int, device: torch.device, seed: int = 0,
                  documents: str | None = None) -> Workload:
-    if batch < 1 or seq_len < 1:
-        raise UserError("--batch and --seq-len must be positive")
-    lengths = None
-    if documents is not None:
-        try:
-            lengths = [int(x) for x in documents.split(",")]
-        except ValueError:
-            raise UserError(f"--documents takes comma-separated lengths (e.g. 100,28), got {documents!r}") from None
+    """nsa_compile.workload.checked_workload, its refusals as UserError."""
     try:
-        wl = load_workload(spec, batch=batch, seq_len=seq_len, seed=seed, documents=lengths).to(device)
-        if not wl.is_lm:  # a user's model: one eager run, so that its mistakes show the user's own line
-            check_runs(wl)
-        return wl
+        return checked_workload(spec, batch, seq_len, device, seed=seed, documents=documents)
     except ModelSpecError as err:
         raise UserError(str(err)) from err
-
-
-def config_for(compiler: str, only_pass: str | None = None) -> OptimizeConfig:
-    if only_pass is None:
-        return OptimizeConfig(compiler=compiler)
-    if only_pass not in pass_names():
-        raise UserError(f"unknown pass {only_pass!r}; valid: {', '.join(pass_names())}")
-    return OptimizeConfig(compiler=compiler, disabled_passes=tuple(n for n in pass_names() if n != only_pass))
-
-
-def free_memory() -> None:
-    torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def print_parity(result, limit: int | None = 8) -> None:
@@ -152,16 +125,6 @@ def print_parity(result, limit: int | None = 8) -> None:
         click.echo(f"... and {rest} more, all within their bars" if result.ok else f"... and {rest} more rows")
     for line in result.summary():  # the aggregate bar and the block choice (nsa_compile/parity.py)
         click.echo(line)
-
-
-def run_parity(wl: Workload, dtype: torch.dtype, config: OptimizeConfig):
-    def optimize_fn(m):
-        torch._dynamo.reset()
-        return optimize(m, config)
-
-    result = check_parity(wl.model, optimize_fn, wl.inputs, dtype, is_lm=wl.is_lm)
-    free_memory()
-    return result
 
 
 # --- commands -------------------------------------------------------------------------------------
@@ -227,7 +190,10 @@ def explain(model, device, seq_len, batch, dtype, fmt, only_pass, diff, out, doc
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    config = config_for("aot_eager", only_pass)
+    try:
+        config = config_for("aot_eager", only_pass)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     check_output_folder("--out", out)
     wl = get_workload(model, batch, seq_len, dev, documents=documents)
     net = wl.model.to(dt)
@@ -331,63 +297,13 @@ def check(model, device, seq_len, batch, trials, fmt):
     sys.exit(0 if result.causal else EXIT_VERDICT_FAILED)
 
 
-def compile_variant(variant: str, wl: Workload, compiler: str, device: torch.device):
-    """A fresh model for one bench column, or None where the variant does not apply."""
-    torch._dynamo.reset()
-    if variant == "eager":
-        return copy.deepcopy(wl.model)
-    if variant == "compile":  # torch.compile's default, no NSA passes
-        model = copy.deepcopy(wl.model)
-        model.compile()
-        return model
-    if variant == "optimize":
-        return optimize(copy.deepcopy(wl.model), config_for(compiler))
-    if wl.dense_twin is None:
-        return None
-    torch.manual_seed(0)
-    twin = get_workload(wl.dense_twin, 1, 1, device).model
-    twin.compile()
-    return twin
-
-
 def run_bench(wl: Workload, variants: list[str], steps: int, compiler: str, device: torch.device,
               parity_ok: bool, on_optimized=None) -> list[list]:
-    """One table row per variant. `on_optimized(model)`, if given, sees the optimize column's model
-    after its timed steps (the demo reads its rewrite report there instead of compiling again)."""
-    autocast = torch.bfloat16 if device.type == "cuda" else None
-    results = {}
-    for variant in variants:
-        model = compile_variant(variant, wl, compiler, device)
-        if model is None:
-            continue
-        with click.progressbar(length=steps + 2, label=f"  {variant:<8}", file=sys.stderr) as bar:
-            results[variant] = time_training_of(model, wl, steps, autocast, bar.update)
-        if variant == "optimize" and on_optimized is not None:
-            on_optimized(model)
-        del model
-        free_memory()
-    base = results.get("eager")
-    rows = []
-    for variant, t in results.items():
-        if t is None:
-            rows.append([variant, "out of memory", "-", "-", "-", "-"])
-            continue
-        if not parity_ok:
-            speedup = "n/a (parity failed)"
-        else:
-            speedup = f"{t.tokens_per_s / base.tokens_per_s:.2f}x" if base is not None else "-"
-        rows.append([variant, f"{t.tokens_per_s:,.0f}", f"{t.step_ms:.1f}", f"{t.first_step_s:.1f}",
-                     "-" if t.peak_memory_gib is None else f"{t.peak_memory_gib:.2f}", speedup])
-    return rows
+    """nsa_compile.bench's rows of the variants' timings, with a progress bar per variant on stderr."""
+    def progress(variant, length):
+        return click.progressbar(length=length, label=f"  {variant:<8}", file=sys.stderr)
 
-
-def time_training_of(model, wl: Workload, steps: int, autocast, progress):
-    from .bench import time_training
-
-    return time_training(model, wl.inputs, steps, autocast_dtype=autocast, is_lm=wl.is_lm, progress=progress)
-
-
-BENCH_HEADERS = ["", "tok/s" , "step ms", "first step s", "peak GiB", "vs eager"]
+    return bench_rows(time_variants(wl, variants, steps, compiler, device, progress, on_optimized), parity_ok)
 
 
 @cli.command()

@@ -91,11 +91,14 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .workload import cast_inputs, loss_of
+from .api import optimize
+from .bench import free_memory
+from .config import OptimizeConfig
+from .workload import Workload, cast_inputs, loss_of
 
 __all__ = ["FACTORS", "FLOORS", "MEAN_BOUND", "NEAR_TIE", "TENSOR_CAP", "ChoiceAgreement", "ParityReport",
            "ParityRow", "block_list", "check_parity", "checkpoint_blocks", "choice_length", "forward_backward",
-           "relative_error"]
+           "relative_error", "run_parity"]
 
 FLOORS = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float64: 1e-12}
 FACTORS = {torch.float32: 2.0, torch.bfloat16: 3.0, torch.float16: 3.0, torch.float64: 2.0}
@@ -512,6 +515,18 @@ def check_parity(
     choices, note = _choice_report(eager_choices, optimized_choices, eager_oracle, optimized_oracle, split,
                                    measured, dtype)
     return ParityReport(dtype, tuple(rows), mean_ratio, eager_runs, choices, note)
+
+
+def run_parity(wl: Workload, dtype: torch.dtype, config: OptimizeConfig) -> ParityReport:
+    """check_parity of the workload's model against optimize(model, config) (a fresh Dynamo each
+    time), then the compiled code and the models' memory given back (what the CLI and tools run)."""
+    def optimize_fn(m):
+        torch._dynamo.reset()
+        return optimize(m, config)
+
+    result = check_parity(wl.model, optimize_fn, wl.inputs, dtype, is_lm=wl.is_lm)
+    free_memory()
+    return result
 
 
 def _choice_report(eager: _Choices, optimized: _Choices, eager_oracle: _Choices, optimized_oracle: _Choices,

@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Workload", "ModelSpecError", "load_workload", "load_module", "check_runs", "check_language_model",
-           "user_error", "user_frame"]
+__all__ = ["Workload", "ModelSpecError", "load_workload", "checked_workload", "load_module", "check_runs",
+           "check_language_model", "user_error", "user_frame"]
 
 
 class ModelSpecError(ValueError):
@@ -111,6 +111,25 @@ def load_workload(spec: str, batch: int = 1, seq_len: int = 128, seed: int = 0,
     if inputs is None:
         raise ModelSpecError(f"{spec}: the factory returned no example inputs; return (module, inputs)")
     return Workload(spec, module, inputs, False)
+
+
+def checked_workload(spec: str, batch: int, seq_len: int, device: torch.device, seed: int = 0,
+                     documents: str | list[int] | None = None) -> Workload:
+    """load_workload on `device`, with what the command line gives checked: batch and seq_len
+    positive, `documents` as lengths or their comma-separated text ('100,28'), and a user's model
+    run once eagerly (check_runs), so that its mistakes show the user's own line. ModelSpecError,
+    one line, for each refusal."""
+    if batch < 1 or seq_len < 1:
+        raise ModelSpecError("--batch and --seq-len must be positive")
+    if isinstance(documents, str):
+        try:
+            documents = [int(x) for x in documents.split(",")]
+        except ValueError:
+            raise ModelSpecError(f"--documents takes comma-separated lengths (e.g. 100,28), got {documents!r}") from None
+    wl = load_workload(spec, batch=batch, seq_len=seq_len, seed=seed, documents=documents).to(device)
+    if not wl.is_lm:
+        check_runs(wl)
+    return wl
 
 
 def load_module(spec: str, seed: int = 0) -> nn.Module:

@@ -8,6 +8,7 @@ torch.compile variants (the `compile` and `dense` columns): the tools' code path
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import sys
@@ -18,9 +19,11 @@ import torch
 import torch.nn as nn
 
 import nsa_compile
+from nsa_compile.bench import config_for
 from nsa_compile.fx import op_name
 from nsa_compile.models import NSAAttention, preset
 from nsa_compile.models.nsa import apply_rope, rope_tables
+from nsa_compile.workload import ModelSpecError, checked_workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import bench_e2e
@@ -465,3 +468,58 @@ def test_profile_step_says_when_cuda_is_asked_for_but_absent(monkeypatch, capsys
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert profile_step.main(["--device", "cuda"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+# --- the tools use the library, not the command line -----------------------------------------------
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def lines_importing_the_cli(source: str) -> list[int]:
+    """The lines of `source` that import nsa_compile.cli (any spelling of the import statement)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        if any(name == "nsa_compile.cli" or name.startswith("nsa_compile.cli.") for name in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_import_check_sees_every_spelling_and_no_comment():
+    source = ("import nsa_compile.cli\nfrom nsa_compile.cli import get_workload\nfrom nsa_compile import cli\n"
+              "def f():\n    import nsa_compile.cli as c\n"
+              "# from nsa_compile.cli import x\ntext = 'import nsa_compile.cli'\nfrom nsa_compile import client\n")
+    assert lines_importing_the_cli(source) == [1, 2, 3, 5]
+
+
+def test_no_tool_imports_the_cli():
+    """The tools import library modules (bench, explain, parity, workload); cli.py is the command
+    line's boundary only (its errors are click's, exit 2)."""
+    tools = sorted(TOOLS.glob("*.py"))
+    assert {"bench_e2e.py", "bench_layer.py", "profile_step.py"} <= {t.name for t in tools}
+    offenders = {t.name: lines for t in tools if (lines := lines_importing_the_cli(t.read_text()))}
+    assert offenders == {}
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: checked_workload("tiny", 0, 16, torch.device("cpu")), "--batch and --seq-len must be positive"),
+    (lambda: checked_workload("tiny", 1, 16, torch.device("cpu"), documents="8,x"),
+     "--documents takes comma-separated lengths (e.g. 100,28), got '8,x'"),
+    (lambda: checked_workload("nope", 1, 16, torch.device("cpu")), "unknown model preset 'nope'"),
+])
+def test_the_library_refuses_a_workload_with_a_model_spec_error(call, message):
+    with pytest.raises(ModelSpecError) as refused:
+        call()
+    assert str(refused.value).startswith(message), str(refused.value)
+
+
+def test_the_library_refuses_an_unknown_pass_with_a_value_error():
+    with pytest.raises(ValueError, match=r"^unknown pass 'nope'; valid: .*window_attention"):
+        config_for("aot_eager", "nope")
+    assert config_for("aot_eager", "window_attention").disabled_passes == tuple(
+        n for n in nsa_compile.pass_names() if n != "window_attention")

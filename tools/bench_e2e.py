@@ -54,11 +54,11 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from nsa_compile.bench import cuda_time_ms, time_training
-from nsa_compile.cli import (VARIANTS, compile_variant, config_for, free_memory, get_workload, pass_table,
-                             rewrite_summary, run_parity)
+from nsa_compile.bench import VARIANTS, compile_variant, config_for, cuda_time_ms, free_memory, time_training
+from nsa_compile.explain import pass_table, rewrite_summary
 from nsa_compile.models import preset
-from nsa_compile.parity import choice_length
+from nsa_compile.parity import choice_length, run_parity
+from nsa_compile.workload import checked_workload
 
 DEFAULT_SEQ_LENS = (2048, 8192, 32768, 65536)
 # The seed model's optimize column took ~0.8 MB per token at S = 8192 (docs/BENCHMARK_HISTORY.md): 65536 tokens
@@ -244,7 +244,7 @@ class ParityCache:
                 return {**self.done[length], "oom_at": tried}
             if length not in self.too_long:
                 try:
-                    result = run_parity(get_workload(args.model, PARITY_BATCH, length, self.device, seed=1),
+                    result = run_parity(checked_workload(args.model, PARITY_BATCH, length, self.device, seed=1),
                                         self.dtype, config_for(args.compiler))
                 except Exception as err:
                     free_memory()
@@ -290,7 +290,7 @@ def parity_sentence(seq_len: int, p: dict) -> str:
 
 def run_seq_len(seq_len: int, args, device, env: dict, parity: ParityCache) -> list[dict]:
     batch = args.batch or max(1, args.tokens_per_step // seq_len)
-    wl = get_workload(args.model, batch, seq_len, device)
+    wl = checked_workload(args.model, batch, seq_len, device)
     dense_backend, backend_note = None, None
     if "dense" in args.variants:
         dense_backend, backend_note = pick_dense_backend(args.model, batch, seq_len, device, args.dense_backend)

@@ -55,8 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_e2e beside thi
 from bench_e2e import append_record, compile_cache, environment, is_oom, sdpa_context
 
 import nsa_compile
-from nsa_compile.bench import cuda_time_ms, nsa_op_times, print_kernel_profile, print_nsa_op_times
-from nsa_compile.cli import free_memory, pass_table, rewrite_summary
+from nsa_compile.bench import cuda_time_ms, free_memory, nsa_op_times, print_kernel_profile, print_nsa_op_times
+from nsa_compile.explain import pass_table, rewrite_summary
 from nsa_compile.models import NSAAttention, preset
 from nsa_compile.parity import check_parity
 

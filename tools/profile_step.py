@@ -26,12 +26,10 @@ from pathlib import Path
 
 import torch
 
-from nsa_compile.bench import nsa_op_times, print_nsa_op_times
-from nsa_compile.cli import compile_variant
+from nsa_compile.bench import VARIANTS, compile_variant, nsa_op_times, print_nsa_op_times
 from nsa_compile.ops import selection_triton
 from nsa_compile.workload import load_workload, loss_of
 
-VARIANTS = ("eager", "compile", "optimize", "dense")
 # Kernel families by name (the first that matches): what library or compiler wrote the kernel.
 FAMILIES = (
     ("flash attention", ("flash", "fmha", "cudnn")),
