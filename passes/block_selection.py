@@ -45,6 +45,11 @@ by its document position pos[s], +inf on blocks 0, pos[t] // l', pos[t] // l' - 
 blocks with j*l' > pos[t]. This is a check on probes, not a proof for every packing. One verdict
 serves every layer with the same subgraphs.
 
+Symbolic sizes: a graph Dynamo compiled with S as a symbol is checked as above (the compressed
+probabilities with compressed_attention's checks) at each probe size, the size nodes (s27, the
+key's width as a sym_max) as their numbers: a check on probe sizes, not a proof for every S. The
+-inf padding and past_end may then be size nodes; the op's arguments hold no size.
+
 Becomes `torch.ops.nsa.select_blocks(q, k_cmp, lse, l, d, l', n, c, backend[, pos])` (nsa_compile/ops/
 block_select.py), [B, G, S, n] int64. The importance chain, the sorts and then, once nothing
 else reads them, the [B, H, S, Tc] probabilities and scores of the compressed branch are erased.
@@ -63,7 +68,12 @@ Refuses (graph unchanged), with the reason shown by `explain`:
 - torch.topk with largest=False (the lowest-ranked blocks), over another dim, with a k that is not
   the n kept (topk(key, k)[..., :n] with n < k), or with its values used beyond the > -inf filter
   (the op returns block ids only);
-- intermediate tensors used elsewhere, symbolic sizes, a verification larger than the cap;
+- intermediate tensors used elsewhere, a verification larger than the cap;
+- symbolic sizes (dynamic shapes): a key or block map that differs from NSA's at one of the probe
+  sizes (`Sizes.probes`: the sizes Dynamo saw, then every symbol +1 and +19; the reason names
+  them), an l' that is not one number at all of them (any l' >= S serves a probe with one
+  selection block), a number of block ids that depends on S; packed documents (pos) at symbolic
+  sizes (compressed_attention refuses them: no lse).
 - packed: a block map or mask that reads data other than the compressed op's pos, or that differs
   from NSA's per-document rules on a probe (slots counted from the row start instead of pos[s];
   forced or candidate blocks from t instead of pos[t]; an off-by-one).
@@ -76,12 +86,14 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, evaluate_node, only_user
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.block_select import choose_backend, why_not_triton
 from nsa_compile.rewrite import PassLog, RewritePass
+from nsa_compile.sizes import Sizes
 
 from . import compressed_attention as cmp
 
@@ -108,6 +120,30 @@ def first_n(node: fx.Node) -> int | None:
     if isinstance(cut, slice) and cut.start in (None, 0) and cut.step in (None, 1) and isinstance(cut.stop, int):
         return cut.stop
     return None
+
+
+def size_of(x):
+    """An int argument as it is, or the SymInt a size node stands for (a graph with symbolic
+    sizes passes sizes such as the key's width as nodes); None for anything else."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return x
+    val = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
+    return val if isinstance(val, torch.SymInt) else None
+
+
+def always(condition) -> bool:
+    """A comparison of sizes that holds for every value of their symbols (decided without a guard)."""
+    return bool(condition) if isinstance(condition, bool) else statically_known_true(condition)
+
+
+def kept_columns(out: torch.Tensor | None, n: int, width) -> int:
+    """The number of block ids, out.shape[-1], when it is min(n, width) (width: the key's, a SymInt
+    under symbolic sizes, where it must be n and the width at least n at every size)."""
+    m = None if out is None or out.dtype != torch.int64 else out.shape[-1]
+    if isinstance(m, int) and (m == min(n, width) if isinstance(width, int) else m == n and always(width >= n)):
+        return m
+    raise Refused("the block ids are not int64 [B, G, S, n]" + ("" if isinstance(m, int) or m is None else
+                  f": their number {m} depends on the sequence length (a key narrower than n at some lengths)"))
 
 
 def item_users(node: fx.Node, what: str) -> dict[int, fx.Node]:
@@ -403,7 +439,7 @@ class BlockSelection(RewritePass):
     summary = "importance map + top-n sort over the compressed probabilities -> nsa.select_blocks from the lse"
 
     def apply(self, graph: fx.Graph, log: PassLog) -> None:
-        subgraphs, data, probes = cmp.PositionSubgraphs(), cmp.data_nodes(graph), PackedProbes()
+        subgraphs, data, probes = cmp.PositionSubgraphs(Sizes.of(graph)), cmp.data_nodes(graph), PackedProbes()
         config = log.config
         requested = config.block_select_backend if config else "auto"
         cmp_requested = config.compressed_backend if config else "auto"
@@ -430,8 +466,7 @@ class BlockSelection(RewritePass):
 
     def check(self, ranking: fx.Node, subgraphs, data: set, requested: str = "auto",
               cmp_requested: str = "auto", probes: PackedProbes | None = None) -> dict:
-        if not all(isinstance(size, int) for size in value(first_arg(ranking)).shape):
-            raise Refused("the ranking key has symbolic sizes (dynamic shapes): not verified yet")
+        # SymInts in a graph with symbolic sizes: compared with cmp.same only, numbers at each probe
         B, G, S, width = value(first_arg(ranking)).shape
         # backward from the sort or topk: [pad] <- key <- group sum <- p @ overlap <- p
         padded = first_arg(ranking)
@@ -466,7 +501,8 @@ class BlockSelection(RewritePass):
             if value(grouped) is None or value(grouped).dim() != 5 or value(p_slc) is None:
                 raise Refused("the importance is not summed over the group's heads (p_slc.view(B, G, h, S, Ns).sum(2))")
             h = value(grouped).shape[2]
-            if tuple(value(grouped).shape) != (B, G, h, S, Ns) or tuple(value(p_slc).shape) != (B, G * h, S, Ns):
+            if (not isinstance(h, int) or not cmp.same_shape(value(grouped).shape, (B, G, h, S, Ns))
+                    or not cmp.same_shape(value(p_slc).shape, (B, G * h, S, Ns))):
                 raise Refused(f"the heads are not grouped as [B, G, h, S, Ns]: {tuple(value(grouped).shape)}")
             chain += [p_grp, grouped]
         else:
@@ -488,16 +524,17 @@ class BlockSelection(RewritePass):
             raise Refused("the importance reads the softmax before its final mask, not the probabilities")
         Bp, H, Sp, Tc = probs.shape
         Gk = value(probs.k).shape[1]
-        if (Bp, Sp) != (B, S) or G != Gk or G * h != H or h != probs.h:
+        if not cmp.same_shape((Bp, Sp, Gk, H), (B, S, G, G * h)) or h != probs.h:
             raise Refused(f"the importance groups {H} heads as {G} x {h}; the compressed keys have {Gk} groups")
+        sizes = subgraphs.sizes if subgraphs.sizes is not None else Sizes.of(ranking.graph)
         try:
-            pooling = cmp.pooling_of(probs, probs.k, "keys", data, subgraphs)
+            pooling = cmp.pooling_of(cmp.at_sizes(probs, sizes), probs.k, "keys", data, subgraphs.at(sizes))
             ops = compressed_ops(probs, pooling.block)
             if not ops:  # ask the pass why, for the reason
                 cmp.PASS.check(softmax, subgraphs, data, cmp_requested)
                 raise Refused("disabled")
             # the op exists, so this passed there: (l, d) and, packed, the positions of these masks
-            seen = cmp.verify_probabilities(probs, pooling, subgraphs)
+            seen = cmp.verify_at_probe_sizes(probs, None, data, subgraphs)
             op = next((op for op in ops if op.args[4] == seen.stride and op_positions(op) is seen.pos), None)
             if op is None:
                 raise Refused(f"the nsa.compressed_attention op on these q and K computes blocks of another stride "
@@ -516,19 +553,9 @@ class BlockSelection(RewritePass):
         final = tail[0]
         if op_name(final) == "where" and final.args[2] == -1:
             read_as_sets(final, requested_selection(ranking))
-        if pos is None:  # the position-only subgraphs: evaluated, a proof for this shape
-            cls = key_classes(self.grid(subgraphs, forced_fill, S, Ns, "forced-block mask"),
-                              self.grid(subgraphs, cand_fill, S, Ns, "candidate mask"), forced_outside)  # [S, Ns]
-            block = self.selection_block(cls)
-            want = nsa_classes(S, Ns, block, cls.device)
-            if not torch.equal(cls, want):
-                raise Refused(classes_reason(cls, want, block))
-            got = subgraphs.evaluate(overlap, "block map")
-            expected = overlap_matrix(Tc, Ns, l, d, block, got.device)
-            if (tuple(got.shape) != (Tc, Ns) or not got.is_floating_point() or not torch.equal(got != 0, expected != 0)
-                    or not torch.allclose(got.double(), expected, rtol=1e-6, atol=0)):
-                raise Refused(f"the block map is not overlap(i, j) / l (the tokens compression block i shares with "
-                              f"selection block j, over l = {l}; d = {d}, l' = {block})")
+        if pos is None:  # the position-only subgraphs: evaluated, a proof for this shape (or each probe's)
+            block = self.key_at_probe_sizes(subgraphs, sizes, (S, Tc, Ns), forced_fill, cand_fill, forced_outside,
+                                            overlap, l, d)
         else:  # packed documents: the subgraphs read pos, checked on probe positions
             block = verify_packed_key(probes or PackedProbes(), pos, overlap, forced_fill, cand_fill, forced_outside,
                                       (B, G, H, S, Tc, Ns), l, d, n)
@@ -541,7 +568,7 @@ class BlockSelection(RewritePass):
             backend = choose_backend(*fakes, requested, value(pos))
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(block_select_backend={requested!r}): {why}") from None
-        return {"probs": probs, "op": op, "final": final, "block": block, "Ns": Ns, "n": n, "l": l, "d": d,
+        return {"probs": probs, "op": op, "final": final, "block": block, "Ns": sizes.int(Ns), "n": n, "l": l, "d": d,
                 "backend": backend, "pos": pos,
                 "chain": tail + [ranking] + ([padded] if padded is not key else []) + chain,
                 "roots": [overlap, forced_fill[1], cand_fill[1], p],
@@ -555,13 +582,13 @@ class BlockSelection(RewritePass):
     def read_pad(padded: fx.Node) -> tuple[fx.Node, int]:
         """F.pad(key, (0, P), value=-inf) -> (key, P)."""
         amounts, mode, fill = arg(padded, 1, "pad"), arg(padded, 2, "mode", "constant"), arg(padded, 3, "value")
-        if (not isinstance(amounts, (tuple, list)) or len(amounts) < 2 or amounts[0] != 0
-                or any(a != 0 for a in amounts[2:]) or not isinstance(amounts[1], int) or amounts[1] < 0
+        end = size_of(amounts[1]) if isinstance(amounts, (tuple, list)) and len(amounts) >= 2 else None
+        if (end is None or amounts[0] != 0 or any(a != 0 for a in amounts[2:]) or not always(end >= 0)
                 or mode != "constant"):
             raise Refused("the ranking key is padded other than at the end of its last dim")
         if not cmp.is_const(fill, -INF):
             raise Refused(f"the ranking key is padded with {fill}, not -inf (padded columns could be chosen)")
-        return first_arg(padded), amounts[1]
+        return first_arg(padded), end
 
     @staticmethod
     def read_sort(sort: fx.Node) -> tuple[int, list[fx.Node]]:
@@ -629,17 +656,14 @@ class BlockSelection(RewritePass):
             raise Refused("the first n blocks are not filtered by key > -inf")
         chosen = single(valid, "filter")
         if (op_name(chosen) != "where" or len(chosen.args) != 3 or chosen.args[0] is not valid
-                or chosen.args[1] is not order_n or not isinstance(chosen.args[2], int)):
+                or chosen.args[1] is not order_n or size_of(chosen.args[2]) is None):
             raise Refused("the unchosen slots are not marked with one constant (torch.where(keep, order, past_end))")
-        past_end = chosen.args[2]
+        past_end = size_of(chosen.args[2])  # an int, or a SymInt under symbolic sizes (the key's width)
         if single(order_n, "first n blocks") is not chosen:
             raise Refused("the first n blocks are used elsewhere")
-        if past_end == -1:  # the chosen blocks in rank order, -1 for the unchosen (last: -inf sorts last)
-            out = value(chosen)
-            if out is None or out.dtype != torch.int64 or out.shape[-1] != min(n, width):
-                raise Refused("the block ids are not int64 [B, G, S, n]")
-            return out.shape[-1], [chosen, valid, *head]
-        if past_end < Ns:
+        if isinstance(past_end, int) and past_end == -1:  # the blocks in rank order, -1 for the unchosen
+            return kept_columns(value(chosen), n, width), [chosen, valid, *head]
+        if not always(past_end >= Ns):
             raise Refused(f"unchosen slots are marked {past_end}, which is a block id (< {Ns})")
         ascending = single(chosen, "chosen blocks")
         dim = arg(ascending, 1, "dim", -1)
@@ -656,16 +680,64 @@ class BlockSelection(RewritePass):
         if final is None or len(users) != 2:
             raise Refused("the sorted chosen blocks are not padded with -1 (torch.where(ids == past_end, -1, ids))")
         eq = next(u for u in users if u is not final)
-        if (cmp.name_of(eq) != "eq" or len(eq.args) != 2 or eq.args[0] is not ids or not isinstance(eq.args[1], int)
-                or eq.args[1] != past_end or list(eq.users) != [final]):
+        marked = eq.args[1] if len(eq.args) == 2 else None
+        if (cmp.name_of(eq) != "eq" or len(eq.args) != 2 or eq.args[0] is not ids or size_of(marked) is None
+                or not (marked is chosen.args[2] or isinstance(marked, int) and marked == chosen.args[2])
+                or list(eq.users) != [final]):
             raise Refused("the -1 padding does not replace exactly the unchosen slots (ids == past_end)")
         filled = cmp.fill_of(final, -1)
         if filled is None or filled[0] is not ids or filled[1] is not eq or filled[2] is not True:
             raise Refused("the unchosen slots are not set to -1")
-        out = value(final)
-        if out is None or out.dtype != torch.int64 or out.shape[-1] != min(n, width):
-            raise Refused("the block ids are not int64 [B, G, S, n]")
-        return out.shape[-1], [final, eq, ids, *dead, ascending, chosen, valid, *head]
+        return kept_columns(value(final), n, width), [final, eq, ids, *dead, ascending, chosen, valid, *head]
+
+    @staticmethod
+    def verify_key(subgraphs, S: int, Tc: int, Ns: int, forced_fill: tuple, cand_fill: tuple, forced_outside: bool,
+                   overlap: fx.Node, l: int, d: int) -> int:  # fmt: skip
+        """l' of a key whose forced and candidate blocks and block map are NSA's (evaluated at
+        compile time, every element: a proof for these sizes), else Refused."""
+        cls = key_classes(BlockSelection.grid(subgraphs, forced_fill, S, Ns, "forced-block mask"),
+                          BlockSelection.grid(subgraphs, cand_fill, S, Ns, "candidate mask"), forced_outside)  # [S, Ns]
+        block = BlockSelection.selection_block(cls)
+        want = nsa_classes(S, Ns, block, cls.device)
+        if not torch.equal(cls, want):
+            raise Refused(classes_reason(cls, want, block))
+        got = subgraphs.evaluate(overlap, "block map")
+        expected = overlap_matrix(Tc, Ns, l, d, block, got.device)
+        if (tuple(got.shape) != (Tc, Ns) or not got.is_floating_point() or not torch.equal(got != 0, expected != 0)
+                or not torch.allclose(got.double(), expected, rtol=1e-6, atol=0)):
+            raise Refused(f"the block map is not overlap(i, j) / l (the tokens compression block i shares with "
+                          f"selection block j, over l = {l}; d = {d}, l' = {block})")
+        return block
+
+    @staticmethod
+    def key_at_probe_sizes(subgraphs, sizes: Sizes, dims: tuple, forced_fill: tuple, cand_fill: tuple,
+                           forced_outside: bool, overlap: fx.Node, l: int, d: int) -> int:  # fmt: skip
+        """`verify_key` once per probe assignment of the graph's sizes (just the one when static):
+        the l' shown where a probe has two selection blocks or more must be one number, and every
+        probe with one block (where any l' >= S selects the same) must be shorter than it; else
+        Refused naming the sizes. dims: (S, Tc, Ns), SymInts under symbolic sizes."""
+        if not sizes.symbolic:
+            return BlockSelection.verify_key(subgraphs, *dims, forced_fill, cand_fill, forced_outside, overlap, l, d)
+        found = []  # (sizes, S, Ns, l') per probe
+        for probe in sizes.probes():
+            S, Tc, Ns = (probe.int(x) for x in dims)
+            try:
+                block = BlockSelection.verify_key(subgraphs.at(probe), S, Tc, Ns, forced_fill, cand_fill,
+                                                  forced_outside, overlap, l, d)
+            except Refused as why:
+                raise Refused(f"at the probe sizes {probe.describe()} (S = {S}): {why}") from None
+            found.append((probe.describe(), S, Ns, block))
+        shown = {block for _, _, Ns, block in found if Ns > 1}
+        if len(shown) != 1:
+            raise Refused("the key's selection block l' is not one number at every size: " + "; ".join(
+                f"{'any ' if Ns == 1 else ''}l' = {block}{' or more' if Ns == 1 else ''} at {where} (S = {S})"
+                for where, S, Ns, block in found))
+        (block,) = shown
+        longer = [(where, S) for where, S, Ns, _ in found if Ns == 1 and S > block]
+        if longer:
+            raise Refused(f"the key has one selection block at {longer[0][0]} (S = {longer[0][1]}), longer than the "
+                          f"l' = {block} it shows at other sizes")
+        return block
 
     @staticmethod
     def grid(subgraphs, fill: tuple, S: int, Ns: int, what: str) -> torch.Tensor:

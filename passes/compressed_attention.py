@@ -24,7 +24,7 @@ A pooling that fails both is refused.
 
 Verified, not assumed: the position-only subgraphs of the three masks (the -inf mask, the
 has_block zeroing, the final `* visible`) are evaluated at compile time (no inputs, so this is a
-proof for the shape compiled). The -inf mask must be the staircase i*d + l - 1 <= t of the
+proof for the shape compiled; at symbolic sizes, for each probe size, see the end). The -inf mask must be the staircase i*d + l - 1 <= t of the
 pooling's (l, d); the zeroing must hit exactly the rows without a visible block (eager's softmax
 would give NaN there), and the final mask must keep every visible block and clear those rows
 (else eager gives them 1/Tc each); the op gives those rows 0. Both may be absent only when no
@@ -67,17 +67,29 @@ Refuses (graph unchanged), with the reason shown by `explain`:
   or final mask that ignores the documents); positions with keys pooled at a stride other than 1;
 - a pooling without a readable (l, d), one that mixes blocks or reads other sequence data, K and
   V pooled with different (l, d), or over a sequence that is not the queries';
-- symbolic sizes (dynamic shapes); a verification larger than the cap.
+- a verification larger than the cap;
+- symbolic sizes (dynamic shapes): a branch that differs from NSA's at one of the probe sizes
+  (`Sizes.probes`: the sizes Dynamo saw, then every symbol +1 and +19; the reason names them) or
+  whose (l, d) is not the same at all of them; packed documents (pos) at symbolic sizes (verified
+  at static sizes only).
+
+Symbolic sizes: a graph Dynamo compiled with S as a symbol is verified as above at each probe
+size, every mask element evaluated there, with the size nodes (s27, s27 // 4) as their numbers: a
+check on probe sizes, not a proof for every S. The op's arguments hold no size (l, d, the scale
+are constants); its shapes come from its tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.attention_match import (
@@ -87,6 +99,7 @@ from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.ops.compressed import choose_backend, why_not_triton
 from nsa_compile.rewrite import PassLog, RewritePass
+from nsa_compile.sizes import Sizes
 
 # The masks are evaluated at compile time: more elements than this (summed over the evaluated
 # nodes that materialize a tensor) are not verified. The -inf mask alone is S * Tc ~ S^2 / d
@@ -98,6 +111,20 @@ KERNEL = "nsa.compressed_attention[{backend}] (l={block}, d={stride}{packed}, GQ
 _VIEWS = {"expand", "expand_as", "broadcast_to", "view", "unsqueeze", "squeeze", "getitem", "transpose",
           "permute", "unflatten", "movedim", "swapaxes", "as_strided", "t", "reshape", "flatten"}
 _RANDOM = ("rand", "bernoulli", "dropout", "multinomial", "normal", "poisson", "uniform", "exponential")
+
+
+def same(a, b) -> bool:
+    """Two sizes (ints or SymInts) equal for every value of their symbols, decided without adding
+    a guard (a guard on a size specializes a dynamic graph; see nsa_compile/sizes.py)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
+
+
+def same_shape(a, b) -> bool:
+    """Two shapes (tuples of ints or SymInts) equal for every value of their symbols."""
+    a, b = tuple(a), tuple(b)
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
 def first(node: fx.Node):
@@ -173,7 +200,7 @@ def ungroup(node: fx.Node) -> tuple[fx.Node, int]:
         return node, 1
     (B, G, T, D), big, out = vals[0].shape, tuple(vals[1].shape), tuple(vals[2].shape)
     h = big[2]
-    if big != (B, G, h, T, D) or out != (B, G * h, T, D):
+    if not same_shape(big, (B, G, h, T, D)) or not same_shape(out, (B, G * h, T, D)):
         return node, 1
     return x, h
 
@@ -185,11 +212,31 @@ class PositionSubgraphs:
     """Evaluates subgraphs computed from positions only (aranges, comparisons, arithmetic) at
     compile time: once per structure (each layer repeats the same one), with a cost cap. A
     subgraph may read one probe input (`inputs`: a node -> the tensor it stands for, named by
-    `probe`, which the cache key holds)."""
+    `probe`, which the cache key holds).
 
-    def __init__(self):
+    In a graph with symbolic sizes the subgraphs are evaluated under one assignment of numbers
+    to the size symbols (`sizes`; `at` gives the evaluator for another, sharing the cache): the
+    size nodes they read (s27, s27 // 4) enter as those numbers, which the cache key holds."""
+
+    def __init__(self, sizes: Sizes | None = None):
+        self.sizes = sizes
+        self.numbers = sizes.size_nodes() if sizes is not None and sizes.symbolic else {}
         self.cache: dict[str, torch.Tensor] = {}
         self._probes: dict[tuple, list] = {}
+
+    def at(self, sizes: Sizes) -> "PositionSubgraphs":
+        """This evaluator under the assignment `sizes` (itself where that is its own)."""
+        if sizes is self.sizes:
+            return self
+        other = PositionSubgraphs.__new__(PositionSubgraphs)
+        other.sizes, other.cache, other._probes = sizes, self.cache, self._probes
+        other.numbers = sizes.size_nodes() if sizes.symbolic else {}
+        return other
+
+    def shape(self, x) -> tuple:
+        """A fake tensor's (or a shape's) sizes as numbers under this evaluator's assignment."""
+        dims = x.shape if isinstance(x, torch.Tensor) else x
+        return tuple(dims) if self.sizes is None else self.sizes.shape(dims)
 
     def probes(self, B: int, S: int, block: int, stride: int, device) -> list[tuple[str, torch.Tensor]]:
         """`position_probes`, made once per geometry and device (the layers share them)."""
@@ -210,7 +257,7 @@ class PositionSubgraphs:
                 continue
             if node in index:
                 continue
-            if node in inputs:  # a leaf: the probe stands for it
+            if node in inputs or node in self.numbers:  # a leaf: the probe, or a size's number
                 stack.append((node, True))
                 continue
             if node.op not in ("call_function", "call_method"):
@@ -225,15 +272,18 @@ class PositionSubgraphs:
             if node in inputs:
                 ops.append(("input", probe, tuple(inputs[node].shape)))
                 continue
+            if node in self.numbers:
+                ops.append(("size", self.numbers[node]))
+                continue
             args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
             if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
                    for x in torch.utils._pytree.tree_leaves(args)):
-                raise Refused(f"the {what} has symbolic sizes (dynamic shapes): not verified yet")
+                raise Refused(f"the {what} reads a symbolic size that is no node of the graph: not verified")
             ops.append((node.op, node.target, args))
         key = repr(ops)
         if key in self.cache:
             return self.cache[key]
-        cost = sum(value(n).numel() for n in nodes
+        cost = sum(math.prod(self.shape(value(n))) for n in nodes
                    if n not in inputs and value(n) is not None and op_name(n) not in _VIEWS)
         if cost > MAX_VERIFIED_ELEMENTS:
             raise Refused(f"verifying the {what} takes {cost:,} elements, over the cap of "
@@ -241,8 +291,8 @@ class PositionSubgraphs:
         last_use = {x: i for i, node in enumerate(nodes) for x in node.all_input_nodes}
         env = {}
         for i, node in enumerate(nodes):
-            if node in inputs:
-                env[node] = inputs[node]
+            if node in inputs or node in self.numbers:
+                env[node] = inputs[node] if node in inputs else self.numbers[node]
                 continue
             on = f" on probe positions '{probe}'" if probe else ""
             env[node] = evaluate_node(node, env, f"the {what}{on}")
@@ -303,9 +353,12 @@ class Pooling:
 
 
 def data_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes that depend on a graph input other than a parameter (the sequence's data)."""
+    """Nodes that depend on a graph input other than a parameter (the sequence's data). Sizes
+    (the SymInt inputs and expressions of a graph with symbolic sizes) are not data."""
     data = set()
     for node in graph.nodes:
+        if isinstance(node.meta.get("example_value", node.meta.get("val")), torch.SymInt):
+            continue
         if node.op == "placeholder":
             if not isinstance(node.meta.get("example_value", node.meta.get("val")), torch.nn.Parameter):
                 data.add(node)
@@ -368,18 +421,21 @@ def _window_view(node: fx.Node, axis: int) -> Pooling | None:
     if name == "as_strided":
         size, stride = arg(node, 1, "size"), arg(node, 2, "stride")
         offset = arg(node, 3, "storage_offset")
-        if (not x.is_contiguous() or offset not in (None, x.storage_offset()) or axis >= x.dim()
-                or len(size) != x.dim() + 1 or len(stride) != x.dim() + 1):
+        if (not x.is_contiguous() or not (offset is None or same(offset, x.storage_offset())) or axis >= x.dim()
+                or len(size) != x.dim() + 1 or len(stride) != x.dim() + 1
+                or not isinstance(stride[axis], int) or not isinstance(x.stride(axis), int)):
             return None
         step, rem = divmod(stride[axis], x.stride(axis))
         shape, strides = list(x.shape), list(x.stride())
         shape[axis], strides[axis] = size[axis], stride[axis]
-        if rem or step < 1 or list(size) != shape + [size[-1]] or list(stride) != strides + [x.stride(axis)]:
+        if (rem or step < 1 or not same_shape(size, shape + [size[-1]])
+                or not same_shape(stride, strides + [x.stride(axis)]) or not isinstance(size[-1], int)):
             return None
         return Pooling(src, axis, size[-1], step)
     if name in ("view", "reshape", "unflatten") and out.dim() == x.dim() + 1 and axis < x.dim():
         xs, os = tuple(x.shape), tuple(out.shape)
-        if xs[:axis] == os[:axis] and xs[axis + 1:] == os[axis + 2:] and os[axis] * os[axis + 1] == xs[axis]:
+        if (isinstance(os[axis + 1], int) and same_shape(xs[:axis], os[:axis])
+                and same_shape(xs[axis + 1:], os[axis + 2:]) and same(os[axis] * os[axis + 1], xs[axis])):
             return Pooling(_prefix_slice_source(src, axis), axis, os[axis + 1], os[axis + 1])
     return None
 
@@ -433,7 +489,7 @@ def block_axis_inputs(node: fx.Node, axis: int, data: set, what: str = "keys") -
                 continue
             shape = value(operand).shape
             a = axis - (rank - len(shape))
-            if a < 0 or shape[a] != out.shape[axis]:
+            if a < 0 or not same(shape[a], out.shape[axis]):
                 raise Refused(f"{why}: an operand is broadcast over the blocks)")
             inputs.append((operand, a))
         return inputs
@@ -466,7 +522,7 @@ def block_axis_inputs(node: fx.Node, axis: int, data: set, what: str = "keys") -
         dim = arg(node, 1, "dim") % rank
         if axis != dim:
             return tracked(axis if axis < dim else axis - 1)
-    if name in ("view", "reshape") and tuple(x.shape[:axis + 1]) == tuple(out.shape[:axis + 1]):
+    if name in ("view", "reshape") and same_shape(x.shape[:axis + 1], out.shape[:axis + 1]):
         return tracked(axis)  # row-major: the leading dims up to the block axis keep their indices
     raise Refused(f"{why})")
 
@@ -525,38 +581,41 @@ def staircase_of(probs: Probabilities, subgraphs: PositionSubgraphs) -> tuple[in
     return first_seen[0] + 1, first_seen[1] - first_seen[0]
 
 
-def probe_pooling(kv: fx.Node, what: str, block: int, stride: int, S: int) -> Pooling:
+def probe_pooling(kv: fx.Node, what: str, block: int, stride: int, S: int, sizes: Sizes | None = None) -> Pooling:
     """The Pooling of kv [B, G, Tc, D] (block axis 2) from the sequence input it reads, checked on
     random probes in float64: tokens perturbed 2l apart (every residue, so every token once) must
     change exactly... at most the pooled tokens i whose window [i*d, i*d + l) holds a perturbed
     token, and every pooled token must change for some perturbation. A check on probes, not a
     proof: it is how poolings the structural reader cannot follow (convolutions, pooling ops,
-    weighted einsums, prefix sums) are accepted."""
-    B, _, Tc, _ = value(kv).shape
+    weighted einsums, prefix sums) are accepted. In a graph with symbolic sizes the probes have
+    the shapes `sizes` gives (S is the number it gives the sequence), and the size nodes the
+    region reads enter as its numbers."""
+    sizes = sizes or Sizes.of(kv.graph)
+    numbers = sizes.size_nodes()
+    B, _, Tc, _ = sizes.shape(value(kv))
     nodes = ancestors([kv])
     sources = [n for n in nodes if n.op == "placeholder" and (val := value(n)) is not None and val.dim() >= 2
-               and tuple(val.shape[:2]) == (B, S) and val.is_floating_point()
+               and sizes.shape(val)[:2] == (B, S) and val.is_floating_point()
                and not isinstance(val, torch.nn.Parameter)]
     if len(sources) != 1:
         raise Refused(f"the compressed {what} are not pooled by a form the pass reads, and they read "
                       f"{len(sources)} [B, S, ..] inputs, not one sequence to probe")
     source = sources[0]
     order = {n: i for i, n in enumerate(kv.graph.nodes)}
-    ops = sorted((n for n in nodes if n.op in ("call_function", "call_method")), key=order.__getitem__)
+    ops = sorted((n for n in nodes if n.op in ("call_function", "call_method") and n not in numbers),
+                 key=order.__getitem__)
     for node in ops:
         name = op_name(node) or ""
         if any(word in name for word in _RANDOM) or (name.endswith("_") and not name.startswith("_")):
             raise Refused(f"the compressed {what} use {name} (random or in place): not probed")
     gen = torch.Generator().manual_seed(0)
-    env = {}
+    env = {n: numbers[n] for n in nodes if n in numbers}
     for n in nodes:
-        if n.op == "placeholder" or n.op == "get_attr":
+        if (n.op == "placeholder" or n.op == "get_attr") and n not in numbers:
             val = value(n)
             if val is None or not val.is_floating_point():
                 raise Refused(f"the compressed {what} read {n.name}, not a floating-point tensor (not probed)")
-            if any(not isinstance(d, int) for d in val.shape):
-                raise Refused(f"the compressed {what} have symbolic sizes (dynamic shapes): not probed")
-            env[n] = torch.randn(tuple(val.shape), generator=gen, dtype=torch.float64)
+            env[n] = torch.randn(sizes.shape(val), generator=gen, dtype=torch.float64)
     from nsa_compile import probe  # float64 evaluation of a region
 
     def pooled(values: dict) -> torch.Tensor:
@@ -571,7 +630,7 @@ def probe_pooling(kv: fx.Node, what: str, block: int, stride: int, S: int) -> Po
     for r in range(min(period, S)):
         perturbed = t % period == r
         shifted = dict(env)
-        noise = torch.randn(tuple(value(source).shape), generator=gen, dtype=torch.float64)
+        noise = torch.randn(sizes.shape(value(source)), generator=gen, dtype=torch.float64)
         shifted[source] = env[source] + noise * perturbed.view(1, S, *([1] * (value(source).dim() - 2)))
         moved = (pooled(shifted) - base).abs().amax(dim=(0, 1, 3)) > PROBE_TOLERANCE * scale  # [Tc]
         js = t[perturbed]
@@ -595,7 +654,7 @@ def pooling_of(probs: Probabilities, kv: fx.Node, what: str, data: set, subgraph
     except Refused as why:
         try:
             block, stride = staircase_of(probs, subgraphs)
-            return probe_pooling(kv, what, block, stride, probs.shape[2])
+            return probe_pooling(kv, what, block, stride, probs.shape[2], subgraphs.sizes)
         except Refused as probed:
             raise Refused(f"{why}; probed: {probed}") from None
 
@@ -657,9 +716,7 @@ def read_probabilities(softmax: fx.Node) -> Probabilities:
         raise Refused("not a softmax over the last dim of [B, H, S, Tc] scores")
     if arg(softmax, 2, "dtype") is not None:
         raise Refused("the softmax has a dtype argument")
-    if not all(isinstance(s, int) for s in probs.shape):
-        raise Refused("the scores have symbolic sizes (dynamic shapes): not verified yet")
-    B, H, S, Tc = probs.shape
+    B, H, S, Tc = probs.shape  # SymInts in a graph with symbolic sizes: compared with `same` only
     masks = {}
     node = first(softmax)
     if not isinstance(node, fx.Node):
@@ -700,10 +757,11 @@ def read_probabilities(softmax: fx.Node) -> Probabilities:
     qv, kv = value(q), value(k)
     if qv is None or kv is None or qv.dim() != 4 or kv.dim() != 4:
         raise Refused("q and the compressed keys are not [B, heads, S or Tc, D]")
-    if tuple(qv.shape[:3]) != (B, H, S) or kv.shape[0] != B or kv.shape[2] != Tc or kv.shape[1] * h != H:
+    if (not same_shape(qv.shape[:3], (B, H, S)) or not same(kv.shape[0], B) or not same(kv.shape[2], Tc)
+            or not same(kv.shape[1] * h, H)):
         raise Refused(f"q {tuple(qv.shape)} and the compressed keys {tuple(kv.shape)} (x{h}) do not make "
                       f"[B, H, S, Tc] = {(B, H, S, Tc)} scores")
-    if Tc == 0:
+    if same(Tc, 0):
         raise Refused("no compression block (S < l): nothing to attend to")
     p, final = final_mask(softmax)
     if final is not None:
@@ -728,7 +786,10 @@ def verify_probabilities(probs: Probabilities, pooling: Pooling, subgraphs: Posi
     B, _, S, Tc = probs.shape
     l, d = pooling.block, pooling.stride
     roots = [mask for mask, _ in probs.masks.values()]
-    pos = positions_input(roots, B, S)
+    pos = positions_input(roots, B, S, subgraphs.shape)
+    if pos is not None and subgraphs.sizes is not None and subgraphs.sizes.symbolic:
+        raise Refused(f"the masks read positions within documents ({pos.name}) in a graph with symbolic sizes: "
+                      "packed documents are verified at static sizes only (OptimizeConfig(dynamic=False))")
     if pos is not None:
         return verify_packed(probs, pooling, subgraphs, pos)
     mask, sense = probs.masks["inf"]
@@ -797,18 +858,19 @@ def check_row_masks(probs: Probabilities, grid, visible: torch.Tensor, empty_row
 # --- packed documents: positions, probes, the packed visibility ---------------------------------
 
 
-def positions_input(roots: list[fx.Node], B: int, S: int) -> fx.Node | None:
+def positions_input(roots: list[fx.Node], B: int, S: int, shape=lambda val: tuple(val.shape)) -> fx.Node | None:
     """The int64 [B, S] node through which alone the masks read data (the positions of packed
     documents: the nearest such node on every path to a graph input), or None where they read no
     int64 [B, S] tensor (the unpacked form; other data is refused by the evaluation). Refused if
-    they read an int64 [B, S] tensor and other data besides."""
-    def inputs(nodes) -> list[fx.Node]:  # the graph inputs among nodes, parameters aside
+    they read an int64 [B, S] tensor and other data besides. `shape` gives a fake tensor's sizes as
+    numbers (those of B and S, under symbolic sizes)."""
+    def inputs(nodes) -> list[fx.Node]:  # the graph inputs among nodes, parameters and sizes aside
         return [n for n in nodes if n.op not in ("call_function", "call_method")
-                and not isinstance(n.meta.get("example_value", n.meta.get("val")), torch.nn.Parameter)]
+                and not isinstance(n.meta.get("example_value", n.meta.get("val")), (torch.nn.Parameter, torch.SymInt))]
 
     # an int64 [B, S] tensor computed from positions only (an arange when B = 1) is no input
     candidates = [n for n in ancestors(roots) if (val := value(n)) is not None and val.dtype == torch.int64
-                  and tuple(val.shape) == (B, S) and inputs(ancestors([n]))]
+                  and shape(val) == (B, S) and inputs(ancestors([n]))]
     if not candidates:
         return None
     order = {node: i for i, node in enumerate(roots[0].graph.nodes)}
@@ -986,6 +1048,54 @@ def verify_packed_probabilities(probs: Probabilities, block: int, stride: int, p
         check_row_masks(probs, grid, want, empty_rows, f" (on probe positions '{probe}')")
 
 
+def verify_branch(probs: Probabilities, v: fx.Node | None, data: set, subgraphs: PositionSubgraphs) -> Visibility:
+    """The poolings of K (and of V, when given) and the masks of `probs` verified under the
+    assignment of sizes `subgraphs` evaluates at (`probs` with numbers for its shape)."""
+    S = probs.shape[2]
+    pooling = pooling_of(probs, probs.k, "keys", data, subgraphs)
+    pools = [(pooling, "keys")]
+    if v is not None:
+        v_pooling = pooling_of(probs, v, "values", data, subgraphs)
+        if (pooling.block, pooling.stride) != (v_pooling.block, v_pooling.stride):
+            raise Refused(f"K and V are pooled with different blocks: (l, d) = {(pooling.block, pooling.stride)} "
+                          f"and {(v_pooling.block, v_pooling.stride)}")
+        pools.append((v_pooling, "values"))
+    for pool, what in pools:
+        length = subgraphs.shape(value(pool.source))[pool.seq_dim]
+        if length != S:
+            raise Refused(f"the {what} are pooled from a sequence of {length} tokens, not the {S} queries")
+    if probs.shape[3] == 0:
+        raise Refused(f"no compression block at S = {S} (S < l): nothing to attend to")
+    return verify_probabilities(probs, pooling, subgraphs)
+
+
+def at_sizes(probs: Probabilities, sizes: Sizes) -> Probabilities:
+    """`probs` with its shape [B, H, S, Tc] as the numbers `sizes` gives it."""
+    return probs if not sizes.symbolic else dataclasses.replace(probs, shape=sizes.shape(probs.shape))
+
+
+def verify_at_probe_sizes(probs: Probabilities, v: fx.Node | None, data: set,
+                          subgraphs: PositionSubgraphs) -> Visibility:
+    """`verify_branch` once per probe assignment of the graph's sizes (`Sizes.probes`: the sizes
+    Dynamo saw, then every symbol +1 and +19; just the one for a static graph): the pooling's and
+    the masks' (l, d) must be the same at each, else Refused naming the sizes."""
+    sizes = subgraphs.sizes if subgraphs.sizes is not None else Sizes.of(probs.softmax.graph)
+    found = {}
+    for probe in sizes.probes():
+        at = at_sizes(probs, probe)
+        try:
+            found[probe.describe()] = verify_branch(at, v, data, subgraphs.at(probe))
+        except Refused as why:
+            if not probe.symbolic:
+                raise
+            raise Refused(f"at the probe sizes {probe.describe()} (S = {at.shape[2]}): {why}") from None
+    verdicts = set(found.values())
+    if len(verdicts) > 1:
+        raise Refused("the compressed branch is not the same at every size: " + "; ".join(
+            f"(l, d) = ({seen.block}, {seen.stride}) at {where}" for where, seen in found.items()))
+    return verdicts.pop()
+
+
 def output_product(probs: Probabilities) -> tuple[fx.Node, fx.Node | None, fx.Node]:
     """(p @ v matmul, the cast of p or None, v_rep) among the users of p, or Refused."""
     B, H, _, Tc = probs.shape
@@ -1000,7 +1110,7 @@ def output_product(probs: Probabilities) -> tuple[fx.Node, fx.Node | None, fx.No
         if op_name(mm) not in MATMULS or mm.args[0] is not (cast or probs.p) or not isinstance(mm.args[1], fx.Node):
             continue
         v_rep = value(mm.args[1])
-        if v_rep is not None and v_rep.dim() == 4 and tuple(v_rep.shape[:3]) == (B, H, Tc):
+        if v_rep is not None and v_rep.dim() == 4 and same_shape(v_rep.shape[:3], (B, H, Tc)):
             found.append((mm, cast, mm.args[1]))
     if len(found) != 1:
         raise Refused("the probabilities are not multiplied by V (p @ v)" if not found else
@@ -1013,7 +1123,7 @@ class CompressedAttention(RewritePass):
     summary = "pooled-block attention under the staircase mask -> nsa.compressed_attention, no repeated K/V"
 
     def apply(self, graph: fx.Graph, log: PassLog) -> None:
-        subgraphs, data = PositionSubgraphs(), data_nodes(graph)
+        subgraphs, data = PositionSubgraphs(Sizes.of(graph)), data_nodes(graph)
         requested = log.config.compressed_backend if log.config else "auto"
         for softmax in list(graph.nodes):
             if op_name(softmax) != "softmax" or softmax._erased:
@@ -1034,9 +1144,8 @@ class CompressedAttention(RewritePass):
         probs = read_probabilities(softmax)
         pv, cast, v_rep = output_product(probs)
         v, h_v = ungroup(v_rep)
-        S = probs.shape[2]
         vv = value(v)
-        if h_v != probs.h or vv is None or vv.dim() != 4 or tuple(vv.shape[:3]) != tuple(value(probs.k).shape[:3]):
+        if h_v != probs.h or vv is None or vv.dim() != 4 or not same_shape(vv.shape[:3], value(probs.k).shape[:3]):
             raise Refused(f"the compressed values {None if vv is None else tuple(vv.shape)} (x{h_v}) do not match "
                           f"the keys {tuple(value(probs.k).shape)} (x{probs.h})")
         if not vv.is_floating_point():
@@ -1047,16 +1156,7 @@ class CompressedAttention(RewritePass):
             raise Refused(f"the {value(probs.p).dtype} probabilities multiply {vv.dtype} V without a cast")
         if value(probs.q).dtype != value(probs.k).dtype:
             raise Refused("q and the compressed keys differ in dtype")
-        pooling = pooling_of(probs, probs.k, "keys", data, subgraphs)
-        v_pooling = pooling_of(probs, v, "values", data, subgraphs)
-        if (pooling.block, pooling.stride) != (v_pooling.block, v_pooling.stride):
-            raise Refused(f"K and V are pooled with different blocks: (l, d) = {(pooling.block, pooling.stride)} "
-                          f"and {(v_pooling.block, v_pooling.stride)}")
-        for pool, what in ((pooling, "keys"), (v_pooling, "values")):
-            length = value(pool.source).shape[pool.seq_dim]
-            if length != S:
-                raise Refused(f"the {what} are pooled from a sequence of {length} tokens, not the {S} queries")
-        seen = verify_probabilities(probs, pooling, subgraphs)
+        seen = verify_at_probe_sizes(probs, v, data, subgraphs)
         fakes = (value(probs.q), value(probs.k), vv, seen.block, seen.stride)
         pos = None if seen.pos is None else value(seen.pos)
         try:  # from the fake tensors: device, dtype, head dims

@@ -24,6 +24,12 @@ valid positions only (0 at each document start, +1 per token, as the model's che
 demands): a mask written with document ids (cumsum of pos == 0) passes, and so it should. The
 op then reads the same positions node. Identical mask subgraphs (one per layer) are checked once.
 
+Symbolic sizes (Dynamo's compile after S changed, S a SymInt): the mask is evaluated the same
+way at probe sizes (nsa_compile/sizes.py: the S Dynamo saw, +1 and +19) and must be the same
+window w at each; a mask causal at every probe (w >= S there) is probed at doubled sizes until
+the window shows, and one still causal at CAUSAL_UP_TO is written as w = the longest probe with a
+guard S <= it (window_at_probe_sizes). Packed positions at symbolic sizes are refused.
+
 Becomes `torch.ops.nsa.window_attention(q, k, v, w, c, backend[, pos])[0]` on the un-repeated
 K/V: no [S, S] scores, no K/V copy (nsa_compile/ops/window.py). The backend is chosen here, from
 the fake tensors, and written into the graph: `triton` (this project's window kernels) on CUDA in
@@ -35,6 +41,7 @@ ones before it.
 Refuses (graph unchanged), with the reason shown by `explain`:
 - a mask that depends on data, is not [S, S] over the last two dims, is non-causal, or is not a
   window (off by one, a band that does not reach the diagonal, ...), or S beyond what is verified;
+  at symbolic sizes, a mask that is a different window at different probe sizes;
 - with positions: other data besides them, a mask that is not [B, 1, S, S] (one per row, the same
   for all heads), or one that differs from the packed window on a probe (a document term off by
   one, a row that ignores pos, ...; the reason names the probe and the first differing element),
@@ -50,6 +57,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.ops import flash
@@ -57,6 +65,7 @@ from nsa_compile.ops.window import choose_backend, why_not_triton
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, keep_mask, only_user, strip_upcast, unrepeat
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.rewrite import PassLog, RewritePass
+from nsa_compile.sizes import Sizes
 
 KERNEL = "nsa.window_attention[{backend}] (w={window}{docs}, GQA-native, no S x S tensor{why})"
 
@@ -114,16 +123,17 @@ MAX_VERIFIED_S = 131072  # S * S = 2^34 mask elements, in chunks, on the device 
 MAX_VERIFIED_PACKED = 2**35
 
 
-def mask_nodes(mask: fx.Node, leaf: fx.Node | None = None) -> list[fx.Node]:
-    """The mask's subgraph in graph order (not walking into `leaf`, the packed form's positions);
-    Refused if it reads anything else but positions."""
+def mask_nodes(mask: fx.Node, leaf: fx.Node | None = None, known=()) -> list[fx.Node]:
+    """The mask's subgraph in graph order (not walking into `leaf`, the packed form's positions,
+    nor into the `known` nodes: sizes, given as numbers); Refused if it reads anything else but
+    positions."""
     order, seen, stack = [], set(), [mask]
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        if node is leaf:
+        if node is leaf or node in known:
             continue
         if node.op not in ("call_function", "call_method"):
             raise Refused(f"the mask depends on {node.op} {node.name} (data, not positions)")
@@ -147,7 +157,8 @@ def _is_square(shape, S: int, batch: int = 1) -> bool:
     return len(shape) >= 2 and tuple(shape[-2:]) == (S, S) and (not lead or (batch > 1 and lead == [batch]))
 
 
-def mask_rows(mask: fx.Node, S: int, positions: tuple[fx.Node, torch.Tensor] | None = None):
+def mask_rows(mask: fx.Node, S: int, positions: tuple[fx.Node, torch.Tensor] | None = None,
+              sizes: Sizes | None = None):
     """A function (r0, r1) -> rows r0..r1 of the mask as an [r1 - r0, S] tensor, computed for real.
 
     The mask is evaluated in row chunks so that verifying it costs O(rows * S) memory at any S,
@@ -160,17 +171,22 @@ def mask_rows(mask: fx.Node, S: int, positions: tuple[fx.Node, torch.Tensor] | N
     A packed mask reads positions: `positions` = (leaf, probe) takes the node `leaf` to be the
     tensor `probe` [B, S]. Its nodes may then carry the batch: a small node up to 4 * B * S
     elements, an [S, S] node one leading dim of B; the rows come as [B, r1 - r0, S].
+
+    A graph with symbolic sizes is evaluated under `sizes` (one number per size symbol: S must
+    be the number it gives the mask's size); its size nodes (s27, s27 // 4) enter as numbers.
     """
     leaf, probe = positions or (None, None)
     batch = 1 if probe is None else probe.shape[0]
-    nodes = mask_nodes(mask, leaf)
+    sizes = sizes or Sizes.of(mask.graph)
+    numbers = sizes.size_nodes()
+    nodes = mask_nodes(mask, leaf, numbers)
     shapes = {}
     for node in nodes:
         fake = value(node)
         if fake is None:
             raise Refused(f"the mask node {node.name} has no traced value (cannot verify it)")
-        shapes[node] = tuple(fake.shape)
-    small, big = ({} if leaf is None else {leaf: probe}), []
+        shapes[node] = sizes.shape(fake)
+    small, big = dict(numbers) if leaf is None else {leaf: probe, **numbers}, []
     for node in nodes:
         shape = shapes[node]
         numel = 1
@@ -206,7 +222,8 @@ def mask_rows(mask: fx.Node, S: int, positions: tuple[fx.Node, torch.Tensor] | N
             name = op_name(node) or ""
             shape = shapes[node][:-2] + (r1 - r0, S)
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), chunk_of)
-            if name in CREATIONS and not node.all_input_nodes or name in ("ones_like", "zeros_like", "full_like"):
+            made = name in CREATIONS and all(n in numbers for n in node.all_input_nodes)  # sizes only
+            if made or name in ("ones_like", "zeros_like", "full_like"):
                 fill = CREATIONS[name]
                 if fill is None:
                     fill = kwargs.get("fill_value", args[-1] if name == "full_like" else args[1])
@@ -285,6 +302,54 @@ def window_of(rows, S: int) -> int:
     return w
 
 
+def kept_rows(mask: fx.Node, keep_where_true: bool, S: int, sizes: Sizes | None = None):
+    """(r0, r1) -> the kept entries of rows r0..r1 (mask_rows, negated where the mask is the
+    dropped set)."""
+    chunk = mask_rows(mask, S, sizes=sizes)
+    return chunk if keep_where_true else (lambda r0, r1: ~chunk(r0, r1))
+
+
+# Under symbolic sizes a mask that is causal at every probe size (w >= S) has not shown its
+# window yet: the probes double until one reaches this S, and a mask still causal at the longest
+# probe S_top is rewritten with w = S_top and a guard S <= S_top (a longer S compiles again).
+CAUSAL_UP_TO = 8192
+
+
+def window_at_probe_sizes(mask: fx.Node, keep_where_true: bool, S, sizes: Sizes) -> int:
+    """The w of a mask in a graph with symbolic sizes (S a SymInt): the mask is evaluated, every
+    element, at each probe size (sizes.probes(): the size Dynamo saw, +1 and +19) and must be the
+    same window w at all of them (Refused naming the sizes where it is not). Where every probe is
+    shorter than the window (the mask is causal at each), the probes double until the window shows
+    (w < S), or past CAUSAL_UP_TO; see there."""
+    found = {}  # S at a probe -> its widest row (= S where the mask is causal there)
+    probes = sizes.probes()
+    while True:
+        for probe in probes:
+            n = probe.int(S)
+            if n not in found:
+                found[n] = window_of(kept_rows(mask, keep_where_true, n, probe), n)
+        windows = {w for n, w in found.items() if w < n}
+        if len(windows) > 1:
+            raise Refused("at symbolic sizes the mask is a different window at different S: "
+                          + ", ".join(f"w={w} at S={n}" for n, w in sorted(found.items())))
+        if windows:
+            (w,) = windows
+            short = [n for n, got in found.items() if got == n and n > w]
+            if short:  # causal at a size longer than the window shown elsewhere
+                raise Refused(f"at symbolic sizes the mask is causal at S={short[0]} but a window of {w} at a "
+                              "shorter S")
+            return w
+        top = max(found)
+        if top >= CAUSAL_UP_TO:
+            # causal at every probe up to `top`: w = top is the same attention for every S <= top,
+            # and a guard keeps this graph to those S (bool() on the SymInt records it; a longer S
+            # compiles again)
+            if not bool(S <= top):
+                raise Refused(f"the mask showed no window up to S={top}")  # not reached: S's own size is a probe
+            return top
+        probes = [probe.scaled(2) for probe in probes]
+
+
 # --- packed documents: the mask also reads positions, checked on probes ------------------------
 
 
@@ -300,8 +365,12 @@ def positions_of(mask: fx.Node, B, S) -> fx.Node | None:
     such tensor, or has symbolic sizes (the unpacked path then refuses the data as it always
     has); Refused where it reads the positions and other data too."""
     nodes = ancestors([mask])
-    if not isinstance(B, int) or not isinstance(S, int) or not any(_is_data(n) for n in nodes):
+    data = [n for n in nodes if _is_data(n) and not isinstance(n.meta.get("example_value"), torch.SymInt)]
+    if not data:
         return None
+    if not isinstance(B, int) or not isinstance(S, int):
+        raise Refused(f"the mask reads {data[0].op} {data[0].name} (packed positions?) in a graph with symbolic "
+                      "sizes: packed documents are verified at static sizes only (OptimizeConfig(dynamic=False))")
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
     tables = [n for n in nodes if (val := value(n)) is not None and val.dtype == torch.int64
               and all(isinstance(d, int) for d in val.shape) and tuple(val.shape) == (B, S)]
@@ -473,7 +542,7 @@ class WindowAttention(RewritePass):
             raise Refused("the probabilities are not multiplied by V (p @ v)")
         pv = nxt
         B, H, S, S2 = probs.shape
-        if S != S2:
+        if not statically_known_true(S == S2):
             raise Refused(f"scores are {S} x {S2}: queries and keys differ (not self-attention)")
         scaled = masked.args[0] if op_name(masked) == "masked_fill" else arg(masked, 1, "input")
         mask, keep_where_true = keep_mask(masked, scaled)
@@ -504,12 +573,14 @@ class WindowAttention(RewritePass):
         (qv, kv, vv) = shapes
         if h_k != h_v or kv.shape[1] != vv.shape[1] or qv.shape[1] != kv.shape[1] * h_k or qv.shape[1] != H:
             raise Refused(f"K/V heads {kv.shape[1]} (x{h_k}) and {vv.shape[1]} (x{h_v}) do not serve {H} query heads")
-        if S > MAX_VERIFIED_S:
-            raise Refused(f"S = {S} > {MAX_VERIFIED_S}: the mask is not verified at this length yet")
+        sizes = Sizes.of(softmax.graph)
         pos = positions_of(mask, B, S)
-        if pos is None:  # positions only: evaluated once, every element (a proof for this S)
-            chunk = mask_rows(mask, S)
-            window = window_of(chunk if keep_where_true else (lambda r0, r1: ~chunk(r0, r1)), S)
+        if pos is None and sizes.symbolic:  # positions only, at symbolic sizes: on probe sizes
+            window = window_at_probe_sizes(mask, keep_where_true, S, sizes)
+        elif pos is None:  # positions only: evaluated once, every element (a proof for this S)
+            if S > MAX_VERIFIED_S:
+                raise Refused(f"S = {S} > {MAX_VERIFIED_S}: the mask is not verified at this length yet")
+            window = window_of(kept_rows(mask, keep_where_true, S), S)
         else:  # packed documents: checked on probe positions
             window = document_window_of(mask, pos, keep_where_true, B, S, {} if checked is None else checked)
         try:  # from the fake tensors: device, dtype, head dims

@@ -388,13 +388,14 @@ class HeadAndIds(nn.Module):
 
 
 class WindowedGQA(nn.Module):
-    """Causal sliding-window attention (w = 4) over q [B, 2G, S, D], k/v [B, G, S, D], its mask
-    from the sizes: the window pass rewrites it at static sizes and cannot verify it at symbolic
-    ones."""
+    """Causal sliding-window attention over q [B, 2G, S, D], k/v [B, G, S, D] whose width follows
+    S: w = 4 at even S, 5 at odd S. A window at every static S (rewritten there), but not one w at
+    symbolic sizes (refused there: the probe sizes disagree)."""
 
     def forward(self, q, k, v):
         S = q.shape[2]
         t, s = torch.arange(S)[:, None], torch.arange(S)[None, :]
         k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
         scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-        return torch.softmax(scores.masked_fill(~((s <= t) & (t - s < 4)), float("-inf")), dim=-1) @ v
+        keep = (s <= t) & (t - s < 4 + S % 2)
+        return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v

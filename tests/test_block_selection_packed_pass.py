@@ -293,3 +293,26 @@ def test_gpu_seed_shape_packed_block_ids_match_eager_but_for_near_ties():
     print(f"rows whose blocks differ from eager's: {differ:.2e}")
     assert differ < 1e-3 and bool((got[1] >= 0).sum(-1).max() == 16)
     torch.testing.assert_close(got[0], expected[0], rtol=2e-2, atol=2e-2)
+
+
+def test_packed_documents_at_symbolic_sizes_stay_eager_with_the_reason():
+    """dynamic=None: the second length compiles with S as a symbol, where the packed masks are not
+    verified (static sizes only): both passes refuse with that reason, the answers stay eager's."""
+    from nsa_compile.api import state_of
+
+    torch.manual_seed(1)
+    eager = build_model(preset("tiny", n_layers=1))
+    model = optimize_fresh(copy.deepcopy(eager))
+    for S, lengths in ((40, [13, 27]), (41, [13, 1, 27])):
+        pos = positions(lengths)[None]
+        batch = torch.randint(0, 256, (1, S + 1), generator=torch.Generator().manual_seed(S))
+        torch.testing.assert_close(model.loss(batch, pos), eager.loss(batch, pos), rtol=1e-5, atol=1e-5)
+    static, dynamic = state_of(model).graphs
+    assert "torch.SymInt" in dynamic.code_before
+    for name in (CMP, SEL):
+        (static_log,) = [log for log in static.logs if log.pass_name == name]
+        (log,) = [log for log in dynamic.logs if log.pass_name == name]
+        assert (len(static_log.matches), len(log.matches)) == (1, 0)
+        assert any("packed documents are verified at static sizes only" in r.reason for r in log.refusals), \
+            [r.reason for r in log.refusals]
+    assert "torch.ops.nsa.select_blocks" not in dynamic.code_after

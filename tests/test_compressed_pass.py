@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from helpers import optimize_fresh, only_graph, row, tokens
 
+from nsa_compile.api import state_of
+
 import nsa_compile
 from nsa_compile.models import build_model, preset
 from nsa_compile.models.nsa import NSAAttention, upcast
@@ -167,7 +169,8 @@ class Branch(nn.Module):
         scores = (raw if change == "no-upcast" else upcast(raw)) * Dk**-0.5  # [B, H, S, Tc]
         t = torch.arange(S, device=q.device)[:, None]
         i = torch.arange(Tc, device=q.device)[None, :]
-        last = {"late-by-one": i * d + l, "early-by-one": i * d + l - 2}.get(change, i * d + l - 1)
+        last = {"late-by-one": i * d + l, "early-by-one": i * d + l - 2,
+                "late-at-odd-lengths": i * d + l - 1 + S % 2}.get(change, i * d + l - 1)
         visible = last <= t
         if change == "where":
             scores = torch.where(visible, scores, float("-inf"))
@@ -236,7 +239,9 @@ class Branch(nn.Module):
         t = torch.arange(S, device=p.device)[:, None]
         current = t // ls
         forced = (j == current) | (j == current - 1)
-        if change != "forced-without-block-0":
+        if change == "block-1-forced-at-odd-lengths":  # block 0 at even S, block 1 at odd S
+            forced = forced | (j == S % 2)
+        elif change != "forced-without-block-0":
             forced = forced | (j == 0)
         candidate = j * ls <= t
         if change == "masked-fill-key":
@@ -615,3 +620,91 @@ def test_gpu_paper_shape_64k_is_verified_and_runs_without_the_dense_probabilitie
     print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     assert tuple(block_idx.shape) == (1, 4, S, 16) and bool(torch.isfinite(o).all())
     assert bool((block_idx[..., 0] == 0).all())  # block 0 is always forced
+
+
+# --- symbolic sizes (dynamic shapes): one graph for every length ---------------------------------
+
+def logs_of(record, name):
+    (log,) = [log for log in record.logs if log.pass_name == name]
+    return log
+
+
+# view-blocks: the eager code's x[:, :Tc * l].reshape(..) guards on whether S % l == 0, so S = 48
+# compiles a third graph (Dynamo's doing, not the passes'). The as_strided pooling is left out: its
+# backward guards on the storage size (a recompile per length with or without the passes).
+@pytest.mark.parametrize("change, graphs", [(None, 2), ("view-blocks", 3), ("topk", 2)],
+                         ids=["model", "view-pooling-l-eq-d", "topk"])
+def test_symbolic_lengths_fire_in_one_graph_with_eager_block_ids_and_gradients(change, graphs):
+    """dynamic=None: static at S = 29, then one graph with S as a symbol serves 30, 45, 48 and 61
+    (lengths of every parity, and of residues 0, 1, 5 modulo l' = 8): both rewrites in it, the
+    sorts and the dense softmax gone, block ids equal to eager's, outputs and gradients eager's at
+    each length."""
+    module = Branch(change)
+    optimized = optimize_fresh(copy.deepcopy(module), NO_GQA)
+    for S in (29, 30, 45, 48, 61):
+        args = branch_inputs(S=S)
+        eager_args, opt_args = ([x.clone().requires_grad_() for x in args] for _ in range(2))
+        expected, got = module(*eager_args), optimized(*opt_args)
+        assert torch.equal(got[1], expected[1]), S
+        torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+        grads = torch.autograd.grad(expected[0].square().sum(), eager_args)
+        for a, b in zip(torch.autograd.grad(got[0].square().sum(), opt_args), grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    static, *symbolic = state_of(optimized).graphs  # no recompile per length
+    assert len(symbolic) == graphs - 1 and "torch.SymInt" not in static.code_before
+    for record in symbolic:
+        assert "torch.SymInt" in record.code_before
+        assert [len(logs_of(record, name).matches) for name in (CMP, SEL)] == [1, 1]
+        assert "torch.ops.nsa.compressed_attention" in record.code_after
+        assert "torch.ops.nsa.select_blocks" in record.code_after
+        for gone in ("torch.softmax(", "torch.sort(", "topk("):
+            assert gone not in record.code_after, gone
+
+
+def test_tiny_model_keeps_both_rewrites_when_the_length_changes():
+    """dynamic=None (static first, then S as a symbol): the tiny model at lengths 64, 65, 83, 100
+    compiles twice, and the symbolic graph has both rewrites; logits and gradients are eager's."""
+    torch.manual_seed(0)
+    eager = build_model(preset("tiny", n_layers=1))
+    optimized = optimize_fresh(copy.deepcopy(eager), nsa_compile.OptimizeConfig(compiler="aot_eager"))
+    for S in (64, 65, 83, 100):
+        x = tokens(1, S, seed=S)[:, :-1]
+        expected, got = eager(x), optimized(x)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        expected.square().mean().backward()
+        got.square().mean().backward()
+        for (name, a), b in zip(eager.named_parameters(), optimized.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+            a.grad = b.grad = None
+    static, dynamic = state_of(optimized).graphs
+    assert "torch.SymInt" not in static.code_before and "torch.SymInt" in dynamic.code_before
+    for record in (static, dynamic):
+        assert [len(logs_of(record, name).matches) for name in (CMP, SEL)] == [1, 1]
+        assert "torch.ops.nsa.select_blocks" in record.code_after and "torch.sort(" not in record.code_after
+
+
+@pytest.mark.parametrize(
+    "change, rewritten, reason",
+    [("late-at-odd-lengths", [1, 1, 0, 0], "=31 (S = 31): the visibility mask is off by 1"),
+     ("block-1-forced-at-odd-lengths", [1, 1, 1, 0],
+      "=31 (S = 31): the key has 4 blocks, not ceil(S / l') = 31 for the l' = 0 its masks imply")],
+)
+def test_symbolic_near_miss_right_at_even_lengths_only_is_refused(change, rewritten, reason):
+    """A mask or key that is NSA's at even S only: the static graph at S = 30 is rewritten, the
+    symbolic one (probed at S = 30, 31, 49) is not, with the probe size named, and it stays eager."""
+    module = Branch(change)
+    optimized = optimize_fresh(copy.deepcopy(module), NO_GQA)
+    for S in (30, 31, 44):
+        args = branch_inputs(S=S)
+        for a, b in zip(optimized(*args), module(*args)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    static, dynamic = state_of(optimized).graphs
+    counts = [len(logs_of(record, name).matches) for record in (static, dynamic) for name in (CMP, SEL)]
+    assert counts == rewritten
+    refusals = [r.reason for name in (CMP, SEL) for r in logs_of(dynamic, name).refusals]
+    assert any(reason in text for text in refusals), refusals
+    if change == "late-at-odd-lengths":
+        assert dynamic.code_before == dynamic.code_after
+    else:  # the compressed op is there, the selection stays eager
+        assert "torch.ops.nsa.select_blocks" not in dynamic.code_after
+        assert dynamic.code_after.count("torch.sort(") == dynamic.code_before.count("torch.sort(") == 2

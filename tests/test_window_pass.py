@@ -14,6 +14,7 @@ from helpers import only_graph, optimize_fresh, row, tokens
 import nsa_compile
 from nsa_compile.models import build_model, preset
 from nsa_compile.parity import check_parity
+from nsa_compile.passes import window_attention as window_pass
 
 PASS = "window_attention"
 S = 100
@@ -281,3 +282,70 @@ def test_the_mask_is_verified_in_row_chunks(monkeypatch, mask, expected):
         assert r["matches"] == 1 and f"({expected}, " in r["kernels"][0], r
     else:
         assert r["matches"] == 0 and any(expected in text for text in r["reasons"]), r["reasons"]
+
+
+# --- symbolic sizes (dynamic shapes): the mask checked at probe sizes ----------------------------
+
+
+def odd_window(S, device):  # a window of 4, or 5 at odd S: right at some sizes only
+    t, s = positions(S, device)
+    return (s <= t) & (t - s < 4 + S % 2)
+
+
+def run_lengths(module, lengths, config, h=2):
+    """(optimized module, its record list) after forward and backward at each length, checked
+    against eager there: outputs and every input gradient."""
+    optimized = optimize_fresh(copy.deepcopy(module), config)
+    for S in lengths:
+        inputs = [x.requires_grad_() for x in qkv(h=h, S=S, Dv=6)]
+        expected = module(*inputs)
+        grads = torch.autograd.grad(expected.square().sum(), inputs)
+        got = optimized(*inputs)
+        got_grads = torch.autograd.grad(got.square().sum(), inputs)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got_grads, grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    return optimized, nsa_compile.api.state_of(optimized).graphs
+
+
+# dynamic=None (the default): the first length static, one graph with S a symbol from the first
+# change on (dynamic=True would make every size a symbol, the head dim in the scale too)
+DYNAMIC = nsa_compile.OptimizeConfig(compiler="aot_eager", dynamic=None, disabled_passes=("gqa_grouped_matmul",))
+
+
+@pytest.mark.parametrize("mask, window", [(window_lt(5), 5), (band_tril(3), 3)], ids=["lt", "band-tril"])
+def test_symbolic_sizes_keep_the_window_in_one_graph(mask, window):
+    """One graph with S a symbol serves 38, 53 and 64 (after a static one at 37); the mask was
+    checked at the probe sizes (38, 39, 57) and the op took w."""
+    optimized, graphs = run_lengths(Attention(mask), (37, 38, 53, 64), DYNAMIC)
+    static, record = graphs
+    assert "torch.SymInt" in record.code_before and "torch.SymInt" not in static.code_before
+    assert record.code_before.count("torch.softmax") == 1 and "torch.softmax" not in record.code_after
+    assert "torch.ops.nsa.window_attention" in record.code_after
+    r = row(optimized, PASS)
+    assert r["matches"] == 2 and len(r["kernels"]) == 1  # the same kernel, static and symbolic
+    assert r["kernels"][0].startswith(f"nsa.window_attention[reference] (w={window}, GQA-native, no S x S tensor")
+
+
+def test_symbolic_causal_mask_is_guarded_to_the_longest_probe(monkeypatch):
+    """A mask causal at every probe has not shown a window: w = the longest probe S with a guard
+    S <= it; a longer S compiles again (here with the doubling cap lowered to 64: after a static
+    graph at 30, probes 37, 38, 56, then 74, 76, 112: w = 112)."""
+    monkeypatch.setattr(window_pass, "CAUSAL_UP_TO", 64)
+    optimized, graphs = run_lengths(Attention(causal), (30, 37, 50, 112, 113), DYNAMIC)
+    assert len(graphs) == 3  # 30 static; 37..112 in one graph; 113 past its guard
+    kernels = row(optimized, PASS)["kernels"]
+    assert [k.split(",")[0] for k in kernels] == [f"nsa.window_attention[reference] (w={w}" for w in (30, 112, 132)]
+    assert [len(log.matches) for g in graphs for log in g.logs if log.pass_name == PASS] == [1, 1, 1]
+
+
+def test_symbolic_sizes_refuse_a_window_that_changes_with_s():
+    """A near miss only a second size shows: w = 4 + S % 2 is a window at every static S, but not
+    one w for all S; refused at symbolic sizes with the sizes named, the graph unchanged."""
+    optimized, graphs = run_lengths(Attention(odd_window), (36, 37, 40), DYNAMIC)
+    static, record = graphs
+    assert record.code_before == record.code_after
+    r = row(optimized, PASS)
+    assert r["matches"] == 1  # the static graph at 36 (w = 4 there)
+    assert "at symbolic sizes the mask is a different window at different S: w=5 at S=37, w=4 at S=38, w=4 at S=56" \
+        in r["reasons"]
