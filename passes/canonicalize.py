@@ -45,13 +45,14 @@ einsum
     flattened, none is a size-1 dim (`unsqueeze(-2)` / `unsqueeze(-1)`, then `squeeze`). Proven by
     the equation: every output element is the same sum of products, in the same dtype. Refused:
     other than two operands, a repeated letter within an operand (a diagonal), a letter summed
-    within the right operand, a letter whose size differs between the operands (broadcast),
-    operands of two dtypes (einsum may promote them, matmul does not), symbolic sizes, an implicit
-    output. A letter summed within the left operand only (a group sum
-    folded into the product, 'bghsc,cj->bgsj') is kept through the product and summed after it:
-    the same sum with those terms added last. A right operand that is a matrix [K, N] is
-    broadcast by matmul over the left operand's rows, kept as dims (a leading unflatten of the left
-    operand moves after the product).
+    within the right operand, a letter whose size differs between the operands (broadcast; at
+    symbolic sizes: not the same size for every value of the size symbols), operands of two dtypes
+    (einsum may promote them, matmul does not), an implicit output. A letter summed within the
+    left operand only (a group sum folded into the product, 'bghsc,cj->bgsj') is kept through the
+    product and summed after it: the same sum with those terms added last. A right operand that is
+    a matrix [K, N] is broadcast by matmul over the left operand's rows, kept as dims (a leading
+    unflatten of the left operand moves after the product). At symbolic sizes (dynamic shapes) the
+    views take their sizes from the operands (sym_size nodes), never as numbers.
 
 gqa_expand
     A K/V copy for the heads of each group, `x[:, :, None].expand(B, G, h, ..).reshape(B, G*h, ..)`
@@ -118,9 +119,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from nsa_compile.attention_match import LARGE_NEGATIVE, Refused, erase_replaced
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.fx import size as size_of
 from nsa_compile.rewrite import PassLog, RewritePass
 
 from . import compressed_attention as cmp
@@ -147,6 +150,33 @@ def static_shape(node: fx.Node) -> tuple[int, ...] | None:
 
 
 # --- einsum -------------------------------------------------------------------------------------
+
+
+def size_product(graph: fx.Graph, x: fx.Node, dims, anchor: fx.Node):
+    """The product of the sizes of x's `dims`: an int where they are static, else a graph
+    expression of sym_size nodes (a view's argument, never a number of the first call)."""
+    known, symbolic = 1, []
+    for d in dims:
+        n = value(x).shape[d]
+        if is_concrete_int(n):
+            known *= int(n)
+        else:
+            symbolic.append(size_of(graph, x, d, anchor))
+    total = known if known != 1 or not symbolic else None
+    for n in symbolic:
+        if total is None:
+            total = n
+            continue
+        product = call(graph, operator.mul, total, n, anchor=anchor)
+        # (call finds no fake mode in SymInts: the product's value is recorded here)
+        product.meta["example_value"] = operator.mul(*(value_or_int(x) for x in (total, n)))
+        total = product
+    return total
+
+
+def value_or_int(x):
+    """A node's recorded value (a SymInt for a size node), or x itself (an int)."""
+    return x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else x
 
 
 def parse_equation(equation: str, ranks: list[int]) -> tuple[list[str], str]:
@@ -184,9 +214,7 @@ def einsum_to_matmul(graph: fx.Graph, node: fx.Node) -> str | None:
     if len(operands) != 2 or not all(isinstance(x, fx.Node) and value(x) is not None for x in operands):
         raise Refused(f"einsum of {len(operands)} operands (the matmul form takes two tensors)")
     a, b = operands
-    shapes = [static_shape(a), static_shape(b)]
-    if None in shapes:
-        raise Refused("the einsum operands have symbolic sizes (dynamic shapes)")
+    shapes = [tuple(value(a).shape), tuple(value(b).shape)]  # symbolic sizes too (dynamic shapes)
     if value(a).dtype != value(b).dtype:  # einsum may promote (an outer product is a mul); matmul does not
         raise Refused(f"einsum of {value(a).dtype} and {value(b).dtype} operands (matmul takes one dtype)")
     (ta, tb), out = parse_equation(equation, [len(s) for s in shapes])
@@ -195,8 +223,13 @@ def einsum_to_matmul(graph: fx.Graph, node: fx.Node) -> str | None:
     size = {}
     for term, shape in zip((ta, tb), shapes):
         for c, n in zip(term, shape):
-            if size.setdefault(c, n) != n:
+            if not statically_known_true(size.setdefault(c, n) == n):  # for every value of the symbols
                 raise Refused(f"einsum letter {c!r} has sizes {size[c]} and {n} (broadcast)")
+    # each letter's size as a view argument: an int, or a sym_size of the operand that has it
+    where = {c: (x, term.index(c)) for x, term in ((b, tb), (a, ta)) for c in term}
+
+    def letter_size(c: str):
+        return size_of(graph, where[c][0], where[c][1], node)
     batch = [c for c in out if c in ta and c in tb]
     rows = [c for c in out if c in ta and c not in tb]
     cols = [c for c in out if c in tb and c not in ta]
@@ -220,7 +253,10 @@ def einsum_to_matmul(graph: fx.Graph, node: fx.Node) -> str | None:
             return call(graph, torch.unsqueeze, x, -2, anchor=node)
         if lengths == (1, 0):
             return call(graph, torch.unsqueeze, x, -1, anchor=node)
-        shape = [size[c] for c in batch] + [math.prod(size[c] for c in g) for g in (first_group, second_group)]
+        nb, nf = len(batch), len(first_group)
+        shape = [letter_size(c) for c in batch] + [
+            size_product(graph, x, range(nb, nb + nf), node),
+            size_product(graph, x, range(nb + nf, nb + nf + len(second_group)), node)]
         return call(graph, torch.reshape, x, shape, anchor=node)
 
     if not batch and len(inner) == 1 and len(cols) == 1 and rows_all:
@@ -251,7 +287,7 @@ def einsum_to_matmul(graph: fx.Graph, node: fx.Node) -> str | None:
         elif lengths == (1, 0):
             product = call(graph, torch.squeeze, product, -1, anchor=node)
         elif lengths != (1, 1):
-            product = call(graph, torch.reshape, product, [size[c] for c in natural], anchor=node)
+            product = call(graph, torch.reshape, product, [letter_size(c) for c in natural], anchor=node)
     if summed:
         dims = [natural.index(c) for c in summed]
         product = call(graph, torch.sum, product, dims[0] if len(dims) == 1 else dims, anchor=node)

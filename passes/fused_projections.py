@@ -59,6 +59,15 @@ replaced by its piece of the op: one GEMM instead of n, no eager RoPE arithmetic
 written straight into its own contiguous tensor. The backend is chosen from the fake tensors and
 written into the graph (`triton` on CUDA in fp16/bf16, else `reference`; explain says why).
 
+Symbolic sizes (dynamic shapes: Dynamo's graph after a length changes, B and S as symbols,
+nsa_compile/sizes.py): the views of a split projection and the RoPE probe run with numbers for
+the symbols, at every probe size (the sizes Dynamo saw, then each symbol +1 and +19: another
+parity and residue), and must find the same pieces and the same rotation at each; the graph's
+size nodes (`s27`, `s27 // 4`) enter the evaluation as numbers and are neither tables nor data.
+The rewrite writes no size as a number: the pieces' views read B and S from the op's output
+(sym_size) and the tables' reshape from the tables. Checked on probe sizes, as the window mask
+is: not a proof for every size.
+
 Refuses (that projection stays eager, or its RoPE stays eager on its merged piece), with the
 reason shown by `explain`:
 - a projection whose input, weight or bias is in another dtype than it computes in, unless it
@@ -76,8 +85,10 @@ reason shown by `explain`:
   used elsewhere (the unrotated projection too, e.g. keys compressed before RoPE: the op returns
   the rotated piece only), tables computed after the first projection that cannot be moved
   before it (an autocast boundary or an impure op on the way), a second RoPE convention or table
-  pair in the same group, or symbolic sizes (dynamic shapes: the projections still merge, their
-  RoPE stays eager);
+  pair in the same group;
+- at symbolic sizes (below): RoPE arithmetic that is not the same rotation at every probe size
+  (the reason names the size where it fails), or whose output or tables carry other sizes than
+  the projection's B and S;
 - more than MAX_PIECES projections of one input are split into several groups (not refused).
 """
 
@@ -91,15 +102,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile import probe
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced
-from nsa_compile.fx import arg, call, contiguous_if_read_by_layout, module_path, op_name, value
+from nsa_compile.fx import arg, call, contiguous_if_read_by_layout, module_path, op_name, size, value
 from nsa_compile.ops import rope_triton
 from nsa_compile.ops.rope import choose_backend, rotate, why_not_triton
 from nsa_compile.rewrite import Match, PassLog, RewritePass
+from nsa_compile.sizes import Sizes
 
 MAX_PIECES = rope_triton.MAX_PIECES
 # The probe evaluates the RoPE subgraph at the real shape, in float64, on the graph's device:
@@ -133,6 +145,14 @@ _IMPURE_WORDS = ("rand", "dropout", "bernoulli", "normal", "uniform", "manual_se
 _ENTER_AUTOCAST = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
 _EXIT_AUTOCAST = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
 _AUTOCAST_SIGNATURE = inspect.signature(torch.amp.autocast)
+
+
+def shape_at(node: fx.Node, what: str, sizes: Sizes) -> tuple[int, ...]:
+    """The node's tensor shape as numbers under `sizes` (a static graph's: its own)."""
+    val = value(node)
+    if val is None:
+        raise Refused(f"the {what} has no recorded tensor value")
+    return sizes.shape(val)
 
 
 def static_shape(node: fx.Node, what: str) -> tuple[int, ...]:
@@ -205,8 +225,8 @@ def check_linear(linear: fx.Node, regions: AutocastRegions) -> tuple[fx.Node, fx
     x, weight, bias = arg(linear, 0, "input"), arg(linear, 1, "weight"), arg(linear, 2, "bias")
     if not isinstance(x, fx.Node) or not isinstance(weight, fx.Node) or not (bias is None or isinstance(bias, fx.Node)):
         raise Refused("the projection's input, weight or bias is not a tensor in the graph")
-    # the lead dims of x may be symbolic (dynamic shapes: the GEMMs still merge; RoPE is probed
-    # at static shapes only), the weight's may not
+    # the lead dims of x may be symbolic (dynamic shapes: RoPE is then probed at probe sizes),
+    # the weight's may not
     ws, xs = static_shape(weight, "weight"), tuple(value(x).shape) if value(x) is not None else ()
     if len(ws) != 2 or len(xs) < 2 or not is_concrete_int(xs[-1]) or int(xs[-1]) != ws[1]:
         raise Refused(f"the projection is not x [..., K] by a weight [N, K] (x {xs}, weight {ws})")
@@ -232,29 +252,52 @@ def check_linear(linear: fx.Node, regions: AutocastRegions) -> tuple[fx.Node, fx
     return weight, bias, computes_in
 
 
-def op_table(shape: tuple, B: int, S: int) -> tuple[int, ...] | None:
-    """The [S, F] or [Bt, S, F] shape the op reads a table of `shape` as (any size-1 dims around
-    S: [S, 1, F] for [B, S, h, D] arithmetic, [1, 1, S, F] for heads-first), or None."""
-    if len(shape) == 2 and shape[0] == S:
-        return shape
-    if len(shape) == 3 and shape[:2] in ((1, S), (B, S)):
-        return shape
-    *lead, F = shape
-    big = [d for d in lead if d != 1]
-    if big == [S]:
-        return (S, F)
-    if big == [B, S]:
-        return (B, S, F)
+def op_table_dims(shape: tuple, B: int, S: int) -> tuple[int, ...] | None:
+    """The dims of a table of `shape` that make the [S, F] or [Bt, S, F] shape the op reads it as
+    (any size-1 dims around S dropped: [S, 1, F] for [B, S, h, D] arithmetic, [1, 1, S, F] for
+    heads-first), or None."""
+    if (len(shape) == 2 and shape[0] == S) or (len(shape) == 3 and tuple(shape[:2]) in ((1, S), (B, S))):
+        return tuple(range(len(shape)))
+    kept = [i for i, d in enumerate(shape[:-1]) if d != 1]
+    if [shape[i] for i in kept] in ([S], [B, S]):
+        return (*kept, len(shape) - 1)
     return None
 
 
-def table_layout(node: fx.Node, B: int, S: int) -> tuple[int, ...] | None:
-    """op_table of the node's value when it is a float or complex tensor of static shape, else None."""
+def op_table(shape: tuple, B: int, S: int) -> tuple[int, ...] | None:
+    """The [S, F] or [Bt, S, F] shape the op reads a table of `shape` as (op_table_dims), or None."""
+    dims = op_table_dims(shape, B, S)
+    return None if dims is None else tuple(shape[i] for i in dims)
+
+
+def table_layout(node: fx.Node, B: int, S: int, sizes: Sizes) -> tuple[int, ...] | None:
+    """op_table of the node's value (its sizes as numbers under `sizes`) when it is a float or
+    complex tensor, else None."""
     val = value(node)
-    if not isinstance(val, torch.Tensor) or not (val.is_floating_point() or val.is_complex()) or \
-            not all(is_concrete_int(d) for d in val.shape):
+    if not isinstance(val, torch.Tensor) or not (val.is_floating_point() or val.is_complex()):
         return None
-    return op_table(tuple(int(d) for d in val.shape), B, S)
+    return op_table(sizes.shape(val), B, S)
+
+
+def is_size(node: fx.Node) -> bool:
+    """Whether the node's value is a size (a SymInt: `s27`, `s27 // 4`), not a tensor."""
+    return isinstance(node.meta.get("example_value", node.meta.get("val")), torch.SymInt)
+
+
+def follows(shape: tuple, lead: tuple) -> bool:
+    """Whether every symbolic size in `shape` is, for any value of the symbols, one of the sizes
+    in `lead` (the projection's lead dims, the only sizes the op's pieces carry)."""
+    return all(is_concrete_int(d) or any(statically_known_true(d == t) for t in lead) for d in shape)
+
+
+def shape_from(graph: fx.Graph, shape: tuple, source: fx.Node, anchor: fx.Node) -> tuple:
+    """`shape` as view arguments: its ints as they are, each symbolic size as a sym_size of the
+    dim of `source` that is that size (`follows` checked it is one), so that no number that
+    depends on a size is written into the graph."""
+    dims = value(source).shape
+    return tuple(int(d) if is_concrete_int(d) else
+                 size(graph, source, next(j for j, t in enumerate(dims) if statically_known_true(d == t)), anchor)
+                 for d in shape)
 
 
 def tokens(shape: tuple, layout: str) -> tuple[int, int]:
@@ -315,6 +358,7 @@ class ProjectionsRope(RewritePass):
             if op_name(node) == "linear" and node.graph is graph and isinstance(arg(node, 0, "input"), fx.Node):
                 groups.setdefault(arg(node, 0, "input"), []).append(node)
         regions = AutocastRegions(graph)
+        sizes = Sizes.of(graph)  # numbers for the size symbols of a graph with dynamic shapes
         verified: dict = {}  # structure of a RoPE subgraph -> its hypothesis (one per layer is the same)
         keys: dict = {}  # what each table node computes, as a number (tables computed twice are one)
         for linears in groups.values():
@@ -329,13 +373,13 @@ class ProjectionsRope(RewritePass):
                     continue
                 by_dtype.setdefault(dtype, []).extend(
                     Member(linear, weight, bias, dtype, node, start, width, layout)
-                    for node, start, width, layout in self.pieces(linear))
+                    for node, start, width, layout in self.pieces(linear, sizes))
             for dtype, members in by_dtype.items():
                 # a lone projection is rewritten only for its RoPE
                 if len(members) > 1 or any(self.rope_candidate(m.node) for m in members):
                     for m in members:  # (RoPE-less ones, the v projections, return None at once)
                         try:
-                            m.rope = self.find_rope(m, order, verified, keys)
+                            m.rope = self.find_rope(m, order, verified, keys, sizes)
                         except Refused as why:
                             log.refused(m.node, f"RoPE left eager: {why}")
                 members = self.whole_unless_rotated(members)
@@ -354,32 +398,48 @@ class ProjectionsRope(RewritePass):
 
     # --- pieces of a fused projection ----------------------------------------------------------
 
-    def pieces(self, linear: fx.Node) -> list[tuple[fx.Node, int, int, str]]:
+    def pieces(self, linear: fx.Node, sizes: Sizes) -> list[tuple[fx.Node, int, int, str]]:
         """(node, first column, width, layout) of each piece the projection's output is split
-        into (module docstring), or the whole projection [(linear, 0, N, 'bsn')]."""
+        into (module docstring), or the whole projection [(linear, 0, N, 'bsn')]. With symbolic
+        sizes the views are run at every probe size (sizes.probes()) and must give the same pieces
+        at each, laid out in the projection's own sizes (else the whole projection)."""
         shape = tuple(value(linear).shape)
         whole = [(linear, 0, shape[-1], "bsn")]
-        if len(shape) != 3 or not all(is_concrete_int(d) for d in shape):
+        if len(shape) != 3 or not is_concrete_int(shape[-1]):
             return whole
         children, tree = self.view_tree(linear)
         if len(tree) == 1:
             return whole
-        B, S, N = (int(d) for d in shape)
-        if max(B * S, N) >= probe.EXACT_BELOW[torch.float32]:
+        found = None
+        for probe_sizes in sizes.probes():
+            at = self.pieces_at(linear, children, tree, probe_sizes)
+            if at is None or (found is not None and at != found):
+                return whole
+            found = at
+        lead = shape[:-1]
+        if sizes.symbolic and not all(follows(tuple(value(node).shape), lead) for node, *_ in found):
             return whole
+        return found  # (one piece: the only columns used)
+
+    def pieces_at(self, linear: fx.Node, children: dict, tree: list[fx.Node],
+                  sizes: Sizes) -> list[tuple[fx.Node, int, int, str]] | None:
+        """The pieces (`pieces`) found by running the views at the sizes `sizes`, or None."""
+        B, S, N = sizes.shape(value(linear))
+        if max(B * S, N) >= probe.EXACT_BELOW[torch.float32]:
+            return None
         # two probes of stride-0 views (no memory): each element's column, each element's token
         device = value(linear).device
         codes = (probe.index_codes((1, 1, N), device, torch.float32).expand(B, S, N),
                  probe.index_codes((B, S, 1), device, torch.float32).expand(B, S, N))
         try:
-            values = [probe.run_all(tree[1:], {linear: c}, "the views of the projection", torch.float32)
-                      for c in codes]
+            values = [probe.run_all(tree[1:], {linear: c, **sizes.size_nodes()}, "the views of the projection",
+                                    torch.float32) for c in codes]
         except Refused:
-            return whole
+            return None
         found = self.descend(linear, children, values, codes)
         if not found or (len(found) == 1 and found[0][2] == N) or self.meet_again([node for node, *_ in found]):
-            return whole
-        return found  # (one piece: the only columns used)
+            return None
+        return found
 
     @staticmethod
     def view_tree(linear: fx.Node) -> tuple[dict, list[fx.Node]]:
@@ -393,7 +453,8 @@ class ProjectionsRope(RewritePass):
             kids = []
             for user in node.users:
                 name = op_name(user)
-                if arg(user, 0, "input") is not node or len(user.all_input_nodes) != 1:
+                # one tensor read (the sizes of a view under dynamic shapes are nodes too)
+                if arg(user, 0, "input") is not node or len([i for i in user.all_input_nodes if not is_size(i)]) != 1:
                     continue
                 if name in _SPLIT_OPS and all(op_name(u) == "getitem" for u in user.users):
                     tree.append(user)
@@ -535,20 +596,70 @@ class ProjectionsRope(RewritePass):
                 heapq.heappush(heap, (order[user], user.name, user))
         return sorted(region, key=order.__getitem__)
 
-    def find_rope(self, m: Member, order: dict, verified: dict, keys: dict) -> dict | None:
+    def find_rope(self, m: Member, order: dict, verified: dict, keys: dict, sizes: Sizes) -> dict | None:
         """The RoPE applied to this projection ({output node, subgraph, tables, style, ...}), None
-        when there is no RoPE-like arithmetic, Refused when there is one that is not a rotation."""
+        when there is no RoPE-like arithmetic, Refused when there is one that is not a rotation.
+
+        With symbolic sizes (dynamic shapes) the search and its probe run at every probe size
+        (sizes.probes(): the sizes Dynamo saw, then each symbol +1 and +19) and must find the same
+        rotation at each; the rotated output and the tables must then carry the projection's own
+        B and S (the sizes of the op's pieces), for any value of the symbols."""
         if not self.rope_candidate(m.node):
             return None
-        shape = static_shape(m.node, "projection")
+        if value(m.node) is None:
+            raise Refused("the projection has no recorded tensor value")
+        region = self.region(m.node, m.linear, order)
+        found = []
+        for probe_sizes in sizes.probes():
+            try:
+                found.append(self.find_rope_at(m, region, order, verified, keys, probe_sizes))
+            except Refused as why:
+                if not found:  # at the sizes Dynamo saw (a static graph's only sizes): as it is
+                    raise
+                raise Refused(f"{why} (at {probe_sizes.describe()}; at {sizes.describe()}: "
+                              f"{self.hypothesis(found[0])})") from None
+        rope = found[0]
+        if not sizes.symbolic:
+            return rope
+        seen = [self.hypothesis(r) for r in found]
+        if len(set(seen)) > 1:
+            raise Refused("the arithmetic is not the same rotation at every size: " + "; ".join(
+                f"{text} at {p.describe()}" for text, p in zip(seen, sizes.probes())))
+        if rope is None:
+            return None
+        B, S = tokens(tuple(value(m.node).shape), m.layout)
+        out_B, out_S = tokens(tuple(value(rope["out"]).shape), rope["out_layout"])
+        table = [value(rope["cos"]).shape[i] for i in rope["table_dims"][:-1]]  # [S] or [Bt, S]
+        if not (statically_known_true(out_B == B) and statically_known_true(out_S == S)
+                and statically_known_true(table[-1] == S)
+                and (len(table) == 1 or statically_known_true(table[0] == 1) or statically_known_true(table[0] == B))
+                and follows(tuple(value(rope["out"]).shape), tuple(value(m.linear).shape[:-1]))):
+            raise Refused(f"the rotated output {tuple(value(rope['out']).shape)} or the tables "
+                          f"{tuple(value(rope['cos']).shape)} have sizes that are not, for every value of the size "
+                          f"symbols, the projection's B, S = {B}, {S}")
+        return rope
+
+    @staticmethod
+    def hypothesis(rope: dict | None) -> str:
+        """What find_rope_at found, as text without sizes (equal at every probe size, or Refused)."""
+        if rope is None:
+            return "no rotation"
+        negate = ", by the opposite angle" if rope["negate"] else ""
+        return (f"a {rope['style']} rotation r={rope['rotary']} of heads of {rope['head_dim']} with {rope['width']} "
+                f"tables {rope['cos'].name}, {rope['sin'].name}{negate} at {rope['out'].name} "
+                f"({rope['out_layout']}, table dims {rope['table_dims']})")
+
+    def find_rope_at(self, m: Member, region: list[fx.Node], order: dict, verified: dict, keys: dict,
+                     sizes: Sizes) -> dict | None:
+        """find_rope with the sizes `sizes` gives the graph's symbols (a static graph's own)."""
+        shape = sizes.shape(value(m.node))
         if m.layout == "bsn" and len(shape) not in (2, 3):
             return None
         B, S = tokens(shape, m.layout)
-        region = self.region(m.node, m.linear, order)
         first_reason = None
         # candidates: the [B, S, heads, D] / [B, heads, S, D] (/ packed) outputs of closed subgraphs, largest first
         for out in reversed(region[1:]):
-            layouts = rope_layouts(tuple(value(out).shape), B, S, m.width) if value(out) is not None else []
+            layouts = rope_layouts(sizes.shape(value(out)), B, S, m.width) if value(out) is not None else []
             if not layouts:
                 continue
             sub = self.ancestors_in(out, region)
@@ -563,7 +674,7 @@ class ProjectionsRope(RewritePass):
                 continue
             for layout in layouts:
                 try:
-                    return self.verify(m, out, layout, sub, order, verified, keys, B, S)
+                    return self.verify(m, out, layout, sub, order, verified, keys, B, S, sizes)
                 except Refused as why:
                     first_reason = first_reason or why
         if first_reason is not None:
@@ -582,23 +693,25 @@ class ProjectionsRope(RewritePass):
         return [n for n in region if n in keep]
 
     @staticmethod
-    def tables(sub: list[fx.Node], order: dict, B: int, S: int) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node]]:
+    def tables(sub: list[fx.Node], order: dict, B: int, S: int,
+               sizes: Sizes) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node]]:
         """(tables, table-side nodes in graph order, the values the subgraph reads besides the
         projection). From each value the arithmetic reads, the walk goes up through _TABLE_OPS that
         move ONE tensor (a cat or stack may repeat it); it stops at any other node (rope_tables'
         cos, a gather cos[pos] that also reads the packed positions, any expression). On that chain
         the table is the node nearest the stop whose value has a table's shape (else the stop
-        itself, refused for its shape): the op reads its value, whatever computed it."""
+        itself, refused for its shape): the op reads its value, whatever computed it. Sizes (the
+        SymInt nodes of a graph with dynamic shapes, given as numbers) are neither tables nor values."""
         inside = set(sub)
         externals = list(dict.fromkeys(i for n in sub[1:] for i in n.all_input_nodes
-                                       if i not in inside and i not in ProjectionsRope.like_only(n)))
+                                       if i not in inside and i not in ProjectionsRope.like_only(n) and not is_size(i)))
         tables, side = [], set()
         for node in externals:
             chain = [node]  # from the arithmetic up
             while chain[-1].op in ("call_function", "call_method") and op_name(chain[-1]) in _TABLE_OPS and \
-                    len(chain[-1].all_input_nodes) == 1:
-                chain.append(chain[-1].all_input_nodes[0])
-            shaped = [n for n in chain if table_layout(n, B, S) is not None]
+                    len(read := [i for i in chain[-1].all_input_nodes if not is_size(i)]) == 1:
+                chain.append(read[0])
+            shaped = [n for n in chain if table_layout(n, B, S, sizes) is not None]
             table = shaped[-1] if shaped else chain[-1]
             if table not in tables:
                 tables.append(table)
@@ -614,16 +727,18 @@ class ProjectionsRope(RewritePass):
         return []
 
     def verify(self, m: Member, out: fx.Node, out_layout: str, sub: list[fx.Node], order: dict, verified: dict,
-               keys: dict, B: int, S: int) -> dict:
-        D = value(out).shape[-1]
-        sources, side, externals = self.tables(sub, order, B, S)
+               keys: dict, B: int, S: int, sizes: Sizes) -> dict:
+        """The rotation `out` computes from the projection (find_rope's dict), checked on a probe at
+        the sizes `sizes` (B, S: the projection's tokens there), or Refused."""
+        D = sizes.int(value(out).shape[-1])
+        sources, side, externals = self.tables(sub, order, B, S, sizes)
         names = ", ".join(n.name for n in sources)
         vals = [value(n) for n in sources]
         complex_table = len(sources) == 1 and vals[0] is not None and vals[0].is_complex()
         if len(sources) != 2 and not complex_table:
             raise Refused(f"the arithmetic reads {len(sources)} tables besides the projection ({names}); "
                           "RoPE reads two (cos, sin) or one complex table")
-        shapes = [static_shape(n, "RoPE table") for n in sources]
+        shapes = [shape_at(n, "RoPE table", sizes) for n in sources]
         layout = op_table(shapes[0], B, S)
         if len(set(shapes)) != 1 or layout is None or not all(v.is_floating_point() or complex_table for v in vals):
             pair = " and ".join(str(s) for s in shapes) if len(shapes) == 2 else str(shapes[0])
@@ -644,10 +759,10 @@ class ProjectionsRope(RewritePass):
                   if (F if w == "full" else 2 * F) <= D and (w != "full" or F % 2 == 0)]
         if not widths:
             raise Refused(f"the rotary dim (from the tables {shapes[0]}) exceeds the head dim {D}")
-        key = (probe.fingerprint([*side, *sub[1:]], [m.node, *sources]), sub.index(out), tuple(value(m.node).shape),
+        key = (probe.fingerprint([*side, *sub[1:]], [m.node, *sources]), sub.index(out), sizes.shape(value(m.node)),
                m.layout, out_layout, shapes[0])
         if key not in verified:
-            verified[key] = self.probe(m, out, out_layout, sources, side, sub, layout, D, widths)
+            verified[key] = self.probe(m, out, out_layout, sources, side, sub, layout, D, widths, sizes)
         swap, style, negate, width = verified[key]
         if complex_table:
             cos = sin = sources[0]  # its real and imaginary parts
@@ -656,7 +771,8 @@ class ProjectionsRope(RewritePass):
         R = F if width == "full" else 2 * F
         tables = [self.key(t, keys) for t in (cos, sin)]
         return {"out": out, "out_layout": out_layout, "sub": sub, "externals": externals, "cos": cos, "sin": sin,
-                "negate": negate, "style": style, "width": width, "rotary": R, "head_dim": D, "table_shape": layout,
+                "negate": negate, "style": style, "width": width, "rotary": R, "head_dim": D,
+                "table_dims": op_table_dims(shapes[0], B, S),
                 "signature": (*tables, negate, style, width, D)}
 
     @staticmethod
@@ -682,14 +798,16 @@ class ProjectionsRope(RewritePass):
             pending.pop()
         return keys[node]
 
-    def probe(self, m, out, out_layout, sources, side, sub, layout, D, widths) -> tuple[bool, str, bool, str]:
+    def probe(self, m, out, out_layout, sources, side, sub, layout, D, widths,
+              sizes: Sizes) -> tuple[bool, str, bool, str]:
         """(tables swapped, style, angle negated, table width) of the rotation the subgraph
         computes on random y and random tables, or Refused. Widths: 'half' (one entry per pair),
-        'full' (one entry per column), 'complex' (one complex table: cos + i sin)."""
+        'full' (one entry per column), 'complex' (one complex table: cos + i sin). Shapes and the
+        graph's size nodes take their numbers under `sizes`."""
         device = value(m.node).device
         gen = torch.Generator(device=device).manual_seed(0)
-        y = torch.randn(value(m.node).shape, generator=gen, device=device, dtype=torch.float64)
-        shape = tuple(value(sources[0]).shape)
+        y = torch.randn(sizes.shape(value(m.node)), generator=gen, device=device, dtype=torch.float64)
+        shape = sizes.shape(value(sources[0]))
         rand = lambda: torch.rand(shape, generator=gen, device=device, dtype=torch.float64) * 2 - 1
         if widths == ["complex"]:
             t = [torch.complex(rand(), rand())]
@@ -698,12 +816,12 @@ class ProjectionsRope(RewritePass):
             t = [rand() for _ in sources]
             pairs = [(t[0].reshape(layout), t[1].reshape(layout))]
             pairs.append(pairs[0][::-1])
-        env = {m.node: y, **dict(zip(sources, t))}
+        env = {**sizes.size_nodes(), m.node: y, **dict(zip(sources, t))}
         for n in sub[1:]:  # inputs read for their dtype or shape only: any values
-            env.update((i, torch.zeros(value(i).shape, device=device, dtype=torch.float64))
+            env.update((i, torch.zeros(sizes.shape(value(i)), device=device, dtype=torch.float64))
                        for i in self.like_only(n) if i not in env and i not in sub)
         got = probe.run([*side, *sub[1:]], env, out, "the RoPE arithmetic")
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(value(out).shape):
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != sizes.shape(value(out)):
             raise Refused("the RoPE arithmetic evaluates to another shape than traced")
         got, y = as_bsn(got, out_layout), as_bsn(y, m.layout)
         for width in widths:
@@ -872,22 +990,26 @@ class ProjectionsRope(RewritePass):
         node = rope[which]
         if rope["width"] == "complex":
             node = call(graph, torch.real if which == "cos" else torch.imag, node, anchor=anchor)
-        if tuple(value(node).shape) != rope["table_shape"]:  # [Bt, S, 1, R/2] -> [Bt, S, R/2]
-            node = call(graph, torch.reshape, node, rope["table_shape"], anchor=anchor)
+        dims = rope["table_dims"]
+        if dims != tuple(range(value(node).dim())):  # [Bt, S, 1, R/2] -> [Bt, S, R/2]
+            node = call(graph, torch.reshape, node, tuple(size(graph, node, i, anchor) for i in dims), anchor=anchor)
         return node
 
     @staticmethod
     def laid_out(graph: fx.Graph, piece: fx.Node, m: Member, anchor: fx.Node) -> fx.Node:
         """The op's piece [*lead, width] laid out as what it replaces: the rotated output
-        [B, S, heads, D] or [B, heads, S, D], or the projection (piece) in its layout."""
+        [B, S, heads, D] or [B, heads, S, D], or the projection (piece) in its layout. Symbolic
+        sizes are read from the piece (shape_from), never written as numbers."""
         layout, shape = (m.rope["out_layout"], tuple(value(m.rope["out"]).shape)) if m.rope else \
             (m.layout, tuple(value(m.node).shape))
         if layout == "heads-first":  # [B, S, *heads, D] with the token dim moved after the heads
             B, S = tokens(shape, layout)
-            piece = call(graph, torch.reshape, piece, (B, S, *shape[1:-2], shape[-1]), anchor=anchor)
+            piece = call(graph, torch.reshape, piece, shape_from(graph, (B, S, *shape[1:-2], shape[-1]), piece, anchor),
+                         anchor=anchor)
             piece = call(graph, torch.movedim, piece, 1, -2, anchor=anchor)
-        elif tuple(value(piece).shape) != shape:
-            piece = call(graph, torch.reshape, piece, shape, anchor=anchor)
+        elif len(value(piece).shape) != len(shape) or \
+                not all(statically_known_true(a == b) for a, b in zip(value(piece).shape, shape)):
+            piece = call(graph, torch.reshape, piece, shape_from(graph, shape, piece, anchor), anchor=anchor)
         return contiguous_if_read_by_layout(graph, piece, m.rope["out"] if m.rope else m.node, anchor)
 
 

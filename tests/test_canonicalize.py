@@ -6,6 +6,7 @@ are refused with the graph unchanged and a reason."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -506,3 +507,76 @@ def test_an_einsum_of_two_dtypes_is_refused():
     assert [r.reason for r in log.refusals] == [
         "einsum: einsum of torch.float32 and torch.bfloat16 operands (matmul takes one dtype)"]
     assert log.code_after == record.code_before
+
+
+# --- symbolic sizes (dynamic shapes) ----------------------------------------------------------------
+
+
+class Einsums(nn.Module):
+    """Two-operand einsums over inputs whose length S changes between calls: a batched product,
+    sequence-first heads, two contracted letters flattened, a letter summed within the left
+    operand, and a matrix on the right. `broadcast`: one einsum whose letter is 1 in one operand
+    and S in the other (a near miss: matmul does not broadcast a contracted dim)."""
+
+    def __init__(self, broadcast=False):
+        super().__init__()
+        self.broadcast = broadcast
+        self.w = nn.Parameter(torch.randn(G, h, D))  # [G, h, N]
+        self.proj = nn.Parameter(torch.randn(D, 3))  # [C, J]
+
+    def forward(self, q, k):  # q [B, H, S, D], k [B, H, S, D]
+        if self.broadcast:
+            return torch.einsum("bhsd,bhsd->bhs", q, k[:, :, :1])  # k's s: 1, broadcast over q's
+        scores = torch.einsum("bhid,bhjd->bhij", q, k)  # [B, H, S, S]
+        seq = torch.einsum("bqhd,bkhd->bhqk", q.transpose(1, 2), k.transpose(1, 2))  # [B, H, S, S]
+        grouped = q.transpose(1, 2).unflatten(2, (G, h))  # [B, S, G, h, D]
+        flat = torch.einsum("bsgh,ghn->bsn", grouped.sum(-1), self.w)  # [B, S, D]: g, h contracted
+        summed = torch.einsum("bghsc,cj->bgsj", grouped.permute(0, 2, 3, 1, 4), self.proj)  # [B, G, S, 3]
+        return scores.sum(-1) + seq.mean(-1) + flat.sum(-1)[:, None] + summed.sum((-1, 1))[:, None]
+
+
+def qk_of_length(length: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(length)
+    return [torch.randn(B, H, length, D, generator=g) for _ in range(2)]
+
+
+def test_einsums_at_symbolic_sizes_become_matmuls():
+    """Four lengths: the first compiles static, the others share one graph with S a symbol, where
+    each einsum becomes a matmul whose views take S from the operands (no size of the first call
+    written into the graph); outputs and gradients equal eager's at each length."""
+    module = Einsums()
+    optimized = optimize_fresh(copy.deepcopy(module), only("canonicalize"))
+    for length in (9, 10, 11, 17):
+        inputs = qk_of_length(length)
+        leaves = [[x.clone().requires_grad_() for x in inputs] for _ in range(2)]
+        want, got = module(*leaves[0]), optimized(*leaves[1])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        grads = [torch.autograd.grad(out.square().sum(), [*xs, *m.parameters()])
+                 for out, xs, m in ((want, leaves[0], module), (got, leaves[1], optimized))]
+        for a, b in zip(grads[1], grads[0], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    static, symbolic = state_of(optimized).graphs
+    assert "torch.SymInt" not in static.code_before and "torch.SymInt" in symbolic.code_before
+    (log,) = [log for log in symbolic.logs if log.pass_name == "canonicalize"]
+    assert [m.kernel for m in log.matches] == [
+        "einsum: 'bhid,bhjd->bhij' -> matmul", "einsum: 'bqhd,bkhd->bhqk' -> matmul",
+        "einsum: 'bsgh,ghn->bsn' -> matmul",
+        "einsum: 'bghsc,cj->bgsj' -> matmul, then a sum over h (the same sum, the h terms added after the product)"]
+    assert log.refusals == []
+    body = log.code_after.split("def forward")[1]
+    assert "einsum" not in body and body.count("torch.matmul(") == 4
+    assert "torch.ops.aten.sym_size.int(" in body  # the flattened views' sizes, read from the operands
+
+
+def test_an_einsum_broadcast_at_symbolic_sizes_is_refused():
+    """A contracted letter of size 1 against S: not the same size for every S (broadcast)."""
+    module = Einsums(broadcast=True)
+    optimized = optimize_fresh(copy.deepcopy(module), only("canonicalize"))
+    for length in (9, 10, 11):
+        inputs = qk_of_length(length)
+        torch.testing.assert_close(optimized(*inputs), module(*inputs), rtol=0, atol=0)
+    _, symbolic = state_of(optimized).graphs
+    (log,) = [log for log in symbolic.logs if log.pass_name == "canonicalize"]
+    assert log.matches == [] and log.code_after == symbolic.code_before
+    (refusal,) = log.refusals
+    assert re.fullmatch(r"einsum: einsum letter 's' has sizes s\d+ and 1 \(broadcast\)", refusal.reason), refusal

@@ -26,6 +26,7 @@ import torch.nn as nn
 from helpers import only_graph, optimize_fresh, row
 
 import nsa_compile
+from nsa_compile.api import state_of
 from nsa_compile.parity import check_parity
 
 COMBINE, PROJECTIONS, CANON = "gated_combine", "projections_rope", "canonicalize"
@@ -352,6 +353,33 @@ def test_rope_spellings_fire_with_parity(spelling, dtype):
     rotation = re.compile(r"= -[a-z_]|\w - \w|view_as_complex|view_as_real")
     assert rotation.search(before) and not rotation.search(after)
     assert after.count(" * ") < before.count(" * ")
+
+
+@pytest.mark.parametrize("spelling", list(ROPE_SPELLINGS))
+def test_rope_spellings_fire_at_symbolic_sizes(spelling):
+    """Each spelling at four lengths: the first compiles static, the others share one graph with
+    the length a symbol, where the pass fires with the same kernel (the views, tables and RoPE
+    checked at the probe sizes); output and every gradient equal eager's (fp32) at each length."""
+    module = Rope(spelling)
+    optimized = optimize_fresh(copy.deepcopy(module), only(PROJECTIONS))
+    for length in (SP, SP + 1, SP + 2, 13):  # (max_len 16: the cached tables' length)
+        gen = torch.Generator().manual_seed(length)
+        x = torch.randn(2 * length, DIMP, generator=gen) if spelling == "packed" else \
+            torch.randn(2, length, DIMP, generator=gen)
+        (want, want_grads), (got, got_grads) = with_grads(module, (x,)), with_grads(optimized, (x,))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert want_grads.keys() == got_grads.keys()
+        for name in want_grads:
+            torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    static, symbolic = state_of(optimized).graphs
+    assert "torch.SymInt" not in static.code_before and "torch.SymInt" in symbolic.code_before
+    (log,) = [log for log in symbolic.logs if log.pass_name == PROJECTIONS]
+    projections, rope = ROPE_SPELLINGS[spelling]
+    assert len(log.matches) == 1 and log.refusals == [], (log.matches, log.refusals)
+    kernel = log.matches[0].kernel
+    assert kernel.startswith(f"nsa.projection_rope[reference] ({projections} -> 1 GEMM of ") and f"; {rope};" in kernel
+    after = symbolic.code_after
+    assert after.count("torch.ops.nsa.projection_rope(") == 1 and "torch._C._nn.linear(" not in after
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,9 @@ import torch.nn as nn
 from helpers import only_graph, optimize_fresh, row, tokens
 
 import nsa_compile
+from nsa_compile.api import state_of
 from nsa_compile.models import build_model
+from nsa_compile.models.config import preset
 from nsa_compile.models.nsa import apply_rope, rope_tables
 from nsa_compile.ops import rope as rope_op
 from nsa_compile.parity import FLOORS, check_parity, relative_error
@@ -202,7 +204,8 @@ class OneRope(nn.Module):
         if change != "autocast-float32-tables":  # else bf16 y times fp32 tables: fp32 by type promotion
             c, s = c.to(y.dtype), s.to(y.dtype)
         x_rot, x_pass = y[..., :r], y[..., r:]
-        x1, x2 = x_rot.chunk(2, dim=-1) if change == "chunk" else (x_rot[..., : r // 2], x_rot[..., r // 2 :])
+        half = r // 2 + S % 2 if change == "residue-split" else r // 2  # odd S: a wrong partner
+        x1, x2 = x_rot.chunk(2, dim=-1) if change == "chunk" else (x_rot[..., :half], x_rot[..., half:])
         cc, ss = torch.cat([c, c], dim=-1), torch.cat([s, s], dim=-1)
         if change == "missing-neg":
             rotated = torch.cat([x2, x1], dim=-1)
@@ -340,16 +343,97 @@ def test_a_weight_computed_after_the_first_projection_is_left_out():
     assert any(text.startswith("its wk is computed after the group's first projection") for text in r["reasons"])
 
 
-def test_dynamic_shapes_merge_the_gemms_and_leave_rope_eager():
-    """The RoPE probe runs at static shapes only; the merged GEMM works at any size."""
+# --- symbolic sizes (dynamic shapes) ---------------------------------------------------------------
+
+
+def symbolic_records(model) -> list:
+    """The compiled graphs of `model` with symbolic sizes (SymInt inputs: Dynamo's dynamic graphs)."""
+    return [g for g in state_of(model).graphs if "torch.SymInt" in g.code_before]
+
+
+def log_of(record, name: str = PASS):
+    (log,) = [log for log in record.logs if log.pass_name == name]
+    return log
+
+
+def outputs_and_grads(module, args) -> tuple[torch.Tensor, list]:
+    """The output and the gradients of x and of every parameter for the loss sum(out^2)."""
+    x = args[0].clone().requires_grad_()
+    out = module(x, *args[1:])
+    return out.detach(), torch.autograd.grad(out.square().sum(), [x, *module.parameters()])
+
+
+@pytest.mark.parametrize("dynamic, graphs", [(None, 2), (True, 1)], ids=["dynamic-after-a-change", "dynamic"])
+def test_rope_fused_at_symbolic_sizes(dynamic, graphs):
+    """One graph with S (and under dynamic=True B) as a symbol serves every length: the GEMMs
+    merged and the RoPE fused in it (checked at the probe sizes), outputs and gradients equal to
+    eager at each length, no recompile per length."""
     module = Projections()
-    optimized = optimize_fresh(copy.deepcopy(module), ONLY.replace(dynamic=True))
-    for S in (11, 13, 17):
-        x, cos, sin = projection_inputs(S=S)
-        torch.testing.assert_close(optimized(x, cos, sin), module(x, cos, sin), rtol=1e-5, atol=1e-5)
-    r = row(optimized, PASS)
-    assert r["matches"] >= 1 and all("(7 projections -> 1 GEMM of 128 columns; no RoPE;" in k for k in r["kernels"])
-    assert all(text.startswith("RoPE left eager: the projection has symbolic sizes") for text in r["reasons"]), r
+    optimized = optimize_fresh(copy.deepcopy(module), ONLY.replace(dynamic=dynamic))
+    for S in (11, 12, 13, 17, 30):
+        args = projection_inputs(S=S)
+        (want, want_grads), (got, got_grads) = outputs_and_grads(module, args), outputs_and_grads(optimized, args)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(state_of(optimized).graphs) == graphs
+    (record,) = symbolic_records(optimized)
+    log = log_of(record)
+    assert [m.kernel for m in log.matches] == [
+        f"nsa.projection_rope[reference] (7 projections -> 1 GEMM of 128 columns; RoPE half r=8 on 4 of them"
+        f"{NOT_TRITON})"] and log.refusals == []
+    before, after = record.code_before, record.code_after
+    assert before.count("torch._C._nn.linear(") == 7 and "torch._C._nn.linear(" not in after
+    assert after.count("torch.ops.nsa.projection_rope(") == 1
+    # the RoPE arithmetic is gone (x_rot * cos + rotated * sin, the sign flip) and the pieces' views
+    # read their sizes from the op's output (sym_size), not numbers of the first call
+    negation = re.compile(r"= -[a-z_]")
+    assert " * " in before and negation.search(before) and " * " not in after and not negation.search(after)
+    assert "torch.ops.aten.sym_size.int(" in after
+
+
+def test_tiny_model_keeps_the_rewrite_at_varying_lengths():
+    """The tiny reference model at four lengths (not multiples of its block sizes): the first
+    compiles static, the others share one graph with S a symbol, where the pass fires once per
+    layer with the RoPE fused; logits and every gradient equal eager's at each length."""
+    torch.manual_seed(3)
+    eager = build_model(preset("tiny", n_layers=1))
+    config = ONLY.replace(disabled_passes=tuple(p for p in nsa_compile.pass_names() if p not in (PASS, "canonicalize")))
+    optimized = optimize_fresh(copy.deepcopy(eager), config)
+    for S in (40, 41, 45, 47):  # (past 48 the model itself recompiles: its top-n takes min(n, blocks))
+        batch = tokens(1, S, seed=S)
+        for model in (eager, optimized):
+            model.zero_grad(set_to_none=True)
+        want, got = eager(batch[:, :-1]), optimized(batch[:, :-1])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        want.square().mean().backward()
+        got.square().mean().backward()
+        for (name, a), b in zip(optimized.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert len(state_of(optimized).graphs) == 2
+    (record,) = symbolic_records(optimized)
+    log = log_of(record)
+    assert [m.where for m in log.matches] == ["blocks.0.attn"] and log.refusals == []
+    assert "(7 projections -> 1 GEMM of 256 columns; RoPE half r=16 on 4 of them" in log.matches[0].kernel
+    assert record.code_after.count("torch.ops.nsa.projection_rope(") == 1
+
+
+def test_a_rotation_at_one_residue_only_is_refused_at_symbolic_sizes():
+    """Halves split at r/2 + S % 2: a rotation at even S, a wrong partner at odd S. The static
+    graph (S = 12) fuses it; the symbolic one, first seen at S = 14, is checked at 14, 15 and 33
+    too and refused (graph unchanged, eager's output at odd S) with the size where it fails."""
+    module = OneRope("residue-split")
+    optimized = optimize_fresh(copy.deepcopy(module), ONLY)
+    for S in (12, 14, 15, 17):
+        args = projection_inputs(dim=16, rot=6, S=S)
+        torch.testing.assert_close(optimized(*args), module(*args), rtol=1e-5, atol=1e-5)
+    static, symbolic = state_of(optimized).graphs
+    assert len(log_of(static).matches) == 1 and "torch.SymInt" not in static.code_before
+    log = log_of(symbolic)
+    assert log.matches == [] and symbolic.code_after == symbolic.code_before and "% 2" in symbolic.code_before
+    (refusal,) = log.refusals
+    assert re.fullmatch(r"RoPE left eager: the arithmetic on the projection is not a RoPE rotation \(.*\) "
+                        r"\(at s\d+=15; at s\d+=14: a half rotation r=6 of heads of 8 .*\)", refusal.reason), refusal
 
 
 # --- under autocast (fp32 parameters, bf16 compute) ------------------------------------------------
