@@ -87,7 +87,7 @@ class OptimizeState:
 _HERE = Path(__file__).parent
 SUPPORT_FILES = tuple(
     str(f) for f in sorted([_HERE / "pass_manager.py", _HERE / "fx.py", _HERE / "attention_match.py",
-                            _HERE / "rewrite.py", *(_HERE / "ops").glob("*.py")])
+                            _HERE / "rewrite.py", _HERE / "sizes.py", *(_HERE / "ops").glob("*.py")])
 )
 
 

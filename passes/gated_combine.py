@@ -32,7 +32,14 @@ more: [B, G, h, S, Dv]) or packed tokens [N, H, Dv], each in its own, the result
       u = v.mean(3) with v [B, S, R, m, Din]  |  any u [B, S, R, Din] or [B, S, Din]
   or z as it is when it is not a Linear's output (logits computed elsewhere: fused_projections
   merges the paper's gate Linear into the GEMM of the projections that read the same x, and
-  whatever else computes the logits, an unknown activation or another tensor added in, stays).
+  whatever else computes the logits, an unknown activation or another tensor added in, stays);
+- symbolic sizes (dynamic shapes: one graph for every length once S changes): the check above
+  runs at each assignment of `nsa_compile.sizes.Sizes.probes()` (the sizes Dynamo saw, then every
+  size symbol +1 and +19), shapes read as numbers there and the region's size nodes (s27 in a
+  view's shape) given them, and must find the same plan at each (heads, columns, layouts, the
+  gate MLP; only B and S differ); the branch outputs, the result and the gate input must hold
+  the gate's token sizes as sizes (statically_known_true, no guard added) and constants
+  elsewhere. The rewrite writes no size: views take B and S from the gate input (sym_size).
 
 Becomes `torch.ops.nsa.gated_combine(v or u (or z) as [B, S, R, m, Din], w1, b1, w2, b2, o_cmp,
 o_sel, o_win, act, normalize, backend)[0]` (nsa_compile/ops/gated_combine.py; the branches viewed
@@ -53,8 +60,11 @@ Refuses (graph unchanged), with the reason shown by `explain`, a gate whose
 - values (T, its slices, the products, partial sums, logits, hidden layer) are used elsewhere:
   they would have to stay, the op does not return them;
 - branch outputs differ in dtype, or are laid out in none of the ways above for the gate's
-  [B, S]; shapes that do not fit (R rows of 3 * NI logits for H heads); symbolic (dynamic)
-  sizes; a region with tensors over MAX_PROBE_ELEMENTS elements (not verified at that size).
+  [B, S]; shapes that do not fit (R rows of 3 * NI logits for H heads); a region with tensors
+  over MAX_PROBE_ELEMENTS elements (not verified at that size);
+- at symbolic sizes: a sum right at one probe size and not at another (the refusal names the
+  sizes), branch outputs or a result whose token dims are not provably the gate's (separate
+  inputs get separate symbols) or whose other dims are symbols.
 """
 
 from __future__ import annotations
@@ -65,13 +75,15 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile import probe
 from nsa_compile.attention_match import Refused, erase_replaced, only_user
-from nsa_compile.fx import arg, call, contiguous_if_read_by_layout, op_name, value
+from nsa_compile.fx import arg, call, contiguous_if_read_by_layout, op_name, size, value
 from nsa_compile.ops.gated_combine import choose_backend, why_not_triton
 from nsa_compile.rewrite import PassLog, RewritePass
+from nsa_compile.sizes import Sizes
 
 KERNEL = "nsa.gated_combine[{backend}] ({gate} -> {norm}, {share}; branch outputs read once{layout}{why})"
 # Ops the region between the normalized gate and the combined output may use (data movement,
@@ -92,13 +104,34 @@ _DTYPE_KEEPING_VIEWS = ("view", "reshape", "unflatten", "flatten", "transpose", 
 MAX_PROBE_ELEMENTS = 2**30
 
 
-def static_shape(node: fx.Node, what: str) -> tuple[int, ...]:
+def shape_at(node: fx.Node, what: str, sizes: Sizes) -> tuple[int, ...]:
+    """The node's shape as numbers under `sizes` (its traced shape in a static graph)."""
     val = value(node)
     if val is None:
         raise Refused(f"the {what} has no recorded tensor value")
-    if not all(isinstance(d, int) for d in val.shape):
-        raise Refused(f"the {what} has symbolic sizes {tuple(val.shape)} (dynamic shapes): not matched yet")
-    return tuple(val.shape)
+    return sizes.shape(val)
+
+
+def same_sizes(a, b) -> bool:
+    """Whether two shapes (ints or SymInts) are equal for every value of their size symbols
+    (statically_known_true: no guard is added, an undecided equality is False)."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def token_sizes(t: torch.Tensor, n: int) -> tuple:
+    """(B, S) of a tensor whose first n dims are tokens: [B, S, ...], or packed [N, ...] read as
+    B = 1, S = N (ints, or SymInts in a graph with symbolic sizes)."""
+    return tuple(t.shape[:2]) if n == 2 else (1, t.shape[0])
+
+
+def is_size(node: fx.Node) -> bool:
+    """A node whose value is a size (a SymInt: s27, s27 // 4), not a tensor."""
+    return isinstance(node.meta.get("example_value", node.meta.get("val")), torch.SymInt)
+
+
+def is_three(d) -> bool:
+    """A dim that is the constant 3 (a symbolic size is not, whatever its value now)."""
+    return isinstance(d, int) and d == 3
 
 
 def layouts(shape: tuple, lead: tuple) -> list[tuple[str, int]]:
@@ -180,11 +213,12 @@ class GatedCombine(RewritePass):
     def apply(self, graph: fx.Graph, log: PassLog) -> None:
         requested = log.config.combine_backend if log.config else "auto"
         verified: dict = {}  # region fingerprint -> how it mixes the branches (one probe per structure)
+        sizes = Sizes.of(graph)
         for gate in list(graph.nodes):
             if gate._erased or not self.is_gate(gate):
                 continue
             try:
-                plan = self.check(gate, requested, verified)
+                plan = self.check_at_probe_sizes(gate, requested, verified, sizes)
             except Refused as why:
                 log.refused(gate, str(why))
                 continue
@@ -202,14 +236,61 @@ class GatedCombine(RewritePass):
         after its first (a triple per head, or three branches of heads)."""
         if op_name(node) not in ("softmax", "sigmoid") or value(node) is None or value(node).dim() < 2:
             return False
-        if value(node).shape[-1] == 3:
+        if is_three(value(node).shape[-1]):
             return True
-        return any(op_name(u) in _FLAT_VIEWS and value(u) is not None and 3 in tuple(value(u).shape)[1:]
+        return any(op_name(u) in _FLAT_VIEWS and value(u) is not None and any(map(is_three, value(u).shape[1:]))
                    for u in node.users)
 
-    def check(self, gate: fx.Node, requested: str, verified: dict) -> dict:
-        """The plan for the rewrite of the gate and the region after it (module docstring), or Refused."""
-        shape = static_shape(gate, "gate")
+    # Plan entries that are numbers of the probe sizes (the token dims); all others must agree.
+    _SIZED = ("lead", "B", "S")
+
+    def check_at_probe_sizes(self, gate: fx.Node, requested: str, verified: dict, sizes: Sizes) -> dict:
+        """`check` at every probe assignment of the graph's sizes (once for a static graph): in a
+        graph with symbolic sizes the region must be the same weighted sum, read the same way
+        (heads, columns, layouts, the gate MLP), at each, and its token dims sizes the op can take
+        from the gate input; Refused naming the sizes where it is not."""
+        plans = []
+        for probe_sizes in sizes.probes():
+            try:
+                plans.append(self.check(gate, requested, verified, probe_sizes))
+            except Refused as why:
+                raise (Refused(f"at {probe_sizes.describe()}: {why}") if sizes.symbolic else why) from None
+        plan = plans[0]
+        for probe_sizes, other in zip(sizes.probes()[1:], plans[1:]):
+            differ = [k for k in plan if k not in self._SIZED and plan[k] != other[k]]
+            if differ or len(plan["lead"]) != len(other["lead"]):
+                what = ", ".join(differ) or "token dims"
+                raise Refused(f"the gated sum is read differently at {sizes.describe()} and at "
+                              f"{probe_sizes.describe()} ({what})")
+        if sizes.symbolic:
+            self.check_symbolic_tokens(plan)
+        return plan
+
+    @staticmethod
+    def check_symbolic_tokens(plan: dict) -> None:
+        """In a graph with symbolic sizes: the branch outputs, the result and the gate input have
+        the gate's token dims, as sizes (equal for every value of the symbols, not only at the
+        probes), and every other dim is a constant; Refused where not. The rewrite then takes the
+        token dims from the gate input (`token_sizes`)."""
+        n = len(plan["lead"])
+        tokens = tuple(value(plan["gate_node"]).shape[:n])
+        if not same_sizes(value(plan["gate_in"]).shape[:n], tokens):
+            raise Refused(f"the gate input {tuple(value(plan['gate_in']).shape)} does not have the gate's token "
+                          f"sizes {tokens} for every size (symbolic sizes)")
+        named = [(b, lay, "branch output") for b, lay in zip(plan["branches"], plan["branch_layouts"])]
+        for node, layout, what in [*named, (plan["out"], plan["out_layout"], "combined output")]:
+            shape = tuple(value(node).shape)
+            where = [0, len(shape) - 2] if layout == "heads-first" else list(range(n))
+            got = tuple(shape[i] for i in where)
+            rest = [d for i, d in enumerate(shape) if i not in where]
+            if not same_sizes(got, tokens) or not all(isinstance(d, int) for d in rest):
+                raise Refused(f"the {what} {shape} does not hold the gate's token sizes {tokens} in its token dims "
+                              "and constants elsewhere, for every size (symbolic sizes)")
+
+    def check(self, gate: fx.Node, requested: str, verified: dict, sizes: Sizes) -> dict:
+        """The plan for the rewrite of the gate and the region after it (module docstring), or
+        Refused; shapes read as numbers under `sizes` (one probe assignment)."""
+        shape = shape_at(gate, "gate", sizes)
         if op_name(gate) == "softmax":
             dim = arg(gate, 1, "dim")
             dtype = next((x for x in (*gate.args[2:], gate.kwargs.get("dtype")) if isinstance(x, torch.dtype)), None)
@@ -221,9 +302,9 @@ class GatedCombine(RewritePass):
         # the gate's token dims: [B, S, ...], or packed tokens [N, 3K] / [N, K, 3]
         leads = [shape[:2]] if len(shape) > 3 or (len(shape) == 3 and shape[-1] != 3) else \
             [shape[:2], shape[:1]] if len(shape) == 3 else [shape[:1]]
-        nodes, out, branches = self.region(gate, leads)
-        mix = self.mixing(gate, nodes, out, branches, leads, verified)
-        plan = self.read_gate(gate, mix["lead"], mix["H"], mix["K"])
+        nodes, out, branches = self.region(gate, leads, sizes)
+        mix = self.mixing(gate, nodes, out, branches, leads, verified, sizes)
+        plan = self.read_gate(gate, mix["lead"], mix["H"], mix["K"], sizes)
         branch_fakes = [value(b) for b in mix["branches"]]
         if len({b.dtype for b in branch_fakes}) != 1:
             raise Refused(f"the branch outputs differ in dtype: {', '.join(str(b.dtype) for b in branch_fakes)}")
@@ -231,7 +312,8 @@ class GatedCombine(RewritePass):
             raise Refused("the branch outputs are not floating point")
         gate_in = self.gate_input(value(plan["gate_in"]), mix["lead"])  # the op's [B, S, R, m, Din], as a fake
         w1, w2 = (value(plan[k]) if plan[k] is not None else None for k in ("w1", "w2"))
-        o_like = canonical(branch_fakes[0], mix["branch_layouts"][0], mix["B"], mix["S"], mix["H"])
+        B, S = token_sizes(value(gate), len(mix["lead"]))
+        o_like = branch_fakes[0].new_empty((B, S, mix["H"], mix["Dv"]))  # [B, S, H, Dv] as the op reads it
         try:
             backend = choose_backend(gate_in, w1, w2, o_like, plan["act"], requested)
         except ValueError as why:  # a backend named in the config that cannot run these tensors
@@ -239,7 +321,7 @@ class GatedCombine(RewritePass):
         why_not = (why_not_triton(gate_in, w1, w2, o_like, plan["act"])
                    if requested == "auto" else f"combine_backend={requested!r} in OptimizeConfig")
         return {**plan, **mix, "out": out, "dead": nodes + plan["chain"], "backend": backend,
-                "why_not_triton": why_not, "dtype": value(out).dtype}
+                "why_not_triton": why_not, "dtype": value(out).dtype, "gate_node": gate}
 
     @staticmethod
     def gate_input(t, lead: tuple, unsqueeze=torch.unsqueeze):
@@ -254,9 +336,10 @@ class GatedCombine(RewritePass):
 
     # --- region ---------------------------------------------------------------------------------
 
-    def region(self, gate: fx.Node, leads: list[tuple]) -> tuple[list[fx.Node], fx.Node, list[fx.Node]]:
+    def region(self, gate: fx.Node, leads: list[tuple], sizes: Sizes) -> tuple[list[fx.Node], fx.Node, list[fx.Node]]:
         """(the region's nodes after the gate in graph order (with the stacks of branch outputs it
-        absorbed), its result O, the branch outputs it reads), or Refused."""
+        absorbed), its result O, the branch outputs it reads), or Refused. Sizes the region reads
+        (s27 in a view's shape) are not among the tensors it reads."""
         reach = {gate}
         for node in self.after(gate):
             if op_name(node) in _REGION_OPS and node.op in ("call_function", "call_method") and \
@@ -277,9 +360,10 @@ class GatedCombine(RewritePass):
         branches = []
         for out, inside in closed:  # the first of a result's shape reading three tensors besides the gate, else the last
             nodes = [n for n in order if n in inside and n is not gate]
-            reads = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside))
+            reads = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes
+                                       if i not in inside and not is_size(i)))
             absorbed, branches = self.stacked(reads, inside)
-            if len(branches) == 3 and any(self.fits(out, branches, lead) for lead in leads):
+            if len(branches) == 3 and any(self.fits(out, branches, lead, sizes) for lead in leads):
                 break
         # the region's values used outside it, but for the last (the result)
         label = lambda u: u.name if op_name(u) in (None, u.name) else f"{u.name} ({op_name(u)})"
@@ -292,9 +376,6 @@ class GatedCombine(RewritePass):
             names = ", ".join(b.name for b in branches)
             raise Refused(f"the weighted sum reads {len(branches)} tensors besides the gate ({names}); the op mixes "
                           "exactly three branch outputs")
-        for node in nodes:
-            if value(node) is not None:
-                static_shape(node, "gated sum")
         position = {n: i for i, n in enumerate(gate.graph.nodes)}
         return sorted(nodes + absorbed, key=position.__getitem__), out, branches
 
@@ -318,11 +399,11 @@ class GatedCombine(RewritePass):
         return absorbed, list(dict.fromkeys(branches))
 
     @staticmethod
-    def fits(out: fx.Node, branches: list[fx.Node], lead: tuple) -> bool:
+    def fits(out: fx.Node, branches: list[fx.Node], lead: tuple, sizes: Sizes) -> bool:
         """Whether the result and the branches can all hold [B, S, H, Dv] with one H (0: any)."""
         if any(value(n) is None for n in (out, *branches)):
             return False
-        heads = [{h for _, h in layouts(tuple(value(n).shape), lead)} for n in (out, *branches)]
+        heads = [{h for _, h in layouts(sizes.shape(value(n)), lead)} for n in (out, *branches)]
         if not all(heads):
             return False
         known = [h - {0} for h in heads if h - {0}]
@@ -347,16 +428,16 @@ class GatedCombine(RewritePass):
 
     # --- parameters and verification -------------------------------------------------------------
 
-    def mixing(self, gate, nodes, out, branches, leads: list[tuple], verified: dict) -> dict:
+    def mixing(self, gate, nodes, out, branches, leads: list[tuple], verified: dict, sizes: Sizes) -> dict:
         """How the region mixes the branches: the gate's token dims, the branches in the order of
-        the gate columns that weigh them, their layouts and the result's, H and K; or Refused.
-        Probed once per region structure (one per layer is the same)."""
-        shapes = [static_shape(b, "branch output") for b in branches]
-        out_shape = static_shape(out, "combined output")
-        key = (probe.fingerprint(nodes, [gate, *branches]), tuple(value(gate).shape), tuple(shapes), out_shape)
+        the gate columns that weigh them, their layouts and the result's, H, K and Dv; or Refused.
+        Probed once per region structure (one per layer is the same) and probe sizes."""
+        shapes = [shape_at(b, "branch output", sizes) for b in branches]
+        out_shape = shape_at(out, "combined output", sizes)
+        key = (probe.fingerprint(nodes, [gate, *branches]), sizes.shape(value(gate)), tuple(shapes), out_shape)
         if key not in verified:
             try:
-                verified[key] = self.probe(gate, nodes, out, branches, leads, shapes, out_shape)
+                verified[key] = self.probe(gate, nodes, out, branches, leads, shapes, out_shape, sizes)
             except Refused as why:
                 verified[key] = why
         if isinstance(verified[key], Refused):
@@ -365,15 +446,17 @@ class GatedCombine(RewritePass):
         order = found.pop("order")
         return found | {"branches": [branches[j] for j in order]}
 
-    def probe(self, gate, nodes, out, branches, leads, shapes, out_shape) -> dict:
-        size = max(value(n).numel() for n in [out, *branches])
-        if size > MAX_PROBE_ELEMENTS:
-            raise Refused(f"the weighted sum has {size:,} elements per tensor, over the cap of "
+    def probe(self, gate, nodes, out, branches, leads, shapes, out_shape, sizes: Sizes) -> dict:
+        """`mixing` at the shapes of one probe assignment `sizes` (the region's size nodes read as
+        its numbers)."""
+        largest = max(math.prod(s) for s in [out_shape, *shapes])
+        if largest > MAX_PROBE_ELEMENTS:
+            raise Refused(f"the weighted sum has {largest:,} elements per tensor, over the cap of "
                           f"{MAX_PROBE_ELEMENTS:,} for its probe: not verified at this size yet")
-        first = None
+        first, numbers = None, sizes.size_nodes() if sizes.symbolic else {}
         for lead in leads:
             B, S = lead if len(lead) == 2 else (1, lead[0])
-            n_gate = value(gate).numel()
+            n_gate = math.prod(sizes.shape(value(gate)))
             options = [layouts(s, lead) for s in shapes]
             if n_gate % (B * S * 3) or not all(options):
                 continue
@@ -389,39 +472,46 @@ class GatedCombine(RewritePass):
                     if h not in (0, H):
                         continue
                     try:
-                        columns = [self.column(gate, nodes, out, branches, j, out_layout, dims) for j in range(3)]
+                        columns = [self.column(gate, nodes, out, branches, j, out_layout, dims, sizes, numbers)
+                                   for j in range(3)]
                     except Refused as why:
                         first = first or why
                         continue
                     if sorted(columns) != [0, 1, 2]:
                         raise Refused(f"the branches are weighed by gate columns {columns}, not 0, 1, 2 once each")
-                    found = self.verify(gate, nodes, out, branches, columns, options, out_layout, dims)
+                    found = self.verify(gate, nodes, out, branches, columns, options, out_layout, dims, sizes,
+                                        numbers)
                     if found is not None:
                         order = sorted(range(3), key=columns.__getitem__)  # the branches by gate column
-                        return {"lead": lead, "B": B, "S": S, "H": H, "K": K, "order": order,
+                        return {"lead": lead, "B": B, "S": S, "H": H, "K": K, "Dv": math.prod(shapes[0]) // (B * S * H),
+                                "order": order,
                                 "branch_layouts": [found[j] for j in order], "out_layout": out_layout}
                     first = first or Refused("the region is not the weighted sum of the branch outputs by the gate "
                                              "columns (checked on random values)")
         raise first or Refused(f"the branch outputs {shapes} and the result {out_shape} are not [B, S, H, Dv] or "
-                               f"[B, H, S, Dv] (or packed [N, H, Dv]) for the gate {tuple(value(gate).shape)}")
+                               f"[B, H, S, Dv] (or packed [N, H, Dv]) for the gate {sizes.shape(value(gate))}")
 
     @staticmethod
-    def probe_dtype(gate: fx.Node) -> torch.dtype:
-        """float32 where the gate's index codes stay exact in it (half the memory), else float64."""
-        return torch.float32 if value(gate).numel() < probe.EXACT_BELOW[torch.float32] else torch.float64
+    def probe_dtype(n_gate: int) -> torch.dtype:
+        """float32 where the gate's index codes (n_gate of them) stay exact in it (half the memory),
+        else float64."""
+        return torch.float32 if n_gate < probe.EXACT_BELOW[torch.float32] else torch.float64
 
-    def column(self, gate, nodes, out, branches, j: int, out_layout: str, dims: tuple) -> int:
+    def column(self, gate, nodes, out, branches, j: int, out_layout: str, dims: tuple, sizes: Sizes,
+               numbers: dict) -> int:
         """The gate column that weighs branch j: the region run on index codes for the gate, ones
         for branch j and zeros for the others (stride-0 views: no memory); the codes reaching O
-        name the gate entries."""
+        name the gate entries. Shapes are those under `sizes`, the size nodes' `numbers` given."""
         B, S, H, K = dims
-        device, dtype = value(gate).device, self.probe_dtype(gate)
-        env = {gate: probe.index_codes(value(gate).shape, device, dtype)}
+        gate_shape = sizes.shape(value(gate))
+        n_gate = math.prod(gate_shape)
+        device, dtype = value(gate).device, self.probe_dtype(n_gate)
+        env = {**numbers, gate: probe.index_codes(gate_shape, device, dtype)}
         for i, b in enumerate(branches):
-            env[b] = torch.full((), 1.0 if i == j else 0.0, dtype=dtype, device=device).expand(value(b).shape)
+            env[b] = torch.full((), 1.0 if i == j else 0.0, dtype=dtype, device=device).expand(sizes.shape(value(b)))
         got = probe.run(nodes, env, out, "the weighted sum", dtype)
         got = canonical(got, out_layout, B, S, H)  # [B, S, H, Dv]
-        index = probe.decode(got, value(gate).numel())
+        index = probe.decode(got, n_gate)
         if index is None or not bool((index == index[..., :1]).all()):
             raise Refused(f"branch {branches[j].name} is not weighed by one gate entry per head and token")
         index = index[..., 0]  # [B, S, H]: flat index of the gate entry
@@ -444,25 +534,27 @@ class GatedCombine(RewritePass):
         raise Refused(f"the gate entries weighing branch {branches[j].name} are {r.tolist()} over the heads, not "
                       f"one column of consecutive triples shared by {rep} heads each")
 
-    def verify(self, gate, nodes, out, branches, columns, options, out_layout: str, dims: tuple) -> list[str] | None:
+    def verify(self, gate, nodes, out, branches, columns, options, out_layout: str, dims: tuple,
+               sizes: Sizes, numbers: dict) -> list[str] | None:
         """The branches' layouts under which the region computes sum_c G[..., c] * o_c for a random
         gate, on two random probes of the branches made of stride-0 views (no memory): one that
         varies over [B, S, H] and one over Dv (None: under no layouts)."""
         B, S, H, K = dims
-        device, dtype = value(gate).device, self.probe_dtype(gate)
+        gate_shape = sizes.shape(value(gate))
+        device, dtype = value(gate).device, self.probe_dtype(math.prod(gate_shape))
         gen = torch.Generator(device=device).manual_seed(0)
         rand = lambda *shape: torch.rand(shape, generator=gen, device=device, dtype=dtype) * 2 - 1
-        t = rand(*value(gate).shape)
+        t = rand(*gate_shape)
         g = t.reshape(B, S, K, 3).repeat_interleave(H // K, dim=2)  # [B, S, H, 3]
-        Dv = value(branches[0]).numel() // (B * S * H)
+        Dv = math.prod(sizes.shape(value(branches[0]))) // (B * S * H)
         probes = [[rand(B, S, H, 1).expand(B, S, H, Dv) for _ in branches],
                   [rand(1, 1, 1, Dv).expand(B, S, H, Dv) for _ in branches]]
         choices = [[lay for lay, h in opts if h in (0, H)] for opts in options]
         for combo in ((a, b, c) for a in choices[0] for b in choices[1] for c in choices[2]):
             for canon in probes:  # each branch in its layout, from [B, S, H, Dv]
-                env = {gate: t}
+                env = {**numbers, gate: t}
                 for b, lay, o in zip(branches, combo, canon):
-                    env[b] = (o.transpose(1, 2) if lay == "heads-first" else o).reshape(value(b).shape)
+                    env[b] = (o.transpose(1, 2) if lay == "heads-first" else o).reshape(sizes.shape(value(b)))
                 got = canonical(probe.run(nodes, env, out, "the weighted sum", dtype), out_layout, B, S, H)
                 want = sum(g[..., col, None] * o for col, o in zip(columns, canon))
                 if want.shape != got.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
@@ -473,20 +565,20 @@ class GatedCombine(RewritePass):
 
     # --- the gate above T -------------------------------------------------------------------------
 
-    def read_gate(self, gate: fx.Node, lead: tuple, H: int, K: int) -> dict:
+    def read_gate(self, gate: fx.Node, lead: tuple, H: int, K: int, sizes: Sizes) -> dict:
         """Read the gate upwards from its softmax or sigmoid (module docstring); Refused if the
-        logits or their MLP do not fit the op."""
+        logits or their MLP do not fit the op. Shapes are read under `sizes`."""
         normalize = op_name(gate)
         chain, z, n = [gate], arg(gate, 0, "input"), len(lead)
         # up through views of the logits that keep the token dims
         while isinstance(z, fx.Node) and op_name(z) in _FLAT_VIEWS and isinstance(arg(z, 0, "input"), fx.Node) and \
-                value(arg(z, 0, "input")) is not None and tuple(value(arg(z, 0, "input")).shape[:n]) == lead:
+                value(arg(z, 0, "input")) is not None and sizes.shape(value(arg(z, 0, "input")))[:n] == lead:
             only_user(z, "gate logits")
             chain.append(z)
             z = arg(z, 0, "input")
         if not isinstance(z, fx.Node):
             raise Refused("the gate is not computed from a tensor in the graph")
-        zs = static_shape(z, "gate logits")
+        zs = shape_at(z, "gate logits", sizes)
         if zs[:n] != lead or len(zs) not in (n + 1, n + 2) or zs[-1] % 3:
             raise Refused(f"the gate logits are {zs}, not [*tokens, (R,) 3 * NI] with tokens {lead}")
         R = 1 if len(zs) == n + 1 else zs[-2]
@@ -512,14 +604,14 @@ class GatedCombine(RewritePass):
             x, w1, b1 = linear_parts(hidden)
             act = activation
         u = x
-        us = static_shape(u, "gate input")
+        us = shape_at(u, "gate input", sizes)
         mean_of = arg(u, 0, "input")
         dim = arg(u, 1, "dim")
         dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
-        if op_name(u) == "mean" and isinstance(mean_of, fx.Node) and len(static_shape(mean_of, "gate input")) == n + 3 \
+        if op_name(u) == "mean" and isinstance(mean_of, fx.Node) and len(shape_at(mean_of, "gate input", sizes)) == n + 3 \
                 and isinstance(dim, int) and dim % (n + 3) == n + 1 and not arg(u, 2, "keepdim", False) \
                 and arg(u, 3, "dtype") is None:
-            gate_in, M = mean_of, static_shape(mean_of, "gate input")[n + 1]
+            gate_in, M = mean_of, shape_at(mean_of, "gate input", sizes)[n + 1]
         else:
             gate_in, M = u, 1
         if us[:n] != lead or len(us) != len(zs) or (len(us) == n + 2 and us[n] != R):
@@ -538,22 +630,37 @@ class GatedCombine(RewritePass):
 
     def rewrite(self, graph: fx.Graph, plan: dict) -> None:
         out = plan["out"]
-        B, S, H = plan["B"], plan["S"], plan["H"]
+        H, Dv, n = plan["H"], plan["Dv"], len(plan["lead"])
+        # the token sizes B, S: as sizes of the fakes (SymInts where symbolic) and as graph values
+        # (ints, or sym_size nodes of the gate input made when first needed)
+        tokens = token_sizes(value(plan["gate_in"]), n)
+        made = {}
+
+        def token(i: int):
+            if i not in made:
+                made[i] = 1 if n == 1 and i == 0 else size(graph, plan["gate_in"], i + n - 2, anchor=out)
+            return made[i]
+
+        def graph_shape(shape) -> list:
+            """A shape of constants and token sizes as reshape's arguments (check_symbolic_tokens)."""
+            return [d if isinstance(d, int) else token(next(i for i in (0, 1) if statically_known_true(d == tokens[i])))
+                    for d in shape]
+
         gate_in = self.gate_input(plan["gate_in"], plan["lead"],
                                   lambda t, dim: call(graph, torch.unsqueeze, t, dim, anchor=out))
         branches = []
         for b, layout in zip(plan["branches"], plan["branch_layouts"]):  # as [B, S, H, Dv] views
-            first = (B, H, S, -1) if layout == "heads-first" else (B, S, H, -1)
-            if tuple(value(b).shape[:3]) != first[:3] or value(b).dim() != 4:
-                b = call(graph, torch.reshape, b, first, anchor=out)
+            first = (tokens[0], H, tokens[1], Dv) if layout == "heads-first" else (*tokens, H, Dv)
+            if not same_sizes(value(b).shape[:3], first[:3]) or value(b).dim() != 4:
+                b = call(graph, torch.reshape, b, graph_shape(first), anchor=out)
             branches.append(call(graph, torch.transpose, b, 1, 2, anchor=out) if layout == "heads-first" else b)
         both = call(graph, torch.ops.nsa.gated_combine, gate_in, plan["w1"], plan["b1"], plan["w2"], plan["b2"],
                     *branches, plan["act"], plan["normalize"], plan["backend"], anchor=out)
         new = call(graph, operator.getitem, both, 0, anchor=out)  # [B, S, H, Dv]
         if plan["out_layout"] == "heads-first":
             new = call(graph, torch.transpose, new, 1, 2, anchor=out)
-        if tuple(value(new).shape) != tuple(value(out).shape):
-            new = call(graph, torch.reshape, new, tuple(value(out).shape), anchor=out)
+        if not same_sizes(value(new).shape, value(out).shape):
+            new = call(graph, torch.reshape, new, graph_shape(value(out).shape), anchor=out)
         new = contiguous_if_read_by_layout(graph, new, out, out)
         views = []
         if value(new).dtype != plan["dtype"] and rounded_by_its_users(out, value(new).dtype, views):

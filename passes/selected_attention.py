@@ -45,6 +45,17 @@ query's document (its current block pos[t] // l', the one before, the next, ...)
 tokens must be those of the blocks counted from the document start, (t - pos[t]) + block * l' +
 offset <= t. Again a check on probes, not a proof for every pos.
 
+Symbolic sizes (dynamic shapes: Dynamo compiles one graph for every length once S changes): B
+and S may be size symbols (s27), the heads, n, l' and head dims must be constants. Shapes are
+compared as sizes (statically_known_true: equal for every value of the symbols, no guard added;
+q, K, V, the block ids and pos must share B and S, as they do when all come from one input or
+the model checks pos's shape), and the selection subgraph, which reads the sizes (arange(s27),
+clamp(max=s27 - 1)), is evaluated on the probes above at each assignment of
+`nsa_compile.sizes.Sizes.probes()` (the sizes Dynamo saw, then every symbol +1 and +19), the
+graph's size nodes given their numbers there; the verification cap applies at each. A refusal
+then names the sizes where the probe failed ("at s27=43: the mask is off by one ..."). The op
+reads B and S from its tensors: the rewrite writes no size into the graph.
+
 Becomes `torch.ops.nsa.selected_attention(q, k, v, block_idx, l', c, backend)[0]` (NaN-filled as
 above where rows may be empty) on the un-gathered,
 un-repeated q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv] (nsa_compile/ops/selection.py), with
@@ -64,24 +75,30 @@ Refuses (graph unchanged), with the reason shown by `explain`:
   is not block * l' + offset (overlapping blocks), a mask that differs across a group's heads;
   with pos: blocks counted from the row start instead of the document start, a document start
   off by one, a mask that compares row-start token ids (ignores pos);
-- shapes that do not fit; symbolic (dynamic) sizes; a verification larger than the cap.
+- shapes that do not fit; a verification larger than the cap;
+- at symbolic sizes: heads, n, l' or head dims that are symbols; q, K, V, block ids (or pos) whose
+  B and S are not provably the same sizes (separate inputs get separate symbols); a selection
+  right at one probe size and wrong at another.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.attention_match import (
-    Refused, ancestors, erase_replaced, evaluate_node, keep_mask, mask_fill, only_user, strip_upcast, unrepeat,
+    Refused, erase_replaced, evaluate_node, keep_mask, mask_fill, only_user, strip_upcast, unrepeat,
 )
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.ops.selection import choose_backend, why_not_triton
 from nsa_compile.rewrite import PassLog, RewritePass
+from nsa_compile.sizes import Sizes
 
 # The probes evaluate the position-only subgraphs at the real shape, on the device of the graph's
 # tensors; more elements than this (summed over the nodes that materialize a tensor, per probe)
@@ -117,15 +134,50 @@ def operands(mm: fx.Node) -> tuple:
     return arg(mm, 0, "input"), arg(mm, 1, "other", arg(mm, 1, "mat2"))
 
 
-def dims(node: fx.Node, what: str, rank: int) -> tuple[int, ...]:
-    """The static shape of `node`, which must have `rank` dims, or Refused."""
+def dims(node: fx.Node, what: str, rank: int) -> tuple:
+    """The shape of `node` (ints, SymInts where sizes are symbolic), which must have `rank` dims,
+    or Refused."""
     val = value(node)
     if val is None or val.dim() != rank:
         got = "unknown" if val is None else f"{val.dim()}-D"
         raise Refused(f"the {what} is {got}, not {rank}-D")
-    if not all(isinstance(d, int) for d in val.shape):
-        raise Refused(f"the {what} has symbolic sizes {tuple(val.shape)} (dynamic shapes): not verified yet")
     return tuple(val.shape)
+
+
+def same(a, b) -> bool:
+    """Whether two sizes, or two shapes, are equal for every value of their size symbols
+    (statically_known_true: no guard is added to Dynamo's shape environment, an equality it cannot
+    decide is False). Plain ints compare as ints."""
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return statically_known_true(a == b)
+
+
+def constant(what: str, **sizes) -> None:
+    """Refused unless every size given is a constant (an int): heads, gathered tokens per query,
+    blocks per query and head dims may not vary with the sequence length."""
+    for name, d in sizes.items():
+        if not isinstance(d, int):
+            raise Refused(f"the {what} has a symbolic size {name} = {d}; only the batch and sequence sizes may vary")
+
+
+def is_size(node: fx.Node) -> bool:
+    """A node whose value is a size (a SymInt: the input s27, s27 - 1), not a tensor."""
+    return isinstance(node.meta.get("example_value", node.meta.get("val")), torch.SymInt)
+
+
+def ancestors_upto(roots: list[fx.Node], stop: fx.Node | None = None) -> set[fx.Node]:
+    """Every node the roots depend on (roots included), not walking through `stop` nor through
+    sizes (SymInt nodes: the probes give them numbers, whatever tensor they were read from)."""
+    seen, stack = set(), list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node is not stop and not is_size(node):
+            stack.extend(node.all_input_nodes)
+    return seen
 
 
 def is_dim(node: fx.Node, name: str, index: int, rank: int, want: int) -> bool:
@@ -184,7 +236,8 @@ def gathered(sel: fx.Node, what: str, B: int, G: int, S: int, T: int) -> tuple[f
     (x, index, [sel, gather])."""
     only_user(sel, f"gathered {what}")
     D = dims(sel, f"gathered {what}", 5)[4]
-    if dims(sel, f"gathered {what}", 5) != (B, G, S, T, D):
+    constant(f"gathered {what}", D=D)
+    if not same(dims(sel, f"gathered {what}", 5), (B, G, S, T, D)):
         raise Refused(f"the gathered {what} is {tuple(value(sel).shape)}, not [B, G, S, T, D] = {(B, G, S, T, D)}")
     g = first(sel)
     if op_name(sel) not in ("view", "reshape", "unflatten") or not isinstance(g, fx.Node):
@@ -195,11 +248,11 @@ def gathered(sel: fx.Node, what: str, B: int, G: int, S: int, T: int) -> tuple[f
     src, dim, index = arg(g, 0, "input"), arg(g, 1, "dim"), arg(g, 2, "index")
     if not isinstance(src, fx.Node) or not isinstance(index, fx.Node) or not isinstance(dim, int):
         raise Refused(f"{what} is not gathered with a tensor index along a constant dim")
-    if dims(g, f"gathered {what}", 4) != (B, G, S * T, D) or dim % 4 != 2:
+    if not same(dims(g, f"gathered {what}", 4), (B, G, S * T, D)) or dim % 4 != 2:
         raise Refused(f"{what} is not gathered along the sequence dim of [B, G, S, D] (dim 2, rows S * T)")
-    if dims(src, what, 4) != (B, G, S, D):
+    if not same(dims(src, what, 4), (B, G, S, D)):
         raise Refused(f"{what} is {tuple(value(src).shape)}, not [B, G, S, D] = {(B, G, S, D)}")
-    if dims(index, f"{what} gather index", 4) != (B, G, S * T, D) or value(index).dtype != torch.int64:
+    if not same(dims(index, f"{what} gather index", 4), (B, G, S * T, D)) or value(index).dtype != torch.int64:
         raise Refused(f"the {what} gather index is not an int64 [B, G, S * T, D] tensor")
     return src, index, [sel, g]
 
@@ -207,7 +260,7 @@ def gathered(sel: fx.Node, what: str, B: int, G: int, S: int, T: int) -> tuple[f
 def is_positions(node: fx.Node, B: int, S: int) -> bool:
     """node may be the document positions pos: an int64 [B, S] tensor."""
     val = value(node)
-    return val is not None and val.dtype == torch.int64 and tuple(val.shape) == (B, S)
+    return val is not None and val.dtype == torch.int64 and same(tuple(val.shape), (B, S))
 
 
 def find_block_idx(roots: list[fx.Node], B: int, G: int, S: int,
@@ -215,15 +268,15 @@ def find_block_idx(roots: list[fx.Node], B: int, G: int, S: int,
     """The int64 [B, G, S, n] tensor nearest the roots through which alone (with at most one int64
     [B, S] graph input, the document positions) they depend on data, that input (None without
     one), and the position-only nodes between them and the roots (in graph order), or Refused."""
-    candidates = [n for n in ancestors(roots) if (val := value(n)) is not None and val.dtype == torch.int64
-                  and val.dim() == 4 and tuple(val.shape[:3]) == (B, G, S)]
+    candidates = [n for n in ancestors_upto(roots) if (val := value(n)) is not None and val.dtype == torch.int64
+                  and val.dim() == 4 and same(tuple(val.shape[:3]), (B, G, S))]
     if not candidates:
         raise Refused("no int64 [B, G, S, n] block index tensor feeds the token ids and the mask")
     # the reason of the candidate nearest to passing: the fewest other data inputs, and of those the
     # farthest from the roots (nearer ones would blame the block index itself)
     closest = None
     for block_idx in sorted(candidates, key=order.__getitem__, reverse=True):
-        nodes = [n for n in ancestors(roots, stop=block_idx) if n is not block_idx]
+        nodes = [n for n in ancestors_upto(roots, stop=block_idx) if n is not block_idx and not is_size(n)]
         data = [n for n in nodes if n.op not in ("call_function", "call_method")]
         positions = [n for n in data if is_positions(n, B, S)]
         if len(data) == len(positions) <= 1:
@@ -251,10 +304,12 @@ def in_place(node: fx.Node) -> bool:
     return name.endswith("_") and not name.startswith("_")
 
 
-def check_evaluable(nodes: list[fx.Node], leaves: list[fx.Node], B: int, H: int, S: int, T: int) -> None:
-    """Refused unless the nodes can be run at compile time, with a bounded cost, and give what
-    they give at run time (nothing random, nothing changed in place, no symbolic sizes). The
-    leaves (block_idx, and pos for packed documents) are given by the probes."""
+def check_evaluable(nodes: list[fx.Node], leaves: list[fx.Node], B, H: int, S, T: int,
+                    probe_sizes: list[Sizes]) -> None:
+    """Refused unless the nodes can be run at compile time, with a bounded cost at each of the
+    probe sizes, and give what they give at run time (nothing random, nothing changed in place,
+    no SymInt constants in their arguments). The leaves (block_idx, and pos for packed documents)
+    are given by the probes, the sizes they read (s27, s27 - 1) by probe_sizes."""
     for node in [*leaves, *nodes]:
         name = op_name(node) or ""
         if node not in leaves and any(word in name for word in _RANDOM):
@@ -264,11 +319,15 @@ def check_evaluable(nodes: list[fx.Node], leaves: list[fx.Node], B: int, H: int,
                 raise Refused(f"the token ids or the mask are changed in place ({op_name(user)})")
         for x in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
             if isinstance(x, torch.SymInt):
-                raise Refused("the token ids or the mask have symbolic sizes (dynamic shapes): not verified yet")
-    cost = B * H * S * T + sum(value(n).numel() for n in nodes if value(n) is not None and op_name(n) not in _VIEWS)
-    if cost > MAX_VERIFIED_ELEMENTS:
-        raise Refused(f"verifying the selection takes {cost:,} elements per probe, over the cap of "
-                      f"{MAX_VERIFIED_ELEMENTS:,}: not verified at this size yet")
+                raise Refused("the token ids or the mask have a symbolic size as a constant argument (not a size "
+                              "node of the graph): not evaluated")
+    for at in probe_sizes:
+        cost = at.int(B) * H * at.int(S) * T + sum(math.prod(at.shape(value(n))) for n in nodes
+                                                    if value(n) is not None and op_name(n) not in _VIEWS)
+        if cost > MAX_VERIFIED_ELEMENTS:
+            where = f" (at {at.describe()})" if at.symbolic else ""
+            raise Refused(f"verifying the selection takes {cost:,} elements per probe{where}, over the cap of "
+                          f"{MAX_VERIFIED_ELEMENTS:,}: not verified at this size yet")
 
 
 class _Input:
@@ -279,11 +338,21 @@ class _Input:
         return f"<input {self.i}>"
 
 
+class _Size:
+    def __init__(self, node: fx.Node):
+        self.expr = str(node.meta.get("example_value", node.meta.get("val")))
+
+    def __repr__(self) -> str:
+        return f"<size {self.expr}>"
+
+
 def structure(nodes: list[fx.Node], leaves: list[fx.Node], roots: list[fx.Node]) -> str:
-    """What the subgraph computes from its leaves (block_idx [, pos]), as text: equal texts compute
-    the same function (same ops, same constants, same wiring), so one verification serves both."""
+    """What the subgraph computes from its leaves (block_idx [, pos]) and sizes (by their symbolic
+    expression, s27 - 1), as text: equal texts compute the same function (same ops, same constants,
+    same wiring), so one verification serves both."""
     index = {**{leaf: i for i, leaf in enumerate(leaves)}, **{node: i + len(leaves) for i, node in enumerate(nodes)}}
-    ops = [(node.op, node.target, fx.node.map_arg((node.args, node.kwargs), lambda n: _Input(index[n])))
+    ops = [(node.op, node.target,
+            fx.node.map_arg((node.args, node.kwargs), lambda n: _Input(index[n]) if n in index else _Size(n)))
            for node in nodes]
     return repr((ops, [index[r] for r in roots]))
 
@@ -433,12 +502,14 @@ class SelectionAttention(RewritePass):
 
     def apply(self, graph: fx.Graph, log: PassLog) -> None:
         verified = set()  # structures of selection subgraphs already verified (one per layer is the same)
+        sizes = Sizes.of(graph)
         for softmax in list(graph.nodes):
             if op_name(softmax) != "softmax" or softmax.graph is not graph or softmax._erased:
                 continue
             order = {node: i for i, node in enumerate(graph.nodes)}  # graph positions (rewrites add nodes)
             try:
-                plan = self.check(softmax, order, verified, log.config.selection_backend if log.config else "auto")
+                plan = self.check(softmax, order, verified, log.config.selection_backend if log.config else "auto",
+                                  sizes)
             except Refused as why:
                 log.refused(softmax, str(why))
                 continue
@@ -448,7 +519,13 @@ class SelectionAttention(RewritePass):
                                                packed="" if plan["pos"] is None else PACKED,
                                                empty=EMPTY_ROWS if may_leave_rows_empty(plan) else "", why=why))
 
-    def check(self, softmax: fx.Node, order: dict, verified: set, requested: str = "auto") -> dict:
+    def check(self, softmax: fx.Node, order: dict, verified: set, requested: str = "auto",
+              sizes: Sizes | None = None) -> dict:
+        """The plan for the rewrite (module docstring), or Refused. In a graph with symbolic sizes
+        (B and S may be SymInts; heads, n, l' and head dims must be constants) the selection is
+        verified at every probe assignment of `sizes` (Sizes.probes: the sizes Dynamo saw, then
+        every size symbol +1 and +19), a refusal naming the sizes where it failed."""
+        sizes = Sizes.of(softmax.graph) if sizes is None else sizes
         probs = value(softmax)
         dim = arg(softmax, 1, "dim")
         if probs is None or probs.dim() != 4 or not isinstance(dim, int) or dim % 4 != 3:
@@ -471,6 +548,7 @@ class SelectionAttention(RewritePass):
         if not is_dim(out, "squeeze", 1, 5, 3):
             raise Refused("the per-query output is not squeezed back to [B, H, S, Dv] (.squeeze(-2))")
         B, H, S, T = dims(softmax, "probability tensor", 4)
+        constant("probability tensor", H=H, T=T)
         # backward: masked <- [scale] <- {squeeze, upcast} <- q.unsqueeze(-2) @ k_sel^T
         masked = first(softmax)
         if not isinstance(masked, fx.Node):
@@ -495,7 +573,8 @@ class SelectionAttention(RewritePass):
         only_user(q4, "query row tensor")
         q = first(q4)
         Dk = dims(q, "query tensor", 4)[3]
-        if dims(q, "query tensor", 4) != (B, H, S, Dk):
+        constant("query tensor", Dk=Dk)
+        if not same(dims(q, "query tensor", 4), (B, H, S, Dk)):
             raise Refused(f"q is {tuple(value(q).shape)}, not [B, H, S, Dk] with [B, H, S] = {(B, H, S)}")
         if not isinstance(kt, fx.Node) or not is_last_two_transpose(kt, 5) or not isinstance(first(kt), fx.Node):
             raise Refused("the gathered keys are not transposed over their last two dims (k_sel.transpose(-1, -2))")
@@ -509,7 +588,8 @@ class SelectionAttention(RewritePass):
         for node in repeats:
             only_user(node, "repeated gathered K/V")
         G = dims(k_sel, "gathered K", 5)[1]
-        if h_k != h_v or G * h_k != H or dims(v_sel, "gathered V", 5)[1] != G:
+        constant("gathered K", G=G)
+        if h_k != h_v or G * h_k != H or not same(dims(v_sel, "gathered V", 5)[1], G):
             raise Refused(f"gathered K/V heads {G} (x{h_k}) and {value(v_sel).shape[1]} (x{h_v}) do not serve "
                           f"{H} query heads")
         k, k_index, k_nodes = gathered(k_sel, "K", B, G, S, T)
@@ -523,38 +603,20 @@ class SelectionAttention(RewritePass):
         block_idx, pos, nodes = find_block_idx(roots, B, G, S, order)
         leaves = [block_idx] if pos is None else [block_idx, pos]
         n = dims(block_idx, "block index tensor", 4)[3]
+        constant("block index tensor", n=n)
         if n == 0 or T % n:
             raise Refused(f"the {T} gathered tokens per query are not n * l' for the n = {n} blocks")
         block = T // n
-        check_evaluable(nodes, leaves, B, H, S, T)
-        key = (structure(nodes, leaves, roots), (B, H, G, S, T, n), keep_where_true)
-        device = value(block_idx).device
-        positions = [None] if pos is None else position_probes(B, S, n, block, device)
-        cases = [] if key in verified else [(p, blocks) for p in positions
-                                              for blocks in probes(B, G, S, n, block, device, p)]
-        for probe_pos, probe in cases:
-            given = {block_idx: probe} if pos is None else {block_idx: probe, pos: probe_pos}
-            m, ki, vi = evaluate(nodes, given, roots)
-            if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
-                raise Refused("the mask is not a bool tensor")
-            try:
-                keep = torch.broadcast_to(m, (B, H, S, T))
-            except RuntimeError:
-                raise Refused(f"the mask {tuple(m.shape)} does not broadcast to the scores {(B, H, S, T)}") from None
-            keep = keep if keep_where_true else ~keep
-            tokens = []
-            for what, index, traced in (("K", ki, k_index), ("V", vi, v_index)):
-                if not isinstance(index, torch.Tensor) or index.shape != value(traced).shape:
-                    raise Refused(f"the {what} gather index evaluates to something else than its traced shape")
-                if index.stride(-1) != 0 and not torch.equal(index, index[..., :1].expand_as(index)):
-                    raise Refused(f"the {what} gather index differs across the head dim (not one token per row)")
-                tokens.append(index[..., 0].reshape(B, G, S, T))
-            if not torch.equal(tokens[0], tokens[1]):
-                raise Refused("K and V are gathered at different token ids")
-            verify(keep, tokens[0], probe, block, H // G, probe_pos)
-            if bool((tokens[0] < 0).any()) or bool((tokens[0] >= S).any()):  # eager's gather raises there
-                raise Refused("the gather index leaves [0, S) on probe block ids (eager's gather would raise; "
-                              "the op would ignore them)")
+        check_evaluable(nodes, leaves, B, H, S, T, sizes.probes())
+        key = (structure(nodes, leaves, roots), tuple(d if isinstance(d, int) else str(d) for d in (B, H, G, S, T, n)),
+               keep_where_true)
+        if key not in verified:
+            for at in sizes.probes():
+                try:
+                    self.verify_at(at, nodes, roots, block_idx, pos, (k_index, v_index), (G, H, T, n, block),
+                                   keep_where_true, B, S)
+                except Refused as why:
+                    raise (Refused(f"at {at.describe()}: {why}") if sizes.symbolic else why) from None
         verified.add(key)
         if fill != float("-inf") and may_leave_rows_empty({"rows_zeroed": False, "block_idx": block_idx}):
             raise Refused(f"the scores are filled with {fill:g}, not -inf, and the block ids may leave a query no "
@@ -573,6 +635,42 @@ class SelectionAttention(RewritePass):
                 "out": out, "rows_zeroed": zeroed is not None,
                 "chain": [out, pv, p4, cast, zeroed, softmax, masked, *chain, qk, q4, kt, *repeats, *k_nodes, *v_nodes],
                 "roots": roots}
+
+    @staticmethod
+    def verify_at(at: Sizes, nodes: list[fx.Node], roots: list[fx.Node], block_idx: fx.Node, pos: fx.Node | None,
+                  indices: tuple[fx.Node, fx.Node], heads: tuple, keep_where_true: bool, B, S) -> None:
+        """The selection subgraph (nodes, from block_idx [and pos] to roots = [mask, K index, V
+        index]) evaluated on the probe block ids (and positions) at the sizes `at` (B and S as
+        numbers there, the graph's size nodes given their numbers), each result checked by
+        `verify`; Refused at the first probe that differs. heads = (G, H, T, n, l')."""
+        G, H, T, n, block = heads
+        B, S = at.int(B), at.int(S)
+        numbers = at.size_nodes() if at.symbolic else {}
+        device = value(block_idx).device
+        positions = [None] if pos is None else position_probes(B, S, n, block, device)
+        for probe_pos, probe in [(p, blocks) for p in positions for blocks in probes(B, G, S, n, block, device, p)]:
+            given = {**numbers, block_idx: probe} if pos is None else {**numbers, block_idx: probe, pos: probe_pos}
+            m, ki, vi = evaluate(nodes, given, roots)
+            if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+                raise Refused("the mask is not a bool tensor")
+            try:
+                keep = torch.broadcast_to(m, (B, H, S, T))
+            except RuntimeError:
+                raise Refused(f"the mask {tuple(m.shape)} does not broadcast to the scores {(B, H, S, T)}") from None
+            keep = keep if keep_where_true else ~keep
+            tokens = []
+            for what, index, traced in zip("KV", (ki, vi), indices):
+                if not isinstance(index, torch.Tensor) or tuple(index.shape) != at.shape(value(traced)):
+                    raise Refused(f"the {what} gather index evaluates to something else than its traced shape")
+                if index.stride(-1) != 0 and not torch.equal(index, index[..., :1].expand_as(index)):
+                    raise Refused(f"the {what} gather index differs across the head dim (not one token per row)")
+                tokens.append(index[..., 0].reshape(B, G, S, T))
+            if not torch.equal(tokens[0], tokens[1]):
+                raise Refused("K and V are gathered at different token ids")
+            verify(keep, tokens[0], probe, block, H // G, probe_pos)
+            if bool((tokens[0] < 0).any()) or bool((tokens[0] >= S).any()):  # eager's gather raises there
+                raise Refused("the gather index leaves [0, S) on probe block ids (eager's gather would raise; "
+                              "the op would ignore them)")
 
     def rewrite(self, graph: fx.Graph, plan: dict) -> None:
         out = plan["out"]

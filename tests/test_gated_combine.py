@@ -24,6 +24,7 @@ from helpers import only_graph, optimize_fresh, row, tokens
 from oracles import rel_rms, triton_interpreter
 
 import nsa_compile
+from nsa_compile.api import state_of
 from nsa_compile.models import build_model
 from nsa_compile.ops import gated_combine as gc
 from nsa_compile.parity import check_parity
@@ -529,12 +530,125 @@ def test_bf16_autocast_next_linear_rounds_the_op_output_itself():
             assert a.dtype == b.dtype and rel_rms(a, b) < 2e-2, (a.dtype, rel_rms(a, b))
 
 
-def test_dynamic_shapes_are_refused_for_now():
-    config = ONLY.replace(dynamic=True)
-    (want, _), (got, _), optimized = run_both(Combine(), combine_inputs(), config)
-    torch.testing.assert_close(got, want)
-    r = row(optimized, PASS)
-    assert r["matches"] == 0 and any("symbolic sizes" in text for text in r["reasons"]), r["reasons"]
+# --- symbolic sizes (dynamic shapes, issue 19.2) ------------------------------------------------
+
+ALONE = nsa_compile.OptimizeConfig(
+    compiler="aot_eager", disabled_passes=tuple(p for p in nsa_compile.pass_names() if p != PASS))
+
+
+def pass_logs(record) -> list:
+    return [log for log in record.logs if log.pass_name == PASS]
+
+
+@pytest.mark.parametrize("gate", ["group", "head"])
+def test_varying_length_keeps_the_rewrite_in_one_graph_with_symbolic_sizes(gate):
+    """The tiny model (one layer, the pass alone) trained at lengths 64, 57, 100, 129: Dynamo
+    compiles 64 static and from 57 on one graph with S as a symbol (the model's block padding
+    guards n <= S / l', true at each of these lengths); the op in both graphs, the gate's slices
+    and multiply-adds gone, loss and every gradient as eager at each length."""
+    torch.manual_seed(0)
+    eager = build_model("tiny", n_layers=1, gate=gate)
+    model = optimize_fresh(copy.deepcopy(eager), ALONE)
+    for S in (64, 57, 100, 129):
+        batch = tokens(1, S, seed=S)
+        want, got = eager.loss(batch), model.loss(batch)
+        want.backward()
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=lambda m, S=S, name=name: f"S={S} {name}: {m}")
+            a.grad = b.grad = None
+    graphs = state_of(model).graphs
+    assert len(graphs) == 2  # no recompile per length
+    assert "torch.SymInt" not in graphs[0].code_before and "torch.SymInt" in graphs[1].code_before
+    for record in graphs:
+        (log,) = pass_logs(record)
+        assert len(log.matches) == 1 and log.refusals == [], log.refusals
+        assert record.code_after.count("torch.ops.nsa.gated_combine(") == 1
+        assert record.code_before.count("(Ellipsis, slice(2, 3, None))") == 1
+        for c in range(3):
+            assert f"(Ellipsis, slice({c}, {c + 1}, None))" not in record.code_after
+        assert len(aten_nodes(record.aten["forward"], torch.ops.nsa.gated_combine.default)) == 1
+        assert len(aten_nodes(record.aten["backward"], torch.ops.nsa.gated_combine_backward.default)) == 1
+
+
+class FromOneInput(nn.Module):
+    """`Combine` (or a subclass) on x, q and the branch outputs sliced from one tensor u
+    [B, S, H, Dk + 3 * Dv]: as in the model, every size is the input's, so Dynamo gives them one
+    size symbol each for B and S (separate inputs each get their own)."""
+
+    def __init__(self, inner: nn.Module, Dk: int = 8, Dv: int = 6):
+        super().__init__()
+        self.inner, self.Dk, self.Dv = inner, Dk, Dv
+
+    def forward(self, u):
+        Dk, Dv = self.Dk, self.Dv
+        x = u[..., :3].flatten(2)  # [B, S, 3H]: the head gate's input (dim 12 for H = 4)
+        q = u[..., :Dk].contiguous()
+        branches = [u[..., Dk + i * Dv:Dk + (i + 1) * Dv] for i in range(3)]  # [B, S, H, Dv]
+        return self.inner(x, q, *branches)
+
+
+def run_shapes(module, shapes, config=ALONE, H=4, Dk=8, Dv=6):
+    """The module eager and optimized on a random u [B, S, H, Dk + 3 Dv] for each (B, S) of
+    `shapes`: (optimized module, [(eager output and gradients, optimized ones)] per shape)."""
+    optimized = optimize_fresh(copy.deepcopy(module), config)
+    results = []
+    for B, S in shapes:
+        u = torch.randn(B, S, H, Dk + 3 * Dv, generator=torch.Generator().manual_seed(S))
+        pair = []
+        for m in (module, optimized):
+            leaf = u.clone().requires_grad_()
+            out = m(leaf)
+            loss = (out * torch.linspace(-1, 1, out.shape[-1])).square().sum()
+            grads = torch.autograd.grad(loss, [leaf, *m.parameters()], allow_unused=True)
+            pair.append((out, [g for g in grads if g is not None]))  # Combine.other is not used
+        results.append(pair)
+    return optimized, results
+
+
+@pytest.mark.parametrize("gate", ["group", "head"])
+def test_symbolic_batch_and_length_one_graph(gate):
+    """(B, S) = (2, 5), (3, 6), (2, 9), (2, 17): one static graph, then one with B and S symbolic
+    that serves every later shape; the op in both, outputs and every gradient as eager."""
+    shapes = [(2, 5), (3, 6), (2, 9), (2, 17)]
+    optimized, results = run_shapes(FromOneInput(Combine(gate)), shapes)
+    for (want, want_grads), (got, got_grads) in results:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got_grads, want_grads, rtol=1e-5, atol=1e-6)
+    graphs = state_of(optimized).graphs
+    assert len(graphs) == 2
+    assert graphs[1].code_before.count("torch.SymInt") == 2  # B and S
+    for record in graphs:
+        (log,) = pass_logs(record)
+        assert len(log.matches) == 1 and log.refusals == [], log.refusals
+        assert record.code_after.count("torch.ops.nsa.gated_combine(") == 1
+
+
+class ScaledAtLongerSizes(Combine):
+    """The weighted sum with the window branch doubled from S = 16 on (1 + S // 16): right at the
+    size Dynamo saw (6) and the probe 7, wrong at the probe 6 + 19 = 25."""
+
+    def forward(self, x, q, o_cmp, o_sel, o_win):
+        g = self.gates(x, q)
+        return g[..., 0:1] * o_cmp + g[..., 1:2] * o_sel + g[..., 2:3] * o_win * (1 + q.shape[1] // 16)
+
+
+def test_a_sum_right_only_at_the_traced_size_is_refused_at_symbolic_sizes():
+    """S = 5 compiles static (the sum is right there: rewritten); S = 6 compiles with S symbolic
+    and the probe S = 25 shows the window branch doubled: refused naming that size, the graph
+    unchanged, outputs the eager code's."""
+    optimized, results = run_shapes(FromOneInput(ScaledAtLongerSizes()), [(2, 5), (2, 6)])
+    for (want, _), (got, _) in results:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    static, dynamic = state_of(optimized).graphs
+    assert len(pass_logs(static)[0].matches) == 1
+    (log,) = pass_logs(dynamic)
+    assert log.matches == [] and "torch.SymInt" in dynamic.code_before
+    (reason,) = [r.reason for r in log.refusals]
+    assert re.fullmatch(r"at s\d+=25: branch getitem_\d+ is not weighed by one gate entry per head and token",
+                        reason), reason
+    assert dynamic.code_after == dynamic.code_before
 
 
 def test_backend_named_in_the_config_is_used_or_the_sum_refused():

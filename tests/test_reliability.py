@@ -197,8 +197,9 @@ def windowed_inputs(B, S):
 
 def test_symbolic_sizes_warn_once_naming_the_pass_and_reason():
     """dynamic=None: Dynamo compiles the second length with symbolic sizes, where the window pass
-    cannot verify the mask: optimize warns once per model (a third, batch-dynamic, compile does not
-    warn again), naming the pass, where and why; the answers stay eager's."""
+    finds the mask a different window at the probe sizes: optimize warns once per model (a third,
+    batch-dynamic, compile does not warn again), naming the pass, where and why; the answers stay
+    eager's."""
     eager = WindowedGQA()
     optimized = optimize_fresh(WindowedGQA(), ALL_PASSES)
     caught = []
@@ -234,6 +235,32 @@ def test_static_recompiles_keep_every_rewrite():
     assert len(graphs) == 3
     for record in graphs:
         assert "torch.SymInt" not in record.code_before
+        assert {log.pass_name: len(log.matches) for log in record.logs if log.pass_name in TINY_REWRITES} == \
+            dict.fromkeys(TINY_REWRITES, 1)
+
+
+def test_changing_lengths_keep_every_rewrite_in_two_graphs():
+    """Issue 19.2's target: S in {100, 101, 150, 200, 257, 1000, 2048} through one model under the
+    default dynamic=None: a static graph at 100, then one graph with S a symbol for every later
+    length (2 compiles), every branch rewritten in both (the passes check their candidates at the
+    probe sizes 101, 102 and 120 there), no warning; the loss and every gradient match eager at
+    each length."""
+    torch.manual_seed(0)
+    eager = build_model(preset("tiny", n_layers=1))
+    optimized = optimize_fresh(copy.deepcopy(eager), ALL_PASSES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DynamicShapesWarning)
+        for S in (100, 101, 150, 200, 257, 1000, 2048):
+            batch = tokens(1, S, seed=S)
+            losses = [model.loss(batch) for model in (eager, optimized)]
+            grads = [torch.autograd.grad(loss, list(model.parameters()))
+                     for loss, model in zip(losses, (eager, optimized))]
+            assert relative_error(losses[1], losses[0]) < 1e-6, S
+            for got, expected in zip(grads[1], grads[0]):
+                assert relative_error(got, expected) < 1e-4, S
+    static, dynamic = state_of(optimized).graphs
+    assert "torch.SymInt" not in static.code_before and "torch.SymInt" in dynamic.code_before
+    for record in (static, dynamic):
         assert {log.pass_name: len(log.matches) for log in record.logs if log.pass_name in TINY_REWRITES} == \
             dict.fromkeys(TINY_REWRITES, 1)
 

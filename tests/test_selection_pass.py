@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
 import torch.nn as nn
-from helpers import only_graph, optimize_fresh, row, tokens
+from helpers import only_graph, optimize_fresh, packed_positions, row, tokens
 
 import nsa_compile
+from nsa_compile.api import state_of
 from nsa_compile.models import build_model, preset
 from nsa_compile.models.nsa import upcast
 from nsa_compile.parity import check_parity
@@ -295,12 +297,199 @@ def test_a_mask_from_data_is_refused():
                             "(data other than one [B, G, S, n] block index tensor and positions)"]
 
 
-def test_dynamic_shapes_are_refused_for_now():
-    config = nsa_compile.OptimizeConfig(compiler="aot_eager", dynamic=True)
-    (expected, _), (got, _), optimized = run_both(Selected(), inputs(), config)
-    torch.testing.assert_close(got, expected)
-    r = row(optimized, PASS)
-    assert r["matches"] == 0 and any("symbolic sizes" in text for text in r["reasons"]), r["reasons"]
+# --- symbolic sizes (dynamic shapes, issue 19.2) ------------------------------------------------
+
+# The pass alone (the branch passes before it would change what it sees in the graph).
+ALONE = nsa_compile.OptimizeConfig(
+    compiler="aot_eager", disabled_passes=tuple(p for p in nsa_compile.pass_names() if p != PASS))
+
+
+def pass_logs(record) -> list:
+    return [log for log in record.logs if log.pass_name == PASS]
+
+
+def test_varying_length_keeps_the_rewrite_in_one_graph_with_symbolic_sizes():
+    """The tiny model (one layer) trained at lengths 64, 57, 100, 129: Dynamo compiles 64 static
+    and from 57 on one graph with S as a symbol (the model's block padding guards n <= S / l', so
+    every length here has more than n blocks); the rewrite is in both graphs and loss and every
+    gradient match eager at each length."""
+    torch.manual_seed(0)
+    eager = build_model(preset("tiny", n_layers=1))
+    model = optimize_fresh(copy.deepcopy(eager), ALONE)
+    for S in (64, 57, 100, 129):
+        batch = tokens(1, S, seed=S)
+        want, got = eager.loss(batch), model.loss(batch)
+        want.backward()
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=lambda m, S=S, name=name: f"S={S} {name}: {m}")
+            a.grad = b.grad = None
+    graphs = state_of(model).graphs
+    assert len(graphs) == 2, [g.code_before.splitlines()[3][:120] for g in graphs]  # no recompile per length
+    static, dynamic = graphs
+    assert "torch.SymInt" not in static.code_before and "torch.SymInt" in dynamic.code_before
+    for record in graphs:
+        (log,) = pass_logs(record)
+        assert len(log.matches) == 1, log.refusals
+        # block_selection is off: the eager top-k's ids may leave a row empty, as far as the pass knows
+        assert log.matches[0].kernel == KERNEL.replace(NOT_TRITON, "; rows with no token: NaN as eager" + NOT_TRITON)
+        assert record.code_after.count("torch.ops.nsa.selected_attention(") == 1
+        assert "torch.gather(" in record.code_before and "torch.gather(" not in record.code_after
+        assert aten_nodes(record.aten["forward"], torch.ops.aten.gather.default) == []
+
+
+class FromOneInput(nn.Module):
+    """`Selected` (or a subclass) on q, k, v sliced from one tensor qkv [B, S, H + 2G, D] and block
+    ids made in the graph (each query's current block, the one before and the fourth before,
+    -1 before the first; one block earlier where the data says so, never for randn inputs: block
+    ids that depend on data, as the model's top-k): as in the model, every size is one of the
+    input's, so Dynamo gives q, k, v and the block ids the same size symbols (separate inputs
+    each get their own)."""
+
+    def __init__(self, inner: nn.Module, G: int = 2, n: int = 3):
+        super().__init__()
+        self.inner, self.G, self.n = inner, G, n
+
+    def forward(self, qkv):
+        B, S, heads, _ = qkv.shape
+        H = heads - 2 * self.G
+        q, k, v = qkv[:, :, :H], qkv[:, :, H:H + self.G], qkv[:, :, H + self.G:]
+        current = torch.arange(S) // self.inner.block  # [S]
+        back = torch.tensor([0, 1, 4])[: self.n]
+        later = (qkv[:, :, 0, 0] > 10).long()[..., None]  # [B, S, 1], 0 for randn inputs
+        block_idx = (current[:, None] - back - later).clamp(min=-1)  # [B, S, n]
+        return self.inner(q, k, v, block_idx[:, None].expand(B, self.G, S, self.n))
+
+
+def qkv_input(B: int, S: int, H: int = 4, G: int = 2, D: int = 8) -> torch.Tensor:
+    return torch.randn(B, S, H + 2 * G, D, generator=torch.Generator().manual_seed(S))
+
+
+def documents(S: int) -> list[list[int]]:
+    """Document lengths of two rows of S tokens (the last one cut to fit): odd lengths in row 0,
+    block-aligned and one-off lengths in row 1."""
+    rows = []
+    for cycle in ([1, 2, 13, 55, 3], [16, 33, 15, 48]):
+        lengths, i = [], 0
+        while sum(lengths) < S:
+            lengths.append(min(cycle[i % len(cycle)], S - sum(lengths)))
+            i += 1
+        rows.append(lengths)
+    return rows
+
+
+def test_packed_documents_at_varying_length_keep_the_rewrite():
+    """The packed model (pos [2, S]) at lengths 64, 57, 100: the model's own check of pos's shape
+    makes pos's length the tokens' symbol, the check runs the position probes at each probe size;
+    the op with pos in the graph with symbolic sizes, outputs and gradients as eager."""
+    torch.manual_seed(0)
+    eager = build_model(preset("tiny", n_layers=1))
+    model = optimize_fresh(copy.deepcopy(eager), ALONE)
+    for S in (64, 57, 100):
+        x, pos = tokens(2, S, seed=S)[:, :-1], packed_positions(documents(S))
+        want, got = eager(x, pos), model(x, pos)
+        want.square().mean().backward()
+        got.square().mean().backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-7, msg=lambda m, S=S, name=name: f"S={S} {name}: {m}")
+            a.grad = b.grad = None
+    graphs = state_of(model).graphs
+    assert len(graphs) == 2 and "torch.SymInt" in graphs[1].code_before
+    for record in graphs:
+        (log,) = pass_logs(record)
+        assert len(log.matches) == 1 and ", packed documents (pos);" in log.matches[0].kernel
+        calls = [line for line in record.code_after.splitlines() if "torch.ops.nsa.selected_attention(" in line]
+        assert len(calls) == 1 and ", 'reference', l_pos_);" in calls[0], calls
+        assert "torch.gather(" not in record.code_after
+
+
+def run_lengths(module, shapes, config):
+    """The module eager and optimized on qkv_input(B, S) for each (B, S) of `shapes`:
+    (optimized module, for each shape the eager and optimized output with the input's gradient)."""
+    optimized = optimize_fresh(copy.deepcopy(module), config)
+    results = []
+    for B, S in shapes:
+        x = qkv_input(B, S)
+        pair = []
+        for m in (module, optimized):
+            leaf = x.clone().requires_grad_()
+            out = m(leaf)
+            pair.append((out, torch.autograd.grad(out.square().sum(), leaf)))
+        results.append(pair)
+    return optimized, results
+
+
+def test_separate_inputs_with_their_own_size_symbols_are_refused():
+    """q, k, v and block_idx as four inputs: Dynamo gives each its own symbols for B and S, equal
+    at the sizes seen but not provably: the op needs one S (eager's gather would take K of another
+    length), so refused, the symbols named."""
+    _, _, optimized = run_both(Selected(), inputs(), ALONE)
+    run = [optimized(*inputs(B=B, S=S)) for B, S in [(3, 30), (2, 37)]]
+    torch.testing.assert_close(run[-1], Selected()(*inputs(B=2, S=37)), rtol=0, atol=0)  # the eager code
+    static, dynamic = state_of(optimized).graphs
+    assert len(pass_logs(static)[0].matches) == 1
+    (log,) = pass_logs(dynamic)
+    assert log.matches == []
+    (reason,) = [r.reason for r in log.refusals]
+    assert re.fullmatch(r"K is \(s\d+, 2, s\d+, 8\), not \[B, G, S, D\] = \(s\d+, 2, s\d+, 8\)", reason), reason
+
+
+def test_symbolic_batch_and_length_verified_at_the_probe_sizes():
+    """The model's selected branch at (B, S) = (2, 23), (3, 30), (2, 37), (2, 41): one static graph,
+    then one with B and S symbolic (the gather index clamped to s - 1, a size node of the graph)
+    that serves every later shape; the op in both, outputs and gradients as eager."""
+    shapes = [(2, 23), (3, 30), (2, 37), (2, 41)]
+    optimized, results = run_lengths(FromOneInput(Selected()), shapes, ALONE)
+    for (B, S), ((want, want_grads), (got, got_grads)) in zip(shapes, results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_grads, want_grads, rtol=1e-5, atol=1e-5)
+    graphs = state_of(optimized).graphs
+    assert len(graphs) == 2
+    dynamic = graphs[1]
+    assert dynamic.code_before.count("torch.SymInt") == 2  # B and S
+    (log,) = pass_logs(dynamic)
+    assert len(log.matches) == 1 and log.refusals == []
+    assert "torch.gather(" not in dynamic.code_after and "torch.ops.nsa.selected_attention(" in dynamic.code_after
+
+
+class ShiftsAtLongerSizes(Selected):
+    """The mask right up to S = 31 (S // 32 = 0) and off by one from S = 32 on (query t sees t + 1):
+    right at the size Dynamo saw (24), wrong at the probe 24 + 19 = 43."""
+
+    def forward(self, q, k, v, block_idx):
+        B, S, H, Dk = q.shape
+        G, Dv, ls = k.shape[2], v.shape[3], self.block
+        tokens = (block_idx.clamp(min=0)[..., None] * ls + torch.arange(ls)).flatten(-2)
+        t = torch.arange(S)[:, None]
+        valid = (block_idx >= 0)[..., None].expand(-1, -1, -1, -1, ls).flatten(-2) & (tokens <= t + S // 32)
+        index = tokens.clamp(max=S - 1).flatten(2)[..., None]
+        T = tokens.shape[-1]
+        k_sel = torch.gather(k.transpose(1, 2), 2, index.expand(-1, -1, -1, Dk)).view(B, G, S, T, Dk)
+        v_sel = torch.gather(v.transpose(1, 2), 2, index.expand(-1, -1, -1, Dv)).view(B, G, S, T, Dv)
+        k_rep, v_rep = k_sel.repeat_interleave(H // G, dim=1), v_sel.repeat_interleave(H // G, dim=1)
+        scores = (q.transpose(1, 2).unsqueeze(-2) @ k_rep.transpose(-1, -2)).squeeze(-2) * Dk**-0.5
+        p = torch.softmax(scores.masked_fill(~valid.repeat_interleave(H // G, dim=1), float("-inf")), dim=-1)
+        return (p.unsqueeze(-2) @ v_rep).squeeze(-2).transpose(1, 2)
+
+
+def test_a_mask_right_only_at_the_traced_size_is_refused_at_symbolic_sizes():
+    """S = 23 compiles static (the mask is right there: rewritten); S = 24 compiles with S symbolic,
+    and the probe S = 43 shows the mask off by one: refused naming that size, the graph unchanged,
+    outputs the eager code's."""
+    shapes = [(2, 23), (2, 24)]
+    optimized, results = run_lengths(FromOneInput(ShiftsAtLongerSizes()), shapes, ALONE)
+    for (want, _), (got, _) in results:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    static, dynamic = state_of(optimized).graphs
+    assert len(pass_logs(static)[0].matches) == 1
+    (log,) = pass_logs(dynamic)
+    assert log.matches == [] and "torch.SymInt" in dynamic.code_before
+    (reason,) = [r.reason for r in log.refusals]
+    assert re.fullmatch(r"at s\d+=43: the mask is off by one: query t sees token t \+ 1 \(tokens <= t \+ 1 instead "
+                        r"of <= t\)", reason), reason
+    assert dynamic.code_after == dynamic.code_before
 
 
 def test_verification_cap_is_a_reason(monkeypatch):
