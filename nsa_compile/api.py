@@ -26,8 +26,10 @@ def optimize(model: nn.Module, config: OptimizeConfig | None = None) -> nn.Modul
     only outputs the loss did not use depend on, or only non-differentiable ones) stays None, where
     plain torch.compile gives zeros (backend.keep_unreached_grads_none); a model on the meta device,
     or a batch of 0, runs as traced, without the passes. A graph compiled with symbolic sizes
-    (Dynamo's default after a size changes; `OptimizeConfig(dynamic=False)` recompiles per size
-    instead) keeps branches the passes cannot verify eager: a DynamicShapesWarning says so, once.
+    (Dynamo's default after a size changes) is rewritten too, each candidate checked at probe sizes
+    (sizes.py): training at several lengths compiles twice (once more where the model's own code
+    branches on the length). A branch refused there stays eager, and a DynamicShapesWarning says
+    so, once; `OptimizeConfig(dynamic=False)` recompiles per size instead.
 
     Under DistributedDataParallel (`DDP(optimize(model))` or `optimize(DDP(model))`) the passes
     see whole graphs, which are then split at DDP's gradient buckets as Dynamo would split them

@@ -17,9 +17,11 @@ backward pattern has to be matched (see docs/DESIGN.md).
   only such outputs depend on (a parameter of an unused head) would get a zero gradient where
   eager leaves `.grad` None (and AdamW's weight decay would then move it). Where a graph has such
   inputs, `keep_unreached_grads_none` restores None at run time (see there).
-- A graph compiled with symbolic sizes (Dynamo makes a size dynamic once it changes) keeps the
-  NSA branches the passes cannot verify symbolically eager: `optimize` says so once per model,
-  with a DynamicShapesWarning naming the passes and their reasons.
+- A graph compiled with symbolic sizes (Dynamo makes a size dynamic once it changes) is rewritten
+  like a static one: the passes check their candidates at probe sizes (sizes.py). A branch they
+  refuse there (a computation that differs between sizes, packed documents in the window and
+  compressed passes) stays eager: `optimize` says so once per model, with a DynamicShapesWarning
+  naming the passes and their reasons.
 - Under DDP (see ddp.py) Dynamo hands over the whole graph; the passes run here, whatever the
   compiler, and the rewritten graph is split at DDP's gradient buckets as Dynamo would have split
   it; each piece is compiled without the passes (plain `compile_fx` for Inductor), so every
@@ -285,7 +287,7 @@ def warn_symbolic_refusals(records, symbols: set[str]) -> bool:
         lines.append(f"  {name} at {places}: {reasons}")
     warnings.warn(
         "nsa_compile: a graph was compiled with symbolic sizes (Dynamo makes a size dynamic once it "
-        "changes between calls), and these passes could not check their candidates at symbolic sizes, "
+        "changes between calls), and these passes refused candidates there for reasons of those sizes, "
         "so those stay as the eager code (slow, and it can run out of memory at long sequences):\n"
         + "\n".join(lines) + "\n"
         "OptimizeConfig(dynamic=False) recompiles at each new size instead, with every rewrite "

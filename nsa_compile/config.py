@@ -39,7 +39,10 @@ class OptimizeConfig:
 
     compiler:        one of COMPILERS.
     disabled_passes: names of registered passes to skip (see `nsa_compile.pass_names()`).
-    dynamic:         passed to torch.compile (None: static first, dynamic after a change).
+    dynamic:         passed to torch.compile (None: static first, then the sizes that changed as
+                     symbols, which the passes rewrite too; True: every size a symbol from the
+                     first call, head dims included, so a scale computed from one is no constant
+                     and the attention passes refuse it; False: a static compile per size).
     fullgraph:       passed to torch.compile (True: a graph break is an error).
     window_backend:  the window op's backend: 'auto' (triton on CUDA in fp16/bf16 without packed
                      documents, else flash where FA-2 can run, else reference), 'triton',
