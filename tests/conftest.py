@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
 
 
 def pytest_report_header(config):
-    return ("the whole suite takes 11-14 minutes on 2 idle CPU cores (README, Set-up); a test that compiles "
-            "can hold one progress dot for a minute")
+    return ("the whole suite takes about 8 minutes on 2 idle CPU cores with two workers (README, Set-up); a test "
+            "that compiles can hold one progress dot for a minute")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -54,18 +54,18 @@ if [ "$mode" != "--kernels" ] && [ "$mode" != "--parity" ]; then
   [ "$mode" = "--tests3" ] && files=("${third[@]}")
   [ "$mode" = "--sweep" ] && selection=(-m sweep) && files=(tests)
   [ "$mode" = "--all" ] && selection=() && files=(tests)
-  python3 -m pytest -q -p no:cacheprovider -p no:logging --durations=25 "${selection[@]}" "${files[@]}" 2>&1 \
+  python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -p no:logging --durations=25 "${selection[@]}" "${files[@]}" 2>&1 \
     | tee "$out/pytest.log" | tail -15 || status=1
 fi
 if [ -z "$mode" ] || [ "$mode" = "--parity" ]; then
-  python3 -m pytest -q -p no:cacheprovider -p no:logging --durations=8 -m gpu tests/test_parity_verdict.py 2>&1 \
+  python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -p no:logging --durations=8 -m gpu tests/test_parity_verdict.py 2>&1 \
     | tee "$out/parity_verdict.log" | tail -12 || status=1
   python3 tools/parity_breakdown.py --oracle-memory --model seed --seq-len 2048 --batch 1 2>&1 \
     | tee "$out/oracle_memory.log" | tail -5 || status=1
 fi
 if [ -z "$mode" ] || [ "$mode" = "--kernels" ]; then
   # the Triton kernels on CUDA (on the CPU the same files run them interpreted)
-  python3 -m pytest -q -p no:cacheprovider -p no:logging -m "not sweep" tests/test_selection_triton.py tests/test_compressed_op.py \
+  python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -p no:logging -m "not sweep" tests/test_selection_triton.py tests/test_compressed_op.py \
     tests/test_window_triton.py tests/test_block_select_op.py tests/test_gated_combine.py tests/test_fused_projections.py 2>&1 \
     | tee "$out/triton.log" | tail -5 || status=1
 fi
