@@ -7,7 +7,7 @@
 from .api import optimize, report
 from .config import OptimizeConfig
 from .registry import pass_names, register_pass, unregister_pass
-from .rewrite import PassLog, RewritePass
+from .rewrite import PassContext, PassLog, RewritePass
 
 __all__ = [
     "optimize",
@@ -17,5 +17,6 @@ __all__ = [
     "register_pass",
     "unregister_pass",
     "RewritePass",
+    "PassContext",
     "PassLog",
 ]

@@ -115,8 +115,7 @@ def _record_untouched(gm: fx.GraphModule, state: OptimizeState, reason: str) -> 
     record.code_before = record.code_after = gm.code
     nodes = len(gm.graph.nodes)
     for p in state.passes:
-        log = PassLog(p.name, record.graph_id, nodes_before=nodes, nodes_after=nodes, code_after=gm.code,
-                      config=state.config)
+        log = PassLog(p.name, record.graph_id, nodes_before=nodes, nodes_after=nodes, code_after=gm.code)
         log.refusals.append(Refusal("", "", reason))
         record.logs.append(log)
 

@@ -520,7 +520,7 @@ def main(argv=None) -> None:
     a crash of the compiled model is one line (isolation.py); main(args) runs here."""
     args = list(sys.argv[1:] if argv is None else argv)
     if argv is None and can_isolate(args):
-        run_isolated(args)  # does not return
+        run_isolated(args, main)  # does not return
     debug = "--debug" in args
     try:
         cli.main(args=args, prog_name="nsa-compile", standalone_mode=False)

@@ -59,8 +59,9 @@ def can_isolate(args: list[str]) -> bool:
             and not torch.cuda.is_initialized())
 
 
-def run_isolated(args: list[str]) -> None:
-    """Run `nsa-compile ARGS` in a forked child and end the program with the exit status to give:
+def run_isolated(args: list[str], main) -> None:
+    """Run `main(ARGS)` (the command line's entry point, given by cli.py so that this module does not
+    import it) in a forked child and end the program with the exit status to give:
     the child's, EXIT_CRASHED where a signal killed it, EXIT_INTERRUPTED on Ctrl-C. This process
     computed nothing, so it ends without the interpreter's teardown (which costs about 1 s of CPU
     with torch loaded, and the child does it already)."""
@@ -77,8 +78,6 @@ def run_isolated(args: list[str]) -> None:
         os.dup2(write_end, 2)
         os.close(write_end)
         faulthandler.enable()
-        from .cli import main
-
         main(args)  # exits with the command's status, as the program would
         sys.exit(0)
     os.close(write_end)

@@ -22,7 +22,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from .config import OptimizeConfig
 from .coverage import Branch, Coverage, CoverageError, graph_branches
 from .registry import registered_passes
-from .rewrite import PassLog, RewritePass
+from .rewrite import PassContext, PassLog, RewritePass
 
 __all__ = ["NSAGraphPass", "OptimizeState", "GraphRecord"]
 
@@ -124,9 +124,9 @@ class NSAGraphPass(CustomGraphPass):
         record.code_before = _graph_code(graph)
         before_names = {n.name for n in graph.nodes}
         for p in self.state.passes:
-            log = PassLog(p.name, record.graph_id, nodes_before=len(graph.nodes), config=self.state.config)
+            log = PassLog(p.name, record.graph_id, nodes_before=len(graph.nodes))
             start = time.perf_counter()
-            p.apply(graph, log)  # a pass erases what it replaced
+            p.apply(graph, PassContext(self.state.config, log))  # a pass erases what it replaced
             graph.lint()
             log.seconds = time.perf_counter() - start
             log.nodes_after = len(graph.nodes)

@@ -1,22 +1,27 @@
-"""The anatomy every rewrite pass shares, and the log each run of a pass writes.
+"""The anatomy every rewrite pass shares, the context it runs in, and the log each run writes.
 
 A pass is an object with a `name` (containing its family word: gqa, gate, rope, selection,
-window, compress), a one-line `summary`, and `apply(graph, log)`, which rewrites a Dynamo
-(torch IR) FX graph in place and tells the log of every match and every refusal, with a reason.
-A refused candidate must leave the graph unchanged.
+window, compress), a one-line `summary`, and `apply(graph, ctx)`, which rewrites a Dynamo
+(torch IR) FX graph in place. `ctx` (PassContext) holds the OptimizeConfig the graph is compiled
+under (`ctx.config`: the backend choices) and the pass's log, and tells the log of every match
+(`ctx.matched`) and every refusal, with a reason (`ctx.refused`). A refused candidate must leave
+the graph unchanged.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from .config import OptimizeConfig
 from .fx import module_path
 
-__all__ = ["RewritePass", "PassLog", "Match", "Refusal"]
+if TYPE_CHECKING:  # a type only: config.py imports the registry, which imports this module
+    from .config import OptimizeConfig
+
+__all__ = ["RewritePass", "PassContext", "PassLog", "Match", "Refusal"]
 
 FAMILIES = ("gqa", "gate", "rope", "selection", "window", "compress")
 
@@ -47,7 +52,6 @@ class PassLog:
     nodes_after: int = 0
     seconds: float = 0.0
     code_after: str = ""  # the graph's code after this pass (for per-pass diffs)
-    config: OptimizeConfig | None = None  # what the graph is compiled under (passes read their options here)
 
     def matched(self, node: fx.Node, kernel: str) -> None:
         self.matches.append(Match(node.name, module_path(node), kernel))
@@ -56,13 +60,27 @@ class PassLog:
         self.refusals.append(Refusal(node.name, module_path(node), reason))
 
 
+@dataclass
+class PassContext:
+    """What a pass gets besides the graph: the config the graph is compiled under and its log."""
+
+    config: OptimizeConfig
+    log: PassLog
+
+    def matched(self, node: fx.Node, kernel: str) -> None:
+        self.log.matched(node, kernel)
+
+    def refused(self, node: fx.Node, reason: str) -> None:
+        self.log.refused(node, reason)
+
+
 class RewritePass:
     """Base of every rewrite. Subclasses set `name` and `summary` and implement `apply`."""
 
     name: str = ""
     summary: str = ""
 
-    def apply(self, graph: fx.Graph, log: PassLog) -> None:
+    def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         raise NotImplementedError
 
     def source_files(self) -> tuple[str, ...]:

@@ -124,7 +124,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from nsa_compile.attention_match import LARGE_NEGATIVE, Refused, erase_replaced
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.fx import size as size_of
-from nsa_compile.rewrite import PassLog, RewritePass
+from nsa_compile.rewrite import PassContext, RewritePass
 
 from . import compressed_attention as cmp
 
@@ -1385,7 +1385,7 @@ class Canonicalize(RewritePass):
     name = "canonicalize"
     summary = "equivalent spellings of attention (einsum, mask forms, softmax dtype, ...) -> the form the passes read"
 
-    def apply(self, graph: fx.Graph, log: PassLog) -> None:
+    def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         subgraphs = cmp.PositionSubgraphs()  # position masks evaluated once per structure (the layers share them)
         rules = (("sdpa", SDPADecomposition(subgraphs)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort),
                  ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("key_layout", key_transpose),
@@ -1398,10 +1398,10 @@ class Canonicalize(RewritePass):
                 try:
                     what = rule(graph, node)
                 except Refused as why:
-                    log.refused(node, f"{name}: {why}")
+                    ctx.refused(node, f"{name}: {why}")
                     continue
                 if what:
-                    log.matched(node, what)
+                    ctx.matched(node, what)
 
     def source_files(self) -> tuple[str, ...]:
         return super().source_files() + (cmp.__file__,)

@@ -98,7 +98,7 @@ from nsa_compile.attention_match import (
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.ops.compressed import choose_backend, why_not_triton
-from nsa_compile.rewrite import PassLog, RewritePass
+from nsa_compile.rewrite import PassContext, RewritePass
 from nsa_compile.sizes import Sizes
 
 # The masks are evaluated at compile time: more elements than this (summed over the evaluated
@@ -1122,22 +1122,22 @@ class CompressedAttention(RewritePass):
     name = "compressed_attention"
     summary = "pooled-block attention under the staircase mask -> nsa.compressed_attention, no repeated K/V"
 
-    def apply(self, graph: fx.Graph, log: PassLog) -> None:
+    def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         subgraphs, data = PositionSubgraphs(Sizes.of(graph)), data_nodes(graph)
-        requested = log.config.compressed_backend if log.config else "auto"
+        requested = ctx.config.compressed_backend
         for softmax in list(graph.nodes):
             if op_name(softmax) != "softmax" or softmax._erased:
                 continue
             try:
                 plan = self.check(softmax, subgraphs, data, requested)
             except Refused as why:
-                log.refused(softmax, str(why))
+                ctx.refused(softmax, str(why))
                 continue
             self.rewrite(graph, plan)
             data = data_nodes(graph)  # the graph changed
             why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
             packed = ", packed documents (pos)" if plan["pos"] is not None else ""
-            log.matched(softmax, KERNEL.format(block=plan["block"], stride=plan["stride"], backend=plan["backend"],
+            ctx.matched(softmax, KERNEL.format(block=plan["block"], stride=plan["stride"], backend=plan["backend"],
                                                packed=packed, why=why))
 
     def check(self, softmax: fx.Node, subgraphs: PositionSubgraphs, data: set, requested: str = "auto") -> dict:

@@ -110,7 +110,7 @@ from nsa_compile.attention_match import Refused, ancestors, erase_replaced
 from nsa_compile.fx import arg, call, contiguous_if_read_by_layout, module_path, op_name, size, value
 from nsa_compile.ops import rope_triton
 from nsa_compile.ops.rope import choose_backend, rotate, why_not_triton
-from nsa_compile.rewrite import Match, PassLog, RewritePass
+from nsa_compile.rewrite import Match, PassContext, RewritePass
 from nsa_compile.sizes import Sizes
 
 MAX_PIECES = rope_triton.MAX_PIECES
@@ -351,7 +351,7 @@ class ProjectionsRope(RewritePass):
     name = "projections_rope"
     summary = "Linear projections of one input (+ their RoPE) -> one GEMM with RoPE in its epilogue"
 
-    def apply(self, graph: fx.Graph, log: PassLog) -> None:
+    def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         order = {node: i for i, node in enumerate(graph.nodes)}
         groups: dict[fx.Node, list[fx.Node]] = {}
         for node in graph.nodes:
@@ -369,7 +369,7 @@ class ProjectionsRope(RewritePass):
                 try:
                     weight, bias, dtype = check_linear(linear, regions)
                 except Refused as why:
-                    log.refused(linear, str(why))
+                    ctx.refused(linear, str(why))
                     continue
                 by_dtype.setdefault(dtype, []).extend(
                     Member(linear, weight, bias, dtype, node, start, width, layout)
@@ -381,19 +381,19 @@ class ProjectionsRope(RewritePass):
                         try:
                             m.rope = self.find_rope(m, order, verified, keys, sizes)
                         except Refused as why:
-                            log.refused(m.node, f"RoPE left eager: {why}")
+                            ctx.refused(m.node, f"RoPE left eager: {why}")
                 members = self.whole_unless_rotated(members)
-                chunks = self.plan(graph, members, order, log)
+                chunks = self.plan(graph, members, order, ctx)
                 order = {node: i for i, node in enumerate(graph.nodes)}  # tables may have moved
                 if len(by_dtype) > 1:
                     others = ", ".join(str(d) for d in by_dtype if d != dtype)
                     for m in members:
                         if not m.late and not any(m in chunk for chunk in chunks):
-                            log.refused(m.linear, f"it computes in {dtype}, the other projections of "
+                            ctx.refused(m.linear, f"it computes in {dtype}, the other projections of "
                                                   f"{arg(m.linear, 0, 'input').name} in {others} (autocast on for "
                                                   "some, off for others?): one GEMM computes in one dtype")
                 for chunk in chunks:
-                    self.rewrite(graph, chunk, log)
+                    self.rewrite(graph, chunk, ctx)
                     order = {node: i for i, node in enumerate(graph.nodes)}  # the rewrite added nodes
 
     # --- pieces of a fused projection ----------------------------------------------------------
@@ -837,7 +837,7 @@ class ProjectionsRope(RewritePass):
 
     # --- grouping and rewriting -----------------------------------------------------------------
 
-    def plan(self, graph: fx.Graph, members: list[Member], order: dict, log: PassLog) -> list[list[Member]]:
+    def plan(self, graph: fx.Graph, members: list[Member], order: dict, ctx: PassContext) -> list[list[Member]]:
         """The groups to rewrite: members whose inputs exist before the group's first projection
         (tables computed later are moved before it), one RoPE signature per group, at most
         MAX_PIECES each; lone unrotated projections dropped."""
@@ -849,7 +849,7 @@ class ProjectionsRope(RewritePass):
             late = [n for n in (m.weight, m.bias) if n is not None and order[n] >= order[anchor]]
             if late:
                 m.late = True
-                log.refused(m.linear, f"its {late[0].name} is computed after the group's first projection "
+                ctx.refused(m.linear, f"its {late[0].name} is computed after the group's first projection "
                                       f"{anchor.name}: one GEMM cannot read it")
             else:
                 kept.append(m)
@@ -860,7 +860,7 @@ class ProjectionsRope(RewritePass):
             if rope is None:
                 continue
             if rope["signature"] != signature:
-                log.refused(m.node, "RoPE left eager: the group already rotates with another table pair, "
+                ctx.refused(m.node, "RoPE left eager: the group already rotates with another table pair, "
                                     "convention or head dim")
                 m.rope = None
                 continue
@@ -869,7 +869,7 @@ class ProjectionsRope(RewritePass):
                     self.hoist(graph, [rope["cos"], rope["sin"]], anchor, linears)
                     tables = rope["cos"], rope["sin"]
                 except Refused as why:
-                    log.refused(m.node, f"RoPE left eager: its tables are computed after the group's first "
+                    ctx.refused(m.node, f"RoPE left eager: its tables are computed after the group's first "
                                         f"projection {anchor.name} and cannot be moved before it: {why}")
                     m.rope = None
                     continue
@@ -899,7 +899,7 @@ class ProjectionsRope(RewritePass):
         for node in late:
             anchor.prepend(node)
 
-    def rewrite(self, graph: fx.Graph, group: list[Member], log: PassLog) -> None:
+    def rewrite(self, graph: fx.Graph, group: list[Member], ctx: PassContext) -> None:
         anchor = group[0].linear
         dtype = group[0].dtype
         casts = []
@@ -979,7 +979,7 @@ class ProjectionsRope(RewritePass):
         cast_text = f" in {dtype} (autocast: the inputs cast to it)" if casts else ""
         n_linears = len({m.linear for m in group})
         of = f" of {n_linears} Linear{'s' if n_linears > 1 else ''}" if n_linears != len(group) else ""
-        log.matches.append(Match(anchor.name, where or "<top>", KERNEL.format(
+        ctx.log.matches.append(Match(anchor.name, where or "<top>", KERNEL.format(
             backend=backend, n=len(group), s="s" if len(group) > 1 else "", of=of, N=sum(widths), cast=cast_text,
             rope=rope_text, why=why)))
 

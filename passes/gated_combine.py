@@ -82,7 +82,7 @@ from nsa_compile import probe
 from nsa_compile.attention_match import Refused, erase_replaced, only_user
 from nsa_compile.fx import arg, call, contiguous_if_read_by_layout, op_name, size, value
 from nsa_compile.ops.gated_combine import choose_backend, why_not_triton
-from nsa_compile.rewrite import PassLog, RewritePass
+from nsa_compile.rewrite import PassContext, RewritePass
 from nsa_compile.sizes import Sizes
 
 KERNEL = "nsa.gated_combine[{backend}] ({gate} -> {norm}, {share}; branch outputs read once{layout}{why})"
@@ -210,8 +210,8 @@ class GatedCombine(RewritePass):
     name = "gated_combine"
     summary = "gate MLP + softmax/sigmoid + gated sum of the three branch outputs -> nsa.gated_combine, one kernel"
 
-    def apply(self, graph: fx.Graph, log: PassLog) -> None:
-        requested = log.config.combine_backend if log.config else "auto"
+    def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
+        requested = ctx.config.combine_backend
         verified: dict = {}  # region fingerprint -> how it mixes the branches (one probe per structure)
         sizes = Sizes.of(graph)
         for gate in list(graph.nodes):
@@ -220,11 +220,11 @@ class GatedCombine(RewritePass):
             try:
                 plan = self.check_at_probe_sizes(gate, requested, verified, sizes)
             except Refused as why:
-                log.refused(gate, str(why))
+                ctx.refused(gate, str(why))
                 continue
             self.rewrite(graph, plan)
             why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
-            log.matched(plan["out"], KERNEL.format(
+            ctx.matched(plan["out"], KERNEL.format(
                 backend=plan["backend"], gate=plan["gate"], norm=plan["normalize"], share=plan["share"],
                 layout=", heads-first" if plan["out_layout"] == "heads-first" else "", why=why))
 

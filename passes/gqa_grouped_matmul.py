@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from nsa_compile.fx import MATMULS, arg, call, op_name, size, value
-from nsa_compile.rewrite import PassLog, RewritePass
+from nsa_compile.rewrite import PassContext, RewritePass
 
 KERNEL = "grouped matmul (K/V broadcast over the group's heads, no copy)"
 
@@ -129,13 +129,13 @@ class GQAGroupedMatmul(RewritePass):
     name = "gqa_grouped_matmul"
     summary = "repeat_interleave of K/V feeding a matmul -> grouped matmul without the copy"
 
-    def apply(self, graph: fx.Graph, log: PassLog) -> None:
+    def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         for rep in list(graph.nodes):
             if op_name(rep) != "repeat_interleave":
                 continue
             reason, plan = self.check(rep)
             if reason:
-                log.refused(rep, reason)
+                ctx.refused(rep, reason)
                 continue
             kv, h, dim, uses = plan
             for mm, transpose in uses:
@@ -143,7 +143,7 @@ class GQAGroupedMatmul(RewritePass):
                 if transpose is not None and not transpose.users:
                     graph.erase_node(transpose)
             graph.erase_node(rep)
-            log.matched(rep, KERNEL)
+            ctx.matched(rep, KERNEL)
 
     def check(self, rep: fx.Node):
         kv, repeats, dim = arg(rep, 0, "input"), arg(rep, 1, "repeats"), arg(rep, 2, "dim")

@@ -64,7 +64,7 @@ from nsa_compile.ops import flash
 from nsa_compile.ops.window import choose_backend, why_not_triton
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, keep_mask, only_user, strip_upcast, unrepeat
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
-from nsa_compile.rewrite import PassLog, RewritePass
+from nsa_compile.rewrite import PassContext, RewritePass
 from nsa_compile.sizes import Sizes
 
 KERNEL = "nsa.window_attention[{backend}] (w={window}{docs}, GQA-native, no S x S tensor{why})"
@@ -513,20 +513,20 @@ class WindowAttention(RewritePass):
     name = "window_attention"
     summary = "masked dense sliding-window (or causal) attention -> nsa.window_attention, no S x S tensor"
 
-    def apply(self, graph: fx.Graph, log: PassLog) -> None:
+    def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         checked = {}  # packed masks already checked on probes in this graph -> their w
         for softmax in list(graph.nodes):
             if op_name(softmax) != "softmax" or softmax.graph is not graph:
                 continue
             try:
-                plan = self.check(softmax, log.config.window_backend if log.config else "auto", checked)
+                plan = self.check(softmax, ctx.config.window_backend, checked)
             except Refused as why:
-                log.refused(softmax, str(why))
+                ctx.refused(softmax, str(why))
                 continue
             self.rewrite(graph, softmax, plan)
             why = plan["why_not_faster"]
             docs = "" if plan["pos"] is None else ", per document (pos)"
-            log.matched(softmax, KERNEL.format(window=plan["window"], docs=docs, backend=plan["backend"], why=why))
+            ctx.matched(softmax, KERNEL.format(window=plan["window"], docs=docs, backend=plan["backend"], why=why))
 
     def check(self, softmax: fx.Node, requested: str = "auto", checked: dict | None = None) -> dict:
         probs = value(softmax)

@@ -258,7 +258,7 @@ class OutOfMemoryOnce(RewritePass):
     def __init__(self):
         self.left = 1
 
-    def apply(self, graph, log):
+    def apply(self, graph, ctx):
         if self.left:
             self.left -= 1
             raise torch.OutOfMemoryError(OOM)

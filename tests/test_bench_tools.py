@@ -133,13 +133,13 @@ def test_e2e_parity_failure_exits_1_and_shows_the_worst_tensors(capsys):
         name = "user_bench_breaks_numbers"
         summary = "a deliberately wrong rewrite"
 
-        def apply(self, graph, log):
+        def apply(self, graph, ctx):
             for node in list(graph.nodes):
                 if op_name(node) == "linear":
                     with graph.inserting_before(node):
                         scaled = graph.call_function(torch.mul, (node.args[0], 1.1))
                     node.replace_input_with(node.args[0], scaled)
-                    log.matched(node, "wrong")
+                    ctx.matched(node, "wrong")
 
     nsa_compile.register_pass(BreaksNumbers())
     try:

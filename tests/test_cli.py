@@ -202,13 +202,13 @@ class BreaksNumbers(nsa_compile.RewritePass):
     name = "user_breaks_numbers"
     summary = "a deliberately wrong rewrite, to prove parity catches it"
 
-    def apply(self, graph, log):
+    def apply(self, graph, ctx):
         for node in list(graph.nodes):
             if op_name(node) == "linear":
                 with graph.inserting_before(node):
                     scaled = graph.call_function(torch.mul, (node.args[0], 1.1))
                 node.replace_input_with(node.args[0], scaled)
-                log.matched(node, "wrong")
+                ctx.matched(node, "wrong")
 
 
 @pytest.fixture
@@ -475,7 +475,7 @@ def test_a_failed_compile_is_an_internal_error(capsys):
         name = "user_fails"
         summary = "raises on every graph"
 
-        def apply(self, graph, log):
+        def apply(self, graph, ctx):
             raise RuntimeError("pass bug")
 
     nsa_compile.register_pass(Fails())

@@ -27,7 +27,7 @@ ALL_PASSES = ("canonicalize", "projections_rope", "window_attention", "compresse
 def test_public_surface():
     assert sorted(nsa_compile.__all__) == sorted(
         ["optimize", "report", "OptimizeConfig", "pass_names", "register_pass", "unregister_pass",
-         "RewritePass", "PassLog"]
+         "RewritePass", "PassContext", "PassLog"]
     )
     assert nsa_compile.pass_names() == ALL_PASSES
 
@@ -161,10 +161,10 @@ def test_user_pass_registration_round_trip():
         name = "user_count_adds"
         summary = "counts additions, rewrites nothing"
 
-        def apply(self, graph, log):
+        def apply(self, graph, ctx):
             for node in graph.nodes:
                 if node.op == "call_function" and getattr(node.target, "__name__", "") == "add":
-                    log.refused(node, "an add is not attention")
+                    ctx.refused(node, "an add is not attention")
 
     p = nsa_compile.register_pass(CountAdds())
     try:
@@ -223,3 +223,55 @@ def test_uuid_covers_the_shared_matchers_and_the_ops(tmp_path, monkeypatch):
     copy.write_text(Path(pass_manager.SUPPORT_FILES[0]).read_text() + "\n# changed\n")
     monkeypatch.setattr(pass_manager, "SUPPORT_FILES", (str(copy), *pass_manager.SUPPORT_FILES[1:]))
     assert NSAGraphPass(state).uuid() != before
+
+
+# --- the package's import graph ------------------------------------------------------------------
+
+
+def package_imports() -> "nx.DiGraph":
+    """Module -> module edges of every import in nsa_compile (passes/ and models/ as the
+    nsa_compile.passes / nsa_compile.models they install as), imports inside functions included,
+    those under `if TYPE_CHECKING:` left out (they never run). `from pkg import sub` of a
+    submodule is an edge to the submodule."""
+    import ast
+    from pathlib import Path
+
+    import networkx as nx
+
+    root = Path(__file__).resolve().parents[1]
+    files = {}
+    for folder, package in (("nsa_compile", "nsa_compile"), ("passes", "nsa_compile.passes"),
+                            ("models", "nsa_compile.models")):
+        for f in (root / folder).rglob("*.py"):
+            parts = [package, *f.relative_to(root / folder).with_suffix("").parts]
+            is_package = parts[-1] == "__init__"
+            files[".".join(parts[:-1] if is_package else parts)] = (f, is_package)
+    graph = nx.DiGraph()
+    for name, (f, is_package) in files.items():
+        tree = ast.parse(f.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test) for b in node.body for n in ast.walk(b)}
+        here = name if is_package else name.rsplit(".", 1)[0]
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = here.split(".")[: len(here.split(".")) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                subs = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in files]
+                targets = subs if len(subs) == len(node.names) else [module, *subs]
+            else:
+                continue
+            graph.add_edges_from((name, t) for t in targets if t in files and t != name)
+    return graph
+
+
+def test_the_package_has_no_import_cycle():
+    import networkx as nx
+
+    graph = package_imports()
+    assert graph.number_of_edges() > 50  # the walk found the package's imports
+    assert ("nsa_compile.pass_manager", "nsa_compile.rewrite") in graph.edges
+    assert list(nx.simple_cycles(graph)) == []

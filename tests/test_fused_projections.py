@@ -25,7 +25,7 @@ from nsa_compile.models.nsa import apply_rope, rope_tables
 from nsa_compile.ops import rope as rope_op
 from nsa_compile.parity import FLOORS, check_parity, relative_error
 from nsa_compile.passes.fused_projections import PASS as PASS_OBJECT
-from nsa_compile.rewrite import PassLog
+from nsa_compile.rewrite import PassContext, PassLog
 from nsa_compile.workload import cast_inputs, loss_of
 
 PASS = "projections_rope"
@@ -632,7 +632,7 @@ def test_mixed_dtypes_are_taken_only_in_an_autocast_region_of_the_projections_dt
     before = gm.code
     log = PassLog(PASS, 0)
     with autocast:
-        PASS_OBJECT.apply(gm.graph, log)
+        PASS_OBJECT.apply(gm.graph, PassContext(nsa_compile.OptimizeConfig(), log))
     gm.graph.lint()
     if reason is None:
         assert len(log.matches) == 1 and not log.refusals

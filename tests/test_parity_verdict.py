@@ -44,11 +44,11 @@ class WindowOffByOne(nsa_compile.RewritePass):
     name = "user_window_off_by_one"
     summary = "injected error: every attention window one token longer"
 
-    def apply(self, graph, log):
+    def apply(self, graph, ctx):
         for node in list(graph.nodes):
             if _calls(node, torch.ops.nsa.window_attention):
                 node.update_arg(3, node.args[3] + 1)
-                log.matched(node, "window + 1")
+                ctx.matched(node, "window + 1")
 
 
 def nth_replaced_by_next(top_lo: torch.Tensor, top: torch.Tensor, top_hi: torch.Tensor) -> torch.Tensor:
@@ -64,7 +64,7 @@ class OneWrongBlock(nsa_compile.RewritePass):
     name = "user_one_wrong_block"
     summary = "injected error: the (n+1)-th ranked selection block in place of the n-th"
 
-    def apply(self, graph, log):
+    def apply(self, graph, ctx):
         for node in list(graph.nodes):
             if _calls(node, torch.ops.nsa.select_blocks):
                 args, n, after = node.args, node.args[6], node.next
@@ -72,7 +72,7 @@ class OneWrongBlock(nsa_compile.RewritePass):
                 hi = call(graph, node.target, *args[:6], n + 1, *args[7:], anchor=after, **node.kwargs)
                 wrong = call(graph, nth_replaced_by_next, lo, node, hi, anchor=after)
                 node.replace_all_uses_with(wrong, delete_user_cb=lambda user, wrong=wrong: user is not wrong)
-                log.matched(node, "the n-th block -> the (n+1)-th")
+                ctx.matched(node, "the n-th block -> the (n+1)-th")
 
 
 def rounded_to_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -83,13 +83,13 @@ class GateInBf16(nsa_compile.RewritePass):
     name = "user_gate_in_bf16"
     summary = "injected error: the gate computed from bf16-rounded inputs and weights"
 
-    def apply(self, graph, log):
+    def apply(self, graph, ctx):
         for node in list(graph.nodes):
             if _calls(node, torch.ops.nsa.gated_combine):
                 for i in range(5):  # gate_in, w1, b1, w2, b2
                     if isinstance(node.args[i], torch.fx.Node):
                         node.update_arg(i, call(graph, rounded_to_bf16, node.args[i], anchor=node))
-                log.matched(node, "gate in bf16")
+                ctx.matched(node, "gate in bf16")
 
 
 INJECTED = {"window": WindowOffByOne, "block": OneWrongBlock, "gate": GateInBf16}
