@@ -9,6 +9,7 @@ import torch
 from torch import fx
 
 from .fx import arg, op_name, value
+from .sizes import is_size
 
 __all__ = ["LARGE_NEGATIVE", "Refused", "ancestors", "erase_replaced", "evaluate_node", "is_large_negative",
            "keep_mask", "mask_fill", "only_user", "strip_upcast", "unrepeat"]
@@ -89,15 +90,17 @@ def mask_fill(masked: fx.Node):
     return None
 
 
-def ancestors(roots: list[fx.Node], stop: fx.Node | None = None) -> set[fx.Node]:
-    """Every node the roots depend on (roots included), not walking through `stop`."""
+def ancestors(roots: list[fx.Node], stop: fx.Node | None = None, into_sizes: bool = True) -> set[fx.Node]:
+    """Every node the roots depend on (roots included), not walking through `stop`, nor, with
+    into_sizes=False, through sizes (SymInt nodes: a probe gives them numbers, whatever tensor
+    they were read from)."""
     seen, stack = set(), list(roots)
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        if node is not stop:
+        if node is not stop and (into_sizes or not is_size(node)):
             stack.extend(node.all_input_nodes)
     return seen
 

@@ -25,10 +25,15 @@ import sympy
 import torch
 import torch.fx as fx
 
-__all__ = ["Sizes", "PROBE_STEPS"]
+__all__ = ["Sizes", "PROBE_STEPS", "is_size"]
 
 # Each probe moves every symbol by this much from the size Dynamo saw (0: the hint itself).
 PROBE_STEPS = (0, 1, 19)
+
+
+def is_size(node: fx.Node) -> bool:
+    """Whether the node's value is a size (a SymInt: the input `s27`, `s27 // 4`), not a tensor."""
+    return isinstance(node.meta.get("example_value", node.meta.get("val")), torch.SymInt)
 
 
 def _free_symbols(x) -> set:

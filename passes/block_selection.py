@@ -17,6 +17,16 @@ Matches (torch IR), anchored at the descending sort or topk (models/nsa.py `NSAA
     # that the attention depends on each query's blocks as a set: the op's ascending order gives the same)
 where overlap [Tc, Ns], forced and candidate [S, Ns] are computed from positions only.
 
+flash-linear-attention's rule (the op's rule='fla'; tests/corpus/fla_naive_bthd.py, tiled_gqa_fla.py):
+    key = p.masked_fill(j == t // l', 1.0).view(B, G, h, S, Ns).sum(2)   # or tiled: view(B, h, G, S, Ns).sum(1)
+    ids = key.topk(n, -1).indices
+    block_idx = ids.masked_fill(ids > t // l', -1)      # rank order, -1 after the top-n
+with no block map (l = d = l': the compression blocks are the selection blocks). The 1.0 mask is
+evaluated at compile time and must be exactly the current block; the -1 mask reads the ids, so it
+is evaluated on probe block ids (every block at every (batch, group, token)) and must be exactly
+id > t // l'; both at every probe size. Tiled groups need the compressed K tiled the same way
+(repeat); the op then gets q and lse with each group's heads made contiguous and K's first G heads.
+
 Verified, not assumed: p must be exactly compressed_attention's probabilities (the same chain and
 mask checks as that pass, for the pooling's (l, d)), and an `nsa.compressed_attention` node must
 already compute them from the same q, pooled K, (l, d) and scale: the new op takes its lse. The
@@ -92,7 +102,7 @@ import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, evaluate_node, only_user
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.block_select import choose_backend, why_not_triton
-from nsa_compile.rewrite import PassLog, RewritePass
+from nsa_compile.rewrite import PassContext, RewritePass
 from nsa_compile.sizes import Sizes
 
 from . import compressed_attention as cmp
@@ -438,11 +448,11 @@ class BlockSelection(RewritePass):
     name = "block_selection"
     summary = "importance map + top-n sort over the compressed probabilities -> nsa.select_blocks from the lse"
 
-    def apply(self, graph: fx.Graph, log: PassLog) -> None:
+    def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         subgraphs, data, probes = cmp.PositionSubgraphs(Sizes.of(graph)), cmp.data_nodes(graph), PackedProbes()
-        config = log.config
-        requested = config.block_select_backend if config else "auto"
-        cmp_requested = config.compressed_backend if config else "auto"
+        config = ctx.config
+        requested = config.block_select_backend
+        cmp_requested = config.compressed_backend
         for node in list(graph.nodes):
             if op_name(node) not in ("sort", "topk") or node._erased:
                 continue
@@ -452,7 +462,7 @@ class BlockSelection(RewritePass):
             try:
                 plan = self.check(node, subgraphs, data, requested, cmp_requested, probes)
             except Refused as why:
-                log.refused(node, str(why))
+                ctx.refused(node, str(why))
                 continue
             self.rewrite(graph, plan)
             data = cmp.data_nodes(graph)  # the graph changed
@@ -461,11 +471,13 @@ class BlockSelection(RewritePass):
             block = plan["block"] if plan["Ns"] > 1 else f">={plan['block']}"
             note = TOPK_NOTE if op_name(node) == "topk" else ""
             packed = ", packed documents (pos)" if plan["pos"] is not None else ""
-            log.matched(node, KERNEL.format(block=block, n=plan["n"], backend=plan["backend"], packed=packed, note=note,
+            ctx.matched(node, KERNEL.format(block=block, n=plan["n"], backend=plan["backend"], packed=packed, note=note,
                                             why=why))
 
     def check(self, ranking: fx.Node, subgraphs, data: set, requested: str = "auto",
               cmp_requested: str = "auto", probes: PackedProbes | None = None) -> dict:
+        if favoured_key(first_arg(ranking)) is not None:  # fla's rule: the current block set to 1.0
+            return self.check_fla(ranking, subgraphs, data, requested, cmp_requested)
         # SymInts in a graph with symbolic sizes: compared with cmp.same only, numbers at each probe
         B, G, S, width = value(first_arg(ranking)).shape
         # backward from the sort or topk: [pad] <- key <- group sum <- p @ overlap <- p
@@ -512,37 +524,12 @@ class BlockSelection(RewritePass):
         single(p_slc, "importance per head")
         chain.append(p_slc)
         p, overlap = p_slc.args
-        softmax = cmp.probabilities_softmax(p)
-        if softmax is None:
-            raise Refused("the importance does not read softmax probabilities (p @ overlap)")
-        try:
-            probs = cmp.read_probabilities(softmax)
-        except Refused as why:
-            raise Refused(f"compressed_attention did not rewrite these probabilities ({why}): no lse to select "
-                          "from") from None
-        if probs.p is not p:
-            raise Refused("the importance reads the softmax before its final mask, not the probabilities")
+        probs, op, sizes, (l, d, pos) = self.compressed_source(p, "(p @ overlap)", ranking, subgraphs, data,
+                                                                cmp_requested)
         Bp, H, Sp, Tc = probs.shape
         Gk = value(probs.k).shape[1]
         if not cmp.same_shape((Bp, Sp, Gk, H), (B, S, G, G * h)) or h != probs.h:
             raise Refused(f"the importance groups {H} heads as {G} x {h}; the compressed keys have {Gk} groups")
-        sizes = subgraphs.sizes if subgraphs.sizes is not None else Sizes.of(ranking.graph)
-        try:
-            pooling = cmp.pooling_of(cmp.at_sizes(probs, sizes), probs.k, "keys", data, subgraphs.at(sizes))
-            ops = compressed_ops(probs, pooling.block)
-            if not ops:  # ask the pass why, for the reason
-                cmp.PASS.check(softmax, subgraphs, data, cmp_requested)
-                raise Refused("disabled")
-            # the op exists, so this passed there: (l, d) and, packed, the positions of these masks
-            seen = cmp.verify_at_probe_sizes(probs, None, data, subgraphs)
-            op = next((op for op in ops if op.args[4] == seen.stride and op_positions(op) is seen.pos), None)
-            if op is None:
-                raise Refused(f"the nsa.compressed_attention op on these q and K computes blocks of another stride "
-                              f"or other positions than these probabilities (d = {seen.stride})")
-        except Refused as why:
-            raise Refused(f"compressed_attention did not rewrite these probabilities ({why}): no lse to select "
-                          "from") from None
-        l, d, pos = seen.block, seen.stride, seen.pos
         others = [u for u in p.users if u is not p_slc]
         if others:
             names = ", ".join(op_name(u) or u.op for u in others)
@@ -569,11 +556,171 @@ class BlockSelection(RewritePass):
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(block_select_backend={requested!r}): {why}") from None
         return {"probs": probs, "op": op, "final": final, "block": block, "Ns": sizes.int(Ns), "n": n, "l": l, "d": d,
-                "backend": backend, "pos": pos,
+                "backend": backend, "pos": pos, "rule": "nsa", "q": probs.q, "k": probs.k, "tiled": None,
                 "chain": tail + [ranking] + ([padded] if padded is not key else []) + chain,
                 "roots": [overlap, forced_fill[1], cand_fill[1], p],
                 "why_not_triton": why_not_triton(*fakes, value(pos)) if requested == "auto"
                 else f"block_select_backend={requested!r} in OptimizeConfig"}
+
+    @staticmethod
+    def compressed_source(p: fx.Node, form: str, ranking: fx.Node, subgraphs, data: set, cmp_requested: str):
+        """The compressed branch behind the probabilities p the importance reads: (probs, its
+        nsa.compressed_attention node, the graph's Sizes, (l, d, pos)), or Refused."""
+        softmax = cmp.probabilities_softmax(p)
+        if softmax is None:
+            raise Refused(f"the importance does not read softmax probabilities {form}")
+        try:
+            probs = cmp.read_probabilities(softmax)
+        except Refused as why:
+            raise Refused(f"compressed_attention did not rewrite these probabilities ({why}): no lse to select "
+                          "from") from None
+        if probs.p is not p:
+            raise Refused("the importance reads the softmax before its final mask, not the probabilities")
+        sizes = subgraphs.sizes if subgraphs.sizes is not None else Sizes.of(ranking.graph)
+        try:
+            pooling = cmp.pooling_of(cmp.at_sizes(probs, sizes), probs.k, "keys", data, subgraphs.at(sizes))
+            ops = compressed_ops(probs, pooling.block)
+            if not ops:  # ask the pass why, for the reason
+                cmp.PASS.check(softmax, subgraphs, data, cmp_requested)
+                raise Refused("disabled")
+            # the op exists, so this passed there: (l, d) and, packed, the positions of these masks
+            seen = cmp.verify_at_probe_sizes(probs, None, data, subgraphs)
+            op = next((op for op in ops if op.args[4] == seen.stride and op_positions(op) is seen.pos), None)
+            if op is None:
+                raise Refused(f"the nsa.compressed_attention op on these q and K computes blocks of another stride "
+                              f"or other positions than these probabilities (d = {seen.stride})")
+        except Refused as why:
+            raise Refused(f"compressed_attention did not rewrite these probabilities ({why}): no lse to select "
+                          "from") from None
+        return probs, op, sizes, (seen.block, seen.stride, seen.pos)
+
+    def check_fla(self, ranking: fx.Node, subgraphs, data: set, requested: str, cmp_requested: str) -> dict:
+        """flash-linear-attention's rule (the module docstring's second form) -> the plan of an
+        nsa.select_blocks call with rule='fla', or Refused."""
+        favoured, grouped, tiled_groups = favoured_key(first_arg(ranking))
+        p, fill_mask, fill_sense = cmp.fill_of(favoured, 1.0)
+        key = first_arg(ranking)
+        B, G, S, Ns = value(key).shape
+        chain = [key] + ([grouped] if grouped is not None else []) + [favoured]
+        for node in chain:
+            single(node, "ranking key")
+        h = 1 if grouped is None else value(grouped).shape[1 if tiled_groups else 2]
+        probs, op, sizes, (l, d, pos) = self.compressed_source(p, "(the current block set to 1.0)", ranking,
+                                                                subgraphs, data, cmp_requested)
+        Bp, H, Sp, Tc = probs.shape
+        if pos is not None:
+            raise Refused("fla's rule (the current block favoured) with packed documents (pos): the op's rule 'fla' "
+                          "has no document positions")
+        if not cmp.same_shape((Bp, Sp, H), (B, S, G * h)) or not cmp.same(Tc, Ns):
+            raise Refused(f"the importance [B, G, S, Ns] = {tuple(value(key).shape)} is not the compressed "
+                          f"probabilities {tuple(probs.shape)} summed over groups of {h} heads")
+        if l != d:
+            raise Refused(f"the importance is the compressed probabilities themselves (no block map), so its blocks "
+                          f"are the compression blocks: selection blocks of their own need l = d (here l = {l}, "
+                          f"d = {d})")
+        q_sel, k_sel = probs.q, probs.k
+        Gk = value(probs.k).shape[1]
+        if tiled_groups and h > 1:  # query head j in group j % G: K must be the compressed keys tiled the same way
+            if not tiled(probs.k, h) or probs.h != 1:
+                raise Refused("the importance sums the heads of a tiled group (view(B, h, G, S, Ns).sum(1)) but the "
+                              "compressed keys are not tiled the same way (K.repeat(1, h, 1, 1))")
+            k_sel = None  # the first G heads of the tiled keys: made by `rewrite`
+        elif Gk != G or probs.h != h:
+            raise Refused(f"the importance groups {H} heads as {G} x {h}; the compressed keys have {Gk} groups")
+        if [u for u in p.users if u is not favoured]:
+            raise Refused("the compressed probabilities are also used other than by the selection: the [B, H, S, Tc] "
+                          "tensor stays")
+        n, final, ids, tail = self.read_fla_choice(ranking, Ns)
+        for probe in sizes.probes():  # the favoured block and the -1 rule, evaluated at every probe size
+            try:
+                self.verify_fla(subgraphs.at(probe), probe, (S, Ns), value(ids).shape, fill_mask, fill_sense,
+                                final, ids, l)
+            except Refused as why:
+                where = f"at the probe sizes {probe.describe()}: " if sizes.symbolic else ""
+                raise Refused(f"{where}{why}") from None
+        order = {node: i for i, node in enumerate(ranking.graph.nodes)}
+        if order[op] > order[final] and any(order[x] > order[final] for x in op.all_input_nodes):
+            raise Refused("the compressed branch's V is computed after the block selection")
+        lse_fake = op.meta["example_value"][1]
+        fakes = (value(probs.q), value(probs.k)[:, :G], lse_fake, l, d, l, n)
+        try:
+            backend = choose_backend(*fakes, requested, None, "fla")
+        except ValueError as why:
+            raise Refused(f"OptimizeConfig(block_select_backend={requested!r}): {why}") from None
+        return {"probs": probs, "op": op, "final": final, "block": l, "Ns": sizes.int(Ns), "n": n, "l": l, "d": d,
+                "backend": backend, "pos": None, "rule": "fla", "q": q_sel, "k": k_sel,
+                "tiled": (h, G) if tiled_groups and h > 1 else None,
+                "chain": tail + [ranking] + chain, "roots": [fill_mask, p],
+                "why_not_triton": why_not_triton(*fakes, None, "fla") if requested == "auto"
+                else f"block_select_backend={requested!r} in OptimizeConfig"}
+
+    @staticmethod
+    def read_fla_choice(ranking: fx.Node, Ns) -> tuple:
+        """topk(key, n, dim=-1).indices, then x.masked_fill(mask(x), -1) (or torch.where(mask, -1, x))
+        -> (n, the filled ids, the topk ids, [the nodes after the topk that read the ids, consumers
+        first]); the mask is checked by `verify_fla`."""
+        if op_name(ranking) != "topk":
+            raise Refused("fla's rule (the current block favoured) is ranked by torch.topk only")
+        k, dim, largest = arg(ranking, 1, "k"), arg(ranking, 2, "dim", -1), arg(ranking, 3, "largest", True)
+        if largest is not True or not isinstance(dim, int) or dim % 4 != 3:
+            raise Refused("torch.topk does not take the largest keys over the blocks (the key's last dim)")
+        if not isinstance(k, int) or k < 1 or not always(Ns >= k):
+            raise Refused(f"torch.topk's k is {k}, not a positive constant at most the number of blocks")
+        items = item_users(ranking, "torch.topk")
+        values = items.pop(0, None)
+        if set(items) != {1} or (values is not None and values.users):
+            raise Refused("torch.topk's values are used: the op returns the block ids only")
+        ids = items[1]
+        finals = [u for u in ids.users if (cmp.fill_of(u, -1) or (None,))[0] is ids]
+        if len(finals) != 1:
+            raise Refused("the chosen blocks are not set to -1 by one mask (ids.masked_fill(mask, -1))")
+        final = finals[0]
+        mask = cmp.fill_of(final, -1)[1]
+        between = ancestors([mask]) & descendants(ids)
+        if set(ids.users) != {final} | (between & set(ids.users)) or ids in ancestors([mask], stop=None) - between - {ids}:
+            raise Refused("the chosen blocks are used other than by the -1 mask")
+        for node in between:
+            if any(u is not final and u not in between for u in node.users):
+                raise Refused(f"{node.name}, computed from the chosen blocks, is used outside the -1 mask")
+        order = {node: i for i, node in enumerate(ranking.graph.nodes)}
+        between_order = sorted(between, key=order.get, reverse=True)
+        kept_columns(value(final), k, Ns)
+        return k, final, ids, [final, *between_order, ids] + ([values] if values is not None else [])
+
+    @staticmethod
+    def verify_fla(subgraphs, sizes: Sizes, dims: tuple, ids_shape, fill_mask: fx.Node, fill_sense: bool,
+                   final: fx.Node, ids: fx.Node, block: int) -> None:
+        """Refused unless the 1.0 fill is exactly the current block j == t // l' and the -1 mask
+        exactly the chosen blocks after it (id > t // l'), with l' = l = d: the mask evaluated on
+        probe block ids covering every block at every (batch, group, token), under these sizes."""
+        S, Ns = (sizes.int(x) for x in dims)
+        t = torch.arange(S)[:, None]
+        filled = subgraphs.evaluate(fill_mask, "favoured-block mask")
+        if filled.dtype != torch.bool:
+            raise Refused("the favoured-block mask is not bool")
+        got = cmp.as_grid(filled if fill_sense else ~filled, S, Ns, "favoured-block mask")
+        if not torch.equal(got.cpu(), (torch.arange(Ns) == t // block).expand(S, Ns)):
+            raise Refused(f"the blocks set to 1.0 are not exactly the current block t // l' (l' = l = d = {block}): "
+                          "fla's rule favours that block only")
+        shape = sizes.shape(ids_shape)
+        n = shape[-1]
+        mask, sense = cmp.fill_of(final, -1)[1:]
+        device = value(ids).device
+        for first in range(0, Ns, n):  # probe ids (first + c) % Ns in column c: every block somewhere
+            probe = ((first + torch.arange(n)) % Ns).expand(shape).contiguous().to(device)
+            got = subgraphs.evaluate(mask, "-1 mask on probe block ids", inputs={ids: probe}, probe=f"ids+{first}")
+            if not isinstance(got, torch.Tensor) or got.dtype != torch.bool:
+                raise Refused("the -1 mask is not a bool tensor")
+            try:
+                got = torch.broadcast_to(got if sense else ~got, shape).cpu()
+            except RuntimeError:
+                raise Refused(f"the -1 mask {tuple(got.shape)} does not broadcast to the block ids' {shape}") from None
+            want = probe.cpu() > torch.arange(S)[:, None] // block
+            if not torch.equal(got, want):
+                if torch.equal(got, probe.cpu() > torch.arange(S)[:, None] // block - 1):
+                    raise Refused("the -1 mask also drops the current block (id >= t // l'): fla's rule keeps it")
+                raise Refused(f"the -1 mask is not exactly the chosen blocks after the current one (id > t // l', "
+                              f"l' = {block}) on probe block ids")
 
     def source_files(self) -> tuple[str, ...]:
         return super().source_files() + (inspect.getfile(cmp),)  # its matchers and checks are ours too
@@ -771,8 +918,15 @@ class BlockSelection(RewritePass):
         if lse is None or order.get(lse, len(order)) > order[final]:
             lse = call(graph, operator.getitem, op, 1, anchor=final)
         packed = () if plan["pos"] is None else (plan["pos"],)
-        chosen = call(graph, torch.ops.nsa.select_blocks, probs.q, probs.k, lse, plan["l"], plan["d"], plan["block"],
-                      plan["n"], probs.scale, plan["backend"], *packed, anchor=final)
+        q, rule = plan["q"], {} if plan["rule"] == "nsa" else {"rule": plan["rule"]}
+        if plan["tiled"] is not None:  # heads of a tiled group made contiguous: head r*G + g -> g*h + r
+            h, G = plan["tiled"]
+            q, lse = (call(graph, torch.flatten, call(graph, torch.transpose, call(
+                graph, torch.unflatten, x, 1, (h, G), anchor=final), 1, 2, anchor=final), 1, 2, anchor=final)
+                for x in (q, lse))
+            plan["k"] = call(graph, torch.narrow, probs.k, 1, 0, G, anchor=final)  # head g of a tiled K: KV head g
+        chosen = call(graph, torch.ops.nsa.select_blocks, q, plan["k"], lse, plan["l"], plan["d"], plan["block"],
+                      plan["n"], probs.scale, plan["backend"], *packed, anchor=final, **rule)
         final.replace_all_uses_with(chosen)
         # the selection chain, then what only it used: the masks, and the compressed branch's
         # probabilities and scores (the op computes o and the lse without them)
@@ -811,6 +965,49 @@ def read_as_sets(ids: fx.Node, selection_backend: str) -> None:
         raise Refused(f"the chosen blocks are in rank order (not sorted ascending), and {outside[0].name} reads "
                       "them other than as the blocks of a selected branch that selection_attention accepts: their "
                       "order may matter")
+
+
+def favoured_key(key: fx.Node):
+    """fla's ranking key: (x.masked_fill(mask, 1.0), the [B, ., ., S, Ns] view whose .sum(2)
+    (contiguous groups) or .sum(1) (tiled groups) the key is, or None, tiled) or None."""
+    grouped, tiled, favoured = None, False, key
+    if op_name(key) == "sum":
+        grouped, dims = first_arg(key), arg(key, 1, "dim")
+        value_ = value(grouped)
+        if (arg(key, 2, "keepdim", False) or arg(key, 3, "dtype") is not None or not isinstance(dims, int)
+                or value_ is None or value_.dim() != 5 or dims % 5 not in (1, 2)
+                or op_name(grouped) not in ("view", "reshape", "unflatten")):
+            return None
+        tiled, favoured = dims % 5 == 1, first_arg(grouped)
+    filled = cmp.fill_of(favoured, 1.0) if isinstance(favoured, fx.Node) else None
+    return None if filled is None else (favoured, grouped, tiled)
+
+
+def tiled(k: fx.Node, h: int) -> bool:
+    """k [B, H, Tc, Dk] is KV heads tiled h times over the head axis: x.repeat(1, h, 1, 1), or
+    x.repeat(1, 1, h, 1).permute(0, 2, 1, 3) ([B, Tc, G, Dk] keys): head j holds KV head j % G."""
+    want = (1, h, 1, 1)
+    if op_name(k) in ("permute", "transpose") and isinstance(first_arg(k), fx.Node):
+        dims = tuple(d % 4 for d in (k.args[1:] if op_name(k) == "transpose" else
+                                     (k.args[1] if len(k.args) == 2 else k.args[1:])))
+        if dims not in ((0, 2, 1, 3), (1, 2), (2, 1)):
+            return False
+        k, want = first_arg(k), (1, 1, h, 1)
+    repeats = k.args[1:] if op_name(k) == "repeat" else ()
+    if len(repeats) == 1 and isinstance(repeats[0], (tuple, list)):
+        repeats = tuple(repeats[0])
+    return tuple(repeats) == want
+
+
+def descendants(node: fx.Node) -> set[fx.Node]:
+    """Every node computed from `node` (itself excluded)."""
+    seen, stack = set(), list(node.users)
+    while stack:
+        user = stack.pop()
+        if user not in seen:
+            seen.add(user)
+            stack.extend(user.users)
+    return seen
 
 
 def first_arg(node: fx.Node):

@@ -36,6 +36,15 @@ grouped_heads
     group's h heads (`'bghsd,bgtd->bghst'`, `'bsghd,bgcd->bsghc'`, `'bghsd,bgsnd->bghsn'`) with the
     masks, scale and softmax between them, becomes 4-D heads [B, G * h, S, ..] (see GroupedHeads).
 
+softmax
+    A softmax written out, `e = exp(x - x.amax(d, keepdim=True)); p = e / e.sum(d, keepdim=True)`
+    (the max also as `x.max(d, keepdim=True).values`, detached or not), becomes
+    `torch.softmax(x, d)`: the same function (both subtract the row max; a row of -inf is NaN both
+    ways); the gradient through the max is zero in exact arithmetic, so only rounding differs (in
+    fp16/bf16 eager rounds exp and the sum to that dtype, torch.softmax accumulates in float32: the
+    match says so). Refused: exp(x) / sum without the max (it overflows where softmax does not),
+    a max or shifted scores read elsewhere.
+
 einsum
     A two-operand `torch.einsum` (explicit `->`; `...` allowed) becomes permutes, one matmul and
     views back to the equation's output order. Letters of both operands and the output are batch
@@ -1378,6 +1387,79 @@ def argsort_to_sort(graph: fx.Graph, node: fx.Node) -> str | None:
     return f"sort: argsort + take_along_dim of the keys -> torch.sort ({len(reads)} read{'s' * (len(reads) > 1)})"
 
 
+# --- softmax written out by hand ----------------------------------------------------------------
+
+
+def reduced_dim(node: fx.Node, rank: int) -> int | None:
+    """The one dim (modulo rank) that `x.amax(dim, keepdim=True)` / `x.sum(dim, keepdim=True)` /
+    `x.max(dim, keepdim=True)` reduces, or None (several dims, no keepdim, not a constant)."""
+    d = arg(node, 1, "dim")
+    if isinstance(d, (list, tuple)) and len(d) == 1:
+        d = d[0]
+    keepdim = arg(node, 2, "keepdim", False)
+    if not isinstance(d, int) or keepdim is not True or node.kwargs.get("dtype") is not None:
+        return None
+    return d % rank
+
+
+def row_max(node: fx.Node) -> tuple[fx.Node, int, list[fx.Node]] | None:
+    """(x, dim, the nodes from node down to the reduction) when node is the max of x over one dim,
+    kept: `x.amax(dim, keepdim=True)`, `x.max(dim, keepdim=True)[0]` (`.values`), optionally
+    `.detach()`ed; else None."""
+    chain = [node]
+    if op_name(node) == "detach" and isinstance(first(node), fx.Node):
+        node = first(node)
+        chain.append(node)
+    if op_name(node) == "getitem" and node.args[1] == 0 and isinstance(node.args[0], fx.Node) \
+            and op_name(node.args[0]) == "max":
+        node = node.args[0]
+        chain.append(node)
+    x = first(node)
+    if op_name(node) not in ("amax", "max") or not isinstance(x, fx.Node) or value(x) is None:
+        return None
+    d = reduced_dim(node, value(x).dim())
+    return None if d is None else (x, d, chain)
+
+
+def handwritten_softmax(graph: fx.Graph, node: fx.Node) -> str | None:
+    """The `softmax` rule: e = exp(x - x.amax(d, keepdim=True)); p = e / e.sum(d, keepdim=True)
+    -> torch.softmax(x, d). The same function (softmax subtracts the row max too, and gives NaN
+    for a row of -inf as the division does); the gradient through the max is zero in exact
+    arithmetic (a shift does not change the softmax), so only rounding differs. In fp16/bf16 eager
+    rounds exp and the sum to the low precision, torch.softmax accumulates in float32: the match
+    says so. Refused: no max subtracted (exp overflows to inf and the row to NaN above x = 88 in
+    float32, where softmax is finite)."""
+    if op_name(node) not in ("truediv", "div") or node.kwargs.get("rounding_mode") is not None:
+        return None
+    e, total = arg(node, 0, "input"), arg(node, 1, "other")
+    if not isinstance(e, fx.Node) or not isinstance(total, fx.Node) or op_name(e) != "exp" \
+            or op_name(total) != "sum" or first(total) is not e or value(e) is None:
+        return None
+    rank = value(e).dim()
+    d = reduced_dim(total, rank)
+    shifted = first(e)
+    if d is None or set(e.users) != {node, total} or len(total.users) != 1 or not isinstance(shifted, fx.Node):
+        return None
+    if op_name(shifted) != "sub" or len(shifted.args) != 2 or shifted.kwargs:
+        raise Refused("exp(x) / exp(x).sum() without the row max subtracted: exp overflows to inf (a NaN row) "
+                      "where torch.softmax is finite; not rewritten")
+    if len(shifted.users) != 1:
+        raise Refused("the shifted scores x - max of the hand-written softmax are also read elsewhere; not rewritten")
+    x, peak = shifted.args
+    found = row_max(peak) if isinstance(peak, fx.Node) else None
+    if found is None or found[0] is not x or found[1] != d:
+        raise Refused("exp(x - m) / sum: m is not x's max over the summed dim (x.amax(dim, keepdim=True))")
+    if any(len(n.users) != 1 for n in found[2]):
+        raise Refused("the row max of the hand-written softmax is also read elsewhere; not rewritten")
+    new = call(graph, torch.softmax, x, d, anchor=node)
+    node.replace_all_uses_with(new)
+    erase_replaced(graph, [node, total, e, shifted], [peak])
+    dtype = value(x).dtype
+    note = (f"; eager rounds exp and the sum to {dtype}, torch.softmax accumulates in float32"
+            if dtype in (torch.float16, torch.bfloat16) else "")
+    return f"softmax: exp(x - amax) / sum -> torch.softmax (dim {d}){note}"
+
+
 # --- the pass -------------------------------------------------------------------------------------
 
 
@@ -1388,7 +1470,7 @@ class Canonicalize(RewritePass):
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         subgraphs = cmp.PositionSubgraphs()  # position masks evaluated once per structure (the layers share them)
         rules = (("sdpa", SDPADecomposition(subgraphs)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort),
-                 ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("key_layout", key_transpose),
+                 ("softmax", handwritten_softmax), ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("key_layout", key_transpose),
                  ("gqa_layout", layout_past_copy), ("scores", ScoreChains(subgraphs)),
                  ("empty_rows", EmptyRows(subgraphs)))
         for name, rule in rules:

@@ -111,7 +111,7 @@ from nsa_compile.fx import arg, call, contiguous_if_read_by_layout, module_path,
 from nsa_compile.ops import rope_triton
 from nsa_compile.ops.rope import choose_backend, rotate, why_not_triton
 from nsa_compile.rewrite import Match, PassContext, RewritePass
-from nsa_compile.sizes import Sizes
+from nsa_compile.sizes import Sizes, is_size
 
 MAX_PIECES = rope_triton.MAX_PIECES
 # The probe evaluates the RoPE subgraph at the real shape, in float64, on the graph's device:
@@ -278,10 +278,6 @@ def table_layout(node: fx.Node, B: int, S: int, sizes: Sizes) -> tuple[int, ...]
         return None
     return op_table(sizes.shape(val), B, S)
 
-
-def is_size(node: fx.Node) -> bool:
-    """Whether the node's value is a size (a SymInt: `s27`, `s27 // 4`), not a tensor."""
-    return isinstance(node.meta.get("example_value", node.meta.get("val")), torch.SymInt)
 
 
 def follows(shape: tuple, lead: tuple) -> bool:

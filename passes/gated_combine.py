@@ -83,7 +83,7 @@ from nsa_compile.attention_match import Refused, erase_replaced, only_user
 from nsa_compile.fx import arg, call, contiguous_if_read_by_layout, op_name, size, value
 from nsa_compile.ops.gated_combine import choose_backend, why_not_triton
 from nsa_compile.rewrite import PassContext, RewritePass
-from nsa_compile.sizes import Sizes
+from nsa_compile.sizes import Sizes, is_size
 
 KERNEL = "nsa.gated_combine[{backend}] ({gate} -> {norm}, {share}; branch outputs read once{layout}{why})"
 # Ops the region between the normalized gate and the combined output may use (data movement,
@@ -123,10 +123,6 @@ def token_sizes(t: torch.Tensor, n: int) -> tuple:
     B = 1, S = N (ints, or SymInts in a graph with symbolic sizes)."""
     return tuple(t.shape[:2]) if n == 2 else (1, t.shape[0])
 
-
-def is_size(node: fx.Node) -> bool:
-    """A node whose value is a size (a SymInt: s27, s27 // 4), not a tensor."""
-    return isinstance(node.meta.get("example_value", node.meta.get("val")), torch.SymInt)
 
 
 def is_three(d) -> bool:

@@ -19,6 +19,19 @@ Packed documents (models/nsa.py with pos [B, S], each token's position in its do
 token ids also add the query's document start, blocks being counted within the document,
     tokens = tokens + (t - pos[:, None, :, None])                               # [B, G, S, n*l']
 
+Also read (issue 17: fla's and Hugging Face's code, tests/corpus):
+- sequence-first: q [B, S, H, Dk], gathered K/V [B, S, G, T, D] repeated on dim 2, scores and
+  mask [B, S, H, T], output [B, S, H, Dv]; the rewrite transposes q into the op and its output
+  back (`Layout`);
+- K/V gathered as `x.reshape(B*S*G, D).index_select(0, rows).view(.., T, D)` (x [B, S, G, D] or
+  [B, G, S, D]), `torch.take_along_dim(x5, index, dim=3)` (x5 the source with a size-1 query
+  axis, [B, 1, G, S, D]) or advanced indexing `x[b, tokens, g]` (`Gathered`): the probes decode
+  each slot's batch row, KV group and token from the evaluated index tensors, and the batch row
+  and group must be the slot's own;
+- tiled GQA, K/V and mask copied with `.repeat(1, h, 1, 1, 1)` (query head r * G + g reads group
+  g): the rewrite orders q's heads by group for the op (g * h + r) and the output back, and the
+  probes check the mask per tiled group.
+
 Verified, not assumed: the gather index and the mask must be functions of one int64 tensor
 block_idx [B, G, S, n] and of positions only (the nearest such tensor that every path from them
 to the graph's inputs passes through), or, for packed documents, of block_idx, positions and one
@@ -69,7 +82,9 @@ Refuses (graph unchanged), with the reason shown by `explain`:
 - scores, probabilities, the masked tensor, the gathered or repeated K/V used anywhere else;
 - fp16/bf16 scores without the upcast (the op computes the softmax in float32);
 - a finite fill where the block ids may leave a query no token (eager's uniform average there);
-- K/V not gathered along the sequence dim of [B, G, S, D] with one token id per row;
+- K/V not gathered along the sequence dim of [B, G, S, D] with one token id per row; rows of
+  another batch row or KV group than the query's (index_select / advanced indexing); K and V
+  copied for the heads differently;
 - token ids or a mask that depend on other data, or that differ from the blocks on the probes:
   padding not masked, the current token hidden or a later one seen (off by one), a mapping that
   is not block * l' + offset (overlapping blocks), a mask that differs across a group's heads;
@@ -85,6 +100,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -92,13 +108,13 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.attention_match import (
-    Refused, erase_replaced, evaluate_node, keep_mask, mask_fill, only_user, strip_upcast, unrepeat,
+    Refused, ancestors, erase_replaced, evaluate_node, keep_mask, mask_fill, only_user, strip_upcast,
 )
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.ops.selection import choose_backend, why_not_triton
-from nsa_compile.rewrite import PassLog, RewritePass
-from nsa_compile.sizes import Sizes
+from nsa_compile.rewrite import PassContext, RewritePass
+from nsa_compile.sizes import Sizes, is_size
 
 # The probes evaluate the position-only subgraphs at the real shape, on the device of the graph's
 # tensors; more elements than this (summed over the nodes that materialize a tensor, per probe)
@@ -161,23 +177,6 @@ def constant(what: str, **sizes) -> None:
             raise Refused(f"the {what} has a symbolic size {name} = {d}; only the batch and sequence sizes may vary")
 
 
-def is_size(node: fx.Node) -> bool:
-    """A node whose value is a size (a SymInt: the input s27, s27 - 1), not a tensor."""
-    return isinstance(node.meta.get("example_value", node.meta.get("val")), torch.SymInt)
-
-
-def ancestors_upto(roots: list[fx.Node], stop: fx.Node | None = None) -> set[fx.Node]:
-    """Every node the roots depend on (roots included), not walking through `stop` nor through
-    sizes (SymInt nodes: the probes give them numbers, whatever tensor they were read from)."""
-    seen, stack = set(), list(roots)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node is not stop and not is_size(node):
-            stack.extend(node.all_input_nodes)
-    return seen
 
 
 def is_dim(node: fx.Node, name: str, index: int, rank: int, want: int) -> bool:
@@ -231,19 +230,150 @@ def scores_chain(masked_input: fx.Node) -> tuple[fx.Node, float, list[fx.Node]]:
     return node, scale, chain
 
 
-def gathered(sel: fx.Node, what: str, B: int, G: int, S: int, T: int) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
-    """sel [B, G, S, T, D] = gather(x [B, G, S, D], 2, index [B, G, S*T, D]).view(...) ->
-    (x, index, [sel, gather])."""
+@dataclass(frozen=True)
+class Layout:
+    """Where the heads sit in the per-query tensors: heads-first (scores [B, H, S, T], gathered K/V
+    [B, G, S, T, D]; head = 1) or sequence-first (fla's and Hugging Face's [B, S, H, D] code:
+    scores [B, S, H, T], gathered K/V [B, S, G, T, D]; head = 2). tiled: K/V copied for the heads
+    with `.repeat` (query head r * G + g reads KV head g) instead of repeat_interleave (head
+    g * h + r reads group g); the rewrite then orders q's heads by group and the output back."""
+
+    head: int
+    tiled: bool = False
+
+    @property
+    def seq(self) -> int:
+        return 3 - self.head
+
+    def slots(self, B, G, S, T) -> tuple:
+        """The gathered tensors' leading dims in this layout: [B, G, S, T] or [B, S, G, T]."""
+        return (B, G, S, T) if self.head == 1 else (B, S, G, T)
+
+    def describe(self) -> str:
+        order = "heads-first [B, H, S, D]" if self.head == 1 else "sequence-first [B, S, H, D]"
+        return order + (", tiled GQA (head r * G + g reads KV head g)" if self.tiled else "")
+
+
+def head_copy(node: fx.Node) -> tuple[fx.Node, int, int | None, bool]:
+    """x_rep [B, .., T, D] -> (x, h, the repeated axis, tiled) when x_rep is x copied for the h heads
+    of each group on axis 1 or 2: x.repeat_interleave(h, dim) (head g * h + r reads group g) or
+    x.repeat(1, h, 1, 1, 1) / x.repeat(1, 1, h, 1, 1) (tiled: head r * G + g reads group g);
+    else (node, 1, None, False)."""
+    x, name = arg(node, 0, "input"), op_name(node)
+    if not isinstance(x, fx.Node) or value(x) is None or value(x).dim() != 5:
+        return node, 1, None, False
+    if name == "repeat_interleave" and arg(node, 3, "output_size") is None:
+        repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
+        if isinstance(repeats, int) and isinstance(dim, int) and dim % 5 in (1, 2):
+            return x, repeats, dim % 5, False
+    if name == "repeat" and node.op == "call_method" and not node.kwargs:
+        sizes = node.args[1:]
+        if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+            sizes = tuple(sizes[0])
+        copied = [i for i, r in enumerate(sizes) if r != 1]
+        if len(sizes) == 5 and all(isinstance(r, int) for r in sizes) and len(copied) == 1 and copied[0] in (1, 2):
+            return x, sizes[copied[0]], copied[0], True
+    return node, 1, None, False
+
+
+@dataclass
+class Gathered:
+    """One gathered K or V, sel [*layout.slots(B, G, S, T), D]: rows of `source` at token ids that
+    the `roots` (index tensors, evaluated on the probes) give. kind: how it is read,
+      gather          torch.gather(x [B, G, S, D], 2, index [B, G, S*T, D]).view(B, G, S, T, D)
+      index_select    x.reshape(B*S*G, D).index_select(0, rows).view(*slots, D), x [B, S, G, D] or
+                      [B, G, S, D] (`source_seq_first`), rows = (b * S + token) * G + g (or the
+                      [B, G, S, D] order)
+      take_along_dim  torch.take_along_dim(x5, index, dim=3), x5 the source with a size-1 axis for
+                      the queries ([B, 1, G, S, D] sequence-first, [B, G, 1, S, D] heads-first)
+      indexing        x[b, tokens, g] (or x[b, g, tokens]), three broadcast int64 index tensors."""
+
+    what: str
+    kind: str
+    source: fx.Node
+    source_seq_first: bool
+    roots: list[fx.Node]
+    nodes: list[fx.Node]
+
+    def for_op(self, graph: fx.Graph, layout: Layout, anchor: fx.Node) -> fx.Node:
+        """The source as the op reads it, [B, G, S, D] (a view)."""
+        if self.kind == "take_along_dim":
+            return call(graph, torch.squeeze, self.source, layout.seq, anchor=anchor)
+        if self.source_seq_first:
+            return call(graph, torch.transpose, self.source, 1, 2, anchor=anchor)
+        return self.source
+
+    def fake(self, layout: Layout):
+        """The fake tensor of `for_op`'s result (for the backend choice)."""
+        val = value(self.source)
+        if self.kind == "take_along_dim":
+            return val.squeeze(layout.seq)
+        return val.transpose(1, 2) if self.source_seq_first else val
+
+    def coordinates(self, values: list, slots: tuple, B: int, G: int, S: int) -> tuple:
+        """(batch row, KV group, token) read by each slot, each broadcast to `slots` (the gathered
+        tensor's leading dims at the probe sizes), from the roots' values; Refused where the
+        index differs across the head dim or leaves the source."""
+        if self.kind in ("gather", "take_along_dim"):
+            (index,) = values
+            if index.stride(-1) != 0 and not torch.equal(index, index[..., :1].expand_as(index)):
+                raise Refused(f"the {self.what} gather index differs across the head dim (not one token per row)")
+            tokens = index[..., 0].reshape(slots)
+            return None, None, tokens
+        if self.kind == "index_select":
+            (rows,) = values
+            if bool((rows < 0).any()) or bool((rows >= B * S * G).any()):
+                raise Refused(f"the {self.what} rows of index_select leave [0, B * S * G) on probe block ids (eager's "
+                              "index_select would raise)")
+            rows = rows.reshape(slots)
+            if self.source_seq_first:  # rows of [B, S, G, D]: (b * S + s) * G + g
+                return rows // (S * G), rows % G, (rows // G) % S
+            return rows // (G * S), (rows // S) % G, rows % S
+        b, mid, last = (torch.broadcast_to(x, slots) for x in values)
+        return (b, last, mid) if self.source_seq_first else (b, mid, last)
+
+
+def read_gathered(sel: fx.Node, what: str, layout: Layout, B, G: int, S, T: int) -> Gathered:
+    """The gathered K or V `sel` [*layout.slots(B, G, S, T), D] read as one of Gathered's kinds,
+    or Refused."""
     only_user(sel, f"gathered {what}")
     D = dims(sel, f"gathered {what}", 5)[4]
     constant(f"gathered {what}", D=D)
-    if not same(dims(sel, f"gathered {what}", 5), (B, G, S, T, D)):
-        raise Refused(f"the gathered {what} is {tuple(value(sel).shape)}, not [B, G, S, T, D] = {(B, G, S, T, D)}")
-    g = first(sel)
-    if op_name(sel) not in ("view", "reshape", "unflatten") or not isinstance(g, fx.Node):
-        raise Refused(f"the gathered {what} is not a view of torch.gather(x, 2, index) rows")
-    if op_name(g) != "gather" or arg(g, 3, "sparse_grad", False):
-        raise Refused(f"{what} is not gathered per query (torch.gather(x, 2, index).view(B, G, S, T, D))")
+    slots = layout.slots(B, G, S, T)
+    if not same(dims(sel, f"gathered {what}", 5), (*slots, D)):
+        names = "[B, G, S, T, D]" if layout.head == 1 else "[B, S, G, T, D]"
+        raise Refused(f"the gathered {what} is {tuple(value(sel).shape)}, not {names} = {(*slots, D)}")
+    inner = first(sel)
+    if op_name(sel) in ("view", "reshape", "unflatten") and isinstance(inner, fx.Node) and op_name(inner) == "gather":
+        return read_torch_gather(sel, inner, what, layout, B, G, S, T, D)
+    if op_name(sel) in ("view", "reshape", "unflatten") and isinstance(inner, fx.Node) \
+            and op_name(inner) == "index_select":
+        return read_index_select(sel, inner, what, B, G, S, T, D)
+    if op_name(sel) == "take_along_dim":
+        return read_take_along_dim(sel, what, layout, slots, S, D)
+    if op_name(sel) == "getitem" and isinstance(sel.args[1], tuple):
+        return read_indexing(sel, what, B, G, S, D)
+    raise Refused(f"{what} is not gathered per query (torch.gather(x, 2, index).view(B, G, S, T, D), "
+                  "x.reshape(-1, D).index_select(0, rows), torch.take_along_dim or x[b, tokens, g])")
+
+
+def source_order(src: fx.Node, what: str, B, G: int, S, D: int) -> bool:
+    """True if `src` is [B, S, G, D], False if [B, G, S, D] (the first where S and G are equal
+    numbers: the probes then refuse the other); Refused otherwise."""
+    shape = dims(src, what, 4)
+    if same(shape, (B, S, G, D)):
+        return True
+    if same(shape, (B, G, S, D)):
+        return False
+    raise Refused(f"{what} is {tuple(value(src).shape)}, not [B, S, G, D] = {(B, S, G, D)} or [B, G, S, D]")
+
+
+def read_torch_gather(sel, g, what, layout, B, G, S, T, D) -> Gathered:
+    if layout.head != 1:
+        raise Refused(f"{what} is gathered into [B, G, S*T, D] rows (torch.gather along dim 2) but the scores are "
+                      "sequence-first [B, S, H, T]")
+    if arg(g, 3, "sparse_grad", False):
+        raise Refused(f"{what} is gathered with sparse_grad=True")
     only_user(g, f"gathered {what}")
     src, dim, index = arg(g, 0, "input"), arg(g, 1, "dim"), arg(g, 2, "index")
     if not isinstance(src, fx.Node) or not isinstance(index, fx.Node) or not isinstance(dim, int):
@@ -254,7 +384,50 @@ def gathered(sel: fx.Node, what: str, B: int, G: int, S: int, T: int) -> tuple[f
         raise Refused(f"{what} is {tuple(value(src).shape)}, not [B, G, S, D] = {(B, G, S, D)}")
     if not same(dims(index, f"{what} gather index", 4), (B, G, S * T, D)) or value(index).dtype != torch.int64:
         raise Refused(f"the {what} gather index is not an int64 [B, G, S * T, D] tensor")
-    return src, index, [sel, g]
+    return Gathered(what, "gather", src, False, [index], [sel, g])
+
+
+def read_index_select(sel, picked, what, B, G, S, T, D) -> Gathered:
+    only_user(picked, f"gathered {what}")
+    flat, dim, rows = arg(picked, 0, "input"), arg(picked, 1, "dim"), arg(picked, 2, "index")
+    if not isinstance(flat, fx.Node) or not isinstance(rows, fx.Node) or dim not in (0, -2):
+        raise Refused(f"{what} is not read with index_select(0, rows) from a [B*S*G, D] tensor")
+    src = first(flat)
+    if op_name(flat) not in ("reshape", "view", "flatten") or not isinstance(src, fx.Node) \
+            or not same(dims(flat, f"flattened {what}", 2), (B * S * G, D)):
+        raise Refused(f"index_select reads {what} from {tuple(value(flat).shape)}, not from the [B*S*G, D] "
+                      f"flattening of [B, S, G, D]")
+    seq_first = source_order(src, what, B, G, S, D)
+    if value(rows) is None or value(rows).dtype != torch.int64 or not same(dims(rows, "row ids", 1), (B * S * G * T,)):
+        raise Refused(f"the {what} row ids of index_select are not an int64 [B*S*G*T] tensor")
+    return Gathered(what, "index_select", src, seq_first, [rows], [sel, picked])
+
+
+def read_take_along_dim(sel, what, layout, slots, S, D) -> Gathered:
+    x5, index, dim = arg(sel, 0, "input"), arg(sel, 1, "indices"), arg(sel, 2, "dim")
+    if not isinstance(x5, fx.Node) or not isinstance(index, fx.Node) or not isinstance(dim, int) or dim % 5 != 3:
+        raise Refused(f"{what} is not taken along the token dim (torch.take_along_dim(x, index, dim=3))")
+    want = list(slots)
+    want[layout.seq], want[3] = 1, S  # one source row for every query, the tokens on the taken dim
+    if not same(dims(x5, what, 5), (*want, D)):
+        raise Refused(f"take_along_dim reads {what} from {tuple(value(x5).shape)}, not {tuple(want) + (D,)} "
+                      "(the source with a size-1 query axis)")
+    shape = dims(index, f"{what} index", 5)
+    if value(index).dtype != torch.int64 or not same(shape[:4], slots) or not (same(shape[4], 1) or same(shape[4], D)):
+        raise Refused(f"the {what} index of take_along_dim is not an int64 {tuple(slots) + (1,)} tensor")
+    return Gathered(what, "take_along_dim", x5, False, [index], [sel])
+
+
+def read_indexing(sel, what, B, G, S, D) -> Gathered:
+    src, index = sel.args
+    tensors = [i for i in index if isinstance(i, fx.Node)]
+    rest = index[len(tensors):]
+    if len(tensors) != 3 or index[:3] != tuple(tensors) or any(r not in (Ellipsis, slice(None)) for r in rest) \
+            or not isinstance(src, fx.Node):
+        raise Refused(f"{what} is indexed by {len(tensors)} tensors, not x[b, tokens, g] (three index tensors)")
+    if any(value(i) is None or value(i).dtype != torch.int64 for i in tensors):
+        raise Refused(f"the {what} index tensors are not int64")
+    return Gathered(what, "indexing", src, source_order(src, what, B, G, S, D), tensors, [sel])
 
 
 def is_positions(node: fx.Node, B: int, S: int) -> bool:
@@ -268,7 +441,7 @@ def find_block_idx(roots: list[fx.Node], B: int, G: int, S: int,
     """The int64 [B, G, S, n] tensor nearest the roots through which alone (with at most one int64
     [B, S] graph input, the document positions) they depend on data, that input (None without
     one), and the position-only nodes between them and the roots (in graph order), or Refused."""
-    candidates = [n for n in ancestors_upto(roots) if (val := value(n)) is not None and val.dtype == torch.int64
+    candidates = [n for n in ancestors(roots, into_sizes=False) if (val := value(n)) is not None and val.dtype == torch.int64
                   and val.dim() == 4 and same(tuple(val.shape[:3]), (B, G, S))]
     if not candidates:
         raise Refused("no int64 [B, G, S, n] block index tensor feeds the token ids and the mask")
@@ -276,7 +449,7 @@ def find_block_idx(roots: list[fx.Node], B: int, G: int, S: int,
     # farthest from the roots (nearer ones would blame the block index itself)
     closest = None
     for block_idx in sorted(candidates, key=order.__getitem__, reverse=True):
-        nodes = [n for n in ancestors_upto(roots, stop=block_idx) if n is not block_idx and not is_size(n)]
+        nodes = [n for n in ancestors(roots, stop=block_idx, into_sizes=False) if n is not block_idx and not is_size(n)]
         data = [n for n in nodes if n.op not in ("call_function", "call_method")]
         positions = [n for n in data if is_positions(n, B, S)]
         if len(data) == len(positions) <= 1:
@@ -500,7 +673,7 @@ class SelectionAttention(RewritePass):
     name = "selection_attention"
     summary = "gathered per-query selected-block attention -> nsa.selected_attention, no gathered K/V"
 
-    def apply(self, graph: fx.Graph, log: PassLog) -> None:
+    def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         verified = set()  # structures of selection subgraphs already verified (one per layer is the same)
         sizes = Sizes.of(graph)
         for softmax in list(graph.nodes):
@@ -508,14 +681,14 @@ class SelectionAttention(RewritePass):
                 continue
             order = {node: i for i, node in enumerate(graph.nodes)}  # graph positions (rewrites add nodes)
             try:
-                plan = self.check(softmax, order, verified, log.config.selection_backend if log.config else "auto",
+                plan = self.check(softmax, order, verified, ctx.config.selection_backend,
                                   sizes)
             except Refused as why:
-                log.refused(softmax, str(why))
+                ctx.refused(softmax, str(why))
                 continue
             self.rewrite(graph, plan)
             why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
-            log.matched(softmax, KERNEL.format(block=plan["block"], n=plan["n"], backend=plan["backend"],
+            ctx.matched(softmax, KERNEL.format(block=plan["block"], n=plan["n"], backend=plan["backend"],
                                                packed="" if plan["pos"] is None else PACKED,
                                                empty=EMPTY_ROWS if may_leave_rows_empty(plan) else "", why=why))
 
@@ -547,8 +720,8 @@ class SelectionAttention(RewritePass):
         out = only_user(pv, "per-query output")
         if not is_dim(out, "squeeze", 1, 5, 3):
             raise Refused("the per-query output is not squeezed back to [B, H, S, Dv] (.squeeze(-2))")
-        B, H, S, T = dims(softmax, "probability tensor", 4)
-        constant("probability tensor", H=H, T=T)
+        B, X, Y, T = dims(softmax, "probability tensor", 4)  # [B, H, S, T] or [B, S, H, T]
+        constant("probability tensor", T=T)
         # backward: masked <- [scale] <- {squeeze, upcast} <- q.unsqueeze(-2) @ k_sel^T
         masked = first(softmax)
         if not isinstance(masked, fx.Node):
@@ -574,32 +747,38 @@ class SelectionAttention(RewritePass):
         q = first(q4)
         Dk = dims(q, "query tensor", 4)[3]
         constant("query tensor", Dk=Dk)
-        if not same(dims(q, "query tensor", 4), (B, H, S, Dk)):
-            raise Refused(f"q is {tuple(value(q).shape)}, not [B, H, S, Dk] with [B, H, S] = {(B, H, S)}")
+        if not same(dims(q, "query tensor", 4), (B, X, Y, Dk)):
+            raise Refused(f"q is {tuple(value(q).shape)}, not the scores' {(B, X, Y)} with Dk")
         if not isinstance(kt, fx.Node) or not is_last_two_transpose(kt, 5) or not isinstance(first(kt), fx.Node):
             raise Refused("the gathered keys are not transposed over their last two dims (k_sel.transpose(-1, -2))")
         only_user(kt, "transposed gathered K")
         k_rep, v_rep = first(kt), operands(pv)[1]
         if not isinstance(v_rep, fx.Node):
             raise Refused("the probabilities are not multiplied by gathered V")
-        k_sel, h_k = unrepeat(k_rep)
-        v_sel, h_v = unrepeat(v_rep)
+        (k_sel, h_k, axis, tiled), (v_sel, *v_copy) = head_copy(k_rep), head_copy(v_rep)
+        if (h_k, axis, tiled) != tuple(v_copy):
+            raise Refused(f"K and V are copied for the heads differently (x{h_k} on dim {axis}, x{v_copy[0]} on dim "
+                          f"{v_copy[1]})")
         repeats = [n for n, sel in ((k_rep, k_sel), (v_rep, v_sel)) if n is not sel]
         for node in repeats:
             only_user(node, "repeated gathered K/V")
-        G = dims(k_sel, "gathered K", 5)[1]
-        constant("gathered K", G=G)
-        if h_k != h_v or G * h_k != H or not same(dims(v_sel, "gathered V", 5)[1], G):
-            raise Refused(f"gathered K/V heads {G} (x{h_k}) and {value(v_sel).shape[1]} (x{h_v}) do not serve "
-                          f"{H} query heads")
-        k, k_index, k_nodes = gathered(k_sel, "K", B, G, S, T)
-        v, v_index, v_nodes = gathered(v_sel, "V", B, G, S, T)
-        if value(k).dtype != value(q).dtype or not value(v).is_floating_point():
+        # the head axis: the repeated one; without a copy (h = 1) heads-first, else sequence-first
+        layouts = [Layout(axis, tiled)] if axis is not None else [Layout(1), Layout(2)]
+        reasons = []
+        for layout in layouts:
+            try:
+                H, S, G, k, v = self.read_heads(layout, k_sel, v_sel, h_k, B, X, Y, T)
+                break
+            except Refused as why:
+                reasons.append(why)
+        else:
+            raise reasons[0]
+        if value(k.source).dtype != value(q).dtype or not value(v.source).is_floating_point():
             raise Refused("q and K differ in dtype, or V is not floating point")
-        if cast is not None and value(cast).dtype != value(v).dtype:
-            raise Refused(f"the probabilities are cast to {value(cast).dtype}, not to V's {value(v).dtype}")
+        if cast is not None and value(cast).dtype != value(v.source).dtype:
+            raise Refused(f"the probabilities are cast to {value(cast).dtype}, not to V's {value(v.source).dtype}")
         # the selection: block_idx, positions and (packed documents) pos only, evaluated on probes
-        roots = [mask, k_index, v_index]
+        roots = [mask, *k.roots, *v.roots]
         block_idx, pos, nodes = find_block_idx(roots, B, G, S, order)
         leaves = [block_idx] if pos is None else [block_idx, pos]
         n = dims(block_idx, "block index tensor", 4)[3]
@@ -609,12 +788,12 @@ class SelectionAttention(RewritePass):
         block = T // n
         check_evaluable(nodes, leaves, B, H, S, T, sizes.probes())
         key = (structure(nodes, leaves, roots), tuple(d if isinstance(d, int) else str(d) for d in (B, H, G, S, T, n)),
-               keep_where_true)
+               keep_where_true, layout, k.kind, k.source_seq_first, v.kind, v.source_seq_first)
         if key not in verified:
             for at in sizes.probes():
                 try:
-                    self.verify_at(at, nodes, roots, block_idx, pos, (k_index, v_index), (G, H, T, n, block),
-                                   keep_where_true, B, S)
+                    self.verify_at(at, nodes, roots, block_idx, pos, (k, v), (G, H, T, n, block),
+                                   keep_where_true, B, S, layout)
                 except Refused as why:
                     raise (Refused(f"at {at.describe()}: {why}") if sizes.symbolic else why) from None
         verified.add(key)
@@ -622,49 +801,75 @@ class SelectionAttention(RewritePass):
             raise Refused(f"the scores are filled with {fill:g}, not -inf, and the block ids may leave a query no "
                           "token (they are not nsa.select_blocks' output): such a row gets the uniform average of its "
                           "gathered tokens in eager code, 0 or NaN from the op")
-        fakes = [value(x) for x in (q, k, v, block_idx)]
+        fake_q = value(q).transpose(1, 2) if layout.head == 2 else value(q)
+        fakes = [fake_q, k.fake(layout), v.fake(layout), value(block_idx)]
         fake_pos = None if pos is None else value(pos)
         try:
             backend = choose_backend(*fakes, block, requested, fake_pos)
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(selection_backend={requested!r}): {why}") from None
-        return {"q": q, "k": k, "v": v, "block_idx": block_idx, "pos": pos, "block": block, "n": n, "scale": scale,
+        return {"q": q, "k": k, "v": v, "layout": layout, "G": G, "h": H // G, "block_idx": block_idx, "pos": pos, "block": block, "n": n, "scale": scale,
                 "backend": backend,
                 "why_not_triton": why_not_triton(*fakes, block, fake_pos) if requested == "auto"
                 else f"selection_backend={requested!r} in OptimizeConfig",
                 "out": out, "rows_zeroed": zeroed is not None,
-                "chain": [out, pv, p4, cast, zeroed, softmax, masked, *chain, qk, q4, kt, *repeats, *k_nodes, *v_nodes],
+                "chain": [out, pv, p4, cast, zeroed, softmax, masked, *chain, qk, q4, kt, *repeats, *k.nodes, *v.nodes],
                 "roots": roots}
 
     @staticmethod
+    def read_heads(layout: Layout, k_sel: fx.Node, v_sel: fx.Node, h: int, B, X, Y, T: int) -> tuple:
+        """(H, S, G, gathered K, gathered V) of the scores [B, X, Y, T] read in `layout`, or Refused."""
+        H, S = (X, Y) if layout.head == 1 else (Y, X)
+        constant("probability tensor", H=H)
+        G = dims(k_sel, "gathered K", 5)[layout.head]
+        constant("gathered K", G=G)
+        if G * h != H or not same(dims(v_sel, "gathered V", 5)[layout.head], G):
+            raise Refused(f"gathered K/V heads {G} (x{h}) and {value(v_sel).shape[layout.head]} do not serve {H} "
+                          f"query heads ({layout.describe()})")
+        return H, S, G, read_gathered(k_sel, "K", layout, B, G, S, T), read_gathered(v_sel, "V", layout, B, G, S, T)
+
+    @staticmethod
     def verify_at(at: Sizes, nodes: list[fx.Node], roots: list[fx.Node], block_idx: fx.Node, pos: fx.Node | None,
-                  indices: tuple[fx.Node, fx.Node], heads: tuple, keep_where_true: bool, B, S) -> None:
-        """The selection subgraph (nodes, from block_idx [and pos] to roots = [mask, K index, V
-        index]) evaluated on the probe block ids (and positions) at the sizes `at` (B and S as
-        numbers there, the graph's size nodes given their numbers), each result checked by
-        `verify`; Refused at the first probe that differs. heads = (G, H, T, n, l')."""
+                  reads: tuple[Gathered, Gathered], heads: tuple, keep_where_true: bool, B, S,
+                  layout: Layout = Layout(1)) -> None:
+        """The selection subgraph (nodes, from block_idx [and pos] to roots = [mask, K index
+        tensors, V index tensors]) evaluated on the probe block ids (and positions) at the sizes
+        `at` (B and S as numbers there, the graph's size nodes given their numbers), each result
+        checked by `verify` (mask and token ids brought to the heads-first, grouped order of the
+        op); Refused at the first probe that differs. heads = (G, H, T, n, l')."""
         G, H, T, n, block = heads
         B, S = at.int(B), at.int(S)
         numbers = at.size_nodes() if at.symbolic else {}
         device = value(block_idx).device
+        scores = (B, H, S, T) if layout.head == 1 else (B, S, H, T)
+        slots = layout.slots(B, G, S, T)
+        grid = [torch.arange(x, device=device).view([-1 if i == axis else 1 for i in range(4)])
+                for x, axis in ((B, 0), (G, layout.head))]  # each slot's own batch row and group
         positions = [None] if pos is None else position_probes(B, S, n, block, device)
         for probe_pos, probe in [(p, blocks) for p in positions for blocks in probes(B, G, S, n, block, device, p)]:
             given = {**numbers, block_idx: probe} if pos is None else {**numbers, block_idx: probe, pos: probe_pos}
-            m, ki, vi = evaluate(nodes, given, roots)
+            m, *index_values = evaluate(nodes, given, roots)
             if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
                 raise Refused("the mask is not a bool tensor")
             try:
-                keep = torch.broadcast_to(m, (B, H, S, T))
+                keep = torch.broadcast_to(m, scores)
             except RuntimeError:
-                raise Refused(f"the mask {tuple(m.shape)} does not broadcast to the scores {(B, H, S, T)}") from None
+                raise Refused(f"the mask {tuple(m.shape)} does not broadcast to the scores {scores}") from None
             keep = keep if keep_where_true else ~keep
+            keep = keep.transpose(1, 2) if layout.head == 2 else keep  # [B, H, S, T]
+            if layout.tiled:  # query head r * G + g -> position g * h + r, as the op groups them
+                keep = keep.unflatten(1, (H // G, G)).transpose(1, 2).flatten(1, 2)
             tokens = []
-            for what, index, traced in zip("KV", (ki, vi), indices):
-                if not isinstance(index, torch.Tensor) or tuple(index.shape) != at.shape(value(traced)):
-                    raise Refused(f"the {what} gather index evaluates to something else than its traced shape")
-                if index.stride(-1) != 0 and not torch.equal(index, index[..., :1].expand_as(index)):
-                    raise Refused(f"the {what} gather index differs across the head dim (not one token per row)")
-                tokens.append(index[..., 0].reshape(B, G, S, T))
+            for read in reads:
+                values, index_values = index_values[:len(read.roots)], index_values[len(read.roots):]
+                for index, traced in zip(values, read.roots):
+                    if not isinstance(index, torch.Tensor) or tuple(index.shape) != at.shape(value(traced)):
+                        raise Refused(f"the {read.what} gather index evaluates to something else than its traced shape")
+                batch, group, token = read.coordinates(values, slots, B, G, S)
+                for got, want, name in ((batch, grid[0], "batch row"), (group, grid[1], "KV group")):
+                    if got is not None and not torch.equal(got, want.expand(slots)):
+                        raise Refused(f"{read.what} is read from another {name} than the query's ({read.kind})")
+                tokens.append(token.transpose(1, 2) if layout.head == 2 else token)  # [B, G, S, T]
             if not torch.equal(tokens[0], tokens[1]):
                 raise Refused("K and V are gathered at different token ids")
             verify(keep, tokens[0], probe, block, H // G, probe_pos)
@@ -675,13 +880,26 @@ class SelectionAttention(RewritePass):
     def rewrite(self, graph: fx.Graph, plan: dict) -> None:
         out = plan["out"]
         packed = () if plan["pos"] is None else (plan["pos"],)  # unpacked graphs keep the 7-argument call
-        both = call(graph, torch.ops.nsa.selected_attention, plan["q"], plan["k"], plan["v"], plan["block_idx"],
+        layout, G, h = plan["layout"], plan["G"], plan["h"]
+        q = plan["q"]
+        if layout.head == 2:  # sequence-first [B, S, H, Dk] -> [B, H, S, Dk]
+            q = call(graph, torch.transpose, q, 1, 2, anchor=out)
+        if layout.tiled:  # query head r * G + g -> position g * h + r: the op's grouping
+            q = call(graph, torch.flatten, call(graph, torch.transpose, call(
+                graph, torch.unflatten, q, 1, (h, G), anchor=out), 1, 2, anchor=out), 1, 2, anchor=out)
+        k, v = plan["k"].for_op(graph, layout, out), plan["v"].for_op(graph, layout, out)
+        both = call(graph, torch.ops.nsa.selected_attention, q, k, v, plan["block_idx"],
                     plan["block"], plan["scale"], plan["backend"], *packed, anchor=out)
         op = call(graph, operator.getitem, both, 0, anchor=out)  # o; the log-sum-exp is for the backward
         if may_leave_rows_empty(plan):  # eager's NaN where a query's blocks hold no token <= t
             lse = call(graph, operator.getitem, both, 1, anchor=out)
             empty = call(graph, torch.unsqueeze, call(graph, torch.isneginf, lse, anchor=out), -1, anchor=out)
             op = call(graph, torch.masked_fill, op, empty, float("nan"), anchor=out)
+        if layout.tiled:  # back to the model's head order
+            op = call(graph, torch.flatten, call(graph, torch.transpose, call(
+                graph, torch.unflatten, op, 1, (G, h), anchor=out), 1, 2, anchor=out), 1, 2, anchor=out)
+        if layout.head == 2:
+            op = call(graph, torch.transpose, op, 1, 2, anchor=out)
         out.replace_all_uses_with(op)
         # erase the per-query chain, then whatever only it used (token ids, mask, K/V views)
         erase_replaced(graph, plan["chain"], plan["roots"])

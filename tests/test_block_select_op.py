@@ -511,3 +511,88 @@ def test_triton_at_the_issue_sizes(S, shape):
     got, ref, want, p_grp = _gpu_case(S, H // G, torch.bfloat16, grid=True, G=G, Dk=Dk, seed=S)
     assert near_ties(got, want, p_grp) <= G * S // 1000
     assert near_ties(ref, want, p_grp) <= G * S // 1000
+
+
+# --- rule 'fla': flash-linear-attention's choice (issue 17.3: a variant is a parameter) ---------------
+
+
+def fla_eager(q, k, scale, n, block, ranking="topk"):
+    """flash-linear-attention's `naive_nsa_with_compression` choice (tests/corpus/fla_naive_bthd.py,
+    written here as plain eager code) for q [B, H, S, Dk] and pooled keys k [B, G, Tc, Dk] with
+    l = d = l' = block: (block ids [B, G, S, min(n, Tc)] in rank order with -1 in place, the ranking
+    key [B, G, S, Tc], lse). ranking 'topk' as fla writes it; 'sort' a stable descending sort (the
+    tie order the op documents)."""
+    B, H, S, _ = q.shape
+    G, Tc = k.shape[1], k.shape[2]
+    p, lse = eager_p_cmp(q, k, block, block, scale)  # [B, H, S, Tc]: 0 on hidden blocks and empty rows
+    t = torch.arange(S)[:, None]
+    current = t // block
+    key = p.masked_fill(current == torch.arange(Tc), 1.0).view(B, G, H // G, S, Tc).sum(2)
+    m = min(n, Tc)
+    if ranking == "topk":
+        idx = key.topk(m, dim=-1).indices
+    else:
+        idx = key.sort(dim=-1, descending=True, stable=True).indices[..., :m]
+    return idx.masked_fill(idx > current, -1), key, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("B,G,h,S,block,n", [(2, 2, 3, 37, 4, 3), (1, 3, 1, 29, 5, 4), (2, 1, 2, 50, 7, 9)],
+                         ids=["h3-S37-l4-n3", "h1-S29-l5-n4", "n-above-Tc"])
+def test_fla_rule_matches_the_eager_formula_at_odd_sizes(B, G, h, S, block, n, dtype):
+    """The reference backend's rule 'fla' gives the eager formula's block ids exactly in rank order
+    (the stable-sort form: ties to the lower block), and torch.topk's as sets; the -1 sit where
+    fla's masked_fill puts them (rank order), and n > Tc is padded with -1 at the end."""
+    Tc = -(-S // block)  # fla's pooling: the last, partial block is never visible
+    gen = torch.Generator().manual_seed(S)
+    q = (torch.randn(B, S, G * h, 8, generator=gen)).to(dtype).transpose(1, 2)
+    k = torch.randn(B, G, Tc, 8, generator=gen).to(dtype)
+    scale = 8**-0.5
+    want, key, lse = fla_eager(q, k, scale, n, block, ranking="sort")
+    got = select_blocks(q, k, lse, block, block, block, n, scale, "reference", rule="fla")
+    assert got.shape == (B, G, S, n) and got.dtype == torch.int64
+    m = min(n, Tc)
+    assert (got[..., m:] == -1).all()
+    # the same blocks in the same order, but where float rounding swaps near ties (the op's exp(s - lse)
+    # with a float32 lse against a float64 softmax: 1 - 1e-7 for a lone visible block's 1.0)
+    for b, g, t in (got[..., :m] != want).any(-1).nonzero().tolist():
+        ours, theirs = got[b, g, t, :m], want[b, g, t]
+        assert torch.equal(ours.sort().values, theirs.sort().values), (b, g, t, ours, theirs)
+        swapped = ours != theirs
+        gap = key[b, g, t, theirs[swapped].clamp(min=0)] - key[b, g, t, ours[swapped].clamp(min=0)]
+        assert dtype == torch.float64 and gap.abs().max() <= 1e-6 * key[b, g, t].max(), (b, g, t, gap)
+    topk_ids = fla_eager(q, k, scale, n, block)[0]
+    assert torch.equal(got[..., :m].sort(-1).values, topk_ids.sort(-1).values)
+    # the rule's substance: rank order (the current block first wherever it ranks first), not ascending;
+    # early rows whose top-n reached future blocks, -1 after the top-n
+    current = torch.arange(S) // block
+    assert not torch.equal(got, got.sort(-1).values) and (got[..., 0] == current[:, None].T).float().mean() > 0.5
+    assert (got[..., :m][:, :, : (m - 1) * block] == -1).any()
+
+
+def test_fla_rule_differs_from_the_paper_rule_and_auto_takes_reference_with_the_reason():
+    B, G, h, S, block, n = 1, 2, 2, 40, 4, 3
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, G * h, S, 8, generator=gen)
+    k = torch.randn(B, G, -(-S // block), 8, generator=gen)
+    _, _, lse = fla_eager(q, k, 0.5, n, block)
+    fla = select_blocks(q, k, lse, block, block, block, n, 0.5, rule="fla")
+    paper = select_blocks(q, k, lse, block, block, block, n, 0.5)  # the default: today's rule, unchanged
+    assert torch.equal(paper, select_blocks(q, k, lse, block, block, block, n, 0.5, rule="nsa"))
+    assert not torch.equal(fla.sort(-1).values, paper.sort(-1).values)
+    assert bs_mod.choose_backend(q, k, lse, block, block, block, n, "auto", None, "fla") == "reference"
+    assert bs_mod.why_not_triton(q, k, lse, block, block, block, n, rule="fla") == bs_mod.FLA_REASON
+    with pytest.raises(ValueError, match="backend 'triton' cannot run these inputs: rule 'fla'"):
+        select_blocks(q, k, lse, block, block, block, n, 0.5, "triton", rule="fla")
+    torch.library.opcheck(torch.ops.nsa.select_blocks.default, (q, k, lse, block, block, block, n, 0.5, "reference"),
+                          {"rule": "fla"})
+
+
+@pytest.mark.parametrize("change,match", [(dict(rule="topk"), "unknown rule 'topk'"),
+                                          (dict(rule="fla", pos=torch.zeros(2, 40, dtype=torch.int64)),
+                                           "rule 'fla' with pos")], ids=["unknown", "packed"])
+def test_fla_rule_argument_validation(change, match):
+    args = bad_args(**change)
+    if "pos" in change:
+        args["k"] = torch.randn(2, 2, 40 - L + 1, 16)
+    assert_raises_eager_and_fake(select_blocks, args, match)

@@ -580,3 +580,47 @@ def test_an_einsum_broadcast_at_symbolic_sizes_is_refused():
     assert log.matches == [] and log.code_after == symbolic.code_before
     (refusal,) = log.refusals
     assert re.fullmatch(r"einsum: einsum letter 's' has sizes s\d+ and 1 \(broadcast\)", refusal.reason), refusal
+
+
+# --- softmax written out by hand (exp(s - amax) / sum) -----------------------------------------------
+
+
+class HandSoftmax(nn.Module):
+    """Window attention whose softmax is written out: e = exp(s - max); p = e / e.sum (spellings:
+    amax, max(...).values, a detached max; `no-max` leaves the max out)."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, q, k, v):
+        kr, vr = k.repeat_interleave(h, 1), v.repeat_interleave(h, 1)
+        s = ((q @ kr.transpose(-1, -2)) * D**-0.5).masked_fill(~window_mask(S, q.device), float("-inf"))
+        if self.spelling == "amax":
+            e = (s - s.amax(dim=-1, keepdim=True)).exp()
+        elif self.spelling == "max-values":
+            e = torch.exp(s - s.max(-1, keepdim=True).values)
+        elif self.spelling == "detached-max":
+            e = (s - s.amax(-1, keepdim=True).detach()).exp()
+        else:  # no-max
+            e = s.exp()
+        return (e / e.sum(-1, keepdim=True)) @ vr
+
+
+@pytest.mark.parametrize("spelling", ["amax", "max-values", "detached-max"])
+def test_a_softmax_written_by_hand_becomes_torch_softmax_and_the_window_pass_fires(spelling):
+    model = run(HandSoftmax(spelling), qkv(), only("canonicalize", "window_attention"))
+    assert fired(model) == {"softmax": 1}
+    code = code_after_canonicalize(model)
+    assert "torch.softmax(" in code and ".exp()" not in code and "torch.exp(" not in code
+    assert "amax" not in code and ".max(" not in code
+    assert row(model, "window_attention")["matches"] == 1
+
+
+def test_a_softmax_by_hand_without_the_max_is_refused_with_the_graph_unchanged():
+    model = run(HandSoftmax("no-max"), qkv(), only("canonicalize"))
+    record, log = canonical_log(model)
+    assert [r.reason for r in log.refusals] == [
+        "softmax: exp(x) / exp(x).sum() without the row max subtracted: exp overflows to inf (a NaN row) where "
+        "torch.softmax is finite; not rewritten"]
+    assert log.matches == [] and log.code_after == record.code_before

@@ -564,3 +564,129 @@ def test_backend_named_in_the_config_is_used_or_the_branch_refused():
     assert any(r.startswith("OptimizeConfig(selection_backend='triton'): selected_attention: backend 'triton' "
                             "cannot run these inputs:") for r in reasons), reasons
     assert "torch.ops.nsa.selected_attention" not in only_graph(tri).code_after
+
+
+# --- sequence-first [B, S, H, D] branches, other gather spellings, tiled GQA (issue 17) ------------
+
+
+class SequenceFirst(nn.Module):
+    """The selected branch on q [B, S, H, Dk], k/v [B, S, G, D] kept sequence-first, as
+    where_bias_spellings and fla_naive_bthd write it: block ids [B, G, S, n] made [B, S, G, n],
+    K/V fetched per query into [B, S, G, T, D] by `spelling` (index_select on the flattened
+    [B*S*G, D] tensor, torch.take_along_dim, or advanced indexing k[b, tokens, g]), copied for the
+    group's heads on dim 2, per-query scores [B, S, H, T]. Near misses: `other-group` (index_select
+    rows of the group g + 1), `future-unmasked` (fla's mask without the token test: only the
+    padding is hidden, a future block's tokens are seen)."""
+
+    def __init__(self, spelling, block=4):
+        super().__init__()
+        self.spelling, self.block = spelling, block
+
+    def forward(self, q, k, v, block_idx):
+        B, S, H, Dk = q.shape
+        G, ls, sp = k.shape[2], self.block, self.spelling
+        h = H // G
+        blocks = block_idx.transpose(1, 2)  # [B, S, G, n]
+        t = torch.arange(S, device=q.device)
+        tok = blocks.clamp(min=0)[..., None] * ls + torch.arange(ls, device=q.device)
+        drop = (blocks < 0).repeat_interleave(ls, dim=-1)  # [B, S, G, T]
+        if sp != "future-unmasked":
+            drop = drop | (tok.flatten(-2) > t[:, None, None])
+        tok = tok.flatten(-2).clamp(max=S - 1)  # [B, S, G, T]
+        T = tok.shape[-1]
+        if sp in ("index_select", "other-group"):
+            g = (torch.arange(G, device=q.device) + (sp == "other-group")) % G
+            rows = ((torch.arange(B, device=q.device) * S)[:, None, None, None] + tok) * G + g[:, None]
+            ks = k.reshape(B * S * G, Dk).index_select(0, rows.flatten()).view(B, S, G, T, Dk)
+            vs = v.reshape(B * S * G, -1).index_select(0, rows.flatten()).view(B, S, G, T, -1)
+        elif sp == "take_along_dim":
+            ks = torch.take_along_dim(k.transpose(1, 2)[:, None], tok[..., None], dim=3)
+            vs = torch.take_along_dim(v.transpose(1, 2)[:, None], tok[..., None], dim=3)
+        else:  # advanced indexing, fla's k[b, tokens, h]
+            b_idx = torch.arange(B, device=q.device)[:, None, None, None]
+            g_idx = torch.arange(G, device=q.device)[None, None, :, None]
+            ks, vs = k[b_idx, tok, g_idx], v[b_idx, tok, g_idx]
+        ks, vs = ks.repeat_interleave(h, dim=2), vs.repeat_interleave(h, dim=2)  # [B, S, H, T, D]
+        s = torch.einsum("bshd,bshtd->bsht", q, ks) * Dk**-0.5
+        s = s.masked_fill(drop.repeat_interleave(h, dim=2), float("-inf"))
+        return torch.einsum("bsht,bshtd->bshd", torch.softmax(s, dim=-1), vs)  # [B, S, H, Dv]
+
+
+class TiledGroups(nn.Module):
+    """The heads-first branch with K/V and the mask tiled over the heads (`.repeat(1, h, 1, 1, 1)`:
+    query head r * G + g reads group g), as tiled_gqa_fla. `mask-interleaved`: the mask copied
+    with repeat_interleave instead (another grouping than K/V's)."""
+
+    def __init__(self, change=None, block=4):
+        super().__init__()
+        self.change, self.block = change, block
+
+    def forward(self, q, k, v, block_idx):
+        B, S, H, Dk = q.shape
+        G, Dv, ls = k.shape[2], v.shape[3], self.block
+        h = H // G
+        t = torch.arange(S, device=q.device)
+        tok = block_idx.clamp(min=0)[..., None] * ls + torch.arange(ls, device=q.device)
+        keep = ((block_idx >= 0)[..., None] & (tok <= t[:, None, None])).flatten(-2)  # [B, G, S, T]
+        keep = keep.repeat_interleave(h, dim=1) if self.change == "mask-interleaved" else keep.repeat(1, h, 1, 1)
+        at = tok.flatten(-2).clamp(max=S - 1).flatten(2)[..., None]
+        k_s = k.transpose(1, 2).gather(2, at.expand(-1, -1, -1, Dk)).view(B, G, S, -1, Dk).repeat(1, h, 1, 1, 1)
+        v_s = v.transpose(1, 2).gather(2, at.expand(-1, -1, -1, Dv)).view(B, G, S, -1, Dv).repeat(1, h, 1, 1, 1)
+        s = (q.transpose(1, 2).unsqueeze(-2) @ k_s.transpose(-2, -1)).squeeze(-2) * Dk**-0.5
+        p = s.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+        return (p.unsqueeze(-2) @ v_s).squeeze(-2).transpose(1, 2)  # [B, S, H, Dv]
+
+
+SOURCE_OPS = {"index_select": ".index_select(", "take_along_dim": "torch.take_along_dim(",
+              "indexing": "[(b_idx, ", "tiled": ".gather("}
+# canonicalize turns the einsums into the per-query matmuls; the other passes stay off
+WITH_CANONICALIZE = nsa_compile.OptimizeConfig(compiler="aot_eager", disabled_passes=tuple(
+    p for p in nsa_compile.pass_names() if p not in (PASS, "canonicalize")))
+KERNEL_EMPTY_ROWS = (f"nsa.selected_attention[reference] (l'=4, n=3, GQA-native, no gathered K/V; rows with no token: "
+                     f"NaN as eager{NOT_TRITON})")
+
+
+@pytest.mark.parametrize("spelling", ["index_select", "take_along_dim", "indexing", "tiled"])
+def test_sequence_first_gathers_and_tiled_groups_are_rewritten(spelling):
+    module = TiledGroups() if spelling == "tiled" else SequenceFirst(spelling)
+    (expected, eager_args), (got, opt_args), optimized = run_both(module, inputs(h=3), WITH_CANONICALIZE)
+    r = row(optimized, PASS)
+    assert (r["matches"], r["kernels"]) == (1, [KERNEL_EMPTY_ROWS]), r
+    record = only_graph(optimized)
+    assert SOURCE_OPS[spelling] in record.code_before and SOURCE_OPS[spelling] not in record.code_after
+    assert record.code_after.count("torch.ops.nsa.selected_attention(") == 1
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(expected.square().sum(), eager_args[:3])
+    got_grads = torch.autograd.grad(got.square().sum(), opt_args[:3])
+    for a, b in zip(got_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("module, reason", [
+    (SequenceFirst("other-group"), "K is read from another KV group than the query's (index_select)"),
+    (SequenceFirst("future-unmasked"), "the mask is non-causal: a query sees a later token of its blocks"),
+    (TiledGroups("mask-interleaved"), "the mask differs between the heads of a group (the group shares its blocks)"),
+], ids=["index-select-other-group", "future-block-unmasked", "tiled-kv-interleaved-mask"])
+def test_sequence_first_and_tiled_near_misses_are_refused_with_the_graph_unchanged(module, reason):
+    (expected, _), (got, _), optimized = run_both(module, inputs(h=3), WITH_CANONICALIZE)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)  # the same eager code
+    canonical, selection = (log for log in only_graph(optimized).logs if log.pass_name in ("canonicalize", PASS))
+    assert selection.code_after == canonical.code_after  # the pass left the graph as it found it
+    r = row(optimized, PASS)
+    assert r["matches"] == 0 and r["reasons"] == [reason], r["reasons"]
+
+
+def test_sequence_first_branch_at_symbolic_sizes():
+    """The index_select spelling at (B, S) = (2, 23), (3, 30), (2, 37): the rows' arithmetic reads
+    S (a size symbol in the second graph); verified at the probe sizes, the op in both graphs."""
+    shapes = [(2, 23), (3, 30), (2, 37)]
+    optimized, results = run_lengths(FromOneInput(SequenceFirst("index_select")), shapes, WITH_CANONICALIZE)
+    for (want, want_grads), (got, got_grads) in results:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_grads, want_grads, rtol=1e-5, atol=1e-5)
+    graphs = state_of(optimized).graphs
+    assert len(graphs) == 2 and "torch.SymInt" in graphs[1].code_before
+    for record in graphs:
+        (log,) = pass_logs(record)
+        assert len(log.matches) == 1 and log.refusals == [], log.refusals
+        assert ".index_select(" not in record.code_after

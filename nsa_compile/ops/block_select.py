@@ -2,8 +2,9 @@
 branch's log-sum-exp, so the [B, H, S, Tc] probabilities are never stored.
 
     block_idx = torch.ops.nsa.select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend,
-                                            pos=None)
-    block_idx = select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None)
+                                            pos=None, rule="nsa")
+    block_idx = select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None,
+                              rule="nsa")
 
 q [B, H, S, Dk] (normally a view of [B, S, H, Dk] memory), k [B, G, Tc, Dk]: the pooled compressed
 keys K~ (never repeated: query head j reads KV head j // (H // G)), lse [B, H, S] float32: the
@@ -21,6 +22,22 @@ Ns = ceil(S / l'):
                 that are > -inf, ascending, padded with -1
 
 overlap(i, j) is the number of tokens in both [i*d, i*d + l) and [j*l', j*l' + l').
+
+`rule` is the choice rule (issue 17.3: a semantic variant is a parameter, not a refusal):
+- "nsa" (the default, the paper's; everything above): blocks 0, t // l', t // l' - 1 forced, only
+  blocks with j*l' <= t candidates, the chosen blocks ascending, -1 padded.
+- "fla" (flash-linear-attention's `naive_nsa_with_compression`): only the current block favoured,
+  by setting each head's importance of it to 1.0 before the group sum; every block competes (a
+  block that is not visible has importance 0); then blocks after the current one become -1 *after*
+  the top-n. The result is in rank order, as torch.topk returns it, with -1 in place:
+
+    p_slc[b, head, t, j] = sum_i p[b, head, t, i] * overlap(i, j) / l, set to 1.0 where j == t // l'
+    key[t, j] = sum over the group's heads of p_slc (padded to >= n columns with -inf)
+    order = the first n of a stable descending sort of key (-1 where the key is -inf: padding)
+    block_idx = order where order <= t // l', else -1        # rank order, not ascending
+
+  Ties go to the lower block (torch.topk leaves their order unspecified: this is one of its
+  results). Not with pos (ValueError).
 
 Packed documents (`pos` [B, S] int64, each token's position in its document; models/nsa.py): k
 holds a slot per token, [B, G, Tc = S - l + 1 (0 when S < l), Dk], slot u pooling tokens
@@ -43,7 +60,8 @@ ranked the other way; everything else, exact ties included (ties go to the lower
 eager's choice.
 Importance is float32 (float64 for float64 inputs). The op is not differentiable (an int64 result).
 
-Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
+Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error; only
+the reference backend runs rule "fla"):
 - `triton` (CUDA): nsa_compile/ops/block_select_triton.py, one program per (batch, group, query
   tile): the scores are recomputed tile by tile over the compression blocks, mapped onto the
   selection blocks and merged into a running top-n in registers. No [.., S, Tc] or [.., S, Ns]
@@ -72,6 +90,9 @@ from .common import check_gqa, check_positive_int, pick_backend, upcast_dtype, w
 __all__ = ["BACKENDS", "REFERENCE_BUDGET", "choose_backend", "select_blocks", "why_not_triton"]
 
 BACKENDS = ("auto", "triton", "reference")
+RULES = ("nsa", "fla")
+FLA_REASON = ("rule 'fla' (the current block favoured, -1 after the top-n, rank order): the Triton kernel "
+              "computes the paper's rule only")
 
 # Elements of the reference backend's largest per-chunk tensor (a module constant so tests can
 # shrink it): 2^24 fp32 elements are 64 MiB; a chunk holds a few such tensors at once.
@@ -81,19 +102,24 @@ _OP = "select_blocks"
 
 
 def choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, backend: str = "auto",
-                   pos=None) -> str:  # fmt: skip
+                   pos=None, rule: str = "nsa") -> str:  # fmt: skip
     """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
     run these inputs), or for 'auto' triton where it can run on CUDA and reference elsewhere
-    (always reference with pos: packed documents)."""
+    (always reference with pos: packed documents, and with rule 'fla')."""
     args = (q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos)
-    return pick_backend(_OP, BACKENDS, backend,
-                        cannot_run={"triton": lambda: block_select_triton.unsupported_reason(*args)},
-                        preferred="triton", why_not_preferred=lambda: why_not_triton(*args))
+
+    def triton_cannot_run():
+        return FLA_REASON if rule != "nsa" else block_select_triton.unsupported_reason(*args)
+
+    return pick_backend(_OP, BACKENDS, backend, cannot_run={"triton": triton_cannot_run},
+                        preferred="triton", why_not_preferred=lambda: why_not_triton(*args, rule=rule))
 
 
-def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None) -> str | None:
+def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule: str = "nsa") -> str | None:
     """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
-    if pos is not None:  # the reason on every device, not only on CUDA
+    if rule != "nsa":  # the reasons on every device, not only on CUDA
+        return FLA_REASON
+    if pos is not None:
         return block_select_triton.PACKED_REASON
     return why_not_triton_on(
         q.device,
@@ -102,9 +128,14 @@ def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=
     )
 
 
-def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None) -> str:
+def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None,
+           rule="nsa") -> str:  # fmt: skip
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
-    dtypes, block sizes, positions and backend are valid."""
+    dtypes, block sizes, positions, rule and backend are valid."""
+    if rule not in RULES:
+        raise ValueError(f"{_OP}: unknown rule {rule!r}; valid: {', '.join(RULES)}")
+    if rule != "nsa" and pos is not None:
+        raise ValueError(f"{_OP}: rule {rule!r} with pos (packed documents) is not implemented")
     check_gqa(_OP, q, k, rows="Tc", lse=lse, **({} if pos is None else {"pos": pos}))
     B, H, S, _ = q.shape
     if lse.dtype != torch.float32:
@@ -124,7 +155,7 @@ def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backe
         if k.shape[2] != slots:
             raise ValueError(f"{_OP}: with pos, k must hold a slot per token, Tc = max(0, S - cmp_block + 1) = "
                              f"{slots}, got {k.shape[2]}")
-    return choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, backend, pos)
+    return choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, backend, pos, rule)
 
 
 def overlap_band(Tc: int, Ns: int, cmp_block: int, cmp_stride: int, sel_block: int, device, dtype):
@@ -142,13 +173,21 @@ def overlap_band(Tc: int, Ns: int, cmp_block: int, cmp_stride: int, sel_block: i
     return i.clamp(max=max(Tc - 1, 0)), overlap.to(dtype) / l
 
 
-def rank_and_choose(p_grp: torch.Tensor, t: torch.Tensor, sel_block: int, n_selected: int) -> torch.Tensor:
+def rank_and_choose(p_grp: torch.Tensor, t: torch.Tensor, sel_block: int, n_selected: int,
+                    rule: str = "nsa") -> torch.Tensor:  # fmt: skip
     """Eager's ranking (models/nsa.py `select_blocks`) of p_grp [B, G, c, Ns] for query rows at
     positions t (int64, [c, 1]: the tokens themselves, or [B, 1, c, 1]: their document positions):
-    chosen blocks [B, G, c, n] int64, ascending, -1 padded."""
+    chosen blocks [B, G, c, n] int64, ascending, -1 padded. Rule 'fla': p_grp is already the key
+    (the current block favoured by the caller); the first n blocks in rank order, those after the
+    current one (and padding) -1."""
     Ns = p_grp.shape[3]
     j = torch.arange(Ns, device=p_grp.device)[None, :]
     current = t // sel_block
+    if rule == "fla":
+        key = torch.nn.functional.pad(p_grp, (0, max(0, n_selected - Ns)), value=float("-inf"))  # >= n columns
+        values, order = torch.sort(key, dim=-1, descending=True, stable=True)
+        chosen = torch.where(values[..., :n_selected] > float("-inf"), order[..., :n_selected], -1)
+        return torch.where(chosen > current, -1, chosen)  # rank order, future blocks -1 after the top-n
     forced = (j == 0) | (j == current) | (j == current - 1)  # [c, Ns]
     candidate = j * sel_block <= t
     key = torch.where(forced, float("inf"), torch.where(candidate, p_grp, float("-inf")))
@@ -161,7 +200,7 @@ def rank_and_choose(p_grp: torch.Tensor, t: torch.Tensor, sel_block: int, n_sele
 
 
 def _reference(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int, scale: float,
-               budget: int | None = None) -> torch.Tensor:  # fmt: skip
+               budget: int | None = None, rule: str = "nsa") -> torch.Tensor:  # fmt: skip
     B, H, S, _ = q.shape
     G, Tc = k.shape[1], k.shape[2]
     h = H // G
@@ -192,7 +231,9 @@ def _reference(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_sel
                 p_slc += p[..., index[w]] * weight[w]
         del p
         t = torch.arange(t0, t1, device=q.device)[:, None]
-        out[:, :, t0:t1] = rank_and_choose(p_slc.sum(2), t, sel_block, n_selected)  # heads summed: [B, G, c, Ns]
+        if rule == "fla":  # each head's importance of the current block set to 1.0 before the group sum
+            p_slc = torch.where(torch.arange(Ns, device=q.device) == t // sel_block, 1.0, p_slc)
+        out[:, :, t0:t1] = rank_and_choose(p_slc.sum(2), t, sel_block, n_selected, rule)  # heads summed: [B, G, c, Ns]
     return out
 
 
@@ -261,33 +302,34 @@ def _reference_packed(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int
 @torch.library.custom_op("nsa::select_blocks", mutates_args=())
 def _select_blocks_op(
     q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, cmp_block: int, cmp_stride: int, sel_block: int,
-    n_selected: int, scale: float, backend: str = "auto", pos: Optional[torch.Tensor] = None,
+    n_selected: int, scale: float, backend: str = "auto", pos: Optional[torch.Tensor] = None, rule: str = "nsa",
 ) -> torch.Tensor:
     """NSA block selection: q [B, H, S, Dk], pooled keys k [B, G, Tc, Dk], the compressed branch's
     lse [B, H, S] float32 (pos [B, S] int64 for packed documents) -> block_idx [B, G, S, n_selected]
-    int64 (ascending, -1 padded), eager `NSAAttention.select_blocks` recomputed without storing the
-    probabilities."""
-    chosen = _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend, pos)
+    int64 (rule 'nsa': ascending, -1 padded; 'fla': rank order, -1 in place), eager
+    `NSAAttention.select_blocks` (or fla's choice) recomputed without storing the probabilities."""
+    chosen = _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend, pos, rule)
     if pos is not None:  # only the reference backend runs packed documents (_check said so)
         return _reference_packed(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos)
     if chosen == "triton":
         return block_select_triton.select_blocks_forward(
             q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale
         )
-    return _reference(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale)
+    return _reference(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, rule=rule)
 
 
 @_select_blocks_op.register_fake
-def _select_blocks_fake(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None):
-    _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend, pos)
+def _select_blocks_fake(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None,
+                        rule="nsa"):  # fmt: skip
+    _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend, pos, rule)
     B, _, S, _ = q.shape
     return q.new_empty((B, k.shape[1], S, n_selected), dtype=torch.int64)
 
 
 def select_blocks(
     q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, cmp_block: int, cmp_stride: int, sel_block: int,
-    n_selected: int, scale: float, backend: str = "auto", pos: torch.Tensor | None = None,
+    n_selected: int, scale: float, backend: str = "auto", pos: torch.Tensor | None = None, rule: str = "nsa",
 ) -> torch.Tensor:
     """`torch.ops.nsa.select_blocks` (see the module docstring)."""
     return torch.ops.nsa.select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend,
-                                       pos=pos)
+                                       pos=pos, rule=rule)
