@@ -22,6 +22,7 @@ import nsa_compile
 from corpus import HERE, MODELS, spec
 from helpers import optimize_fresh
 from nsa_compile.causality import check_causality, default_cuts
+from nsa_compile.parity import check_parity
 from nsa_compile.cli import cli
 from nsa_compile.workload import load_workload, loss_of
 
@@ -234,3 +235,29 @@ def test_check_command_fails_the_model_that_reads_the_future():
                      "--format", "json")
     data = json.loads(as_json.output)
     assert as_json.exit_code == 1 and data["causal"] is False and data["leaks"]
+
+
+# --- on the GPU: the CUDA backends (Triton kernels) on the corpus's layouts ------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_cuda_bf16_parity_and_the_same_rewrites(name):
+    """Each corpus model on CUDA in bf16 (aot_eager: the ops take their CUDA backends, the Triton
+    kernels where auto chooses them, on the layouts these idioms hand them: sequence-first views,
+    reordered heads, squeezed K): the parity verdict against the float64 oracle passes, and the
+    passes match what coverage.json pins for the CPU."""
+    wl = load_workload(spec(name))
+    inputs = tuple(x.cuda() if isinstance(x, torch.Tensor) else x for x in wl.inputs)
+    eager = wl.model.cuda()
+    models = []
+
+    def optimize_fn(model):
+        torch._dynamo.reset()
+        models.append(nsa_compile.optimize(model, nsa_compile.OptimizeConfig(compiler="aot_eager")))
+        return models[-1]
+
+    report = check_parity(eager, optimize_fn, inputs, torch.bfloat16, is_lm=False)
+    assert report.ok, [r.as_dict() for r in report.failures()]
+    matches = {row["name"]: row["matches"] for row in nsa_compile.report(models[-1])}
+    assert matches == COVERAGE[name]
