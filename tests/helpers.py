@@ -23,6 +23,23 @@ def tokens(batch: int, seq: int, seed: int = 0, vocab: int = 256) -> torch.Tenso
     return torch.randint(0, vocab, (batch, seq + 1), generator=g)
 
 
+def train_at_lengths(eager, model, lengths) -> list:
+    """One step of the LM loss at each length (batch 1) through `eager` and `model` (an optimized
+    copy with the same weights): the losses and every parameter's gradient must agree at each;
+    returns the model's compiled graphs (state_of(model).graphs) after the last length."""
+    for S in lengths:
+        batch = tokens(1, S, seed=S)
+        want, got = eager.loss(batch), model.loss(batch)
+        want.backward()
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, S=S, name=name: f"S={S} {name}: {m}")
+            a.grad = b.grad = None
+    return state_of(model).graphs
+
+
 def document_positions(lengths: list[int]) -> torch.Tensor:
     """pos [sum(lengths)] int64: each token's position in its document, for documents of these
     lengths packed in order (packed documents, models/nsa.py)."""

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import only_graph, optimize_fresh, row, tokens
+from helpers import only_graph, optimize_fresh, row, tokens, train_at_lengths
 from oracles import rel_rms, triton_interpreter
 
 import nsa_compile
@@ -549,16 +549,7 @@ def test_varying_length_keeps_the_rewrite_in_one_graph_with_symbolic_sizes(gate)
     torch.manual_seed(0)
     eager = build_model("tiny", n_layers=1, gate=gate)
     model = optimize_fresh(copy.deepcopy(eager), ALONE)
-    for S in (64, 57, 100, 129):
-        batch = tokens(1, S, seed=S)
-        want, got = eager.loss(batch), model.loss(batch)
-        want.backward()
-        got.backward()
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        for (name, a), b in zip(eager.named_parameters(), model.parameters()):
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=lambda m, S=S, name=name: f"S={S} {name}: {m}")
-            a.grad = b.grad = None
-    graphs = state_of(model).graphs
+    graphs = train_at_lengths(eager, model, (64, 57, 100, 129))
     assert len(graphs) == 2  # no recompile per length
     assert "torch.SymInt" not in graphs[0].code_before and "torch.SymInt" in graphs[1].code_before
     for record in graphs:

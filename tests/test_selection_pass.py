@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from helpers import only_graph, optimize_fresh, packed_positions, row, tokens
+from helpers import only_graph, optimize_fresh, packed_positions, row, tokens, train_at_lengths
 
 import nsa_compile
 from nsa_compile.api import state_of
@@ -316,16 +316,7 @@ def test_varying_length_keeps_the_rewrite_in_one_graph_with_symbolic_sizes():
     torch.manual_seed(0)
     eager = build_model(preset("tiny", n_layers=1))
     model = optimize_fresh(copy.deepcopy(eager), ALONE)
-    for S in (64, 57, 100, 129):
-        batch = tokens(1, S, seed=S)
-        want, got = eager.loss(batch), model.loss(batch)
-        want.backward()
-        got.backward()
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        for (name, a), b in zip(eager.named_parameters(), model.parameters()):
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=lambda m, S=S, name=name: f"S={S} {name}: {m}")
-            a.grad = b.grad = None
-    graphs = state_of(model).graphs
+    graphs = train_at_lengths(eager, model, (64, 57, 100, 129))
     assert len(graphs) == 2, [g.code_before.splitlines()[3][:120] for g in graphs]  # no recompile per length
     static, dynamic = graphs
     assert "torch.SymInt" not in static.code_before and "torch.SymInt" in dynamic.code_before
