@@ -27,6 +27,13 @@ is evaluated on probe block ids (every block at every (batch, group, token)) and
 id > t // l'; both at every probe size. Tiled groups need the compressed K tiled the same way
 (repeat); the op then gets q and lse with each group's heads made contiguous and K's first G heads.
 
+Per-head selection (tests/corpus/fused_qkv_per_head.py): no group sum, the key [B, H, S, Ns] one
+per query head over grouped compressed keys (G < H): the same function as the grouped form with
+every query head a group of one, so the op gets the compressed keys repeated per query head
+(`k.repeat_interleave(H // G, 1)`, a [B, H, Tc, Dk] copy, said in the match text), q and the lse
+as they are, and returns [B, H, S, n]. Casts of p that keep its dtype (fp32 `.to(float32)`,
+`.float()`) are read through; one that rounds (p.to(bf16).float()) is refused.
+
 Verified, not assumed: p must be exactly compressed_attention's probabilities (the same chain and
 mask checks as that pass, for the pooling's (l, d)), and an `nsa.compressed_attention` node must
 already compute them from the same q, pooled K, (l, d) and scale: the new op takes its lse. The
@@ -111,6 +118,9 @@ KERNEL = ("nsa.select_blocks[{backend}] (l'={block}, n={n}{packed}, from the com
           "probabilities{note}{why})")
 # On every topk match: the op's choice is one of the results topk may give, not necessarily eager's.
 TOPK_NOTE = "; torch.topk: ties at the n-th place go to the lower block (eager's topk leaves them unspecified)"
+# Per-head selection (no group sum): every query head is a group of one for the op.
+PER_HEAD = (", per query head (each head its own group: the compressed keys repeated x{h} per query head, "
+            "a [B, H, Tc, Dk] copy)")
 INF = float("inf")
 
 
@@ -471,6 +481,8 @@ class BlockSelection(RewritePass):
             block = plan["block"] if plan["Ns"] > 1 else f">={plan['block']}"
             note = TOPK_NOTE if op_name(node) == "topk" else ""
             packed = ", packed documents (pos)" if plan["pos"] is not None else ""
+            if plan.get("per_head", 1) > 1:
+                packed += PER_HEAD.format(h=plan["per_head"])
             ctx.matched(node, KERNEL.format(block=block, n=plan["n"], backend=plan["backend"], packed=packed, note=note,
                                             why=why))
 
@@ -524,13 +536,18 @@ class BlockSelection(RewritePass):
         single(p_slc, "importance per head")
         chain.append(p_slc)
         p, overlap = p_slc.args
+        p, casts = same_dtype_casts(p)
+        chain += casts
         probs, op, sizes, (l, d, pos) = self.compressed_source(p, "(p @ overlap)", ranking, subgraphs, data,
                                                                 cmp_requested)
         Bp, H, Sp, Tc = probs.shape
         Gk = value(probs.k).shape[1]
-        if not cmp.same_shape((Bp, Sp, Gk, H), (B, S, G, G * h)) or h != probs.h:
+        # per-head selection: no group sum and a key per query head (G = H) over grouped compressed
+        # keys (Gk < H); the op then sees every query head as its own group of one
+        per_head = probs.h if h == 1 and probs.h > 1 and cmp.same(G, H) and cmp.same(Gk * probs.h, H) else 1
+        if not cmp.same_shape((Bp, Sp, Gk * per_head, H), (B, S, G, G * h)) or h * per_head != probs.h:
             raise Refused(f"the importance groups {H} heads as {G} x {h}; the compressed keys have {Gk} groups")
-        others = [u for u in p.users if u is not p_slc]
+        others = [u for u in p.users if u is not (casts[-1] if casts else p_slc)]
         if others:
             names = ", ".join(op_name(u) or u.op for u in others)
             raise Refused(f"the compressed probabilities are also used by {names}: the [B, H, S, Tc] tensor stays, "
@@ -550,13 +567,15 @@ class BlockSelection(RewritePass):
         if order[op] > order[final] and any(order[x] > order[final] for x in op.all_input_nodes):
             raise Refused("the compressed branch's V is computed after the block selection")
         lse_fake = op.meta["example_value"][1]
-        fakes = (value(probs.q), value(probs.k), lse_fake, l, d, block, n)
+        k_fake = value(probs.k) if per_head == 1 else value(probs.k).repeat_interleave(per_head, 1)
+        fakes = (value(probs.q), k_fake, lse_fake, l, d, block, n)
         try:
             backend = choose_backend(*fakes, requested, value(pos))
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(block_select_backend={requested!r}): {why}") from None
         return {"probs": probs, "op": op, "final": final, "block": block, "Ns": sizes.int(Ns), "n": n, "l": l, "d": d,
                 "backend": backend, "pos": pos, "rule": "nsa", "q": probs.q, "k": probs.k, "tiled": None,
+                "per_head": per_head,
                 "chain": tail + [ranking] + ([padded] if padded is not key else []) + chain,
                 "roots": [overlap, forced_fill[1], cand_fill[1], p],
                 "why_not_triton": why_not_triton(*fakes, value(pos)) if requested == "auto"
@@ -925,6 +944,8 @@ class BlockSelection(RewritePass):
                 graph, torch.unflatten, x, 1, (h, G), anchor=final), 1, 2, anchor=final), 1, 2, anchor=final)
                 for x in (q, lse))
             plan["k"] = call(graph, torch.narrow, probs.k, 1, 0, G, anchor=final)  # head g of a tiled K: KV head g
+        if plan.get("per_head", 1) > 1:  # each query head its own group: its KV head's compressed keys, copied
+            plan["k"] = call(graph, torch.repeat_interleave, probs.k, plan["per_head"], 1, anchor=final)
         chosen = call(graph, torch.ops.nsa.select_blocks, q, plan["k"], lse, plan["l"], plan["d"], plan["block"],
                       plan["n"], probs.scale, plan["backend"], *packed, anchor=final, **rule)
         final.replace_all_uses_with(chosen)
@@ -1012,6 +1033,29 @@ def descendants(node: fx.Node) -> set[fx.Node]:
 
 def first_arg(node: fx.Node):
     return arg(node, 0, "input")
+
+
+def same_dtype_casts(p: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """p.to(dtype) / p.float() / p.type(dtype) chains that keep p's dtype (fp32 probabilities cast to
+    float32 again: no rounding) -> (p, [the casts, the one nearest the importance first]); Refused
+    for a cast that rounds (bf16 probabilities rounded before the importance: the op ranks them
+    unrounded), or a cast used elsewhere."""
+    casts = []
+    while op_name(p) in ("to", "float", "type") and isinstance(first_arg(p), fx.Node):
+        inner = first_arg(p)
+        got, was = value(p), value(inner)
+        if got is None or was is None:
+            break
+        if got.dtype != was.dtype or got.device != was.device:
+            raise Refused(f"the importance reads the compressed probabilities through a cast that changes their dtype "
+                          f"({was.dtype} -> {got.dtype}): the op ranks them as the softmax gives them, unrounded")
+        if casts:
+            single(p, "cast probabilities")
+        casts.append(p)
+        p = inner
+    if casts:
+        single(casts[0], "cast probabilities")
+    return p, casts
 
 
 PASS = BlockSelection()

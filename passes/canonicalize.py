@@ -23,7 +23,11 @@ sdpa
     `F.scaled_dot_product_attention(q, k, v, attn_mask=m[, scale=c][, enable_gqa=True])` becomes
     the normal form by SDPA's definition (softmax(q k^T * c + m) v, a bool m keeping True, K/V
     repeat_interleave'd for enable_gqa), but only where a pass reads the result: queries = keys
-    with a position mask that is a causal sliding window (the window branch); another key count
+    with a position mask that is a causal sliding window (the window branch), or a bool mask that
+    is the same window within each of two or more documents of constant bounds (a varlen layout
+    packed into one sequence, its mask assembled from cu_seqlens), written as the window pass's
+    packed form `(s <= t) & (t - s < w) & (s >= t - pos[:, :, None])` on constant positions pos
+    [B, T] derived from the evaluated mask (equal to it element for element); another key count
     with a position mask whose rows keep growing prefixes of the keys (compressed blocks, memory
     slots first), where rows that keep no key get SDPA's 0 through the zero fill and `* keep`; 5-D
     per-query SDPA ([B, H, S, 1, D] against gathered [B, H, S, n, D], the selected branch) with a
@@ -119,6 +123,7 @@ empty_rows
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -136,6 +141,7 @@ from nsa_compile.fx import size as size_of
 from nsa_compile.rewrite import PassContext, RewritePass
 
 from . import compressed_attention as cmp
+from .window_attention import CONSTANT_POSITIONS
 
 INF = float("inf")
 # Node meta: a zeroing of the output whose rows the scores rule turned from a finite fill to -inf
@@ -377,8 +383,7 @@ class GroupedHeads:
                 break
             nxt = [u for u in node.users if cast_dtype(u) is not None or zeroing_of(u, node) is not None]
             if products or len(nxt) != 1:
-                raise Refused("the grouped probabilities are not multiplied by V once (p @ v as an einsum over the "
-                              "same group and head dims)")
+                raise Refused(not_attention(softmax, chain))
             post.append(nxt[0])
             node = nxt[0]
         (tp, tv), out2, (_, v) = einsum_terms(second)
@@ -465,6 +470,31 @@ class GroupedHeads:
         (tp, tv), out, _ = found
         letters = group_letters([tp, tv], out)
         return letters is not None and (tp.index(letters[0]), tp.index(letters[1])) == (pos, pos + 1)
+
+
+def feeds_topk(node: fx.Node, limit: int = 200) -> bool:
+    """Whether a torch.topk reads `node`'s value through the nodes after it (up to `limit` nodes)."""
+    seen, stack = set(), [node]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if op_name(n) == "topk":
+            return True
+        stack.extend(n.users)
+    return False
+
+
+def not_attention(softmax: fx.Node, chain: list[Step]) -> str:
+    """The grouped_heads refusal for probabilities that are not multiplied by V once. Where they
+    are an unmasked softmax (no mask step between the score einsum and it: every key, later ones
+    included) read by a top-k, they are a block choice's scores that read later tokens."""
+    if feeds_topk(softmax) and not any(step.kind == "mask" for step in chain):
+        return ("the grouped probabilities are not multiplied by V: a softmax over scores with no mask (every key, "
+                "later tokens included) feeding a top-k: the block scores read later tokens (non-causal); the ops' "
+                "block choice is causal")
+    return "the grouped probabilities are not multiplied by V once (p @ v as an einsum over the same group and head dims)"
 
 
 def heads_first(term: str, heads: str) -> str:
@@ -902,6 +932,20 @@ def row_zeroing(softmax: fx.Node) -> RowZeroing | None:
     return None
 
 
+def in_place_step(softmax: fx.Node, depth: int = 8) -> fx.Node | None:
+    """The first in-place op (masked_fill_, mul_, ...) on the softmax's input chain (its first
+    operands, up to `depth` nodes back), or None."""
+    node = first(softmax)
+    for _ in range(depth):
+        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+            return None
+        name = op_name(node) or ""
+        if name.endswith("_") and not name.startswith("_"):
+            return node
+        node = first(node)
+    return None
+
+
 def hoist(node: fx.Node, anchor: fx.Node) -> None:
     """Move `node` and the inputs it needs before `anchor` where they come after it (pure ops
     only: Refused for in-place ops and graph inputs, which cannot move)."""
@@ -930,6 +974,11 @@ class EmptyRows:
         chain = read_chain(softmax)
         if chain is not None and op_name(chain.product) == "squeeze" and zero.empty is None:
             return None  # per-query scores (selected branch): nan_to_num is the form selection_attention reads
+        in_place = in_place_step(softmax) if chain is None else None
+        if in_place is not None:
+            raise Refused(f"rows are zeroed after the softmax, and the scores are masked in place ({in_place.name}: "
+                          f"{op_name(in_place)}), which the score chain does not read (an out-of-place "
+                          f"{op_name(in_place)[:-1]} is)")
         if chain is None or not is_normal(chain) or not chain.masks or chain.masks[-1].fill != -INF \
                 or any(m.fill == -INF for m in chain.masks[:-1]):
             raise Refused("rows are zeroed after the softmax, but the scores are not masked with -inf last")
@@ -1244,13 +1293,58 @@ def causal_window(keep: torch.Tensor) -> bool:
     return w >= 1 and torch.equal(grid, (s <= t) & (t - s < w))
 
 
+def constant(graph: fx.Graph, target, *args, like: fx.Node, anchor: fx.Node, **kwargs) -> fx.Node:
+    """Insert `target(*args, **kwargs)`, a tensor made from python values only (torch.tensor,
+    torch.arange), before `anchor`, its fake value made in the fake mode of `like`'s value."""
+    with graph.inserting_before(anchor):
+        node = graph.call_function(target, args, kwargs)
+    with value(like).fake_mode:
+        node.meta["example_value"] = target(*args, **kwargs)
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in anchor.meta:
+            node.meta[key] = anchor.meta[key]
+    return node
+
+
+def document_windows(keep: torch.Tensor) -> tuple[int, int] | None:
+    """(documents, w) when keep [.., T, T] is one pattern that is a causal sliding window of w
+    tokens within each of two or more consecutive documents (block diagonal: a packed varlen
+    layout whose documents are constants); None otherwise."""
+    grid = keep.reshape(-1, *keep.shape[-2:])
+    if grid.shape[0] != 1 or grid.shape[-1] != grid.shape[-2] or grid.shape[-1] < 2:
+        return None
+    grid = grid[0]
+    T = grid.shape[0]
+    t = torch.arange(T)
+    starts = torch.ones(T, dtype=torch.bool)
+    starts[1:] = ~grid[t[1:], t[1:] - 1]  # a document starts where a token does not see the one before
+    doc = torch.cumsum(starts.long(), 0)
+    w = int(grid.sum(-1).max())
+    same = doc[:, None] == doc[None, :]
+    expected = same & (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < w)
+    documents = int(doc[-1])
+    return (documents, w) if documents > 1 and w >= 1 and torch.equal(grid, expected) else None
+
+
+def window_miss(keep: torch.Tensor) -> str:
+    """The sdpa rule's refusal for a [.., S, S] mask that is not one causal sliding window (nor a
+    bool mask of one within documents of constant bounds)."""
+    found = document_windows(keep)
+    if found is None:
+        return "SDPA's mask is not a causal sliding window: SDPA stays"
+    return (f"SDPA's additive mask is a causal window of {found[1]} tokens within each of {found[0]} documents of "
+            "constant bounds: the documents are read from a bool mask only; SDPA stays")
+
+
 class SDPADecomposition:
     """The `sdpa` rule: F.scaled_dot_product_attention with an attn_mask -> the normal form.
 
     Decomposed (exact, from SDPA's definition: softmax(q k^T * scale + mask) v, bool masks keeping
     True, K/V repeated per head with enable_gqa), where a pass can then read it:
     - 4-D, queries = keys, a mask from positions only that is a causal sliding window (the window
-      branch; every row keeps its own key);
+      branch; every row keeps its own key); or a bool one that is that window within documents of
+      constant bounds (`document_windows`), its mask rewritten from constant positions
+      (`documents`, marked CONSTANT_POSITIONS for the window pass);
     - 4-D, another key count, a mask from positions only whose rows keep growing prefixes of the
       keys (compressed blocks, memory slots first); rows that keep no key are 0 in SDPA (bool or
       -inf masks), written as the compressed form's zero fill and final mask;
@@ -1285,10 +1379,14 @@ class SDPADecomposition:
                 fills = fills[fills != 0]
                 if len(fills) > 1 or (len(fills) and not float(fills[0]) <= LARGE_NEGATIVE):
                     raise Refused("SDPA's additive mask holds values other than 0 and one large negative fill")
-            if qs[-2] == ks[-2]:
-                if not causal_window(keep):
-                    raise Refused("SDPA's mask is not a causal sliding window: SDPA stays")
-            elif not staircase_like(keep):
+            if qs[-2] == ks[-2] and not causal_window(keep):
+                found = document_windows(keep)
+                if found is None or got.dtype != torch.bool:
+                    raise Refused(window_miss(keep))
+                self.rewrite(graph, node, self.documents(graph, node, call_, keep, found[1]), False, None)
+                return (f"sdpa: F.scaled_dot_product_attention (window of {found[1]} tokens within {found[0]} "
+                        "documents of constant bounds) -> scores, mask from constant positions, softmax, @ v")
+            if qs[-2] != ks[-2] and not staircase_like(keep):
                 raise Refused("SDPA's mask does not keep a growing prefix of the keys per query: SDPA stays")
             finite = got.dtype != torch.bool and bool((got != 0).any()) and bool(torch.isfinite(got).all())
             if not bool(keep.any(-1).all()) and not finite:
@@ -1298,6 +1396,33 @@ class SDPADecomposition:
         self.rewrite(graph, node, call_, per_query, empty_rows)
         what = "per-query 5-D" if per_query else ("window" if qs[-2] == ks[-2] else "prefix mask")
         return f"sdpa: F.scaled_dot_product_attention ({what}) -> scores, mask, softmax, @ v"
+
+    @staticmethod
+    def documents(graph: fx.Graph, node: fx.Node, c: SDPACall, keep: torch.Tensor, w: int) -> SDPACall:
+        """The call with its mask of constant documents (`keep` [.., T, T], verified by
+        document_windows) written as the packed window of the window pass, from constant
+        positions pos [B, T] (each token's position in its document; marked CONSTANT_POSITIONS):
+        (s <= t) & (t - s < w) & (s >= t - pos[:, :, None]), [B, 1, T, T]. Equal to `keep` for
+        every (t, s): s >= t - pos[t] is s at or after t's document start."""
+        grid = keep.reshape(-1, *keep.shape[-2:])[0]
+        T = grid.shape[0]
+        t = torch.arange(T)
+        starts = torch.ones(T, dtype=torch.bool)
+        starts[1:] = ~grid[t[1:], t[1:] - 1]
+        first_token = torch.cummax(torch.where(starts, t, 0), 0).values  # each token's document start
+        B, device = static_shape(c.q)[0], value(c.q).device
+        rows = [(t - first_token).tolist()] * B
+        pos = constant(graph, torch.tensor, rows, like=c.q, anchor=node, dtype=torch.int64, device=device)
+        pos.meta[CONSTANT_POSITIONS] = True
+        ids = constant(graph, torch.arange, T, like=c.q, anchor=node, device=device)
+        tq = call(graph, torch.unsqueeze, ids, 1, anchor=node)  # [T, 1]
+        ts = call(graph, torch.unsqueeze, ids, 0, anchor=node)  # [1, T]
+        band = call(graph, operator.and_, call(graph, operator.le, ts, tq, anchor=node),
+                    call(graph, operator.lt, call(graph, operator.sub, tq, ts, anchor=node), w, anchor=node),
+                    anchor=node)
+        start = call(graph, operator.sub, tq, call(graph, torch.unsqueeze, pos, -1, anchor=node), anchor=node)
+        mask = call(graph, operator.and_, band, call(graph, operator.ge, ts, start, anchor=node), anchor=node)
+        return dataclasses.replace(c, mask=call(graph, torch.unsqueeze, mask, 1, anchor=node))
 
     @staticmethod
     def rewrite(graph: fx.Graph, node: fx.Node, c: SDPACall, per_query: bool, empty_rows) -> None:

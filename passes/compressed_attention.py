@@ -707,13 +707,23 @@ def final_mask(softmax: fx.Node) -> tuple[fx.Node, tuple | None]:
     return softmax, None
 
 
+def unbatched(probs: torch.Tensor | None, dim) -> str | None:
+    """The refusal for a softmax over the last dim of 3-D scores (no batch dim), or None for
+    another shape: the attention passes read batched [B, H, S, ..] scores."""
+    if probs is None or probs.dim() != 3 or not isinstance(dim, int) or dim % 3 != 2:
+        return None
+    shape = ", ".join(str(n) for n in probs.shape)
+    return (f"3-D scores [{shape}] with no batch dim (packed [T, H, D] tokens, as in a varlen layout with "
+            "cu_seqlens, or batch and heads merged): not batched [B, H, S, ..] scores")
+
+
 def read_probabilities(softmax: fx.Node) -> Probabilities:
     """Read the compressed branch's probability chain ending at `softmax` (structure only; the
     masks are checked by `verify_probabilities`), or Refused."""
     probs = value(softmax)
     dim = arg(softmax, 1, "dim")
     if probs is None or probs.dim() != 4 or not isinstance(dim, int) or dim % 4 != 3:
-        raise Refused("not a softmax over the last dim of [B, H, S, Tc] scores")
+        raise Refused(unbatched(probs, dim) or "not a softmax over the last dim of [B, H, S, Tc] scores")
     if arg(softmax, 2, "dtype") is not None:
         raise Refused("the softmax has a dtype argument")
     B, H, S, Tc = probs.shape  # SymInts in a graph with symbolic sizes: compared with `same` only

@@ -32,6 +32,11 @@ Also read (issue 17: fla's and Hugging Face's code, tests/corpus):
   g): the rewrite orders q's heads by group for the op (g * h + r) and the output back, and the
   probes check the mask per tiled group.
 
+Block ids per query head ([B, H, S, n], tests/corpus/fused_qkv_per_head.py) gathered from K/V the
+model repeated per head (repeat_kv, canonicalized to repeat_interleave(h, 1)) are this form with G =
+H: the op reads the model's [B, H, S, D] copies (they stay; the match text says so instead of
+"GQA-native").
+
 Verified, not assumed: the gather index and the mask must be functions of one int64 tensor
 block_idx [B, G, S, n] and of positions only (the nearest such tensor that every path from them
 to the graph's inputs passes through), or, for packed documents, of block_idx, positions and one
@@ -108,7 +113,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.attention_match import (
-    Refused, ancestors, erase_replaced, evaluate_node, keep_mask, mask_fill, only_user, strip_upcast,
+    Refused, ancestors, erase_replaced, evaluate_node, keep_mask, mask_fill, only_user, strip_upcast, unrepeat,
 )
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.common import upcast_dtype
@@ -127,10 +132,14 @@ from nsa_compile.sizes import Sizes, is_size
 # batch 2 and the paper shape (64 heads) to 64k at batch 1. Each distinct subgraph is verified
 # once per compile (the layers of a model share one).
 MAX_VERIFIED_ELEMENTS = 2**34
-KERNEL = "nsa.selected_attention[{backend}] (l'={block}, n={n}, GQA-native, no gathered K/V{packed}{empty}{why})"
+KERNEL = "nsa.selected_attention[{backend}] (l'={block}, n={n}, {heads}, no gathered K/V{packed}{empty}{why})"
+GQA_NATIVE = "GQA-native"
 # block ids that may leave a query without a token <= t: its row is NaN, as eager's softmax makes it
 EMPTY_ROWS = "; rows with no token: NaN as eager"
 PACKED = ", packed documents (pos)"
+# block ids per query head (G = H) over K/V that the model copied per head (repeat_interleave(h, 1)
+# of [B, H / h, S, D]): the op reads the copies, one group per head
+PER_HEAD = "per query head (block ids [B, H, S, n]; K/V read from the model's x{h} copies per query head, [B, H, S, D] each)"
 
 # Ops that return a view (no new elements) when the selection subgraphs are evaluated.
 _VIEWS = {"expand", "expand_as", "broadcast_to", "view", "unsqueeze", "squeeze", "getitem", "transpose",
@@ -689,7 +698,7 @@ class SelectionAttention(RewritePass):
             self.rewrite(graph, plan)
             why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
             ctx.matched(softmax, KERNEL.format(block=plan["block"], n=plan["n"], backend=plan["backend"],
-                                               packed="" if plan["pos"] is None else PACKED,
+                                               heads=heads_read(plan), packed="" if plan["pos"] is None else PACKED,
                                                empty=EMPTY_ROWS if may_leave_rows_empty(plan) else "", why=why))
 
     def check(self, softmax: fx.Node, order: dict, verified: set, requested: str = "auto",
@@ -903,6 +912,18 @@ class SelectionAttention(RewritePass):
         out.replace_all_uses_with(op)
         # erase the per-query chain, then whatever only it used (token ids, mask, K/V views)
         erase_replaced(graph, plan["chain"], plan["roots"])
+
+def heads_read(plan: dict) -> str:
+    """How the op reads K and V, for the match text: GQA-native, or, where the model repeated them
+    per query head (x.repeat_interleave(h, dim=1), heads-first) for block ids per query head, from
+    those copies (they stay: the op sees each query head as its own group)."""
+    copies = [unrepeat(read.source) for read in (plan["k"], plan["v"])]
+    h = copies[0][1]
+    if h == 1 or copies[1][1] != h or any(read.source_seq_first for read in (plan["k"], plan["v"])) \
+            or plan["layout"].head != 1:
+        return GQA_NATIVE
+    return PER_HEAD.format(h=h)
+
 
 def is_nan_to_zero(node: fx.Node, p: fx.Node) -> bool:
     """node is torch.nan_to_num(p) with nan = 0 (posinf, neginf as default): the rows of -inf

@@ -23,6 +23,9 @@ element, chunk by chunk. This is a check on probes, not a proof for every pos, a
 valid positions only (0 at each document start, +1 per token, as the model's check_positions
 demands): a mask written with document ids (cumsum of pos == 0) passes, and so it should. The
 op then reads the same positions node. Identical mask subgraphs (one per layer) are checked once.
+A mask that reads no data takes this path too where it reads one constant int64 [B, S] node
+marked CONSTANT_POSITIONS: canonicalize's positions for a varlen window whose documents are
+constants (probed the same way; the op reads that constant).
 
 Symbolic sizes (Dynamo's compile after S changed, S a SymInt): the mask is evaluated the same
 way at probe sizes (nsa_compile/sizes.py: the S Dynamo saw, +1 and +19) and must be the same
@@ -66,6 +69,8 @@ from nsa_compile.attention_match import Refused, ancestors, erase_replaced, keep
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.rewrite import PassContext, RewritePass
 from nsa_compile.sizes import Sizes
+
+from .compressed_attention import unbatched
 
 KERNEL = "nsa.window_attention[{backend}] (w={window}{docs}, GQA-native, no S x S tensor{why})"
 
@@ -353,6 +358,11 @@ def window_at_probe_sizes(mask: fx.Node, keep_where_true: bool, S, sizes: Sizes)
 # --- packed documents: the mask also reads positions, checked on probes ------------------------
 
 
+# Node meta: a constant int64 [B, S] positions tensor that canonicalize's sdpa rule built from a
+# mask of constant document bounds (a varlen layout); the packed path reads it as it reads l_pos_.
+CONSTANT_POSITIONS = "nsa_constant_positions"
+
+
 def _is_data(node: fx.Node) -> bool:
     return node.op not in ("call_function", "call_method")
 
@@ -361,13 +371,17 @@ def positions_of(mask: fx.Node, B, S) -> fx.Node | None:
     """The packed form's positions: the first int64 [B, S] node (graph order) through which alone
     the mask reads data. First, so that it is the positions themselves (l_pos_, or a slice of
     it), not a tensor the mask computes from them, such as document ids (cumsum of pos == 0),
-    that would be probed as if it held positions. None where the mask reads no data, reads no
+    that would be probed as if it held positions. A mask that reads no data has positions only
+    where one constant positions node marked CONSTANT_POSITIONS (canonicalize's documents of
+    constant bounds) feeds it. None where the mask reads no data (and no such node), reads no
     such tensor, or has symbolic sizes (the unpacked path then refuses the data as it always
     has); Refused where it reads the positions and other data too."""
     nodes = ancestors([mask])
     data = [n for n in nodes if _is_data(n) and not isinstance(n.meta.get("example_value"), torch.SymInt)]
     if not data:
-        return None
+        marked = [n for n in nodes if n.meta.get(CONSTANT_POSITIONS) and (val := value(n)) is not None
+                  and val.dtype == torch.int64 and tuple(val.shape) == (B, S)]
+        return marked[0] if len(marked) == 1 else None
     if not isinstance(B, int) or not isinstance(S, int):
         raise Refused(f"the mask reads {data[0].op} {data[0].name} (packed positions?) in a graph with symbolic "
                       "sizes: packed documents are verified at static sizes only (OptimizeConfig(dynamic=False))")
@@ -532,7 +546,7 @@ class WindowAttention(RewritePass):
         probs = value(softmax)
         dim = arg(softmax, 1, "dim")
         if probs is None or probs.dim() != 4 or dim is None or dim % 4 != 3:
-            raise Refused("not a softmax over the last dim of [B, H, S, S] scores")
+            raise Refused(unbatched(probs, dim) or "not a softmax over the last dim of [B, H, S, S] scores")
         masked = softmax.args[0]
         nxt = single_user(softmax, "probability tensor")
         cast = None

@@ -171,3 +171,108 @@ def test_corpus_models_fire_with_parity(name):
     record = only_graph(optimized)
     assert "topk(" in record.code_before and "topk(" not in record.code_after
     assert record.code_after.count("rule = 'fla'") == 1
+
+
+class PerHeadSelection(nn.Module):
+    """tests/corpus/fused_qkv_per_head.py's compressed branch and per-head choice (no group sum:
+    block ids [B, H, S, n], one set per query head) on q [B, S, H, D], k, v [B, S, G, D]; returns
+    (o_cmp [B, H, S, D], block ids). `change`: "bf16-rounded" rounds the probabilities to bf16
+    before the importance (a near miss: the op ranks them unrounded)."""
+
+    def __init__(self, cmp_len=8, cmp_stride=4, sel_len=8, n=3, change=None):
+        super().__init__()
+        self.l, self.d, self.ls, self.n, self.change = cmp_len, cmp_stride, sel_len, n, change
+
+    def forward(self, q, k, v):  # [B, S, heads, D] each, heads-first inside
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        B, H, S, D = q.shape
+        G = k.shape[1]
+        pos = torch.arange(S)
+
+        def compress(x):  # [B, G, S, D] -> [B, G, Tc, D], means of l tokens every d
+            weight = torch.full((G * D, 1, self.l), 1.0 / self.l, dtype=x.dtype)
+            y = torch.nn.functional.conv1d(x.permute(0, 1, 3, 2).reshape(B, G * D, S), weight, stride=self.d,
+                                           groups=G * D)
+            return y.view(B, G, D, -1).transpose(-1, -2)
+
+        kc, vc = compress(k).repeat_interleave(H // G, dim=1), compress(v).repeat_interleave(H // G, dim=1)
+        blk = torch.arange(kc.shape[2])
+        visible = blk[None, :] * self.d + self.l - 1 <= pos[:, None]
+        p = torch.softmax((q @ kc.transpose(2, 3) * D**-0.5).masked_fill(~visible, float("-inf")), dim=-1)
+        p = torch.nan_to_num(p, nan=0.0)  # rows with no visible block
+        o_cmp = p @ vc
+        if self.change == "bf16-rounded":
+            p = p.to(torch.bfloat16)
+        n_blocks = -(-S // self.ls)
+        j = torch.arange(n_blocks)
+        start = blk[:, None] * self.d
+        overlap = (torch.minimum(start + self.l, (j[None, :] + 1) * self.ls)
+                   - torch.maximum(start, j[None, :] * self.ls)).clamp(min=0)
+        importance = p.float() @ (overlap.float() / self.l)  # [B, H, S, Ns]: per query head
+        current = (pos // self.ls)[:, None]
+        forced = (j == 0) | (j == current) | (j == current - 1)
+        key = torch.where(forced, float("inf"), torch.where(j * self.ls <= pos[:, None], importance, float("-inf")))
+        values, order = key.sort(dim=-1, descending=True, stable=True)
+        chosen = torch.where(values[..., :self.n] > float("-inf"), order[..., :self.n], n_blocks)
+        chosen = chosen.sort(dim=-1).values
+        return o_cmp, torch.where(chosen == n_blocks, -1, chosen)
+
+
+def per_head_inputs(B=2, H=4, G=2, S=37, D=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, S, heads, D, generator=gen) for heads in (H, G, G))
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+
+
+def test_per_head_selection_fires_with_eager_ids_outputs_and_gradients():
+    """No group sum: each query head is its own group for nsa.select_blocks, which gets the
+    compressed keys repeated per query head (a copy, said in the match text); the ids [B, H, S, n]
+    equal eager's, the compressed output and its gradients too."""
+    module = PerHeadSelection(n=5)  # 9 blocks, 2 chosen beyond the 3 forced ones
+    args = per_head_inputs(S=70)
+    (o_want, ids_want), (o_got, ids_got), optimized = run_both(module, args)
+    r = row(optimized, SEL)
+    assert (r["matches"], r["refused"]) == (1, 0), r
+    assert r["kernels"][0].startswith(
+        "nsa.select_blocks[reference] (l'=8, n=5, per query head (each head its own group: the compressed keys "
+        "repeated x2 per query head, a [B, H, Tc, Dk] copy), from the compressed lse"), r
+    record = only_graph(optimized)
+    assert record.code_before.count(".sort(") == 2 and ".sort(" not in record.code_after
+    calls = [line for line in record.code_after.splitlines() if "torch.ops.nsa.select_blocks(" in line]
+    assert len(calls) == 1, calls
+    assert ids_got.shape == ids_want.shape == (2, 4, 70, 5) and torch.equal(ids_got, ids_want)
+    assert not torch.equal(ids_want[:, 0], ids_want[:, 1])  # the heads of a group choose differently
+    torch.testing.assert_close(o_got, o_want, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(o_got.square().sum(), args)
+    for a, b in zip(grads, torch.autograd.grad(o_want.square().sum(), args)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_per_head_selection_of_rounded_probabilities_is_refused():
+    """Probabilities rounded to bf16 before the importance (p.to(bfloat16).float()): the op ranks the
+    float32 probabilities, so the ranking could differ; the selection stays as it is."""
+    module = PerHeadSelection(change="bf16-rounded")
+    args = per_head_inputs()
+    (o_want, ids_want), (o_got, ids_got), optimized = run_both(module, args)
+    r = row(optimized, SEL)
+    assert r["matches"] == 0 and r["refused"] == 1, r
+    assert any("cast that changes their dtype (torch.bfloat16 -> torch.float32)" in why for why in r["reasons"]), r
+    record = only_graph(optimized)
+    assert record.code_after.count(".sort(") == 2 and "select_blocks" not in record.code_after
+    assert torch.equal(ids_got, ids_want)
+    torch.testing.assert_close(o_got, o_want, rtol=1e-5, atol=1e-6)
+
+
+def test_per_head_selection_at_varying_length_with_symbolic_sizes():
+    """Lengths 70, 53, 90: the second compile has S as a symbol; per-head selection is rewritten in
+    both graphs and the ids equal eager's at every length."""
+    module = PerHeadSelection(n=5)
+    optimized = optimize_fresh(copy.deepcopy(module), nsa_compile.OptimizeConfig(compiler="aot_eager"))
+    for S in (70, 53, 90):
+        args = per_head_inputs(S=S)
+        (o_want, ids_want), (o_got, ids_got) = module(*args), optimized(*args)
+        assert torch.equal(ids_got, ids_want), S
+        torch.testing.assert_close(o_got, o_want, rtol=1e-5, atol=1e-6)
+    r = row(optimized, SEL)
+    assert (r["graphs"], r["matches"], r["refused"]) == (2, 2, 0), r
+    assert all("per query head" in kernel for kernel in r["kernels"]), r["kernels"]

@@ -221,6 +221,14 @@ class NearMiss(nn.Module):
             kr, vr = k.repeat_interleave(h, 1), v.repeat_interleave(h, 1)
         if sp == "sdpa-two-sided":  # not causal: SDPA stays
             return F.scaled_dot_product_attention(q, kr, vr, attn_mask=(t[:, None] - t[None, :]).abs() < W)
+        if sp.startswith("sdpa-documents"):  # the window within two documents of constant lengths 10 and 14
+            doc = (t >= 10).long()
+            keep = window_mask(S, q.device) & (doc[:, None] == doc[None, :])
+            if sp == "sdpa-documents-additive":  # -inf outside: the documents are read from bool masks only
+                mask = torch.zeros(S, S, device=q.device).masked_fill(~keep, float("-inf"))
+            else:  # the second document's window one token wider: not one window w
+                mask = keep | ((t[:, None] - t[None, :] == W) & (t[None, :] >= 10))
+            return F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
         if sp == "einsum-three-operands":
             s = torch.einsum("bhid,bhjd,h->bhij", q, kr, torch.ones(H, device=q.device)) * D**-0.5
         else:
@@ -241,6 +249,10 @@ class NearMiss(nn.Module):
     ("tiled-gqa", ("gqa_expand: x.repeat(1, 2, 1, 1) tiles K/V over the heads (head r * G + g reads group g); the "
                    "ops take head g * h + r (repeat_interleave): a different grouping, not rewritten")),
     ("sdpa-two-sided", "sdpa: SDPA's mask is not a causal sliding window: SDPA stays"),
+    ("sdpa-documents-additive", ("sdpa: SDPA's additive mask is a causal window of 5 tokens within each of 2 "
+                                 "documents of constant bounds: the documents are read from a bool mask only; SDPA "
+                                 "stays")),
+    ("sdpa-documents-two-windows", "sdpa: SDPA's mask is not a causal sliding window: SDPA stays"),
     ("einsum-three-operands", "einsum: einsum of 3 operands (the matmul form takes two tensors)"),
 ])
 def test_near_misses_are_refused_with_the_graph_unchanged(spelling, reason):
@@ -624,3 +636,133 @@ def test_a_softmax_by_hand_without_the_max_is_refused_with_the_graph_unchanged()
         "softmax: exp(x) / exp(x).sum() without the row max subtracted: exp overflows to inf (a NaN row) where "
         "torch.softmax is finite; not rewritten"]
     assert log.matches == [] and log.code_after == record.code_before
+
+
+# --- the window within packed documents of constant bounds (a varlen layout) ----------------------
+
+
+class DocumentWindow(nn.Module):
+    """xunhaolai's varlen window: tokens of every row packed into one sequence [1, H, B * S, D]
+    (documents of the constant lengths `lengths`, row after row), SDPA under the bool mask of the
+    window within each document, as that model assembles it from cu_seqlens."""
+
+    def __init__(self, lengths):
+        super().__init__()
+        self.lengths = lengths
+
+    def forward(self, q, k, v):
+        q, k, v = (x.transpose(0, 1).flatten(1, 2)[None] for x in (q, k, v))  # [1, heads, B * S, D]
+        doc = torch.cat([torch.full((n,), i, device=q.device) for i, n in enumerate(self.lengths * B)])
+        t = torch.arange(B * S, device=q.device)
+        keep = (doc[:, None] == doc[None, :]) & (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < W)
+        o = F.scaled_dot_product_attention(q, k.repeat_interleave(h, 1), v.repeat_interleave(h, 1), attn_mask=keep)
+        return o[0].unflatten(1, (B, S)).transpose(0, 1)  # [B, H, S, D]
+
+
+def test_a_window_within_constant_documents_becomes_the_packed_window_with_constant_positions():
+    model = run(DocumentWindow((10, 3, 11)), qkv(), only("canonicalize", "window_attention"))
+    assert fired(model) == {"sdpa": 1}
+    code = code_after_canonicalize(model).split("def forward")[1]
+    assert "scaled_dot_product_attention" not in code and "torch.tensor(" in code
+    r = row(model, "window_attention")
+    assert (r["matches"], r["refused"]) == (1, 0), r["reasons"]
+    assert r["kernels"][0].startswith(f"nsa.window_attention[reference] (w={W}, per document (pos), ")
+    _, log = canonical_log(model)
+    assert log.matches[0].kernel == (f"sdpa: F.scaled_dot_product_attention (window of {W} tokens within 6 documents "
+                                     "of constant bounds) -> scores, mask from constant positions, softmax, @ v")
+
+
+# --- reasons for branches that differ in meaning, not in spelling ---------------------------------
+
+
+class GroupedChoice(nn.Module):
+    """Block scores from 5-D grouped queries [B, S, G, h, D] against compressed keys [B, G, Tc, D],
+    summed over the group's heads and ranked by topk (nsa-vibe's spelling). `causal`: the scores
+    are masked to the blocks complete at t first; without it, every block competes (non-causal)."""
+
+    def __init__(self, causal):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q, k, v):
+        grouped = q.transpose(1, 2).unflatten(2, (G, h))  # [B, S, G, h, D]
+        kc = k.unfold(2, L, STRIDE).mean(-1)  # [B, G, Tc, D]
+        s = torch.einsum("bsghd,bgcd->bsghc", grouped, kc) * D**-0.5
+        if self.causal:
+            t = torch.arange(S, device=q.device)[:, None]
+            visible = torch.arange(kc.shape[2], device=q.device)[None, :] * STRIDE + L - 1 <= t
+            s = s.masked_fill(~visible[None, :, None, None, :], -1e4)
+        return torch.softmax(s, dim=-1).sum(3).topk(2, dim=-1).values + v.mean()  # [B, S, G, 2]
+
+
+@pytest.mark.parametrize("causal, reason", [
+    (False, ("grouped_heads: the grouped probabilities are not multiplied by V: a softmax over scores with no mask "
+             "(every key, later tokens included) feeding a top-k: the block scores read later tokens (non-causal); "
+             "the ops' block choice is causal")),
+    (True, ("grouped_heads: the grouped probabilities are not multiplied by V once (p @ v as an einsum over the same "
+            "group and head dims)")),
+])
+def test_grouped_block_scores_are_refused_naming_the_unmasked_softmax(causal, reason):
+    model = run(GroupedChoice(causal), qkv(), only("canonicalize"))
+    _, log = canonical_log(model)
+    assert [r.reason for r in log.refusals if r.reason.startswith("grouped_heads")] == [reason]
+    assert "grouped_heads" not in fired(model)
+    code = log.code_after.split("def forward")[1]
+    assert code.count("torch.softmax(") == 1 and "repeat_interleave" not in code  # not written on 4-D heads
+
+
+def test_document_windows_reads_constant_documents_only_when_each_is_the_same_window():
+    from passes.canonicalize import document_windows
+
+    t = torch.arange(12)
+    doc = (t >= 5).long() + (t >= 9).long()  # documents of 5, 4 and 3 tokens
+    same = doc[:, None] == doc[None, :]
+    window = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < 3)
+    assert document_windows(window & same) == (3, 3)
+    assert document_windows(window) is None  # one document: the plain window (the sdpa rule takes it)
+    assert document_windows(window & same & (t[:, None] != 10)) is None  # a row that drops a key
+    wider = window | ((t[None, :] <= t[:, None]) & (t[:, None] >= 5))  # documents after the first causal, not windowed
+    assert document_windows(wider & same) is None
+
+
+class Varlen(nn.Module):
+    """Attention over packed tokens q [T, H, D], k, v [T, G, D] with 3-D scores [H, T, T]
+    (xunhaolai's varlen spelling, one document here): the window, or (`compressed`) the compressed
+    blocks with the rows before the first complete block zeroed by nan_to_num after an in-place
+    masked_fill_."""
+
+    def __init__(self, compressed):
+        super().__init__()
+        self.compressed = compressed
+
+    def forward(self, q, k, v):
+        q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # [T, heads, D]
+        t = torch.arange(S, device=q.device)[:, None]
+        if self.compressed:
+            k = k.transpose(0, 2).unfold(2, L, STRIDE).mean(-1).transpose(0, 2)  # [Tc, G, D]
+            v = v.transpose(0, 2).unfold(2, L, STRIDE).mean(-1).transpose(0, 2)
+            keep = torch.arange(k.shape[0], device=q.device)[None, :] * STRIDE + L - 1 <= t
+        else:
+            keep = window_mask(S, q.device)
+        s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(h, 1)) * D**-0.5
+        if self.compressed:
+            p = torch.softmax(s.masked_fill_(~keep[None], float("-inf")), dim=-1).nan_to_num(0)
+        else:
+            p = torch.softmax(s.masked_fill(~keep[None], float("-inf")), dim=-1)
+        return torch.einsum("hqk,khd->qhd", p, v.repeat_interleave(h, 1))
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_unbatched_varlen_scores_are_refused_with_their_layout(compressed):
+    model = run(Varlen(compressed), qkv(), only("canonicalize", "window_attention", "compressed_attention"))
+    n = (S - L) // STRIDE + 1 if compressed else S
+    layout = (f"3-D scores [{H}, {S}, {n}] with no batch dim (packed [T, H, D] tokens, as in a varlen layout with "
+              "cu_seqlens, or batch and heads merged): not batched [B, H, S, ..] scores")
+    for name in ("window_attention", "compressed_attention"):
+        r = row(model, name)
+        assert (r["matches"], r["reasons"]) == (0, [layout]), r
+    _, log = canonical_log(model)
+    in_place = [r.reason for r in log.refusals if r.reason.startswith("empty_rows")]
+    assert in_place == ([] if not compressed else [
+        ("empty_rows: rows are zeroed after the softmax, and the scores are masked in place (masked_fill_: "
+         "masked_fill_), which the score chain does not read (an out-of-place masked_fill is)")])

@@ -240,24 +240,35 @@ def test_check_command_fails_the_model_that_reads_the_future():
 # --- on the GPU: the CUDA backends (Triton kernels) on the corpus's layouts ------------------------
 
 
+def bf16_matches(wl, device: str) -> dict[str, int]:
+    """The passes' match counts for the workload's model in bf16 on `device` (aot_eager), after one
+    forward and backward."""
+    torch._dynamo.reset()
+    model = nsa_compile.optimize(copy.deepcopy(wl.model).to(device, torch.bfloat16),
+                                 nsa_compile.OptimizeConfig(compiler="aot_eager"))
+    inputs = tuple(x.to(device, torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                   else x.to(device) if isinstance(x, torch.Tensor) else x for x in wl.inputs)
+    loss_of(model, inputs, is_lm=False)[1].backward()
+    return {row["name"]: row["matches"] for row in nsa_compile.report(model)}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_cuda_bf16_parity_and_the_same_rewrites(name):
     """Each corpus model on CUDA in bf16 (aot_eager: the ops take their CUDA backends, the Triton
     kernels where auto chooses them, on the layouts these idioms hand them: sequence-first views,
     reordered heads, squeezed K): the parity verdict against the float64 oracle passes, and the
-    passes match what coverage.json pins for the CPU."""
+    passes match on CUDA what they match on the CPU in bf16 (not coverage.json's fp32 counts: a
+    model that rounds to its dtype before the block choice, fused_qkv_per_head, is refused in bf16
+    on purpose)."""
     wl = load_workload(spec(name))
     inputs = tuple(x.cuda() if isinstance(x, torch.Tensor) else x for x in wl.inputs)
     eager = wl.model.cuda()
-    models = []
 
     def optimize_fn(model):
         torch._dynamo.reset()
-        models.append(nsa_compile.optimize(model, nsa_compile.OptimizeConfig(compiler="aot_eager")))
-        return models[-1]
+        return nsa_compile.optimize(model, nsa_compile.OptimizeConfig(compiler="aot_eager"))
 
     report = check_parity(eager, optimize_fn, inputs, torch.bfloat16, is_lm=False)
     assert report.ok, [r.as_dict() for r in report.failures()]
-    matches = {row["name"]: row["matches"] for row in nsa_compile.report(models[-1])}
-    assert matches == COVERAGE[name]
+    assert bf16_matches(wl, "cuda") == bf16_matches(wl, "cpu")

@@ -681,3 +681,81 @@ def test_sequence_first_branch_at_symbolic_sizes():
         (log,) = pass_logs(record)
         assert len(log.matches) == 1 and log.refusals == [], log.refusals
         assert ".index_select(" not in record.code_after
+
+
+class PerHeadSelected(nn.Module):
+    """The selected branch with block ids per query head (tests/corpus/fused_qkv_per_head.py's form):
+    q [B, H, S, Dk], k/v [B, G, S, D], block_idx [B, H, S, n]; K and V repeated per query head
+    (Hugging Face's repeat_kv, or repeat_interleave) and then gathered with each head's own ids.
+    `change`: "v-ids-of-next-head" gathers V with the next head's ids (a near miss)."""
+
+    def __init__(self, block=4, change=None, spelling="repeat_kv"):
+        super().__init__()
+        self.block, self.change, self.spelling = block, change, spelling
+
+    def repeat(self, x, h):  # [B, G, S, D] -> [B, G * h, S, D], head j reading KV head j // h
+        if self.spelling == "repeat_interleave":
+            return x.repeat_interleave(h, dim=1)
+        B, G, S, D = x.shape
+        return x[:, :, None].expand(B, G, h, S, D).reshape(B, G * h, S, D)
+
+    def forward(self, q, k, v, block_idx):
+        B, H, S, Dk = q.shape
+        h, ls = H // k.shape[1], self.block
+        t = torch.arange(S, device=q.device)
+        tok = block_idx.clamp(min=0)[..., None] * ls + torch.arange(ls, device=q.device)  # [B, H, S, n, l']
+        valid = ((block_idx >= 0)[..., None] & (tok <= t[:, None, None])).flatten(-2)  # [B, H, S, n*l']
+        index = tok.flatten(-2).clamp(max=S - 1).flatten(2)[..., None]  # [B, H, S*n*l', 1]
+        v_index = index.roll(1, dims=1) if self.change == "v-ids-of-next-head" else index
+        ks = self.repeat(k, h).gather(2, index.expand(-1, -1, -1, Dk)).view(B, H, S, -1, Dk)
+        vs = self.repeat(v, h).gather(2, v_index.expand(-1, -1, -1, v.shape[-1])).view(B, H, S, -1, v.shape[-1])
+        scores = (q.unsqueeze(-2) @ ks.transpose(-1, -2)).squeeze(-2) * Dk**-0.5
+        p = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
+        return (p.unsqueeze(-2) @ vs).squeeze(-2)  # [B, H, S, Dv]
+
+
+def per_head_inputs(B=2, G=2, h=2, S=23, Dk=8, Dv=6, n=3, block=4):
+    """q [B, H, S, Dk], k, v [B, G, S, D] and block ids [B, H, S, n] that differ per query head
+    (slot 0 the current block, the others random past or current blocks or -1)."""
+    q, k, v, _ = inputs(B, G, h, S, Dk, Dv, n, block)
+    g = torch.Generator().manual_seed(1)
+    current = (torch.arange(S)[:, None] // block).expand(S, n)
+    others = (torch.rand(B, G * h, S, n, generator=g) * (current + 2)).long() - 1  # in [-1, current]
+    block_idx = torch.where(torch.arange(n) == 0, current, others)
+    return q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), block_idx
+
+
+@pytest.mark.parametrize("spelling", ["repeat_kv", "repeat_interleave"])
+def test_per_head_block_ids_read_the_per_head_copies(spelling):
+    """Block ids per query head over K/V the model repeated per head: the op gets the copies (each
+    head its own group, G = H), the match text says so; outputs and gradients equal eager."""
+    args = per_head_inputs()
+    (expected, eager_args), (got, opt_args), optimized = run_both(PerHeadSelected(spelling=spelling), args)
+    r = row(optimized, PASS)
+    assert (r["matches"], r["refused"]) == (1, 0), r
+    assert r["kernels"] == [
+        "nsa.selected_attention[reference] (l'=4, n=3, per query head (block ids [B, H, S, n]; K/V read from the "
+        "model's x2 copies per query head, [B, H, S, D] each), no gathered K/V; rows with no token: NaN as "
+        f"eager{NOT_TRITON})"], r
+    record = only_graph(optimized)
+    assert record.code_before.count(".gather(") == 2 and ".gather(" not in record.code_after
+    assert record.code_after.count("torch.ops.nsa.selected_attention(") == 1
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(expected.square().sum(), eager_args[:3])
+    for a, b in zip(torch.autograd.grad(got.square().sum(), opt_args[:3]), grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_per_head_near_miss_v_gathered_with_another_heads_ids_is_refused():
+    """V gathered with the next head's block ids: the op reads one set of ids per head for K and V,
+    so the branch stays as it is."""
+    args = per_head_inputs()
+    config = nsa_compile.OptimizeConfig(compiler="aot_eager", disabled_passes=("gqa_grouped_matmul",))
+    module = PerHeadSelected(change="v-ids-of-next-head", spelling="repeat_interleave")  # nothing to canonicalize
+    (expected, _), (got, _), optimized = run_both(module, args, config)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    record = only_graph(optimized)
+    assert record.code_before == record.code_after
+    r = row(optimized, PASS)
+    assert r["matches"] == 0, r
+    assert any("K and V are gathered at different token ids" in why for why in r["reasons"]), r["reasons"]
