@@ -45,3 +45,14 @@ def read_only_dir(tmp_path):
             pytest.skip("no folder this process cannot write in")
     except OSError:
         yield Path("/sys")
+
+
+@pytest.fixture
+def wrong_pass():
+    """helpers.BreaksNumbers registered for one test."""
+    import nsa_compile
+    from helpers import BreaksNumbers
+
+    nsa_compile.register_pass(BreaksNumbers())
+    yield
+    nsa_compile.unregister_pass(BreaksNumbers.name)

@@ -90,3 +90,21 @@ def growing_float_expands(gm: fx.GraphModule) -> list[tuple]:
 # The GQA pass alone: tests of gqa_grouped_matmul isolate it from the passes that run before it
 # (the branch passes take their branch's K/V copies with them; the fusions change its inputs).
 GQA_ONLY = FAST.replace(disabled_passes=tuple(p for p in nsa_compile.pass_names() if p != "gqa_grouped_matmul"))
+
+
+class BreaksNumbers(nsa_compile.RewritePass):
+    """A deliberately wrong rewrite (the `wrong_pass` fixture registers it): scales the input of
+    every linear layer by 1.1, so that parity must catch it."""
+
+    name = "user_breaks_numbers"
+    summary = "a deliberately wrong rewrite, to prove parity catches it"
+
+    def apply(self, graph, ctx):
+        from nsa_compile.fx import op_name
+
+        for node in list(graph.nodes):
+            if op_name(node) == "linear":
+                with graph.inserting_before(node):
+                    scaled = graph.call_function(torch.mul, (node.args[0], 1.1))
+                node.replace_input_with(node.args[0], scaled)
+                ctx.matched(node, "wrong")
