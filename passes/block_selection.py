@@ -91,6 +91,11 @@ Refuses (graph unchanged), with the reason shown by `explain`:
   them), an l' that is not one number at all of them (any l' >= S serves a probe with one
   selection block), a number of block ids that depends on S; packed documents (pos) at symbolic
   sizes (compressed_attention refuses them: no lse).
+- a key over an unmasked softmax whose +-inf fills hide no block after block 0 in any query row
+  (t = 0 then ranks blocks of later tokens: the choice reads the future, non-causal; the masks are
+  evaluated at compile time, zeros_like / ones_like taken as the constants they are);
+- a sort or topk over a 3-D key computed from 3-D softmax probabilities (varlen [H, T, ..] scores
+  with no batch dim: compressed_attention's `unbatched` reason);
 - packed: a block map or mask that reads data other than the compressed op's pos, or that differs
   from NSA's per-document rules on a probe (slots counted from the row start instead of pos[s];
   forced or candidate blocks from t instead of pos[t]; an off-by-one).
@@ -113,6 +118,8 @@ from nsa_compile.rewrite import PassContext, RewritePass
 from nsa_compile.sizes import Sizes
 
 from . import compressed_attention as cmp
+from . import block_choice
+from .block_choice import first_arg, noncausal_reason, unbatched_key
 
 KERNEL = ("nsa.select_blocks[{backend}] (l'={block}, n={n}{packed}, from the compressed lse, no [B, H, S, Tc] "
           "probabilities{note}{why})")
@@ -467,6 +474,9 @@ class BlockSelection(RewritePass):
             if op_name(node) not in ("sort", "topk") or node._erased:
                 continue
             key = value(first_arg(node))
+            if key is not None and key.is_floating_point() and (why := unbatched_key(node)) is not None:
+                ctx.refused(node, why)
+                continue
             if key is None or key.dim() != 4 or not key.is_floating_point():
                 continue  # the ascending sort of the chosen ids, or a sort of something else
             try:
@@ -503,12 +513,13 @@ class BlockSelection(RewritePass):
         outer_inf = cmp.fill_of(key, INF)
         outer = outer_inf or cmp.fill_of(key, -INF)
         if outer is None:
-            raise Refused("the ranking key is not the importance with +inf (forced) and -inf (not a candidate) "
-                          "blocks filled in")
+            raise Refused(noncausal_reason(key, subgraphs) or "the ranking key is not the importance with +inf "
+                          "(forced) and -inf (not a candidate) blocks filled in")
         forced_outside = outer_inf is not None  # the +inf fill is applied last
         inner = cmp.fill_of(outer[0], -INF if forced_outside else INF)
         if inner is None:
-            raise Refused("the ranking key does not fill both +inf (forced) and -inf (not a candidate) blocks")
+            raise Refused(noncausal_reason(key, subgraphs) or "the ranking key does not fill both +inf (forced) "
+                          "and -inf (not a candidate) blocks")
         single(outer[0], "ranking key")
         forced_fill, cand_fill = (outer, inner) if forced_outside else (inner, outer)
         p_grp = inner[0]
@@ -742,7 +753,8 @@ class BlockSelection(RewritePass):
                               f"l' = {block}) on probe block ids")
 
     def source_files(self) -> tuple[str, ...]:
-        return super().source_files() + (inspect.getfile(cmp),)  # its matchers and checks are ours too
+        # compressed_attention's matchers and checks are ours too, and block_choice reads the key
+        return super().source_files() + (inspect.getfile(cmp), inspect.getfile(block_choice))
 
     @staticmethod
     def read_pad(padded: fx.Node) -> tuple[fx.Node, int]:
@@ -1031,8 +1043,6 @@ def descendants(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def first_arg(node: fx.Node):
-    return arg(node, 0, "input")
 
 
 def same_dtype_casts(p: fx.Node) -> tuple[fx.Node, list[fx.Node]]:

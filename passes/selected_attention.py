@@ -453,7 +453,8 @@ def find_block_idx(roots: list[fx.Node], B: int, G: int, S: int,
     candidates = [n for n in ancestors(roots, into_sizes=False) if (val := value(n)) is not None and val.dtype == torch.int64
                   and val.dim() == 4 and same(tuple(val.shape[:3]), (B, G, S))]
     if not candidates:
-        raise Refused("no int64 [B, G, S, n] block index tensor feeds the token ids and the mask")
+        raise Refused(choice_reason(roots, B, G, S)
+                      or "no int64 [B, G, S, n] block index tensor feeds the token ids and the mask")
     # the reason of the candidate nearest to passing: the fewest other data inputs, and of those the
     # farthest from the roots (nearer ones would blame the block index itself)
     closest = None
@@ -474,7 +475,36 @@ def find_block_idx(roots: list[fx.Node], B: int, G: int, S: int,
                    "packed documents take one, the positions pos")
         if closest is None or len(others) <= closest[0]:
             closest = (len(others), why)
-    raise Refused(closest[1])
+    raise Refused(choice_reason(roots, B, G, S) or closest[1])
+
+
+def choice_reason(roots: list[fx.Node], B: int, G: int, S: int) -> str | None:
+    """The refusal for block ids that come from a top-k or sort over float block scores left eager
+    because the choice is not causal (block_selection's `noncausal_reason`), or read in a
+    [B, S, G, n] layout; None for other block ids (the caller's reason stands)."""
+    # the reading of a block choice that block_selection shares, and its position-only evaluator
+    from . import block_choice as bs
+    from . import compressed_attention as cmp
+
+    nodes = ancestors(roots, into_sizes=False)
+    rankings = [n for n in nodes if op_name(n) in ("topk", "sort") and isinstance(bs.first_arg(n), fx.Node)
+                and (key := value(bs.first_arg(n))) is not None and key.is_floating_point()]
+    if not rankings:
+        return None
+    subgraphs = cmp.PositionSubgraphs(Sizes.of(roots[0].graph))
+    noncausal = any(bs.noncausal_reason(bs.first_arg(n), subgraphs) is not None for n in rankings)
+    seq_first = [n for n in nodes if (val := value(n)) is not None and val.dtype == torch.int64 and val.dim() == 4
+                 and same(tuple(val.shape[:3]), (B, S, G)) and not same(tuple(val.shape[:3]), (B, G, S))]
+    if not noncausal and not seq_first:
+        return None
+    what = ("a top-k over block scores with no candidate mask hiding the blocks after the current one (data of the "
+            "input, not a causal block choice: block_selection leaves it eager as non-causal)" if noncausal
+            else "a top-k or sort over block scores that block_selection left eager")
+    layout = ""
+    if seq_first:
+        layout = (f", laid out [B, S, G, n] with [B, S, G] = [{B}, {S}, {G}] (the sequence before the groups), "
+                  "not the [B, G, S, n] block ids of nsa.select_blocks")
+    return f"the block ids come from {what}{layout}: nsa.selected_attention reads causally chosen blocks"
 
 
 def in_place(node: fx.Node) -> bool:

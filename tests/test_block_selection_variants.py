@@ -276,3 +276,88 @@ def test_per_head_selection_at_varying_length_with_symbolic_sizes():
     r = row(optimized, SEL)
     assert (r["graphs"], r["matches"], r["refused"]) == (2, 2, 0), r
     assert all("per query head" in kernel for kernel in r["kernels"]), r["kernels"]
+
+
+class LeakyChoice(nn.Module):
+    """A top-n block choice on q, k [B, H, S, D] (l = d = l' = 4: the compressed blocks are the
+    selection blocks) whose key hides no later block: `form` "forced-excluded" marks the forced
+    blocks -inf and subtracts a tie-break (tests/corpus/nsa_vibe_noncausal.py's key), "forced-only"
+    sets them +inf and nothing -inf. `masked_scores` masks the scores of later blocks (-1e9) before
+    the softmax: the importance then hides them itself. Returns the chosen block ids [B, H, S, n]."""
+
+    def __init__(self, form, masked_scores=False):
+        super().__init__()
+        self.form, self.masked_scores = form, masked_scores
+
+    def forward(self, q, k):
+        S, D = q.shape[2:]
+        Tc = S // 4
+        k_cmp = k.unflatten(2, (Tc, 4)).mean(3)  # [B, H, Tc, D]
+        scores = q @ k_cmp.transpose(-1, -2) * D**-0.5
+        t, j = torch.arange(S)[:, None], torch.arange(Tc)[None, :]
+        if self.masked_scores:
+            scores = scores.masked_fill(j * 4 + 3 > t, -1e9)
+        importance = scores.softmax(-1)  # [B, H, S, Ns]
+        forced = (j == 0) | (j == t // 4) | (j == t // 4 - 1)
+        if self.form == "forced-excluded":
+            key = importance.masked_fill(forced, float("-inf")) - j * 1e-8
+        else:
+            key = torch.where(forced, float("inf"), importance)
+        return key.topk(2, dim=-1).indices
+
+
+NONCAUSAL = "no candidate mask hides the blocks after the current one"
+
+
+@pytest.mark.parametrize("form,masked_scores,reason", [
+    ("forced-excluded", False, NONCAUSAL),
+    ("forced-only", False, NONCAUSAL),
+    ("forced-only", True, "the ranking key does not fill both +inf (forced) and -inf (not a candidate) blocks"),
+], ids=["forced-excluded", "forced-only", "forced-only-masked-scores"])
+def test_a_key_that_hides_no_later_block_is_refused_as_non_causal(form, masked_scores, reason):
+    """Issue 17.4: a key over an unmasked softmax whose +-inf fills hide no block after block 0 in
+    any row (t = 0 then ranks blocks of later tokens) is refused as non-causal; where the scores are
+    masked before the softmax the importance may hide later blocks itself: the old reason stands.
+    The graph keeps its topk, the ids equal eager's."""
+    module = LeakyChoice(form, masked_scores)
+    gen = torch.Generator().manual_seed(0)
+    args = tuple(torch.randn(2, 2, 16, 8, generator=gen) for _ in range(2))
+    want, got, optimized = run_both(module, args)
+    r = row(optimized, SEL)
+    assert (r["matches"], r["refused"]) == (0, 1), r
+    (why,) = r["reasons"]
+    assert why.startswith(reason), why
+    assert ("(non-causal)" in why) == (reason == NONCAUSAL), why
+    record = only_graph(optimized)
+    assert record.code_after.count("topk(") == 1 and "select_blocks" not in record.code_after
+    assert torch.equal(got, want)
+
+
+class VarlenChoice(nn.Module):
+    """xunhaolai_varlen.py's form on packed tokens q, k [T, H, D]: 3-D compressed scores [H, T, Tc]
+    (no batch dim), causally masked, softmax, top-2 blocks per (head, token)."""
+
+    def forward(self, q, k):
+        T, D = q.shape[0], q.shape[2]
+        k_cmp = k.unflatten(0, (T // 4, 4)).mean(1)  # [Tc, H, D]
+        scores = (q.transpose(0, 1) @ k_cmp.permute(1, 2, 0)) * D**-0.5  # [H, T, Tc]
+        hidden = torch.arange(T // 4)[None, :] * 4 + 3 > torch.arange(T)[:, None]
+        return scores.masked_fill(hidden, -1e9).softmax(-1).topk(2, dim=-1).indices
+
+
+def test_a_varlen_key_without_batch_dim_is_refused_with_its_reason():
+    """Issue 17.4: a top-k over 3-D varlen block scores is a near miss of block_selection with
+    compressed_attention's reason for 3-D softmaxes (not 'no pass recognized this form'); the
+    graph keeps its topk."""
+    gen = torch.Generator().manual_seed(0)
+    args = tuple(torch.randn(16, 2, 8, generator=gen) for _ in range(2))
+    want, got, optimized = run_both(VarlenChoice(), args)
+    r = row(optimized, SEL)
+    assert (r["matches"], r["refused"]) == (0, 1), r
+    (why,) = r["reasons"]
+    assert why.startswith("the ranking key [2, 16, 4] is computed from 3-D scores [2, 16, 4] with no batch dim "
+                          "(packed [T, H, D] tokens, as in a varlen layout with cu_seqlens"), why
+    assert why.endswith("block_selection reads a [B, G, S, Ns] key"), why
+    record = only_graph(optimized)
+    assert record.code_after.count("topk(") == 1 and "select_blocks" not in record.code_after
+    assert torch.equal(got, want)

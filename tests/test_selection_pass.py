@@ -759,3 +759,32 @@ def test_per_head_near_miss_v_gathered_with_another_heads_ids_is_refused():
     r = row(optimized, PASS)
     assert r["matches"] == 0, r
     assert any("K and V are gathered at different token ids" in why for why in r["reasons"]), r["reasons"]
+
+
+def test_selected_branch_of_a_non_causal_choice_says_so():
+    """Issue 17.4: tests/corpus/nsa_vibe_noncausal.py's selected branch (line ~151) reads block ids
+    [B, S, G, n] from a top-k whose key hides no later block; selection_attention names that (not
+    'depend on placeholder l_x_'), block_selection names the non-causal choice, and the graph keeps
+    both the topk and the eager attention."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent / "corpus" / "nsa_vibe_noncausal.py"
+    spec = importlib.util.spec_from_file_location("nsa_vibe_noncausal", path)
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+    model, x = corpus.make()
+    optimized = optimize_fresh(copy.deepcopy(model))
+    torch.testing.assert_close(optimized(x), model(x), rtol=1e-5, atol=1e-6)
+    r = row(optimized, "selection_attention")
+    assert r["matches"] == 0, r
+    (why,) = [w for w in r["reasons"] if w.startswith("the block ids come from")]
+    assert "no candidate mask hiding the blocks after the current one" in why, why
+    assert "laid out [B, S, G, n] with [B, S, G] = [2, 96, 2]" in why, why
+    assert not any("depend on placeholder" in w for w in r["reasons"]), r["reasons"]
+    chosen = row(optimized, "block_selection")
+    assert (chosen["matches"], chosen["refused"]) == (0, 1), chosen
+    assert chosen["reasons"][0].startswith("no candidate mask hides the blocks after the current one"), chosen
+    record = only_graph(optimized)
+    assert "topk(" in record.code_after
+    assert "nsa.selected_attention" not in record.code_after and "select_blocks" not in record.code_after
