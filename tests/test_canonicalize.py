@@ -712,7 +712,7 @@ def test_grouped_block_scores_are_refused_naming_the_unmasked_softmax(causal, re
 
 
 def test_document_windows_reads_constant_documents_only_when_each_is_the_same_window():
-    from passes.canonicalize import document_windows
+    from nsa_compile.passes.canonicalize import document_windows
 
     t = torch.arange(12)
     doc = (t >= 5).long() + (t >= 9).long()  # documents of 5, 4 and 3 tokens

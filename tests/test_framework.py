@@ -275,3 +275,19 @@ def test_the_package_has_no_import_cycle():
     assert graph.number_of_edges() > 50  # the walk found the package's imports
     assert ("nsa_compile.pass_manager", "nsa_compile.rewrite") in graph.edges
     assert list(nx.simple_cycles(graph)) == []
+
+
+def test_tests_import_the_installed_package_only():
+    """passes/ and models/ install as nsa_compile.passes and nsa_compile.models: a test that
+    imports them as top-level `passes` or `models` works only where the repository root is on
+    sys.path (`python -m pytest`), not under the README's `pytest`, and loads a second copy."""
+    import ast
+    from pathlib import Path
+
+    wrong = []
+    for f in sorted(Path(__file__).resolve().parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            wrong += [f"{f.name}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("passes", "models")]
+    assert wrong == []
