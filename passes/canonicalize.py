@@ -135,7 +135,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
-from nsa_compile.attention_match import LARGE_NEGATIVE, Refused, erase_replaced
+from nsa_compile.attention_match import LARGE_NEGATIVE, Refused, ancestors, erase_replaced
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.fx import size as size_of
 from nsa_compile.rewrite import PassContext, RewritePass
@@ -591,17 +591,7 @@ def scale_of(node: fx.Node, x: fx.Node) -> float | None:
 
 def reads_data(node: fx.Node) -> bool:
     """Whether a node depends on a graph input (data or a parameter), not positions only."""
-    return any(n.op == "placeholder" or n.op == "get_attr" for n in _ancestors(node))
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
+    return any(n.op == "placeholder" or n.op == "get_attr" for n in ancestors([node]))
 
 
 def read_step(node: fx.Node) -> Step | None:
