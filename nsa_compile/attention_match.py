@@ -110,6 +110,10 @@ def evaluate_node(node: fx.Node, env: dict, what: str):
     of its inputs in `env`. The user's code failing on the values it is run on (positions or probe
     values it may not expect) refuses the rewrite, naming `what` ("the token ids and the mask on
     probe block ids") and the node; running out of memory is raised: it says nothing of the code."""
+    missing = [n for n in node.all_input_nodes if n not in env]
+    if missing:  # a value the check was not given (e.g. a size read some way it does not follow)
+        raise Refused(f"evaluating {what}: {node.name} reads {missing[0].op} {missing[0].name}, which the check "
+                      "has no value for")
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
     try:
         if node.op == "call_method":
