@@ -102,7 +102,7 @@ def noncausal_reason(key: fx.Node, subgraphs) -> str | None:
     Ns = shape[-1]
     if not isinstance(Ns, int) or Ns < 2:
         return None
-    hidden = torch.zeros(shape, dtype=torch.bool)  # cells a position-only fill sets to +-inf
+    hidden = torch.zeros(shape, dtype=torch.bool, device="cpu")  # cells a position-only fill sets to +-inf
     node, fills = key, 0
     while isinstance(node, fx.Node):
         filled = cmp.fill_of(node, -INF) or cmp.fill_of(node, INF)

@@ -256,7 +256,7 @@ def selection_probes(B: int, S: int, l: int, d: int, ls: int, n: int, device) ->
         return lambda b: cycle[b % len(cycle):] + cycle[: b % len(cycle)]
 
     gen = torch.Generator().manual_seed(1)
-    drawn = torch.randint(1, 2 * n * ls + 2, (B, S), generator=gen).tolist()
+    drawn = torch.randint(1, 2 * n * ls + 2, (B, S), generator=gen, device="cpu").tolist()
     probes = [
         ("odd selection lengths", cmp.documents(B, S, rotated([1, 2, l - 1, d + 1, l + 1, ls - 1, n * ls + 3,
                                                                2 * d + 1, 3, ls + d + 1]))),
@@ -724,12 +724,12 @@ class BlockSelection(RewritePass):
         exactly the chosen blocks after it (id > t // l'), with l' = l = d: the mask evaluated on
         probe block ids covering every block at every (batch, group, token), under these sizes."""
         S, Ns = (sizes.int(x) for x in dims)
-        t = torch.arange(S)[:, None]
+        t = torch.arange(S, device="cpu")[:, None]
         filled = subgraphs.evaluate(fill_mask, "favoured-block mask")
         if filled.dtype != torch.bool:
             raise Refused("the favoured-block mask is not bool")
         got = cmp.as_grid(filled if fill_sense else ~filled, S, Ns, "favoured-block mask")
-        if not torch.equal(got.cpu(), (torch.arange(Ns) == t // block).expand(S, Ns)):
+        if not torch.equal(got.cpu(), (torch.arange(Ns, device="cpu") == t // block).expand(S, Ns)):
             raise Refused(f"the blocks set to 1.0 are not exactly the current block t // l' (l' = l = d = {block}): "
                           "fla's rule favours that block only")
         shape = sizes.shape(ids_shape)
@@ -737,7 +737,7 @@ class BlockSelection(RewritePass):
         mask, sense = cmp.fill_of(final, -1)[1:]
         device = value(ids).device
         for first in range(0, Ns, n):  # probe ids (first + c) % Ns in column c: every block somewhere
-            probe = ((first + torch.arange(n)) % Ns).expand(shape).contiguous().to(device)
+            probe = ((first + torch.arange(n, device="cpu")) % Ns).expand(shape).contiguous().to(device)
             got = subgraphs.evaluate(mask, "-1 mask on probe block ids", inputs={ids: probe}, probe=f"ids+{first}")
             if not isinstance(got, torch.Tensor) or got.dtype != torch.bool:
                 raise Refused("the -1 mask is not a bool tensor")
@@ -745,9 +745,9 @@ class BlockSelection(RewritePass):
                 got = torch.broadcast_to(got if sense else ~got, shape).cpu()
             except RuntimeError:
                 raise Refused(f"the -1 mask {tuple(got.shape)} does not broadcast to the block ids' {shape}") from None
-            want = probe.cpu() > torch.arange(S)[:, None] // block
+            want = probe.cpu() > torch.arange(S, device="cpu")[:, None] // block
             if not torch.equal(got, want):
-                if torch.equal(got, probe.cpu() > torch.arange(S)[:, None] // block - 1):
+                if torch.equal(got, probe.cpu() > torch.arange(S, device="cpu")[:, None] // block - 1):
                     raise Refused("the -1 mask also drops the current block (id >= t // l'): fla's rule keeps it")
                 raise Refused(f"the -1 mask is not exactly the chosen blocks after the current one (id > t // l', "
                               f"l' = {block}) on probe block ids")

@@ -683,7 +683,7 @@ def resolve(chain: Chain) -> None:
                 mask.fill = None if mask.fill is None else mask.fill * step.scale
         else:
             if step.fill is not None:
-                step.fill = float(torch.tensor(step.fill, dtype=current))  # as this dtype stores it
+                step.fill = float(torch.tensor(step.fill, dtype=current, device="cpu"))  # as this dtype stores it
             pending.append(step)
     if chain.compute != current and precision(chain.compute) <= precision(current):
         raise Refused(f"the softmax computes in {chain.compute} on {current} scores")
@@ -749,10 +749,11 @@ def mask_values(chain: Chain, subgraphs: cmp.PositionSubgraphs) -> MaskValues:
         else:
             keeps.append(~filled)
     shape = torch.broadcast_shapes(*(t.shape for t in keeps + overwritten))
-    keep = torch.ones(shape, dtype=torch.bool)
+    device = (keeps + overwritten)[0].device if keeps + overwritten else "cpu"  # the graph's (CUDA on a GPU)
+    keep = torch.ones(shape, dtype=torch.bool, device=device)
     for k in keeps:
         keep = keep & k
-    over = torch.zeros(shape, dtype=torch.bool)
+    over = torch.zeros(shape, dtype=torch.bool, device=device)
     for o in overwritten:
         over = over | o
     return MaskValues(keep, over)
@@ -1265,9 +1266,9 @@ def staircase_like(keep: torch.Tensor) -> bool:
     grid = keep.reshape(-1, *keep.shape[-2:])
     if grid.shape[0] != 1:
         return False
-    grid = grid[0]
+    grid = grid[0].cpu()
     counts = grid.sum(-1)
-    prefix = torch.arange(grid.shape[-1])[None, :] < counts[:, None]
+    prefix = torch.arange(grid.shape[-1], device="cpu")[None, :] < counts[:, None]
     return torch.equal(grid, prefix) and bool((counts[1:] >= counts[:-1]).all())
 
 
@@ -1276,10 +1277,10 @@ def causal_window(keep: torch.Tensor) -> bool:
     grid = keep.reshape(-1, *keep.shape[-2:])
     if grid.shape[0] != 1 or grid.shape[-1] != grid.shape[-2]:
         return False
-    grid = grid[0]
+    grid = grid[0].cpu()
     w = int(grid.sum(-1).max())
-    t = torch.arange(grid.shape[0])[:, None]
-    s = torch.arange(grid.shape[1])[None, :]
+    t = torch.arange(grid.shape[0], device="cpu")[:, None]
+    s = torch.arange(grid.shape[1], device="cpu")[None, :]
     return w >= 1 and torch.equal(grid, (s <= t) & (t - s < w))
 
 
@@ -1303,10 +1304,10 @@ def document_windows(keep: torch.Tensor) -> tuple[int, int] | None:
     grid = keep.reshape(-1, *keep.shape[-2:])
     if grid.shape[0] != 1 or grid.shape[-1] != grid.shape[-2] or grid.shape[-1] < 2:
         return None
-    grid = grid[0]
+    grid = grid[0].cpu()
     T = grid.shape[0]
-    t = torch.arange(T)
-    starts = torch.ones(T, dtype=torch.bool)
+    t = torch.arange(T, device="cpu")
+    starts = torch.ones(T, dtype=torch.bool, device="cpu")
     starts[1:] = ~grid[t[1:], t[1:] - 1]  # a document starts where a token does not see the one before
     doc = torch.cumsum(starts.long(), 0)
     w = int(grid.sum(-1).max())
@@ -1394,10 +1395,10 @@ class SDPADecomposition:
         positions pos [B, T] (each token's position in its document; marked CONSTANT_POSITIONS):
         (s <= t) & (t - s < w) & (s >= t - pos[:, :, None]), [B, 1, T, T]. Equal to `keep` for
         every (t, s): s >= t - pos[t] is s at or after t's document start."""
-        grid = keep.reshape(-1, *keep.shape[-2:])[0]
+        grid = keep.reshape(-1, *keep.shape[-2:])[0].cpu()
         T = grid.shape[0]
-        t = torch.arange(T)
-        starts = torch.ones(T, dtype=torch.bool)
+        t = torch.arange(T, device="cpu")
+        starts = torch.ones(T, dtype=torch.bool, device="cpu")
         starts[1:] = ~grid[t[1:], t[1:] - 1]
         first_token = torch.cummax(torch.where(starts, t, 0), 0).values  # each token's document start
         B, device = static_shape(c.q)[0], value(c.q).device

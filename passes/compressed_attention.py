@@ -609,13 +609,14 @@ def probe_pooling(kv: fx.Node, what: str, block: int, stride: int, S: int, sizes
         if any(word in name for word in _RANDOM) or (name.endswith("_") and not name.startswith("_")):
             raise Refused(f"the compressed {what} use {name} (random or in place): not probed")
     gen = torch.Generator().manual_seed(0)
+    device = value(source).device  # the region's constants are made on the graph's device
     env = {n: numbers[n] for n in nodes if n in numbers}
     for n in nodes:
         if (n.op == "placeholder" or n.op == "get_attr") and n not in numbers:
             val = value(n)
             if val is None or not val.is_floating_point():
                 raise Refused(f"the compressed {what} read {n.name}, not a floating-point tensor (not probed)")
-            env[n] = torch.randn(sizes.shape(val), generator=gen, dtype=torch.float64)
+            env[n] = torch.randn(sizes.shape(val), generator=gen, dtype=torch.float64, device="cpu").to(device)
     from nsa_compile import probe  # float64 evaluation of a region
 
     def pooled(values: dict) -> torch.Tensor:
@@ -624,13 +625,13 @@ def probe_pooling(kv: fx.Node, what: str, block: int, stride: int, S: int, sizes
     base = pooled(env)
     scale = float(base.abs().max()) + 1.0
     period = 2 * block
-    t = torch.arange(S)
-    i = torch.arange(Tc)
-    reached = torch.zeros(Tc, dtype=torch.bool)
+    t = torch.arange(S, device=device)
+    i = torch.arange(Tc, device=device)
+    reached = torch.zeros(Tc, dtype=torch.bool, device=device)
     for r in range(min(period, S)):
         perturbed = t % period == r
         shifted = dict(env)
-        noise = torch.randn(sizes.shape(value(source)), generator=gen, dtype=torch.float64)
+        noise = torch.randn(sizes.shape(value(source)), generator=gen, dtype=torch.float64, device="cpu").to(device)
         shifted[source] = env[source] + noise * perturbed.view(1, S, *([1] * (value(source).dim() - 2)))
         moved = (pooled(shifted) - base).abs().amax(dim=(0, 1, 3)) > PROBE_TOLERANCE * scale  # [Tc]
         js = t[perturbed]
@@ -900,10 +901,10 @@ def documents(B: int, S: int, lengths) -> torch.Tensor:
     rows = []
     for b in range(B):
         cycle = [n for n in lengths(b) if n >= 1] or [S]
-        pos, at, i = torch.empty(S, dtype=torch.int64), 0, 0
+        pos, at, i = torch.empty(S, dtype=torch.int64, device="cpu"), 0, 0
         while at < S:
             n = min(cycle[i % len(cycle)], S - at)
-            pos[at : at + n] = torch.arange(n)
+            pos[at : at + n] = torch.arange(n, device="cpu")
             at, i = at + n, i + 1
         rows.append(pos)
     return torch.stack(rows)
@@ -918,8 +919,8 @@ def position_probes(B: int, S: int, block: int, stride: int, device) -> list[tup
         return lambda b: cycle[b % len(cycle):] + cycle[: b % len(cycle)]
 
     gen = torch.Generator().manual_seed(0)
-    short = torch.randint(1, 2 * l + 2, (B, S), generator=gen).tolist()
-    mixed = torch.randint(1, 4 * l + 2 * d, (B, S), generator=gen).tolist()
+    short = torch.randint(1, 2 * l + 2, (B, S), generator=gen, device="cpu").tolist()
+    mixed = torch.randint(1, 4 * l + 2 * d, (B, S), generator=gen, device="cpu").tolist()
     probes = [
         ("one document", documents(B, S, lambda b: [S])),
         ("short documents", documents(B, S, rotated([1, 2, l - 1, l, l + 1, d + 1, 3, 2 * l + 3, l + d - 1]))),

@@ -602,7 +602,7 @@ def probes(B: int, G: int, S: int, n: int, block: int, device, pos: torch.Tensor
     pick = (b[:, None, None, None] + 3 * g[None, :, None, None] + t[None, None] + i[None, None, None]) % 8
     structured = torch.gather(choices[:, None].expand(B, G, S, 8), 3, pick.expand(B, G, S, n))
     gen = torch.Generator().manual_seed(0)
-    rand = torch.randint(-1, Ns + 2, (B, G, S, n), generator=gen).to(device)
+    rand = torch.randint(-1, Ns + 2, (B, G, S, n), generator=gen, device="cpu").to(device)
     return [structured, rand]
 
 
@@ -614,7 +614,7 @@ def document_lengths(kind: int, S: int, n: int, block: int, seed: int) -> list[i
         return [S]
     if kind == 3:
         gen = torch.Generator().manual_seed(seed)
-        cycle = torch.randint(1, 2 * n * block + 2, (S,), generator=gen).tolist()
+        cycle = torch.randint(1, 2 * n * block + 2, (S,), generator=gen, device="cpu").tolist()
     else:
         cycle = ([1, 2, block - 1, 3, n * block + 5, block + 3, 5] if kind == 1
                  else [block, 2 * block, block + 1, block - 1, 3 * block])
@@ -638,7 +638,7 @@ def position_probes(B: int, S: int, n: int, block: int, device) -> list[torch.Te
         rows = []
         for b in range(B):
             lengths = document_lengths((i + b) % POSITION_KINDS, S, n, block, seed=i * 1009 + b)
-            rows.append(torch.cat([torch.arange(length) for length in lengths]))
+            rows.append(torch.cat([torch.arange(length, device="cpu") for length in lengths]))
         out.append(torch.stack(rows).to(device))
     return out
 

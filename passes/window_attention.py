@@ -404,7 +404,7 @@ def _positions(starts: torch.Tensor) -> torch.Tensor:
     """starts [B, S] bool (True where a document begins; column 0 is forced) -> pos [B, S] int64."""
     starts = starts.clone()
     starts[:, 0] = True
-    t = torch.arange(starts.shape[1])
+    t = torch.arange(starts.shape[1], device=starts.device)
     last_start = torch.where(starts, t, 0).cummax(dim=1).values
     return t - last_start
 
@@ -414,15 +414,16 @@ def document_probes(B: int, S: int, window: int, device) -> list[tuple[str, torc
     w - 1, w, w + 1, 2w + 1 and 5 repeated, in an order rotated by one per row (so no two rows
     pack alike, and documents start both on and off multiples of w); random packings whose
     density differs per row (from a document every other token to a few per row)."""
-    t = torch.arange(S)
-    lengths = torch.tensor([n for n in (1, 2, 3, window - 1, window, window + 1, 2 * window + 1, 5) if n >= 1])
-    structured = torch.zeros(B, S, dtype=torch.bool)
+    t = torch.arange(S, device="cpu")
+    lengths = torch.tensor([n for n in (1, 2, 3, window - 1, window, window + 1, 2 * window + 1, 5) if n >= 1],
+                           device="cpu")
+    structured = torch.zeros(B, S, dtype=torch.bool, device="cpu")
     for b in range(B):
         ends = lengths.roll(-b).repeat(S // int(lengths.sum()) + 1).cumsum(0)
         structured[b, ends[ends < S]] = True
     gen = torch.Generator().manual_seed(0)
-    density = torch.tensor([0.5, 0.1, 1.0 / max(2, window), 4.0 / max(4, S)]).repeat(B // 4 + 1)[:B]
-    random = torch.rand(B, S, generator=gen) < density[:, None]
+    density = torch.tensor([0.5, 0.1, 1.0 / max(2, window), 4.0 / max(4, S)], device="cpu").repeat(B // 4 + 1)[:B]
+    random = torch.rand(B, S, generator=gen, device="cpu") < density[:, None]
     return [("one document per row", t.expand(B, S).contiguous().to(device)),
             ("documents of lengths 1, 2, 3, w - 1, w, w + 1, 2w + 1, 5, per row in another order",
              _positions(structured).to(device)),

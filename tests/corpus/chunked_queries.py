@@ -57,7 +57,7 @@ class ChunkedNSA(nn.Module):
         i = torch.arange(Tc, device=x.device)
         j = torch.arange(Ns, device=x.device)
         overlap = (torch.minimum(i[:, None] * self.d + self.l, (j + 1) * self.l_sel)
-                   - torch.maximum(i[:, None] * self.d, j * self.l_sel)).clamp(min=0).float() / self.l  # [Tc, Ns]
+                   - torch.maximum(i[:, None] * self.d, j * self.l_sel)).clamp(min=0).to(x.dtype) / self.l  # [Tc, Ns]
         offsets = torch.arange(self.l_sel, device=x.device)
 
         outs = []

@@ -1,0 +1,44 @@
+"""Compile-time evaluation code names the device of every tensor it makes.
+
+The passes evaluate the user's mask and index subgraphs on the graph's device (CUDA on a GPU) and
+compare the results with tensors they build themselves. A tensor built without `device=` lands on
+the CPU, so a comparison that works in the CPU suite crashed the compile on CUDA (found by the
+corpus GPU test: `keep & k` in canonicalize's mask evaluation, cuda:0 and cpu). The CPU suite
+cannot see that class of bug by running, so this test reads the sources: every torch factory call
+in the passes and the evaluation modules passes `device=` (the graph's device, or "cpu" where the
+tensor is a CPU probe moved later or compared with a `.cpu()` copy).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FACTORIES = {"arange", "ones", "zeros", "full", "tensor", "empty", "eye", "rand", "randn", "randint", "linspace"}
+EVALUATING = sorted(ROOT.glob("passes/*.py")) + [
+    ROOT / "nsa_compile" / name for name in ("attention_match.py", "sizes.py", "probe.py", "fx.py", "rewrite.py")]
+
+
+def factories_without_device(source: str) -> list[tuple[int, str]]:
+    """(line, name) of each `torch.<factory>(...)` call in `source` without a `device=` keyword."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in FACTORIES \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch" \
+                and not any(k.arg == "device" for k in node.keywords):
+            found.append((node.lineno, f"torch.{node.func.attr}"))
+    return found
+
+
+def test_the_scan_sees_a_factory_without_a_device():
+    assert factories_without_device("import torch\nt = torch.arange(4)\nu = torch.ones(2, device=t.device)\n") \
+        == [(2, "torch.arange")]
+
+
+@pytest.mark.parametrize("path", EVALUATING, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_tensor_the_evaluation_makes_names_its_device(path):
+    assert path.exists(), path
+    assert factories_without_device(path.read_text()) == []
