@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .ops import registry
+
 __all__ = ["OptimizeConfig", "COMPILERS"]
 
 # How the rewritten graph is turned into code:
@@ -17,20 +19,6 @@ __all__ = ["OptimizeConfig", "COMPILERS"]
 #              the same graphs Inductor would see, without codegen (fast CPU tests).
 #   eager      the passes, then eager execution of the rewritten Dynamo graph.
 COMPILERS = ("inductor", "aot_eager", "eager")
-
-# deterministic=True: the backends whose backward is not bitwise repeatable (named in a config,
-# an error), and what 'auto' becomes where it could pick one of them. 'auto' of the other fields
-# takes kernels without atomics (triton on CUDA, PyTorch on the CPU), with one gap: where the
-# selection's triton kernels cannot run on CUDA, its reference backward scatter-adds dK/dV
-# atomically (the selection pass must refuse that under deterministic=True).
-DETERMINISM_BREAKERS = {
-    "window_backend": {"flash": "FA-2's backward accumulates dQ with atomic adds (not bitwise repeatable)"},
-    "selection_backend": {
-        "varlen": "FA-2's backward accumulates dQ, and index_add dK/dV, with atomic adds",
-        "varlen_flash_attn": "FA-2's backward accumulates dQ, and index_add dK/dV, with atomic adds",
-    },
-}
-DETERMINISTIC_AUTO = {"window_backend": "reference"}
 
 
 @dataclass(frozen=True)
@@ -44,28 +32,31 @@ class OptimizeConfig:
                      first call, head dims included, so a scale computed from one is no constant
                      and the attention passes refuse it; False: a static compile per size).
     fullgraph:       passed to torch.compile (True: a graph break is an error).
-    window_backend:  the window op's backend: 'auto' (triton on CUDA in fp16/bf16 without packed
-                     documents, else flash where FA-2 can run, else reference), 'triton',
-                     'flash' or 'reference'. A named backend that cannot run a graph's tensors
-                     leaves that window un-rewritten, with the reason in `explain` (no fallback).
-    selection_backend: the selected-attention op's backend: 'auto' (triton on CUDA where the
-                     kernels can run, else reference), 'triton', 'reference', 'varlen' (PyTorch's
-                     FA-2 varlen kernels: CUDA, fp16/bf16, Dk == Dv; never chosen by 'auto') or
-                     'varlen_flash_attn' (the same algorithm through the flash-attn package's
-                     flash_attn_varlen_func: the opt-in for that package, which is not installed
-                     or run on this project's machines); as above.
-    compressed_backend: the compressed-attention op's backend, with the choices of selection_backend.
-    block_select_backend: the block-selection op's backend, with the choices of selection_backend.
-    combine_backend: the gated-combine op's backend (gate MLP + the three branches' weighted
-                     sum): 'auto' (triton on CUDA where the kernels can run, else reference),
-                     'triton' or 'reference'; as window_backend.
+    window_backend, selection_backend, compressed_backend, block_select_backend, combine_backend,
+    projection_backend:
+                     the backend of each custom op (torch.ops.nsa.window_attention,
+                     selected_attention, compressed_attention, select_blocks, gated_combine,
+                     projection_rope), declared with the op (nsa_compile/ops/registry.py;
+                     `nsa_compile.explain.backend_table()` lists them). 'auto' (the default) takes
+                     the first backend of the op's order that can run a graph's tensors: its Triton
+                     kernels on CUDA where they can run (the window's and the projections' in
+                     fp16/bf16 only; the window then FA-2, 'flash'), else 'reference' (PyTorch,
+                     every device and dtype). A named backend that cannot run a graph's tensors
+                     leaves that op un-rewritten, with the reason in `explain` (no fallback). The
+                     selection also has 'varlen' (PyTorch's FA-2 varlen kernels: CUDA, fp16/bf16,
+                     Dk == Dv) and 'varlen_flash_attn' (the same through the flash-attn package, an
+                     opt-in not installed on this project's machines), never taken by 'auto'.
+                     `OptimizeConfig.backend(op)` reads the choice by op name.
     deterministic:   True: every rewrite runs kernels whose backward sums in a fixed order, so
-                     two runs give the rewritten ops bitwise the same gradients. 'auto' window_backend becomes
-                     'reference' (FA-2's backward adds dQ atomically); naming a backend that is
-                     not deterministic ('flash' for the window, 'varlen*' for the selection) is
-                     an error here. It sets no global state: the rest of the model (embedding and
-                     gather backwards, cuBLAS) needs torch.use_deterministic_algorithms(True)
-                     and CUBLAS_WORKSPACE_CONFIG=:4096:8, both set by the user.
+                     two runs give the rewritten ops bitwise the same gradients. Naming a backend
+                     whose backward is declared not deterministic (atomic adds: 'flash' for the
+                     window, 'varlen*' for the selection) is an error, and 'auto' of an op whose
+                     order holds one becomes the op's last deterministic backend (the window's
+                     'reference'). It sets no global state: the rest of the model (embedding and
+                     gather backwards, cuBLAS) and the selection's reference backward (a
+                     scatter-add on CUDA, where its Triton kernels cannot run) need
+                     torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8,
+                     both set by the user.
     strict:          True: the first compile raises nsa_compile.coverage.CoverageError, with the
                      coverage table (per layer: branches rewritten / detected; each eager branch
                      with its source line and reasons), where an NSA branch it detects stays eager,
@@ -84,6 +75,7 @@ class OptimizeConfig:
     compressed_backend: str = "auto"
     block_select_backend: str = "auto"
     combine_backend: str = "auto"
+    projection_backend: str = "auto"
     deterministic: bool = False
     strict: bool = False
     # the backend fields that deterministic=True turned from 'auto' into a deterministic backend
@@ -100,14 +92,10 @@ class OptimizeConfig:
             raise TypeError(f"strict must be a bool, not {type(self.strict).__name__}")
         if self.dynamic is not None and not isinstance(self.dynamic, bool):
             raise TypeError(f"dynamic must be None, True or False, not {type(self.dynamic).__name__}")
-        from .ops import block_select, compressed, gated_combine, selection, window
-
-        for name, valid in (("window_backend", window.BACKENDS), ("selection_backend", selection.BACKENDS),
-                            ("compressed_backend", compressed.BACKENDS),
-                            ("block_select_backend", block_select.BACKENDS),
-                            ("combine_backend", gated_combine.BACKENDS)):
-            if getattr(self, name) not in valid:
-                raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
+        for op in registry.ops():
+            choice, valid = getattr(self, op.config_field), op.backend_names()
+            if choice not in valid:
+                raise ValueError(f"unknown {op.config_field} {choice!r}; valid: {', '.join(valid)}")
         self._check_deterministic()
         if isinstance(self.disabled_passes, str) or not hasattr(self.disabled_passes, "__iter__"):
             raise TypeError("disabled_passes is a tuple of pass names")
@@ -124,17 +112,21 @@ class OptimizeConfig:
             raise TypeError(f"deterministic must be a bool, not {type(self.deterministic).__name__}")
         if not self.deterministic:
             return
-        for name, atomic in DETERMINISM_BREAKERS.items():
-            if getattr(self, name) in atomic:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} with deterministic=True: {atomic[getattr(self, name)]}; "
-                    f"leave {name}='auto' (deterministic=True makes it take a deterministic backend)")
         resolved = []
-        for name, backend in DETERMINISTIC_AUTO.items():
-            if getattr(self, name) == "auto":
+        for op in registry.ops():
+            name, choice = op.config_field, getattr(self, op.config_field)
+            if choice != "auto" and (atomic := op.backend(choice).nondeterministic):
+                raise ValueError(f"{name}={choice!r} with deterministic=True: {atomic}; leave {name}='auto' "
+                                 "(deterministic=True makes it take a deterministic backend)")
+            if choice == "auto" and (backend := op.deterministic_auto()):
                 object.__setattr__(self, name, backend)
                 resolved.append(name)
         object.__setattr__(self, "_resolved_auto", tuple(resolved))
+
+    def backend(self, op: str) -> str:
+        """The backend asked for the custom op `op` (its torch.ops.nsa name, e.g. 'window_attention'):
+        'auto' or a backend's name, as the passes hand it to the op's backend choice."""
+        return getattr(self, registry.get(op).config_field)
 
     def replace(self, **changes) -> "OptimizeConfig":
         for name in self._resolved_auto:  # what deterministic=True resolved is 'auto' again
@@ -146,4 +138,6 @@ class OptimizeConfig:
         fields = dataclasses.asdict(self)
         fields.pop("_resolved_auto")  # bookkeeping for replace(), no behaviour of its own
         fields.pop("strict")  # checks the rewritten graph, changes nothing in it (checked on cache hits too)
+        # 'auto' reads the registered backends in their order (add_backend changes them at run time)
+        fields["registered_backends"] = [(op.name, [b.name for b in op.backends]) for op in registry.ops()]
         return repr(sorted(fields.items()))

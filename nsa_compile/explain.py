@@ -18,11 +18,13 @@ import torch
 from tabulate import tabulate
 
 from .api import report, state_of
+from .config import OptimizeConfig
 from .coverage import Coverage, coverage_of, shown_path
+from .ops import registry
 
-__all__ = ["pass_table", "near_misses", "coverage", "graph_breaks", "skipped_frames", "networkx_graph", "to_dot",
-           "to_graphml", "print_pass_table", "print_near_misses", "print_graph_breaks", "print_coverage",
-           "coverage_line", "rewrite_summary"]
+__all__ = ["pass_table", "near_misses", "coverage", "backend_table", "graph_breaks", "skipped_frames",
+           "networkx_graph", "to_dot", "to_graphml", "print_pass_table", "print_near_misses", "print_backend_table",
+           "print_graph_breaks", "print_coverage", "coverage_line", "rewrite_summary"]
 
 
 # --- what the passes did --------------------------------------------------------------------------
@@ -50,6 +52,18 @@ def near_misses(model) -> list[dict]:
 def coverage(model) -> Coverage:
     """Per layer, the NSA branches the optimized model runs rewritten and those left eager."""
     return coverage_of(state_of(model))
+
+
+def backend_table(config: OptimizeConfig | None = None) -> list[dict]:
+    """Per custom op (ops/registry.py): its config field and what `config` asks of it, the
+    backends 'auto' tries in order, those taken only where named, and those whose backward is not
+    bitwise repeatable, with why."""
+    config = config or OptimizeConfig()
+    return [{"op": op.name, "field": op.config_field, "asked": config.backend(op.name),
+             "auto_order": [b.name for b in op.backends if b.in_auto],
+             "named_only": [b.name for b in op.backends if not b.in_auto],
+             "not_deterministic": {b.name: b.nondeterministic for b in op.backends if b.nondeterministic}}
+            for op in registry.ops()]
 
 
 # --- what Dynamo did ------------------------------------------------------------------------------
@@ -184,6 +198,14 @@ def print_near_misses(misses: list[dict]) -> None:
         grouped.setdefault((m["pass"], m["reason"]), []).append(m["where"])
     table = [[p, reason, len(wheres), ", ".join(dict.fromkeys(wheres))] for (p, reason), wheres in grouped.items()]
     click.echo(tabulate(table, headers=["pass", "reason", "count", "where"], tablefmt="github"))
+
+
+def print_backend_table(rows: list[dict]) -> None:
+    table = [[r["op"], f'{r["field"]}={r["asked"]!r}', " > ".join(r["auto_order"]), ", ".join(r["named_only"]) or "-",
+              "; ".join(f"{name}: {why}" for name, why in r["not_deterministic"].items()) or "-"]
+             for r in rows]
+    click.echo(tabulate(table, headers=["op", "config", "auto tries", "only by name", "backward not deterministic"],
+                        tablefmt="github"))
 
 
 def print_graph_breaks(breaks: list[dict], skipped: list[dict] = ()) -> None:

@@ -467,9 +467,8 @@ class BlockSelection(RewritePass):
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         subgraphs, data, probes = cmp.PositionSubgraphs(Sizes.of(graph)), cmp.data_nodes(graph), PackedProbes()
-        config = ctx.config
-        requested = config.block_select_backend
-        cmp_requested = config.compressed_backend
+        requested = ctx.config.backend("select_blocks")
+        cmp_requested = ctx.config.backend("compressed_attention")
         for node in list(graph.nodes):
             if op_name(node) not in ("sort", "topk") or node._erased:
                 continue

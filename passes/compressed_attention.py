@@ -1135,7 +1135,7 @@ class CompressedAttention(RewritePass):
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         subgraphs, data = PositionSubgraphs(Sizes.of(graph)), data_nodes(graph)
-        requested = ctx.config.compressed_backend
+        requested = ctx.config.backend("compressed_attention")
         for softmax in list(graph.nodes):
             if op_name(softmax) != "softmax" or softmax._erased:
                 continue

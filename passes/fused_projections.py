@@ -899,6 +899,7 @@ class ProjectionsRope(RewritePass):
         anchor = group[0].linear
         dtype = group[0].dtype
         casts = []
+        before = set(graph.nodes)
 
         def cast(node: fx.Node) -> fx.Node:
             """node in the group's compute dtype: autocast's cast of a linear's input, made explicit
@@ -944,7 +945,16 @@ class ProjectionsRope(RewritePass):
             if rope["negate"]:  # the code rotates by -angle: the op gets -sin
                 sin = call(graph, torch.neg, sin, anchor=anchor)
         fakes = [value(n) if n is not None else None for n in (x, weight, bias, cos, sin)]
-        backend = choose_backend(*fakes, widths, head_dims)
+        requested = ctx.config.backend("projection_rope")
+        try:
+            backend = choose_backend(*fakes, widths, head_dims, requested)
+        except ValueError as why:  # a backend named in the config that cannot run these tensors
+            # the nodes made above feed only each other: erased, the graph is as it was
+            for node in reversed([n for n in graph.nodes if n not in before]):
+                graph.erase_node(node)
+            for m in group:
+                ctx.refused(m.linear, f"OptimizeConfig(projection_backend={requested!r}): {why}")
+            return
         full = bool(rope) and rope["width"] == "full"
         outs = call(graph, torch.ops.nsa.projection_rope, x, weight, bias, cos, sin, widths, head_dims, style,
                     backend, full, anchor=anchor)
@@ -968,7 +978,9 @@ class ProjectionsRope(RewritePass):
                 break
             common.append(parts[0])
         where = ".".join(common) if len(group) > 1 else ".".join(paths[0][:-1])
-        why = "" if backend == "triton" else f"; not triton: {why_not_triton(*fakes, widths, head_dims)}"
+        why = "" if backend == "triton" else (f"; not triton: {why_not_triton(*fakes, widths, head_dims)}"
+                                              if requested == "auto" else
+                                              f"; not triton: projection_backend={requested!r} in OptimizeConfig")
         rope_text = (f"RoPE {rope['style']} r={rope['rotary']} on {len(ropes)} of them" if rope else "no RoPE")
         if rope and rope["width"] != "half":
             rope_text += " (complex tables)" if rope["width"] == "complex" else " (full-width tables)"

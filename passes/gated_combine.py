@@ -207,7 +207,7 @@ class GatedCombine(RewritePass):
     summary = "gate MLP + softmax/sigmoid + gated sum of the three branch outputs -> nsa.gated_combine, one kernel"
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
-        requested = ctx.config.combine_backend
+        requested = ctx.config.backend("gated_combine")
         verified: dict = {}  # region fingerprint -> how it mixes the branches (one probe per structure)
         sizes = Sizes.of(graph)
         for gate in list(graph.nodes):

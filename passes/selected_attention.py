@@ -720,7 +720,7 @@ class SelectionAttention(RewritePass):
                 continue
             order = {node: i for i, node in enumerate(graph.nodes)}  # graph positions (rewrites add nodes)
             try:
-                plan = self.check(softmax, order, verified, ctx.config.selection_backend,
+                plan = self.check(softmax, order, verified, ctx.config.backend("selected_attention"),
                                   sizes)
             except Refused as why:
                 ctx.refused(softmax, str(why))

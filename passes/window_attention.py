@@ -63,8 +63,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
-from nsa_compile.ops import flash
-from nsa_compile.ops.window import choose_backend, why_not_triton
+from nsa_compile.ops.window import WINDOW, choose_backend
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, keep_mask, only_user, strip_upcast, unrepeat
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.rewrite import PassContext, RewritePass
@@ -77,13 +76,12 @@ KERNEL = "nsa.window_attention[{backend}] (w={window}{docs}, GQA-native, no S x 
 
 def why_not_faster(requested: str, backend: str, q, k, v, pos) -> str:
     """What `explain` adds after the kernel: why 'auto' passed over the backends before the one it
-    took (triton, then flash), or that the config named reference."""
+    took (the op's declared order: triton, then flash), or that the config named reference."""
     if backend == "reference" and requested == "reference":
         return f"; not triton or flash: window_backend={requested!r} in OptimizeConfig"
-    if requested != "auto" or backend == "triton":
+    if requested != "auto":
         return ""
-    why = f"; not triton: {why_not_triton(q, k, v, pos)}"
-    return why if backend == "flash" else f"{why}; not flash: {flash.unsupported_reason(q, k, v)}"
+    return "".join(f"; not {name}: {why}" for name, why in WINDOW.passed_over(backend, q, k, v, pos))
 
 
 def single_user(node: fx.Node, what: str) -> fx.Node:
@@ -534,7 +532,7 @@ class WindowAttention(RewritePass):
             if op_name(softmax) != "softmax" or softmax.graph is not graph:
                 continue
             try:
-                plan = self.check(softmax, ctx.config.window_backend, checked)
+                plan = self.check(softmax, ctx.config.backend("window_attention"), checked)
             except Refused as why:
                 ctx.refused(softmax, str(why))
                 continue

@@ -269,6 +269,26 @@ def test_near_misses_refused_with_the_graph_unchanged(change, reason):
     assert r["matches"] == 0 and any(reason in text for text in r["reasons"]), r["reasons"]
 
 
+def test_the_backend_named_in_the_config():
+    """OptimizeConfig(projection_backend=...): 'reference' is written into the graph, and explain
+    says the config named it; 'triton', which cannot run on the CPU outside Triton's interpreter,
+    leaves the projection eager with the reason and the graph unchanged."""
+    x, cos, sin = projection_inputs(dim=16, rot=6)
+    expected, got, optimized = run_both(OneRope(), (x, cos, sin), ONLY.replace(projection_backend="reference"))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    r = row(optimized, PASS)
+    assert r["matches"] == 1 and r["kernels"][0].startswith("nsa.projection_rope[reference] (1 projection")
+    assert r["kernels"][0].endswith("; not triton: projection_backend='reference' in OptimizeConfig)")
+    expected, got, optimized = run_both(OneRope(), (x, cos, sin), ONLY.replace(projection_backend="triton"))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # the same eager code
+    record = only_graph(optimized)
+    assert record.code_before == record.code_after
+    r = row(optimized, PASS)
+    assert r["matches"] == 0 and r["reasons"] == [
+        "OptimizeConfig(projection_backend='triton'): projection_rope: backend 'triton' cannot run these inputs: "
+        "device cpu (needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter)"]
+
+
 # --- what the projections share, or do not ---------------------------------------------------------
 
 

@@ -300,7 +300,7 @@ def test_the_op_routes_varlen_forward_and_backward(monkeypatch):
 def test_backend_choice_on_the_cpu(monkeypatch):
     q, k, v, _ = make_inputs(9, 2, 2, 8, 8, torch.bfloat16, seed=0)
     idx = random_block_idx(B, 2, 9, 2, 4, seed=0)
-    assert {"varlen", "varlen_flash_attn"} <= set(sel.BACKENDS)
+    assert {"varlen", "varlen_flash_attn"} <= set(sel.SELECTION.backend_names())
     with pytest.raises(ValueError, match="backend 'varlen' cannot run these inputs: FA-2 runs on CUDA only"):
         sel.choose_backend(q, k, v, idx, 4, "varlen")
     # 'auto' never takes varlen, even where it could run

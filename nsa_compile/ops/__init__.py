@@ -8,21 +8,25 @@ autograd, so they trace under torch.compile fullgraph and AOTAutograd).
     torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend, pos=None)   # -> (o, lse): NSA selected branch
     torch.ops.nsa.gated_combine(gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation, normalize, backend)  # -> (o, gates)
 
-The passes choose each op's backend from the fake tensors at compile time and write it into the
-graph: window `flash` | `reference`; compressed, block selection, gated combine, projection
-`triton` | `reference`; selection `triton` | `reference` | `varlen` | `varlen_flash_attn` (see
-each module). `pos` [B, S] int64 (packed documents: each token's position in its document,
-models/nsa.py) makes the four attention ops work per document; with it the compressed,
-block-selection and selection ops run `reference` (their Triton kernels have no document mask)
-and the compressed ops take S - l + 1 stride-1 slots.
+Each module declares its op once at its bottom (registry.py: the schema, the backends with their
+reasons and determinism, the autograd formula); the torch ops are made from that declaration. The
+passes choose each op's backend from the fake tensors at compile time and write it into the
+graph: window `triton` | `flash` | `reference`; compressed, block selection, gated combine,
+projection `triton` | `reference`; selection `triton` | `reference` | `varlen` |
+`varlen_flash_attn` (see each module, or `registry.ops()`). `pos` [B, S] int64 (packed
+documents: each token's position in its document, models/nsa.py) makes the four attention ops
+work per document; with it the compressed, block-selection and selection ops run `reference`
+(their Triton kernels have no document mask) and the compressed ops take S - l + 1 stride-1
+slots.
 """
 
-from .block_select import select_blocks
-from .compressed import compressed_attention, compressed_attention_backward
-from .gated_combine import gated_combine_backward, gated_sum
+# in the order the passes put the ops into a layer: the order of registry.ops() (and explain's table)
 from .rope import projection_rope, projection_rope_backward
-from .selection import selected_attention, selected_attention_backward
 from .window import window_attention, window_attention_backward
+from .compressed import compressed_attention, compressed_attention_backward
+from .block_select import select_blocks
+from .selection import selected_attention, selected_attention_backward
+from .gated_combine import gated_combine_backward, gated_sum
 
 __all__ = [
     "gated_combine_backward", "gated_sum", "projection_rope", "projection_rope_backward", "select_blocks",

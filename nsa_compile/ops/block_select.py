@@ -80,16 +80,14 @@ the reference backend runs rule "fla"):
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from . import block_select_triton
-from .common import check_gqa, check_positive_int, pick_backend, upcast_dtype, why_not_triton_on
+from .common import check_gqa, check_positive_int, upcast_dtype, why_not_triton_on
+from .registry import Backend, Op, declare
 
-__all__ = ["BACKENDS", "REFERENCE_BUDGET", "choose_backend", "select_blocks", "why_not_triton"]
+__all__ = ["BLOCK_SELECT", "REFERENCE_BUDGET", "choose_backend", "select_blocks", "why_not_triton"]
 
-BACKENDS = ("auto", "triton", "reference")
 RULES = ("nsa", "fla")
 FLA_REASON = ("rule 'fla' (the current block favoured, -1 after the top-n, rank order): the Triton kernel "
               "computes the paper's rule only")
@@ -103,16 +101,10 @@ _OP = "select_blocks"
 
 def choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, backend: str = "auto",
                    pos=None, rule: str = "nsa") -> str:  # fmt: skip
-    """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
-    run these inputs), or for 'auto' triton where it can run on CUDA and reference elsewhere
-    (always reference with pos: packed documents, and with rule 'fla')."""
-    args = (q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos)
-
-    def triton_cannot_run():
-        return FLA_REASON if rule != "nsa" else block_select_triton.unsupported_reason(*args)
-
-    return pick_backend(_OP, BACKENDS, backend, cannot_run={"triton": triton_cannot_run},
-                        preferred="triton", why_not_preferred=lambda: why_not_triton(*args, rule=rule))
+    """`BLOCK_SELECT.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it
+    cannot run these inputs), or for 'auto' triton where it can run on CUDA and reference
+    elsewhere (always reference with pos: packed documents, and with rule 'fla')."""
+    return BLOCK_SELECT.choose(backend, q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos, rule)
 
 
 def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule: str = "nsa") -> str | None:
@@ -299,31 +291,35 @@ def _reference_packed(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int
     return out
 
 
-@torch.library.custom_op("nsa::select_blocks", mutates_args=())
-def _select_blocks_op(
-    q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, cmp_block: int, cmp_stride: int, sel_block: int,
-    n_selected: int, scale: float, backend: str = "auto", pos: Optional[torch.Tensor] = None, rule: str = "nsa",
-) -> torch.Tensor:
-    """NSA block selection: q [B, H, S, Dk], pooled keys k [B, G, Tc, Dk], the compressed branch's
-    lse [B, H, S] float32 (pos [B, S] int64 for packed documents) -> block_idx [B, G, S, n_selected]
-    int64 (rule 'nsa': ascending, -1 padded; 'fla': rank order, -1 in place), eager
-    `NSAAttention.select_blocks` (or fla's choice) recomputed without storing the probabilities."""
-    chosen = _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend, pos, rule)
-    if pos is not None:  # only the reference backend runs packed documents (_check said so)
+def _reference_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos=None, rule="nsa"):
+    if pos is not None:
         return _reference_packed(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos)
-    if chosen == "triton":
-        return block_select_triton.select_blocks_forward(
-            q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale
-        )
     return _reference(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, rule=rule)
 
 
-@_select_blocks_op.register_fake
-def _select_blocks_fake(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None,
-                        rule="nsa"):  # fmt: skip
-    _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend, pos, rule)
-    B, _, S, _ = q.shape
-    return q.new_empty((B, k.shape[1], S, n_selected), dtype=torch.int64)
+def _triton_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule="nsa") -> str | None:
+    if rule != "nsa":
+        return FLA_REASON
+    return block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos)
+
+
+# The block ids are integers: no gradient, no backward op.
+BLOCK_SELECT = declare(Op(
+    name="select_blocks",
+    schema="(Tensor q, Tensor k, Tensor lse, SymInt cmp_block, SymInt cmp_stride, SymInt sel_block, "
+           'SymInt n_selected, float scale, str backend="auto", Tensor? pos=None, str rule="nsa") -> Tensor',
+    config_field="block_select_backend",
+    choice_args=("q", "k", "lse", "cmp_block", "cmp_stride", "sel_block", "n_selected", "pos", "rule"),
+    backends=(
+        Backend("triton", cannot_run=_triton_reason, auto_reason=why_not_triton,
+                forward=lambda q, k, lse, l, d, ls, n, scale, pos, rule: block_select_triton.select_blocks_forward(
+                    q, k, lse, l, d, ls, n, scale)),
+        Backend("reference", forward=_reference_forward),
+    ),
+    check=_check,
+    fake=lambda q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, *_: q.new_empty(
+        (q.shape[0], k.shape[1], q.shape[2], n_selected), dtype=torch.int64),
+))
 
 
 def select_blocks(

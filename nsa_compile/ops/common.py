@@ -1,10 +1,9 @@
-"""What the attention ops share: the eager upcast rule, the argument checks, the backend choice
-and the layout of their outputs.
+"""What the attention ops share: the eager upcast rule, the argument checks, auto's CUDA rule
+for Triton and the layout of their outputs (the backend choice itself: registry.py).
 
     upcast_dtype(dtype)                        the eager model's fp16/bf16 -> fp32 rule
     check_gqa, check_qkv, check_positive_int, check_grad_o
                                                ValueError naming the op and the argument
-    pick_backend(op, backends, backend, ...)   the named backend, or auto's choice, with reasons
     why_not_triton_on(device, reason, ...)     why auto does not take a Triton backend
     bshd_empty, empty_attention_outputs, empty_attention_grads
                                                outputs in [B, S, heads, D] memory (kernels and fakes)
@@ -12,7 +11,7 @@ and the layout of their outputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -80,28 +79,8 @@ def check_grad_o(op: str, grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor
         raise ValueError(f"{op}: grad_o must have shape {tuple(want)}, got {tuple(grad_o.shape)}")
 
 
-Reason = Callable[[], "str | None"]
-
-
-def pick_backend(op: str, backends: Sequence[str], backend: str, cannot_run: Mapping[str, Reason],
-                 preferred: str, why_not_preferred: Reason) -> str:
-    """The backend that computes an op's inputs: `backend` itself, or for 'auto' `preferred`
-    unless `why_not_preferred()` gives a reason, then 'reference' (which runs everything).
-    ValueError if `backend` is not one of `backends`, or if it is named and its entry in
-    `cannot_run` (a reason, None where it can run) says why it cannot run these inputs; the
-    messages are the ones `explain` shows. The reasons are functions, so only the one asked
-    for is computed."""
-    if backend not in backends:
-        raise ValueError(f"{op}: unknown backend {backend!r}; valid: {', '.join(backends)}")
-    why = cannot_run[backend]() if backend in cannot_run else None
-    if why:
-        raise ValueError(f"{op}: backend {backend!r} cannot run these inputs: {why}")
-    if backend == "auto":
-        return "reference" if why_not_preferred() else preferred
-    return backend
-
-
-def why_not_triton_on(device: torch.device, unsupported: Reason, kernels: str = "the Triton kernels run") -> str | None:
+def why_not_triton_on(device: torch.device, unsupported: Callable[[], "str | None"],
+                      kernels: str = "the Triton kernels run") -> str | None:
     """Why 'auto' does not take a Triton backend: off CUDA `<kernels> on CUDA (tensors on cpu)`,
     on CUDA the kernel module's own reason (None: it takes it). 'auto' never takes Triton's CPU
     interpreter; named explicitly, triton also runs on the CPU under TRITON_INTERPRET=1 (the

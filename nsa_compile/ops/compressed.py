@@ -64,12 +64,11 @@ import torch
 from . import compressed_triton
 from .common import (
     bshd_empty, check_gqa, check_grad_o, check_positive_int, empty_attention_grads, empty_attention_outputs,
-    pick_backend, upcast_dtype, why_not_triton_on,
+    upcast_dtype, why_not_triton_on,
 )
+from .registry import Backend, Op, declare
 
-__all__ = ["BACKENDS", "choose_backend", "compressed_attention", "compressed_attention_backward"]
-
-BACKENDS = ("auto", "triton", "reference")
+__all__ = ["COMPRESSED", "choose_backend", "compressed_attention", "compressed_attention_backward", "why_not_triton"]
 
 # Elements of one chunk's score tensor [B, H, C, Tc] in the reference backend: C follows from it.
 # 2**25 fp32 scores are 128 MiB, and a chunk holds a few tensors of that size; at the paper shape
@@ -85,13 +84,10 @@ NO_DOCUMENT_MASK = "packed documents (pos): the Triton kernel has no document ma
 
 
 def choose_backend(q, k, v, block, stride, backend: str = "auto", pos=None) -> str:
-    """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
-    run these inputs), or for 'auto' triton where it can run on CUDA and reference elsewhere
-    (always reference with pos: the kernels have no document mask)."""
-    args = (q, k, v, block, stride, pos)
-    return pick_backend("compressed_attention", BACKENDS, backend,
-                        cannot_run={"triton": lambda: _triton_reason(*args)},
-                        preferred="triton", why_not_preferred=lambda: why_not_triton(*args))
+    """`COMPRESSED.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it
+    cannot run these inputs), or for 'auto' triton where it can run on CUDA and reference
+    elsewhere (always reference with pos: the kernels have no document mask)."""
+    return COMPRESSED.choose(backend, q, k, v, block, stride, pos)
 
 
 def _triton_reason(q, k, v, block, stride, pos=None) -> str | None:
@@ -278,69 +274,48 @@ def _reference_backward(grad_o, q, k, v, block: int, stride: int, scale: float, 
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
-@torch.library.custom_op("nsa::compressed_attention", mutates_args=())
-def _compressed_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, stride: int, scale: float, backend: str = "auto",
-    pos: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compressed-token GQA attention: q [B, H, S, Dk], k [B, G, Tc, Dk], v [B, G, Tc, Dv] ->
-    o [B, H, S, Dv] in v's dtype and lse [B, H, S] float32. Query t sees compression token i
-    iff i * stride + block - 1 <= t (with pos [B, S]: slot i per the module docstring)."""
-    if _check(q, k, v, block, stride, scale, backend, pos) == "triton":
-        return compressed_triton.compressed_forward(q, k, v, block, stride, scale)
-    return _reference_forward(q, k, v, block, stride, scale, pos=pos)
-
-
-@_compressed_attention_op.register_fake
-def _compressed_attention_fake(q, k, v, block, stride, scale, backend="auto", pos=None):
-    _check(q, k, v, block, stride, scale, backend, pos)
-    return empty_attention_outputs(q, v)
-
-
-def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
-    check_grad_o("compressed_attention_backward", grad_o, q, v)
-
-
-@torch.library.custom_op("nsa::compressed_attention_backward", mutates_args=())
-def compressed_attention_backward(
-    grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    block: int, stride: int, scale: float, backend: str = "auto", pos: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `compressed_attention`: grad_o [B, H, S, Dv] -> dq [B, H, S, Dk] (q's dtype),
-    dk [B, G, Tc, Dk] (k's dtype), dv [B, G, Tc, Dv] (v's dtype). o and lse are the forward's."""
+def _check_backward(grad_o, q, k, v, o, lse, block, stride, scale, backend="auto", pos=None) -> str:
     chosen = _check(q, k, v, block, stride, scale, backend, pos)
-    _check_grad(grad_o, q, v)
-    if chosen == "triton":
-        return compressed_triton.compressed_backward(grad_o, q, k, v, o, lse, block, stride, scale)
-    return _reference_backward(grad_o, q, k, v, block, stride, scale, pos=pos)
+    check_grad_o("compressed_attention_backward", grad_o, q, v)
+    return chosen
 
 
-@compressed_attention_backward.register_fake
-def _compressed_attention_backward_fake(grad_o, q, k, v, o, lse, block, stride, scale, backend="auto", pos=None):
-    _check(q, k, v, block, stride, scale, backend, pos)
-    _check_grad(grad_o, q, v)
-    return empty_attention_grads(q, k, v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, block, stride, scale, *rest = inputs  # rest: backend and pos where given
-    backend = rest[0] if len(rest) > 0 else "auto"
-    pos = rest[1] if len(rest) > 1 else None
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, pos)
-    ctx.block, ctx.stride, ctx.scale, ctx.backend = block, stride, scale, backend
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, grad_o, _grad_lse):
-    q, k, v, o, lse, pos = ctx.saved_tensors
+def _gradients(saved, grad_o, _grad_lse) -> dict:
+    s = saved
     dq, dk, dv = torch.ops.nsa.compressed_attention_backward(
-        grad_o, q, k, v, o, lse, ctx.block, ctx.stride, ctx.scale, ctx.backend, pos
-    )
-    return dq, dk, dv, None, None, None, None, None
+        grad_o, s.q, s.k, s.v, s.o, s.lse, s.block, s.stride, s.scale, s.backend, s.pos)
+    return {"q": dq, "k": dk, "v": dv}
 
 
-_compressed_attention_op.register_autograd(_backward, setup_context=_setup_context)
+COMPRESSED = declare(Op(
+    name="compressed_attention",
+    schema='(Tensor q, Tensor k, Tensor v, SymInt block, SymInt stride, float scale, str backend="auto", '
+           "Tensor? pos=None) -> (Tensor, Tensor)",
+    config_field="compressed_backend",
+    choice_args=("q", "k", "v", "block", "stride", "pos"),
+    backends=(
+        Backend("triton", cannot_run=_triton_reason, auto_reason=why_not_triton,
+                forward=lambda q, k, v, block, stride, scale, pos: compressed_triton.compressed_forward(
+                    q, k, v, block, stride, scale),
+                backward=lambda grad_o, q, k, v, o, lse, block, stride, scale, pos:
+                    compressed_triton.compressed_backward(grad_o, q, k, v, o, lse, block, stride, scale)),
+        Backend("reference",
+                forward=lambda q, k, v, block, stride, scale, pos: _reference_forward(
+                    q, k, v, block, stride, scale, pos=pos),
+                backward=lambda grad_o, q, k, v, o, lse, block, stride, scale, pos: _reference_backward(
+                    grad_o, q, k, v, block, stride, scale, pos=pos)),
+    ),
+    check=_check,
+    fake=lambda q, k, v, *_: empty_attention_outputs(q, v),
+    backward_schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, SymInt block, SymInt stride, "
+                    'float scale, str backend="auto", Tensor? pos=None) -> (Tensor, Tensor, Tensor)',
+    check_backward=_check_backward,
+    backward_fake=lambda grad_o, q, k, v, *_: empty_attention_grads(q, k, v),
+    outputs=("o", "lse"),
+    non_differentiable=("lse",),
+    gradients=_gradients,
+))
+compressed_attention_backward = COMPRESSED.backward_op
 
 
 def compressed_attention(

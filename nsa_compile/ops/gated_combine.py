@@ -57,14 +57,13 @@ import math
 import torch
 
 from . import gated_combine_triton
-from .common import pick_backend, why_not_triton_on
+from .common import why_not_triton_on
+from .registry import Backend, Op, declare
 
 __all__ = [
-    "ACTIVATIONS", "BACKENDS", "NORMALIZATIONS", "choose_backend", "gate_dims", "gated_combine_backward",
-    "gated_sum",
+    "ACTIVATIONS", "COMBINE", "NORMALIZATIONS", "choose_backend", "gate_dims", "gated_combine_backward", "gated_sum",
+    "why_not_triton",
 ]
-
-BACKENDS = ("auto", "triton", "reference")
 ACTIVATIONS = ("none", "silu", "relu", "gelu")  # 'none': no hidden layer (w1 = b1 = None)
 NORMALIZATIONS = ("softmax", "sigmoid")
 
@@ -148,12 +147,9 @@ def _check(gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation: str, normal
 
 
 def choose_backend(gate_in, w1, w2, o_cmp, activation: str, backend: str = "auto") -> str:
-    """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
+    """`COMBINE.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it cannot
     run these inputs), or for 'auto' triton where it can run on CUDA and reference elsewhere."""
-    args = (gate_in, w1, w2, o_cmp, activation)
-    return pick_backend("gated_combine", BACKENDS, backend,
-                        cannot_run={"triton": lambda: gated_combine_triton.unsupported_reason(*args)},
-                        preferred="triton", why_not_preferred=lambda: why_not_triton(*args))
+    return COMBINE.choose(backend, gate_in, w1, w2, o_cmp, activation)
 
 
 def why_not_triton(gate_in, w1, w2, o_cmp, activation: str) -> str | None:
@@ -289,30 +285,15 @@ def _reference_backward(grad_o, gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, ac
 # --- the custom ops -------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("nsa::gated_combine", mutates_args=())
-def _gated_combine_op(
-    gate_in: torch.Tensor, w1: torch.Tensor | None, b1: torch.Tensor | None, w2: torch.Tensor | None,
-    b2: torch.Tensor | None, o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor, activation: str,
-    normalize: str, backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate MLP + weighted sum of the three branch outputs: gate_in [B, S, R, m, Din], branch
-    outputs [B, S, H, Dv] -> o [B, S, H, Dv] (the branch outputs' dtype) and the gates
-    [B, S, R, NI, 3] (float32). See the module docstring."""
-    args = (gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation, normalize)
-    if _check(*args, backend) == "triton":
-        return gated_combine_triton.combine_forward(*args)
-    return _reference_forward(*args)
-
-
-@_gated_combine_op.register_fake
-def _gated_combine_fake(gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation, normalize, backend="auto"):
-    _check(gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation, normalize, backend)
+def _fake(gate_in, w1, b1, w2, b2, o_cmp, *_) -> tuple[torch.Tensor, torch.Tensor]:
     d = gate_dims(gate_in, w2, o_cmp)
     gates = o_cmp.new_empty((d["B"], d["S"], d["R"], d["NI"], 3), dtype=compute_dtype(gate_in, o_cmp))
     return o_cmp.new_empty((d["B"], d["S"], d["H"], d["Dv"])), gates
 
 
-def _check_backward(grad_o, gates, gate_in, w2, o_cmp) -> None:
+def _check_backward(grad_o, gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, gates, activation, normalize,
+                    backend="auto") -> str:  # fmt: skip
+    chosen = _check(gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation, normalize, backend)
     d = gate_dims(gate_in, w2, o_cmp)
     if tuple(grad_o.shape) != tuple(o_cmp.shape):
         raise ValueError(f"gated_combine_backward: grad_o must have shape {tuple(o_cmp.shape)}, got "
@@ -320,54 +301,47 @@ def _check_backward(grad_o, gates, gate_in, w2, o_cmp) -> None:
     want = (d["B"], d["S"], d["R"], d["NI"], 3)
     if tuple(gates.shape) != want:
         raise ValueError(f"gated_combine_backward: gates must have shape {want}, got {tuple(gates.shape)}")
+    return chosen
 
 
-@torch.library.custom_op("nsa::gated_combine_backward", mutates_args=())
-def gated_combine_backward(
-    grad_o: torch.Tensor, gate_in: torch.Tensor, w1: torch.Tensor | None, b1: torch.Tensor | None,
-    w2: torch.Tensor | None, b2: torch.Tensor | None, o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor,
-    gates: torch.Tensor, activation: str, normalize: str, backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:
-    """Gradients of `gated_combine` for grad_o [B, S, H, Dv]: (d_gate_in, d_w1, d_b1, d_w2, d_b2,
-    d_cmp, d_sel, d_win), each like its input (an empty tensor for an absent w1, b1, b2). `gates`
-    is the forward's second output."""
-    args = (gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation, normalize)
-    chosen = _check(*args, backend)
-    _check_backward(grad_o, gates, gate_in, w2, o_cmp)
-    if chosen == "triton":
-        return gated_combine_triton.combine_backward(grad_o, *args[:8], gates, activation, normalize)
-    return _reference_backward(grad_o, *args)
-
-
-@gated_combine_backward.register_fake
-def _gated_combine_backward_fake(grad_o, gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, gates, activation,
-                                 normalize, backend="auto"):
-    _check(gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation, normalize, backend)
-    _check_backward(grad_o, gates, gate_in, w2, o_cmp)
+def _backward_fake(grad_o, gate_in, w1, b1, w2, b2, o_cmp, *_) -> tuple[torch.Tensor, ...]:
     like = lambda t: t.new_empty(t.shape) if t is not None else gate_in.new_empty((0,))
-    branch = lambda: o_cmp.new_empty(o_cmp.shape)
-    return (gate_in.new_empty(gate_in.shape), like(w1), like(b1), like(w2), like(b2), branch(), branch(), branch())
+    return (gate_in.new_empty(gate_in.shape), like(w1), like(b1), like(w2), like(b2), *(like(o_cmp) for _ in range(3)))
 
 
-def _setup_context(ctx, inputs, output):
-    gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation, normalize, *backend = inputs
-    ctx.save_for_backward(gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, output[1])
-    ctx.activation, ctx.normalize, ctx.backend = activation, normalize, (backend or ["auto"])[0]
-    ctx.mark_non_differentiable(output[1])
+def _gradients(saved, grad_o, _grad_gates) -> dict:
+    s = saved
+    grads = torch.ops.nsa.gated_combine_backward(grad_o, s.gate_in, s.w1, s.b1, s.w2, s.b2, s.o_cmp, s.o_sel, s.o_win,
+                                                 s.gates, s.activation, s.normalize, s.backend)
+    names = ("gate_in", "w1", "b1", "w2", "b2", "o_cmp", "o_sel", "o_win")
+    # an absent w1, b1 or b2 gets an empty tensor from the op and no gradient here
+    return {name: grad for name, grad in zip(names, grads) if getattr(s, name) is not None}
 
 
-def _backward(ctx, grad_o, _grad_gates):
-    gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, gates = ctx.saved_tensors
-    d_gin, d_w1, d_b1, d_w2, d_b2, d_cmp, d_sel, d_win = torch.ops.nsa.gated_combine_backward(
-        grad_o, gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, gates, ctx.activation, ctx.normalize, ctx.backend
-    )
-    absent = lambda t, grad: None if t is None else grad
-    return (d_gin, absent(w1, d_w1), absent(b1, d_b1), absent(w2, d_w2), absent(b2, d_b2), d_cmp, d_sel, d_win,
-            None, None, None)
-
-
-_gated_combine_op.register_autograd(_backward, setup_context=_setup_context)
+COMBINE = declare(Op(
+    name="gated_combine",
+    schema="(Tensor gate_in, Tensor? w1, Tensor? b1, Tensor? w2, Tensor? b2, Tensor o_cmp, Tensor o_sel, "
+           'Tensor o_win, str activation, str normalize, str backend="auto") -> (Tensor, Tensor)',
+    config_field="combine_backend",
+    choice_args=("gate_in", "w1", "w2", "o_cmp", "activation"),
+    backends=(
+        Backend("triton", cannot_run=gated_combine_triton.unsupported_reason, auto_reason=why_not_triton,
+                forward=gated_combine_triton.combine_forward, backward=gated_combine_triton.combine_backward),
+        Backend("reference", forward=_reference_forward,
+                backward=lambda grad_o, *args: _reference_backward(grad_o, *args[:8], *args[9:])),  # without gates
+    ),
+    check=_check,
+    fake=_fake,
+    backward_schema="(Tensor grad_o, Tensor gate_in, Tensor? w1, Tensor? b1, Tensor? w2, Tensor? b2, Tensor o_cmp, "
+                    'Tensor o_sel, Tensor o_win, Tensor gates, str activation, str normalize, str backend="auto") '
+                    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    check_backward=_check_backward,
+    backward_fake=_backward_fake,
+    outputs=(None, "gates"),
+    non_differentiable=("gates",),
+    gradients=_gradients,
+))
+gated_combine_backward = COMBINE.backward_op
 
 
 def gated_sum(

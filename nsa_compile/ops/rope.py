@@ -53,11 +53,10 @@ import torch.nn.functional as F
 
 from . import rope_triton
 from .common import upcast_dtype
+from .registry import Backend, Op, declare
 
-__all__ = ["BACKENDS", "STYLES", "choose_backend", "projection_rope", "projection_rope_backward", "rotary_dim",
-           "rotate"]
-
-BACKENDS = ("auto", "triton", "reference")
+__all__ = ["PROJECTION", "STYLES", "choose_backend", "projection_rope", "projection_rope_backward", "rotary_dim",
+           "rotate", "why_not_triton"]
 STYLES = ("half", "interleaved")
 
 
@@ -71,19 +70,11 @@ def why_not_triton(x, weight, bias, cos, sin, widths, head_dims) -> str | None:
 
 
 def choose_backend(x, weight, bias, cos, sin, widths, head_dims, backend: str = "auto") -> str:
-    """The backend that computes these inputs: `backend` itself, or for 'auto' triton where it
-    can run on CUDA in fp16/bf16 and reference elsewhere. ValueError if a named backend cannot
-    run them (with why). Named explicitly, triton also runs fp32, and on the CPU under
+    """`PROJECTION.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it
+    cannot run these inputs), or for 'auto' triton where it can run on CUDA in fp16/bf16 and
+    reference elsewhere. Named explicitly, triton also runs fp32, and on the CPU under
     TRITON_INTERPRET=1 (the tests do that)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"projection_rope: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    if backend == "triton":
-        why = rope_triton.unsupported_reason(x, weight, bias, cos, sin, widths, head_dims)
-        if why:
-            raise ValueError(f"projection_rope: backend 'triton' cannot run these inputs: {why}")
-    if backend == "auto":
-        return "reference" if why_not_triton(x, weight, bias, cos, sin, widths, head_dims) else "triton"
-    return backend
+    return PROJECTION.choose(backend, x, weight, bias, cos, sin, widths, head_dims)
 
 
 def _check(x, weight, bias, cos, sin, widths, head_dims, style, backend, full_tables=False) -> str:
@@ -205,27 +196,21 @@ def _reference_backward(grads, cos, sin, head_dims, style, full_tables) -> torch
     return torch.cat(parts, dim=-1)
 
 
-@torch.library.custom_op("nsa::projection_rope", mutates_args=())
-def _projection_rope_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor | None,
-    sin: torch.Tensor | None, widths: list[int], head_dims: list[int], style: str, backend: str = "auto",
-    full_tables: bool = False,
-) -> list[torch.Tensor]:
-    """Projections of x [*lead, K] by weight [N, K] (+ bias [N]) split into pieces [*lead, widths[i]],
-    piece i rotated per head of head_dims[i] columns when that is > 0 (module docstring)."""
-    if _check(x, weight, bias, cos, sin, widths, head_dims, style, backend, full_tables) == "triton":
-        K = x.shape[-1]
-        S = x.shape[1] if any(head_dims) else 1
-        outs = rope_triton.projection_rope_forward(x.reshape(-1, K), weight, bias, cos, sin, list(widths),
-                                                   list(head_dims), style, S, full_tables=full_tables)
-        return [o.view(*x.shape[:-1], o.shape[1]) for o in outs]
-    return _reference_forward(x, weight, bias, cos, sin, widths, head_dims, style, full_tables)
+def _triton_forward(x, weight, bias, cos, sin, widths, head_dims, style, full_tables) -> list[torch.Tensor]:
+    K = x.shape[-1]
+    S = x.shape[1] if any(head_dims) else 1
+    outs = rope_triton.projection_rope_forward(x.reshape(-1, K), weight, bias, cos, sin, list(widths), list(head_dims),
+                                               style, S, full_tables=full_tables)
+    return [o.view(*x.shape[:-1], o.shape[1]) for o in outs]
 
 
-@_projection_rope_op.register_fake
-def _projection_rope_fake(x, weight, bias, cos, sin, widths, head_dims, style, backend="auto", full_tables=False):
-    _check(x, weight, bias, cos, sin, widths, head_dims, style, backend, full_tables)
-    return [x.new_empty((*x.shape[:-1], w)) for w in widths]
+def _triton_backward(grads, cos, sin, head_dims, style, full_tables) -> torch.Tensor:
+    lead = grads[0].shape[:-1]
+    widths = [g.shape[-1] for g in grads]
+    S = lead[1] if any(head_dims) else 1
+    dy = rope_triton.projection_rope_grad([g.reshape(-1, g.shape[-1]) for g in grads], cos, sin, widths,
+                                          list(head_dims), style, S, full_tables=full_tables)
+    return dy.view(*lead, dy.shape[1])
 
 
 def _check_grads(grads, cos, sin, head_dims, style, backend, full_tables) -> str:
@@ -243,54 +228,42 @@ def _check_grads(grads, cos, sin, head_dims, style, backend, full_tables) -> str
     return _check(x, x.new_empty((N, 1)), None, cos, sin, widths, list(head_dims), style, backend, full_tables)
 
 
-@torch.library.custom_op("nsa::projection_rope_backward", mutates_args=())
-def projection_rope_backward(
-    grads: list[torch.Tensor], cos: torch.Tensor | None, sin: torch.Tensor | None, head_dims: list[int],
-    style: str, backend: str = "auto", full_tables: bool = False,
-) -> torch.Tensor:
-    """The gradient [*lead, N] of the projection before the rotation, from the pieces' gradients
-    grads[i] [*lead, widths[i]]: through the transposed rotation where head_dims[i] > 0, concatenated."""
-    if _check_grads(grads, cos, sin, head_dims, style, backend, full_tables) == "triton":
-        lead = grads[0].shape[:-1]
-        widths = [g.shape[-1] for g in grads]
-        S = lead[1] if any(head_dims) else 1
-        dy = rope_triton.projection_rope_grad([g.reshape(-1, g.shape[-1]) for g in grads], cos, sin, widths,
-                                              list(head_dims), style, S, full_tables=full_tables)
-        return dy.view(*lead, dy.shape[1])
-    return _reference_backward(grads, cos, sin, head_dims, style, full_tables)
-
-
-@projection_rope_backward.register_fake
-def _projection_rope_backward_fake(grads, cos, sin, head_dims, style, backend="auto", full_tables=False):
-    _check_grads(grads, cos, sin, head_dims, style, backend, full_tables)
-    return grads[0].new_empty((*grads[0].shape[:-1], sum(g.shape[-1] for g in grads)))
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, cos, sin, widths, head_dims, style, *options = inputs
-    ctx.save_for_backward(x, weight, cos, sin)
-    ctx.has_bias = bias is not None
-    ctx.piece_shapes = [(*x.shape[:-1], w) for w in widths]
-    ctx.head_dims, ctx.style = list(head_dims), style
-    ctx.backend, ctx.full_tables = [*options, *("auto", False)[len(options):]]  # the defaults where not given
-
-
-def _backward(ctx, grads):
-    x, weight, cos, sin = ctx.saved_tensors
+def _gradients(saved, grads: list) -> dict:
+    """dy from the backward op (the rotation undone), then the Linear's formulas with torch matmuls."""
+    s = saved
+    piece_shapes = [(*s.x.shape[:-1], w) for w in s.widths]
     # a piece that got no gradient contributes zeros
-    grads = [g if g is not None else x.new_zeros(shape) for g, shape in zip(grads, ctx.piece_shapes)]
-    dy = torch.ops.nsa.projection_rope_backward(list(grads), cos, sin, ctx.head_dims, ctx.style, ctx.backend,
-                                                ctx.full_tables)
-    N, K = weight.shape
+    grads = [g if g is not None else s.x.new_zeros(shape) for g, shape in zip(grads, piece_shapes)]
+    dy = torch.ops.nsa.projection_rope_backward(grads, s.cos, s.sin, list(s.head_dims), s.style, s.backend,
+                                                s.full_tables)
+    N, K = s.weight.shape
     dy2 = dy.reshape(-1, N)  # [M, N]
-    dx = (dy2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-    dw = dy2.t() @ x.reshape(-1, K) if ctx.needs_input_grad[1] else None
-    db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    # one gradient per input the op was called with (the dispatcher drops trailing defaults)
-    return (dx, dw, db) + (None,) * (len(ctx.needs_input_grad) - 3)
+    needs = s.needs_input_grad
+    return {"x": (dy2 @ s.weight).view(s.x.shape) if needs["x"] else None,
+            "weight": dy2.t() @ s.x.reshape(-1, K) if needs["weight"] else None,
+            "bias": dy2.sum(0) if s.bias is not None and needs["bias"] else None}
 
 
-_projection_rope_op.register_autograd(_backward, setup_context=_setup_context)
+PROJECTION = declare(Op(
+    name="projection_rope",
+    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor? cos, Tensor? sin, SymInt[] widths, SymInt[] head_dims, "
+           'str style, str backend="auto", bool full_tables=False) -> Tensor[]',
+    config_field="projection_backend",
+    choice_args=("x", "weight", "bias", "cos", "sin", "widths", "head_dims"),
+    backends=(
+        Backend("triton", cannot_run=rope_triton.unsupported_reason, auto_reason=why_not_triton,
+                forward=_triton_forward, backward=_triton_backward),
+        Backend("reference", forward=_reference_forward, backward=_reference_backward),
+    ),
+    check=_check,
+    fake=lambda x, weight, bias, cos, sin, widths, *_: [x.new_empty((*x.shape[:-1], w)) for w in widths],
+    backward_schema='(Tensor[] grads, Tensor? cos, Tensor? sin, SymInt[] head_dims, str style, str backend="auto", '
+                    "bool full_tables=False) -> Tensor",
+    check_backward=_check_grads,
+    backward_fake=lambda grads, *_: grads[0].new_empty((*grads[0].shape[:-1], sum(g.shape[-1] for g in grads))),
+    gradients=_gradients,
+))
+projection_rope_backward = PROJECTION.backward_op
 
 
 def projection_rope(

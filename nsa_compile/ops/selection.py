@@ -60,36 +60,26 @@ indices into float32 (float64 for float64) accumulators, cast once at the end.
 
 from __future__ import annotations
 
-import functools
-from typing import Optional
-
 import torch
 
 from . import selection_triton, selection_varlen
 from .common import (
     bshd_empty, check_grad_o, check_positive_int, check_qkv, empty_attention_grads, empty_attention_outputs,
-    pick_backend, upcast_dtype, why_not_triton_on,
+    upcast_dtype, why_not_triton_on,
 )
+from .registry import Backend, Op, declare
 
-__all__ = ["BACKENDS", "choose_backend", "selected_attention", "selected_attention_backward"]
-
-BACKENDS = ("auto", "triton", "reference", "varlen", "varlen_flash_attn")
-VARLEN_BACKENDS = ("varlen", "varlen_flash_attn")
+__all__ = ["SELECTION", "choose_backend", "selected_attention", "selected_attention_backward", "why_not_triton"]
 
 # Query rows per chunk of the reference backend (a module constant so tests can shrink it).
 REFERENCE_CHUNK = 64
 
 
 def choose_backend(q, k, v, block_idx, block_size, backend: str = "auto", pos=None) -> str:
-    """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
-    run these inputs), or for 'auto' triton where it can run on CUDA and reference elsewhere
-    ('auto' never takes a varlen backend; with pos, only reference runs)."""
-    args = (q, k, v, block_idx, block_size)
-    cannot_run = {"triton": lambda: selection_triton.unsupported_reason(*args, pos=pos)}
-    for name in VARLEN_BACKENDS:  # the varlen module's reasons depend on which of the two is named
-        cannot_run[name] = functools.partial(selection_varlen.unsupported_reason, *args, name, pos=pos)
-    return pick_backend("selected_attention", BACKENDS, backend, cannot_run,
-                        preferred="triton", why_not_preferred=lambda: why_not_triton(*args, pos=pos))
+    """`SELECTION.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it
+    cannot run these inputs), or for 'auto' triton where it can run on CUDA and reference
+    elsewhere ('auto' never takes a varlen backend; with pos, only reference runs)."""
+    return SELECTION.choose(backend, q, k, v, block_idx, block_size, pos)
 
 
 def why_not_triton(q, k, v, block_idx, block_size, pos=None) -> str | None:
@@ -230,79 +220,68 @@ def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: floa
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
-@torch.library.custom_op("nsa::selected_attention", mutates_args=())
-def _selected_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_size: int, scale: float,
-    backend: str = "auto", pos: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Selected-block GQA attention: q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv],
-    block_idx [B, G, S, n] int64 (ascending, -1 padded) -> o [B, H, S, Dv] in v's dtype and
-    lse [B, H, S] float32. Query t of head j sees the tokens <= t of the blocks
-    block_idx[:, j // (H // G), t], counted from its document start t - pos[t] with pos [B, S]."""
+def _check_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale, backend="auto", pos=None) -> str:
     chosen = _check(q, k, v, block_idx, block_size, scale, backend, pos)
-    if chosen == "triton":
-        o, lse = selection_triton.selected_forward(q, k, v, block_idx, block_size, scale)
-        return o, lse
-    if chosen in VARLEN_BACKENDS:
-        return selection_varlen.selected_forward(q, k, v, block_idx, block_size, scale, chosen)
-    return _reference_forward(q, k, v, block_idx, block_size, scale, pos=pos)
-
-
-@_selected_attention_op.register_fake
-def _selected_attention_fake(q, k, v, block_idx, block_size, scale, backend="auto", pos=None):
-    _check(q, k, v, block_idx, block_size, scale, backend, pos)
-    return empty_attention_outputs(q, v)
-
-
-def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
     check_grad_o("selected_attention_backward", grad_o, q, v)
+    return chosen
 
 
-@torch.library.custom_op("nsa::selected_attention_backward", mutates_args=())
-def selected_attention_backward(
-    grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    block_idx: torch.Tensor, block_size: int, scale: float, backend: str = "auto", pos: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `selected_attention`: grad_o [B, H, S, Dv] -> dq [B, H, S, Dk] (q's dtype),
-    dk [B, G, S, Dk] (k's dtype), dv [B, G, S, Dv] (v's dtype). o and lse are the forward's."""
-    chosen = _check(q, k, v, block_idx, block_size, scale, backend, pos)
-    _check_grad(grad_o, q, v)
-    if chosen == "triton":
-        return selection_triton.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale)
-    if chosen in VARLEN_BACKENDS:
-        return selection_varlen.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale, chosen)
-    return _reference_backward(grad_o, q, k, v, block_idx, block_size, scale, pos=pos)
-
-
-@selected_attention_backward.register_fake
-def _selected_attention_backward_fake(grad_o, q, k, v, o, lse, block_idx, block_size, scale, backend="auto",
-                                      pos=None):
-    _check(q, k, v, block_idx, block_size, scale, backend, pos)
-    _check_grad(grad_o, q, v)
-    return empty_attention_grads(q, k, v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, block_idx, block_size, scale, *rest = inputs
-    backend = rest[0] if rest else "auto"
-    pos = rest[1] if len(rest) > 1 else None
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, block_idx, pos)
-    ctx.block_size, ctx.scale, ctx.backend = block_size, scale, backend
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, grad_o, _grad_lse):
-    q, k, v, o, lse, block_idx, pos = ctx.saved_tensors
+def _gradients(saved, grad_o, _grad_lse) -> dict:
+    s = saved
     # without pos, the call (and so the backward graph) stays as it was before pos existed
-    packed = () if pos is None else (pos,)
+    packed = () if s.pos is None else (s.pos,)
     dq, dk, dv = torch.ops.nsa.selected_attention_backward(
-        grad_o, q, k, v, o, lse, block_idx, ctx.block_size, ctx.scale, ctx.backend, *packed
-    )
-    return dq, dk, dv, None, None, None, None, None
+        grad_o, s.q, s.k, s.v, s.o, s.lse, s.block_idx, s.block_size, s.scale, s.backend, *packed)
+    return {"q": dq, "k": dk, "v": dv}
 
 
-_selected_attention_op.register_autograd(_backward, setup_context=_setup_context)
+def _varlen(name: str) -> Backend:
+    """A varlen backend: FA-2's varlen kernels through PyTorch ('varlen') or the flash-attn
+    package ('varlen_flash_attn'), whose reasons depend on which of the two is named."""
+    return Backend(
+        name, in_auto=False,
+        cannot_run=lambda q, k, v, block_idx, block_size, pos: selection_varlen.unsupported_reason(
+            q, k, v, block_idx, block_size, name, pos=pos),
+        forward=lambda q, k, v, block_idx, block_size, scale, pos: selection_varlen.selected_forward(
+            q, k, v, block_idx, block_size, scale, name),
+        backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos: selection_varlen.selected_backward(
+            grad_o, q, k, v, o, lse, block_idx, block_size, scale, name),
+        nondeterministic="FA-2's backward accumulates dQ, and index_add dK/dV, with atomic adds")
+
+
+SELECTION = declare(Op(
+    name="selected_attention",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor block_idx, SymInt block_size, float scale, "
+           'str backend="auto", Tensor? pos=None) -> (Tensor, Tensor)',
+    config_field="selection_backend",
+    choice_args=("q", "k", "v", "block_idx", "block_size", "pos"),
+    backends=(
+        Backend("triton", cannot_run=selection_triton.unsupported_reason, auto_reason=why_not_triton,
+                forward=lambda q, k, v, block_idx, block_size, scale, pos: selection_triton.selected_forward(
+                    q, k, v, block_idx, block_size, scale),
+                backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos:
+                    selection_triton.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale)),
+        _varlen("varlen"),
+        _varlen("varlen_flash_attn"),
+        # its backward scatter-adds dK/dV: on CUDA repeatable under torch.use_deterministic_algorithms(True),
+        # which OptimizeConfig(deterministic=True) asks the user to set for the rest of the model too
+        Backend("reference",
+                forward=lambda q, k, v, block_idx, block_size, scale, pos: _reference_forward(
+                    q, k, v, block_idx, block_size, scale, pos=pos),
+                backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos: _reference_backward(
+                    grad_o, q, k, v, block_idx, block_size, scale, pos=pos)),
+    ),
+    check=_check,
+    fake=lambda q, k, v, *_: empty_attention_outputs(q, v),
+    backward_schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor block_idx, "
+                    'SymInt block_size, float scale, str backend="auto", Tensor? pos=None) -> (Tensor, Tensor, Tensor)',
+    check_backward=_check_backward,
+    backward_fake=lambda grad_o, q, k, v, *_: empty_attention_grads(q, k, v),
+    outputs=("o", "lse"),
+    non_differentiable=("lse",),
+    gradients=_gradients,
+))
+selected_attention_backward = SELECTION.backward_op
 
 
 def selected_attention(

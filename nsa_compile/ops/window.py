@@ -49,20 +49,16 @@ Backends (`backend="auto"` takes the first that can run; naming one that cannot 
 
 from __future__ import annotations
 
-import functools
-from typing import Optional
-
 import torch
 
 from . import flash, window_triton
 from .common import (
     bshd_empty, check_grad_o, check_positive_int, check_qkv, empty_attention_grads, empty_attention_outputs,
-    pick_backend, upcast_dtype, why_not_triton_on,
+    upcast_dtype, why_not_triton_on,
 )
+from .registry import Backend, Op, declare
 
-__all__ = ["BACKENDS", "choose_backend", "window_attention", "window_attention_backward"]
-
-BACKENDS = ("auto", "triton", "flash", "reference")
+__all__ = ["WINDOW", "choose_backend", "why_not_triton", "window_attention", "window_attention_backward"]
 
 # Query rows per chunk of the reference backend (a module constant so tests can shrink it).
 REFERENCE_CHUNK = 128
@@ -83,15 +79,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale
 
 def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto",
                    pos: torch.Tensor | None = None) -> str:
-    """`common.pick_backend` for this op: `backend` itself (ValueError, with why, where it cannot
+    """`WINDOW.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it cannot
     run these inputs), or for 'auto' triton where `why_not_triton` says nothing, else flash where
-    it can run, else reference. Packed documents (pos) never rule flash out: it takes them as its
-    varlen sequences."""
-    why_not_flash = functools.partial(flash.unsupported_reason, q, k, v)
-    cannot_run = {"flash": why_not_flash, "triton": functools.partial(window_triton.unsupported_reason, q, k, v, pos)}
-    preferred = "triton" if backend == "auto" and why_not_triton(q, k, v, pos) is None else "flash"
-    return pick_backend("window_attention", BACKENDS, backend, cannot_run, preferred=preferred,
-                        why_not_preferred=why_not_flash if preferred == "flash" else lambda: None)
+    it can run, else reference."""
+    return WINDOW.choose(backend, q, k, v, pos)
 
 
 def why_not_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None) -> str | None:
@@ -204,76 +195,55 @@ def _documents(pos: torch.Tensor | None) -> dict:
     return {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
 
 
-@torch.library.custom_op("nsa::window_attention", mutates_args=())
-def _window_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, backend: str = "auto",
-    pos: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sliding-window causal GQA attention: q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv]
-    -> o [B, H, S, Dv] in v's dtype and lse [B, H, S] float32. Query t sees keys
-    max(0, t - window + 1)..t (and with pos [B, S], only those >= its document start t - pos[t]);
-    query head j reads KV head j // (H // G)."""
+def _check_backward(grad_o, q, k, v, o, lse, window, scale, backend="auto", pos=None) -> str:
     chosen = _check(q, k, v, window, scale, backend, pos)
-    if chosen == "triton":
-        return window_triton.window_forward(q, k, v, window, scale)
-    if chosen == "flash":
-        return flash.flash_forward(q, k, v, scale, window, **_documents(pos))
-    return _reference_forward(q, k, v, window, scale, pos=pos)
-
-
-@_window_attention_op.register_fake
-def _window_attention_fake(q, k, v, window, scale, backend="auto", pos=None):
-    _check(q, k, v, window, scale, backend, pos)
-    return empty_attention_outputs(q, v)
-
-
-@torch.library.custom_op("nsa::window_attention_backward", mutates_args=())
-def window_attention_backward(
-    grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    window: int, scale: float, backend: str = "auto", pos: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `window_attention`: grad_o [B, H, S, Dv] -> dq [B, H, S, Dk] (q's dtype),
-    dk [B, G, S, Dk] (k's dtype), dv [B, G, S, Dv] (v's dtype). o and lse are the forward's."""
-    chosen = _check(q, k, v, window, scale, backend, pos)
-    _check_grad(grad_o, q, v)
-    if chosen == "triton":
-        return window_triton.window_backward(grad_o, q, k, v, o, lse, window, scale)
-    if chosen == "flash":
-        return flash.flash_backward(grad_o, q, k, v, o, lse, scale, window, **_documents(pos))
-    return _reference_backward(grad_o, q, k, v, window, scale, pos=pos)
-
-
-def _check_grad(grad_o: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> None:
     check_grad_o("window_attention_backward", grad_o, q, v)
+    return chosen
 
 
-@window_attention_backward.register_fake
-def _window_attention_backward_fake(grad_o, q, k, v, o, lse, window, scale, backend="auto", pos=None):
-    _check(q, k, v, window, scale, backend, pos)
-    _check_grad(grad_o, q, v)
-    return empty_attention_grads(q, k, v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, window, scale, *rest = inputs
-    backend = rest[0] if rest else "auto"
-    pos = rest[1] if len(rest) > 1 else None
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, pos)
-    ctx.window, ctx.scale, ctx.backend = window, scale, backend
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, grad_o, _grad_lse):
-    q, k, v, o, lse, pos = ctx.saved_tensors
+def _gradients(saved, grad_o, _grad_lse) -> dict:
+    s = saved
     # without pos, the call (and so the backward graph) stays as it was before pos existed
-    packed = () if pos is None else (pos,)
-    dq, dk, dv = torch.ops.nsa.window_attention_backward(grad_o, q, k, v, o, lse, ctx.window, ctx.scale,
-                                                         ctx.backend, *packed)
-    return dq, dk, dv, None, None, None, None
+    packed = () if s.pos is None else (s.pos,)
+    dq, dk, dv = torch.ops.nsa.window_attention_backward(grad_o, s.q, s.k, s.v, s.o, s.lse, s.window, s.scale,
+                                                         s.backend, *packed)
+    return {"q": dq, "k": dk, "v": dv}
 
 
-_window_attention_op.register_autograd(_backward, setup_context=_setup_context)
+WINDOW = declare(Op(
+    name="window_attention",
+    schema='(Tensor q, Tensor k, Tensor v, SymInt window, float scale, str backend="auto", Tensor? pos=None) '
+           "-> (Tensor, Tensor)",
+    config_field="window_backend",
+    choice_args=("q", "k", "v", "pos"),
+    backends=(
+        Backend("triton", cannot_run=window_triton.unsupported_reason, auto_reason=why_not_triton,
+                forward=lambda q, k, v, window, scale, pos: window_triton.window_forward(q, k, v, window, scale),
+                backward=lambda grad_o, q, k, v, o, lse, window, scale, pos: window_triton.window_backward(
+                    grad_o, q, k, v, o, lse, window, scale)),
+        # packed documents never rule flash out: it takes them as its varlen sequences
+        Backend("flash", cannot_run=lambda q, k, v, pos: flash.unsupported_reason(q, k, v),
+                forward=lambda q, k, v, window, scale, pos: flash.flash_forward(
+                    q, k, v, scale, window, **_documents(pos)),
+                backward=lambda grad_o, q, k, v, o, lse, window, scale, pos: flash.flash_backward(
+                    grad_o, q, k, v, o, lse, scale, window, **_documents(pos)),
+                nondeterministic="FA-2's backward accumulates dQ with atomic adds (not bitwise repeatable)"),
+        Backend("reference",
+                forward=lambda q, k, v, window, scale, pos: _reference_forward(q, k, v, window, scale, pos=pos),
+                backward=lambda grad_o, q, k, v, o, lse, window, scale, pos: _reference_backward(
+                    grad_o, q, k, v, window, scale, pos=pos)),
+    ),
+    check=_check,
+    fake=lambda q, k, v, *_: empty_attention_outputs(q, v),
+    backward_schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, SymInt window, float scale, "
+                    'str backend="auto", Tensor? pos=None) -> (Tensor, Tensor, Tensor)',
+    check_backward=_check_backward,
+    backward_fake=lambda grad_o, q, k, v, *_: empty_attention_grads(q, k, v),
+    outputs=("o", "lse"),
+    non_differentiable=("lse",),
+    gradients=_gradients,
+))
+window_attention_backward = WINDOW.backward_op
 
 
 def window_attention(
