@@ -31,11 +31,14 @@ _CASTS = {"float", "half", "bfloat16", "double"}
 EXACT_BELOW = {torch.float32: 2**24, torch.float64: 2**53}
 
 
-def _widen(dtype: torch.dtype):
-    """x -> float dtypes as `dtype`, complex ones as its complex twin (anything else as it is)."""
+def _widen(dtype: torch.dtype, device: str | None = None):
+    """x -> float dtypes as `dtype`, complex ones as its complex twin, devices as `device` where one
+    is given (anything else as it is)."""
     complex_twin = torch.complex128 if dtype == torch.float64 else torch.complex64
 
     def wide(x):
+        if device is not None and isinstance(x, torch.device):
+            return torch.device(device)
         if isinstance(x, torch.dtype):
             if x.is_complex:
                 return complex_twin
@@ -46,13 +49,16 @@ def _widen(dtype: torch.dtype):
     return wide
 
 
-def run(nodes: list[fx.Node], env: dict, keep: fx.Node, what: str, dtype=torch.float64) -> torch.Tensor:
+def run(nodes: list[fx.Node], env: dict, keep: fx.Node, what: str, dtype=torch.float64,
+        device: str | None = None) -> torch.Tensor:
     """The value of `keep` after running `nodes` (in graph order) on the values in `env` (a node
     -> tensor map holding every input the nodes read from outside them), every float in `dtype`
     (float32 halves the memory of a probe at a large shape; index codes stay exact below 2**24).
+    `device` (e.g. "cpu", where env holds CPU tensors): every torch.device argument of the nodes
+    (the constants the graph makes on its own device, CUDA on a GPU) becomes this one.
     The user's code failing on probe values refuses the rewrite, naming `what` and the node;
     running out of memory is raised (it says nothing of the code)."""
-    return _run(nodes, env, keep, what, dtype)[keep]
+    return _run(nodes, env, keep, what, dtype, device)[keep]
 
 
 def run_all(nodes: list[fx.Node], env: dict, what: str, dtype=torch.float64) -> dict:
@@ -60,9 +66,10 @@ def run_all(nodes: list[fx.Node], env: dict, what: str, dtype=torch.float64) -> 
     return _run(nodes, env, None, what, dtype)
 
 
-def _run(nodes: list[fx.Node], env: dict, keep: fx.Node | None, what: str, dtype: torch.dtype) -> dict:
+def _run(nodes: list[fx.Node], env: dict, keep: fx.Node | None, what: str, dtype: torch.dtype,
+         device: str | None = None) -> dict:
     last = {i: n for n, node in enumerate(nodes) for i in node.all_input_nodes} if keep is not None else {}
-    wide = _widen(dtype)
+    wide = _widen(dtype, device)
     for step, node in enumerate(nodes):
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
         args, kwargs = torch.utils._pytree.tree_map(wide, (args, kwargs))

@@ -609,29 +609,30 @@ def probe_pooling(kv: fx.Node, what: str, block: int, stride: int, S: int, sizes
         if any(word in name for word in _RANDOM) or (name.endswith("_") and not name.startswith("_")):
             raise Refused(f"the compressed {what} use {name} (random or in place): not probed")
     gen = torch.Generator().manual_seed(0)
-    device = value(source).device  # the region's constants are made on the graph's device
+    # on the CPU whatever the graph's device: in float64 the region's ops take their reference backends (a
+    # rewritten projection's CUDA backends take no float64), and its constants follow (probe.run's device)
     env = {n: numbers[n] for n in nodes if n in numbers}
     for n in nodes:
         if (n.op == "placeholder" or n.op == "get_attr") and n not in numbers:
             val = value(n)
             if val is None or not val.is_floating_point():
                 raise Refused(f"the compressed {what} read {n.name}, not a floating-point tensor (not probed)")
-            env[n] = torch.randn(sizes.shape(val), generator=gen, dtype=torch.float64, device="cpu").to(device)
+            env[n] = torch.randn(sizes.shape(val), generator=gen, dtype=torch.float64, device="cpu")
     from nsa_compile import probe  # float64 evaluation of a region
 
     def pooled(values: dict) -> torch.Tensor:
-        return probe.run(ops, dict(values), kv, f"the compressed {what}")
+        return probe.run(ops, dict(values), kv, f"the compressed {what}", device="cpu")
 
     base = pooled(env)
     scale = float(base.abs().max()) + 1.0
     period = 2 * block
-    t = torch.arange(S, device=device)
-    i = torch.arange(Tc, device=device)
-    reached = torch.zeros(Tc, dtype=torch.bool, device=device)
+    t = torch.arange(S, device="cpu")
+    i = torch.arange(Tc, device="cpu")
+    reached = torch.zeros(Tc, dtype=torch.bool, device="cpu")
     for r in range(min(period, S)):
         perturbed = t % period == r
         shifted = dict(env)
-        noise = torch.randn(sizes.shape(value(source)), generator=gen, dtype=torch.float64, device="cpu").to(device)
+        noise = torch.randn(sizes.shape(value(source)), generator=gen, dtype=torch.float64, device="cpu")
         shifted[source] = env[source] + noise * perturbed.view(1, S, *([1] * (value(source).dim() - 2)))
         moved = (pooled(shifted) - base).abs().amax(dim=(0, 1, 3)) > PROBE_TOLERANCE * scale  # [Tc]
         js = t[perturbed]

@@ -42,3 +42,23 @@ def test_the_scan_sees_a_factory_without_a_device():
 def test_every_tensor_the_evaluation_makes_names_its_device(path):
     assert path.exists(), path
     assert factories_without_device(path.read_text()) == []
+
+
+def test_probe_run_moves_the_graphs_own_constants_to_the_probe_device():
+    """A region whose constants the graph makes on its device (meta stands in for CUDA here) runs on
+    CPU probes when probe.run is given device="cpu": the constant follows, the sum is computed."""
+    import torch
+    from torch import fx
+
+    from nsa_compile import probe
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    ramp = graph.call_function(torch.arange, (4,), {"device": torch.device("meta"), "dtype": torch.float32})
+    out = graph.call_function(torch.add, (x, ramp))
+    nodes = [ramp, out]
+    got = probe.run(nodes, {x: torch.ones(4, dtype=torch.float64)}, out, "a test region", device="cpu")
+    assert got.device.type == "cpu" and got.dtype == torch.float64
+    assert got.tolist() == [1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(Exception):  # without the mapping the meta constant cannot meet CPU values
+        probe.run(nodes, {x: torch.ones(4, dtype=torch.float64)}, out, "a test region").tolist()
