@@ -25,9 +25,9 @@ from tabulate import tabulate
 from .api import optimize, state_of
 from .bench import BENCH_HEADERS, VARIANTS, bench_rows, config_for, free_memory, time_variants
 from .config import COMPILERS
-from .explain import (coverage, coverage_line, graph_breaks, near_misses, networkx_graph, pass_table,
-                      print_coverage, print_graph_breaks, print_near_misses, print_pass_table, rewrite_summary,
-                      skipped_frames, to_dot, to_graphml)
+from .explain import (backend_table, coverage, coverage_line, graph_breaks, near_misses, networkx_graph,
+                      pass_table, print_backend_table, print_coverage, print_graph_breaks, print_near_misses,
+                      print_pass_table, rewrite_summary, skipped_frames, to_dot, to_graphml)
 from .isolation import can_isolate, run_isolated
 from .parity import choice_length, run_parity
 from .workload import ModelSpecError, Workload, cast_inputs, checked_workload, loss_of, user_error, user_frame
@@ -209,7 +209,8 @@ def explain(model, device, seq_len, batch, dtype, fmt, only_pass, diff, out, doc
     data = {"model": model, "seq_len": seq_len, "batch": batch, "dtype": dtype, "device": dev.type,
             **({"documents": documents} if documents else {}),
             "graphs": len(state.graphs), "passes": pass_table(net), "near_misses": near_misses(net),
-            "graph_breaks": breaks, "skipped_frames": skipped, "coverage": cov.to_json()}
+            "graph_breaks": breaks, "skipped_frames": skipped, "coverage": cov.to_json(),
+            "backends": backend_table(config)}
     exports = {}
     if fmt in ("dot", "graphml") or out:
         for record in state.graphs:
@@ -240,6 +241,8 @@ def explain(model, device, seq_len, batch, dtype, fmt, only_pass, diff, out, doc
         print_near_misses(data["near_misses"])
         print_graph_breaks(breaks, skipped)
         print_coverage(cov)
+        click.echo("\nbackends (ops/registry.py; the pass table says which one each rewrite took and why):")
+        print_backend_table(data["backends"])
         if diff:
             for name, text in diffs.items():
                 click.echo(f"\n# {name}\n{text}")

@@ -70,6 +70,11 @@ def test_explain_json_has_passes_near_misses_and_breaks(tiny_explained):
             misses.count("selection_attention"), len(misses)) == (6, 4, 2, 12)
     assert {m["where"] for m in data["near_misses"]} == {"blocks.0.attn", "blocks.1.attn"}
     assert data["graph_breaks"] == []
+    # the op registry as the default config sees it: every op, 'auto', its backends in auto's order
+    from nsa_compile.ops import registry
+    assert [(b["op"], b["asked"]) for b in data["backends"]] == [(op.name, "auto") for op in registry.ops()]
+    window = next(b for b in data["backends"] if b["op"] == "window_attention")
+    assert window["auto_order"] == ["triton", "flash", "reference"] and "flash" in window["not_deterministic"]
 
 
 def test_explain_dense_twin_has_nothing_to_rewrite():
