@@ -1,5 +1,6 @@
-"""tools/bench_e2e.py and tools/bench_layer.py at tiny sizes on the CPU (their full sizes run on the
-H100: the gpu-marked tests below and the commands in BENCHMARKS.md).
+"""tools/bench_e2e.py, tools/bench_layer.py and tools/bench_corpus.py at tiny sizes on the CPU (their
+full sizes run on the H100: the gpu-marked tests below and the commands in BENCHMARKS.md and the
+tools' docstrings).
 
 On 2 CPU cores an Inductor compile of even the tiny model takes about two minutes, so the CPU tests
 run optimize with the aot_eager compiler and swap Inductor for aot_eager in the tools'
@@ -9,6 +10,8 @@ torch.compile variants (the `compile` and `dense` columns): the tools' code path
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import json
 import re
 import sys
@@ -25,11 +28,13 @@ from nsa_compile.models.nsa import apply_rope, rope_tables
 from nsa_compile.workload import ModelSpecError, checked_workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import bench_corpus
 import bench_e2e
 import bench_layer
 import choice_overlap
 import profile_step
 import train_agreement
+from corpus import MODELS
 
 FAST = ["--compiler", "aot_eager", "--device", "cpu"]
 
@@ -314,6 +319,98 @@ def test_layer_targets_need_parity_and_the_paper_shape():
     assert ratios == {"nsa": "n/a (parity failed)", "cudnn": "-"}
     ratios = {row[1]: row[6] for row in bench_layer.rows_for(records[2:], True)}
     assert ratios == {"nsa": "0.20x", "cudnn": "-"}
+
+
+# --- bench_corpus ---------------------------------------------------------------------------------
+
+
+def test_corpus_bench_times_a_model_against_the_reference_and_appends_records(tmp_path, capsys):
+    out = tmp_path / "corpus.jsonl"
+    rc = bench_corpus.main(["--models", "fla_naive_bthd.py", "--seq-len", "64", "--batch", "1", "--steps", "1",
+                            "--warmup", "0", "--out", str(out), *FAST])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "1 corpus model(s) and the reference at 1 x 64, optimize (aot_eager)" in text
+    # S 64 <= n * l' = 1024: the output says the top-n choice is not exercised
+    assert "float32, batch 1, seq-len 64; every candidate block is selected" in text
+    reference, model = table_row(text, "reference"), table_row(text, "fla_naive_bthd")
+    assert reference[6:8] == ["1.00x", "PASS (S 64)"], reference
+    assert float(model[2].replace(",", "")) > 0 and model[7] == "PASS (S 64)", model
+    assert re.fullmatch(r"\d+\.\d\dx \((met|missed)\)", model[6]), model
+    assert re.fullmatch(r"[0-6]/6", model[1]), model
+
+    records = read(out)
+    assert [r["model"] for r in records] == ["reference", "fla_naive_bthd"]
+    assert len({r["run"] for r in records}) == 1 and all(r["command"].startswith("python3 tools/bench_corpus.py")
+                                                          for r in records)
+    for r in records:
+        assert (r["status"], r["seq_len"], r["batch"], r["parity"]["ok"], r["parity"]["parity_len"]) == \
+            ("ok", 64, 1, True, 64), r
+        assert r["rewritten"] == sum(r["matches"][name] > 0 for name in bench_corpus.REWRITES)
+        assert r["tok_s"] == pytest.approx(64 * 1000 / r["step_ms"])
+    assert records[0]["rewritten"] == 6 and records[0]["coverage"].startswith("5/5 NSA branches rewritten")
+    # the report of the records alone: the same rows
+    assert bench_corpus.main(["--report-only", "--out", str(out)]) == 0
+    again = capsys.readouterr().out
+    assert table_row(again, "fla_naive_bthd") == model and table_row(again, "reference") == reference
+
+
+def test_corpus_bench_reports_oom_and_halves_the_parity_length(monkeypatch, capsys):
+    lengths = []
+
+    def oracle_never_fits(model, optimize_fn, inputs, dtype, is_lm):
+        lengths.append(inputs[0].shape[1])
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(bench_corpus, "check_parity", oracle_never_fits)
+    monkeypatch.setattr(bench_corpus, "time_training", lambda *args, **kwargs: None)  # what it returns on OOM
+    rc = bench_corpus.main(["--models", "paper_bhsd", "--seq-len", "256", "--batch", "1", "--parity-len", "128",
+                            "--parity-min-len", "32", *FAST])
+    text = capsys.readouterr().out
+    assert rc == 0, text  # out of memory is a result, not a failure
+    assert lengths == [128, 64, 32] * 2  # min(seq-len, --parity-len), halved down to --parity-min-len
+    assert "parity: not checked (the float64 oracle ran out of memory down to seq-len 32)" in text
+    # the reference ran out of memory too: no ratio, no verdict
+    assert table_row(text, "paper_bhsd")[2:8] == ["OOM"] * 4 + ["-", "not checked"]
+
+
+def test_corpus_bench_ratio_needs_both_parities_of_the_same_run():
+    def rec(run, model, tok_s, parity_ok, status="ok"):
+        return {"run": run, "model": model, "status": status, "tok_s": tok_s, "step_ms": 1.0, "first_step_s": 1.0,
+                "peak_gib": 2.0, "rewritten": 6, "parity": {"ok": parity_ok, "parity_len": 2048}}
+
+    records = [rec("A", "reference", 100.0, True), rec("A", "fast", 95.0, True), rec("A", "slow", 80.0, True),
+               rec("A", "wrong", 200.0, False), rec("A", "big", None, True, status="OOM"),
+               rec("B", "reference", 50.0, False), rec("B", "other", 60.0, True)]
+    ratios = {row[0]: row[6] for row in bench_corpus.table_rows(records)}
+    assert ratios == {"reference": "1.00x", "fast": "0.95x (met)", "slow": "0.80x (missed)",
+                      "wrong": "n/a (parity failed)", "big": "OOM: missed", "other": "n/a (parity failed)"}
+    assert bench_corpus.table_rows(records)[4][2:6] == ["OOM"] * 4
+
+
+def test_corpus_bench_refuses_unknown_models(capsys):
+    with pytest.raises(SystemExit):
+        bench_corpus.main(["--models", "paper_bhsd,nope"])
+    assert "unknown corpus model(s) nope; valid: paper_bhsd, " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_make_seed_builds_the_seed_shape_and_runs_short(name):
+    """make_seed's defaults are the seed shape at bench_e2e's batch; at a short length the model runs,
+    and its parameters do not depend on the length or batch (the bench checks parity of the timed
+    model at a shorter length)."""
+    make_seed = importlib.import_module(f"corpus.{name.removesuffix('.py')}").make_seed
+    defaults = {k: p.default for k, p in inspect.signature(make_seed).parameters.items()}
+    assert defaults == {"batch": bench_e2e.DEFAULT_TOKENS_PER_STEP // 2048, "seq_len": 2048}
+    model, x = make_seed(batch=1, seq_len=128)
+    assert x.shape == (1, 128, preset("seed").dim)
+    with torch.no_grad():
+        out = model(x)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    other, _ = make_seed(batch=2, seq_len=64)
+    params, other_params = dict(model.named_parameters()), dict(other.named_parameters())
+    assert params.keys() == other_params.keys()
+    assert all(torch.equal(p, other_params[k]) for k, p in params.items())
 
 
 # --- on the GPU (tools/gpu_check.sh) --------------------------------------------------------------

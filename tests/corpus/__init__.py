@@ -5,7 +5,11 @@ returns `(module, x)`, x [2, S, dim] floats, exactly as the CLI takes a user mod
 `nsa-compile explain --model tests/corpus/paper_bhsd.py:make`. Outputs are [2, S, dim]; the loss
 is the mean square of the output. Each docstring says whose style the file follows and which
 semantic variant it implements. MODELS lists them for the tests (tests/test_corpus.py) and
-tools/corpus_coverage.py; coverage.json holds the measured per-pass match counts.
+tools/corpus_coverage.py; coverage.json holds the measured per-pass match counts. Each file also
+has `make_seed(batch=32, seq_len=2048)`: the same model at the seed preset's shapes (dim 768, 12
+heads, 2 KV groups, head dim 64, l 32, d 16, l' 64, n 16, w 512), or the nearest its semantics
+allow (its docstring says where it differs), x [batch, seq_len, 768]; tools/bench_corpus.py times
+them against the seed's own attention.
 
 Where each idiom of issue 17 appears (file stems):
 

@@ -101,3 +101,13 @@ class ChunkedNSA(nn.Module):
 def make():
     torch.manual_seed(0)
     return ChunkedNSA(), torch.randn(2, 100, 64)
+
+
+def make_seed(batch=32, seq_len=2048):
+    """(module, x [batch, seq_len, 768]) at the seed preset's shapes (models/config.py: dim 768,
+    12 heads, 2 KV groups, head dim 64, l 32, d 16, l' 64, n 16, w 512); the default batch is
+    tools/bench_e2e.py's at S 2048 (65,536 tokens per step). The seed's sizes; query chunks of 512
+    rows, so that S 2048 unrolls into 4 chunks as make()'s 100 tokens in chunks of 32 do."""
+    torch.manual_seed(0)
+    model = ChunkedNSA(dim=768, heads=12, kv_heads=2, l=32, d=16, l_sel=64, n=16, window=512, chunk=512)
+    return model, torch.randn(batch, seq_len, 768)

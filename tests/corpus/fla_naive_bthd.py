@@ -111,3 +111,14 @@ class NaiveNSA(nn.Module):
 def make():
     torch.manual_seed(0)
     return NaiveNSA(), torch.randn(2, 65, 64)
+
+
+def make_seed(batch=32, seq_len=2048):
+    """(module, x [batch, seq_len, 768]) nearest the seed preset's shapes (models/config.py: dim
+    768, 12 heads, 2 KV groups, head dim 64, l 32, d 16, l' 64, n 16, w 512); the default batch is
+    tools/bench_e2e.py's at S 2048 (65,536 tokens per step). fla's semantics tie l = l' = d to one
+    block size: 64, the seed's l' (so the selected branch reads the seed's n * l' = 1024 tokens; the
+    compressed branch sees S / 64 blocks where the seed sees about S / 16)."""
+    torch.manual_seed(0)
+    model = NaiveNSA(hidden_size=768, num_heads=12, num_kv_heads=2, block_size=64, block_counts=16, window_size=512)
+    return model, torch.randn(batch, seq_len, 768)

@@ -125,3 +125,14 @@ class FusedNSA(nn.Module):
 def make():
     torch.manual_seed(0)
     return FusedNSA(), torch.randn(2, 70, 64)
+
+
+def make_seed(batch=32, seq_len=2048):
+    """(module, x [batch, seq_len, 768]) at the seed preset's shapes (models/config.py: dim 768,
+    12 heads, 2 KV groups, head dim 64, l 32, d 16, l' 64, n 16, w 512); the default batch is
+    tools/bench_e2e.py's at S 2048 (65,536 tokens per step). The seed's sizes; the selection stays
+    per head (each of the 12 heads its own 16 blocks, where the seed chooses per KV group)."""
+    torch.manual_seed(0)
+    model = FusedNSA(hidden_size=768, num_heads=12, num_key_value_heads=2, cmp_len=32, cmp_stride=16, sel_len=64,
+                     num_sel=16, window=512, max_position_embeddings=seq_len)
+    return model, torch.randn(batch, seq_len, 768)

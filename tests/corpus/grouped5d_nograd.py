@@ -114,3 +114,14 @@ class Grouped5DNSA(nn.Module):
 def make():
     torch.manual_seed(0)
     return Grouped5DNSA(), torch.randn(2, 81, 64)
+
+
+def make_seed(batch=32, seq_len=2048):
+    """(module, x [batch, seq_len, 768]) at the seed preset's shapes (models/config.py: dim 768,
+    12 heads = 2 groups of 6, head dim 64, l 32, d 16, l' 64, n 16, w 512); the default batch is
+    tools/bench_e2e.py's at S 2048 (65,536 tokens per step). Exactly the seed's sizes; RoPE stays
+    partial (the first 32 of 64 dims) and the pooling learned, as this model has them."""
+    torch.manual_seed(0)
+    model = Grouped5DNSA(dim=768, groups=2, heads_per_group=6, head_dim=64, l=32, d=16, l_sel=64, n=16, window=512,
+                         max_len=seq_len)
+    return model, torch.randn(batch, seq_len, 768)

@@ -124,3 +124,18 @@ class PerHeadSparseAttention(nn.Module):
 def make():
     torch.manual_seed(0)
     return PerHeadSparseAttention(), torch.randn(2, 83, 48)
+
+
+def make_seed(batch=32, seq_len=2048):
+    """(module, x [batch, seq_len, 768]) nearest the seed preset's shapes (models/config.py: dim
+    768, 12 heads, 2 KV groups, head dim 64, l 32, d 16, l' 64, n 16, w 512); the default batch is
+    tools/bench_e2e.py's at S 2048 (65,536 tokens per step). This model's compression windows do
+    not overlap (l = d): 16, the seed's stride, so that it has the seed's S / 16 compressed tokens
+    and l' / d = 4 columns per selection block. The top 15 blocks plus the appended diagonal block
+    read 16 blocks, as the seed's 16 (forced ones included); the window sees distances 0..512, one
+    token more than the seed's 512 (kept as lucidrains' sliding_window_size=512 is written)."""
+    torch.manual_seed(0)
+    model = PerHeadSparseAttention(dim=768, dim_head=64, heads=12, kv_heads=2, sliding_window_size=512,
+                                   compress_block_size=16, selection_block_size=64, num_selected_blocks=15,
+                                   max_seq_len=seq_len)
+    return model, torch.randn(batch, seq_len, 768)

@@ -217,3 +217,18 @@ class SparseAttention(nn.Module):
 def make():
     torch.manual_seed(0)
     return SparseAttention(), torch.randn(2, 77, 64)
+
+
+def make_seed(batch=32, seq_len=2048):
+    """(module, x [batch, seq_len, 768]) nearest the seed preset's shapes (models/config.py: dim
+    768, 12 heads, 2 KV groups, head dim 64, l 32, d 16, l' 64, n 16, w 512); the default batch is
+    tools/bench_e2e.py's at S 2048 (65,536 tokens per step). l, d, l' and the heads as the seed's.
+    lucidrains' semantics differ by a block or a token, chosen here to do the seed's work: the top
+    15 blocks plus the appended diagonal block read 16 blocks (the seed: 16 including its forced
+    ones); the window sees distances 0..512, one token more than the seed's 512 (w = 511 would not
+    divide S into the bucketed local attention's windows)."""
+    torch.manual_seed(0)
+    model = SparseAttention(dim=768, dim_head=64, heads=12, kv_heads=2, sliding_window_size=512,
+                            compress_block_size=32, compress_block_sliding_stride=16, selection_block_size=64,
+                            num_selected_blocks=15)
+    return model, torch.randn(batch, seq_len, 768)

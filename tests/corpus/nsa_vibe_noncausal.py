@@ -163,3 +163,13 @@ class VibeNSA(nn.Module):
 def make():
     torch.manual_seed(0)
     return VibeNSA(), torch.randn(2, 96, 64)
+
+
+def make_seed(batch=32, seq_len=2048):
+    """(module, x [batch, seq_len, 768]) at the seed preset's shapes (models/config.py: dim 768,
+    12 heads, 2 KV groups, head dim 64, l 32, d 16, l' 64, n 16, w 512); the default batch is
+    tools/bench_e2e.py's at S 2048 (65,536 tokens per step). Exactly the seed's sizes and gate;
+    the selection scores stay unmasked (not causal), as this model has them."""
+    torch.manual_seed(0)
+    model = VibeNSA(dim=768, n_heads=12, n_kv_groups=2, d_k=64, d_v=64, l=32, d=16, l_sel=64, n_sel=16, w=512)
+    return model, torch.randn(batch, seq_len, 768)

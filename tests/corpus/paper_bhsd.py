@@ -111,3 +111,13 @@ class PaperNSA(nn.Module):
 def make():
     torch.manual_seed(0)
     return PaperNSA(), torch.randn(2, 96, 64)
+
+
+def make_seed(batch=32, seq_len=2048):
+    """(module, x [batch, seq_len, 768]) at the seed preset's shapes (models/config.py: dim 768,
+    12 heads, 2 KV groups, head dim 64, l 32, d 16, l' 64, n 16, w 512); the default batch is
+    tools/bench_e2e.py's at S 2048 (65,536 tokens per step). Exactly the seed's sizes; the gate
+    stays this model's per-head sigmoid."""
+    torch.manual_seed(0)
+    model = PaperNSA(dim=768, heads=12, kv_heads=2, l=32, d=16, l_sel=64, n_sel=16, window=512, max_len=seq_len)
+    return model, torch.randn(batch, seq_len, 768)

@@ -117,3 +117,13 @@ class SDPANSA(nn.Module):
 def make():
     torch.manual_seed(0)
     return SDPANSA(), torch.randn(2, 90, 64)
+
+
+def make_seed(batch=32, seq_len=2048):
+    """(module, x [batch, seq_len, 768]) at the seed preset's shapes (models/config.py: dim 768,
+    12 heads, 2 KV groups, head dim 64, l 32, d 16, l' 64, n 16, w 512); the default batch is
+    tools/bench_e2e.py's at S 2048 (65,536 tokens per step). Exactly the seed's sizes; the
+    compression stays this model's MLP (the paper's, as the `paper` preset's)."""
+    torch.manual_seed(0)
+    model = SDPANSA(dim=768, n_heads=12, n_kv_heads=2, block=32, stride=16, sel_block=64, n_sel=16, window=512)
+    return model, torch.randn(batch, seq_len, 768)

@@ -175,3 +175,15 @@ class VarlenNSA(nn.Module):
 def make():
     torch.manual_seed(0)
     return VarlenNSA(), torch.randn(2, 96, 64)
+
+
+def make_seed(batch=32, seq_len=2048):
+    """(module, x [batch, seq_len, 768]) at the seed preset's shapes (models/config.py: dim 768,
+    12 heads, 2 KV groups, head dim 64, l 32, d 16, l' 64, n 16, w 512); the default batch is
+    tools/bench_e2e.py's at S 2048 (65,536 tokens per step). One document per row, as the seed
+    model trains in bench_e2e (the varlen layout packs the rows into batch * seq_len tokens); the
+    window_size 511 of flash-attn's convention (w + 1 tokens) is the seed's 512 tokens."""
+    torch.manual_seed(0)
+    model = VarlenNSA(hidden_size=768, num_q_heads=12, num_kv_heads=2, kernel_size=32, kernel_stride=16,
+                      block_size=64, topk=16, window_size=511, doc_lens=(seq_len,))
+    return model, torch.randn(batch, seq_len, 768)

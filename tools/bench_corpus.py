@@ -1,0 +1,374 @@
+"""Issue 17's GPU table: each corpus model (tests/corpus) at the seed shape, trained under
+`optimize`, against the reference seed preset's NSA attention under `optimize`, in one process.
+
+Every corpus model is one attention module (its projections, three branches, gate and output
+projection; two put an RMSNorm first), so the yardstick is the same: `reference` below is
+models/nsa.py's NSAAttention with the seed preset, alone, taking x [B, S, 768] (RoPE tables
+computed in its forward, as TinyLM computes them). The reference runs first, then each model
+(default: all of tests/corpus.MODELS; --models a,b chooses), each built by its `make_seed(batch,
+seq_len)` (the seed's sizes, or the nearest its semantics allow: its docstring says which):
+
+- timing, as tools/bench_e2e.py times the preset: `nsa_compile.optimize` (--compiler, Inductor by
+  default), then training steps (forward, backward, fused AdamW) under bf16 autocast on CUDA, the
+  loss the mean square of the output: the first step (which compiles), --warmup untimed steps,
+  then the median of --steps timed ones. tok/s = batch * seq-len / median step; peak memory over
+  all of them (CUDA). A model that runs out of memory is reported as OOM (the target: it fits
+  wherever the reference fits). Batch: --batch, or bench_e2e's 65536 tokens per step // seq-len
+  (32 at S 2048, the batch the seed preset trains at in bench_e2e).
+- rewritten: how many of the six NSA rewrites (projections + RoPE, window, compressed, block
+  selection, selected, gated combine) matched at least once in the timed model
+  (`nsa_compile.report`), and the coverage line (NSA branches rewritten / detected).
+- parity: `nsa_compile.parity.check_parity` of the first step (output and every gradient, bf16
+  on CUDA and fp32 on the CPU, against the float64 eager model), at batch 1 and length
+  min(seq-len, --parity-len), --parity-len defaulting to the seed's choice_length (2048, where
+  the top-n block choice is exercised), halving while it runs out of memory (the length used is
+  printed and stored; at n * l' = 1024 tokens or fewer every candidate block is selected).
+- the ratio: the model's tok/s over the reference's of the same run, shown only where both passed
+  parity (issue 17's target: at least 0.9x).
+
+Per-model progress goes to stdout as it happens. Each model's record (one JSON line, with card,
+torch version, date, command and the run's id) is appended to --out as soon as it exists, so a call
+cut by its time limit keeps the models it finished. About six models are meant to fit one
+10-minute GPU call (each list: four that coverage.json has fully rewritten, then partly rewritten ones):
+
+    python3 tools/bench_corpus.py --models paper_bhsd,fla_naive_bthd,sdpa_complex_rope,where_bias_spellings,lucidrains_shared_kv,xunhaolai_varlen --out corpus.jsonl
+    python3 tools/bench_corpus.py --models tiled_gqa_fla,grouped5d_nograd,fused_qkv_per_head,nsa_vibe_noncausal,chunked_queries,lucidrains_per_head --out corpus.jsonl
+    python3 tools/bench_corpus.py --report-only --out corpus.jsonl      # both calls' table, no GPU needed
+
+Each call times its own reference; a ratio is always against the reference of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_e2e beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the corpus
+from bench_e2e import DEFAULT_TOKENS_PER_STEP, append_record, environment, is_oom, load_records, warm_up_compiler
+from corpus import MODELS
+
+import nsa_compile
+from nsa_compile.bench import config_for, free_memory, time_training
+from nsa_compile.explain import coverage
+from nsa_compile.models import NSAAttention, preset
+from nsa_compile.models.nsa import rope_tables
+from nsa_compile.parity import check_parity, choice_length
+
+REFERENCE = "reference"
+SEED = preset("seed")
+# The six NSA rewrites a model's row counts (of nsa_compile.report's passes; canonicalize and
+# gqa_grouped_matmul serve them and are not counted).
+REWRITES = ("projections_rope", "window_attention", "compressed_attention", "block_selection",
+            "selection_attention", "gated_combine")
+TARGET_RATIO = 0.9  # issue 17: each corpus model at >= 0.9x the reference's tok/s
+HEADERS = ["model", "rewritten", "tok/s", "step ms", "first step s", "peak GiB", "/ reference", "parity"]
+
+
+class ReferenceAttention(nn.Module):
+    """The reference: models/nsa.py's NSAAttention of a preset, x [B, S, dim] -> [B, S, dim], with
+    the RoPE tables [S, r/2] computed in forward (as TinyLM does): one attention module, like each
+    corpus model."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.attn = NSAAttention(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_tables(x.shape[1], self.cfg.rot_dim, self.cfg.rope_base, x.device)
+        return self.attn(x, cos, sin)
+
+
+def make_reference(batch: int = 32, seq_len: int = 2048) -> tuple[nn.Module, torch.Tensor]:
+    """(the seed preset's attention, x [batch, seq_len, 768]): the corpus models' make_seed contract."""
+    torch.manual_seed(0)
+    return ReferenceAttention(SEED), torch.randn(batch, seq_len, SEED.dim)
+
+
+def build(name: str, batch: int, seq_len: int, device: torch.device) -> tuple[nn.Module, torch.Tensor]:
+    """(module, x) of the reference or a corpus model (file stem) at the seed shape, on device."""
+    if name == REFERENCE:
+        model, x = make_reference(batch, seq_len)
+    else:
+        model, x = importlib.import_module(f"corpus.{name}").make_seed(batch=batch, seq_len=seq_len)
+    return model.to(device), x.to(device)
+
+
+def one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
+
+
+# --- one model ------------------------------------------------------------------------------------
+
+
+def rewrites_of(model: nn.Module) -> dict:
+    """What the optimized model ran with: matches per pass, how many of REWRITES matched, coverage."""
+    rows = nsa_compile.report(model)
+    matches = {r["name"]: r["matches"] for r in rows}
+    return {"rewritten": sum(matches.get(name, 0) > 0 for name in REWRITES), "matches": matches,
+            "refused": {r["name"]: r["refused"] for r in rows if r["refused"]},
+            "coverage": coverage(model).summary()}
+
+
+def time_model(name: str, args, device: torch.device) -> dict:
+    """Optimize the model at (args.batch, args.seq_len) and time its training steps: a record."""
+    model = None
+    try:
+        model, x = build(name, args.batch, args.seq_len, device)
+        torch._dynamo.reset()
+        model = nsa_compile.optimize(model, config_for(args.compiler))
+        timing = time_training(model, (x,), steps=args.steps, warmup=args.warmup, is_lm=False,
+                               autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)
+        status, detail = ("ok", None) if timing is not None else ("OOM", "out of memory in a training step")
+    except Exception as err:  # one model's failure must not cost the others their results
+        timing = None
+        status, detail = ("OOM", f"out of memory: {one_line(err)}") if is_oom(err) else ("error", one_line(err))
+        if status == "error":
+            traceback.print_exc()
+    record = {"status": status, "detail": detail}
+    try:
+        record.update(rewrites_of(model))  # where the passes ran (also when a step then ran out of memory)
+    except Exception:  # optimize itself failed: no record of the passes
+        record.update(rewritten=None, matches={}, refused={}, coverage=None)
+    if timing is not None:
+        record.update(tok_s=args.batch * args.seq_len * 1000 / timing.step_ms, step_ms=timing.step_ms,
+                      first_step_s=timing.first_step_s, peak_gib=timing.peak_memory_gib)
+    del model
+    free_memory()
+    return record
+
+
+def parity_of(name: str, args, device: torch.device) -> dict:
+    """check_parity at batch 1 and the longest length <= min(seq_len, --parity-len) that fits,
+    halving while it runs out of memory: a record."""
+    if args.no_parity:
+        return {"ok": None, "parity_len": None, "detail": "--no-parity"}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = config_for(args.compiler)
+
+    def optimize_fn(module):
+        torch._dynamo.reset()
+        return nsa_compile.optimize(module, config)
+
+    length, too_long = min(args.seq_len, args.parity_len), []
+    while length >= args.parity_min_len:
+        try:
+            model, x = build(name, 1, length, device)
+            result = check_parity(model, optimize_fn, (x,), dtype, is_lm=False)
+        except Exception as err:
+            model = x = None
+            free_memory()
+            if not is_oom(err):
+                traceback.print_exc()
+                return {"ok": False, "parity_len": length, "oom_at": too_long, "detail": one_line(err)}
+            too_long.append(length)
+            length //= 2
+            continue
+        del model, x
+        free_memory()
+        return {"ok": result.ok, "parity_len": length, "oom_at": too_long, "dtype": str(dtype).removeprefix("torch."),
+                "selection_exercised": length > SEED.n_selected * SEED.sel_block, "summary": result.summary(),
+                "worst": [r.as_dict() for r in (result.failures() or result.rows)[:5]]}
+    if not too_long:
+        return {"ok": None, "parity_len": None, "oom_at": [],
+                "detail": f"seq-len {length} is below --parity-min-len {args.parity_min_len}"}
+    return {"ok": None, "parity_len": None, "oom_at": too_long,
+            "detail": f"the float64 oracle ran out of memory down to seq-len {too_long[-1]}"}
+
+
+def parity_sentence(p: dict) -> str:
+    if p["ok"] is None:
+        return f"parity: not checked ({p['detail']})"
+    if "detail" in p:
+        return f"parity at seq-len {p['parity_len']}: FAIL ({p['detail']})"
+    where = f"{p['dtype']}, batch 1, seq-len {p['parity_len']}"
+    if p["oom_at"]:
+        where += f"; the float64 oracle did not fit at {', '.join(map(str, p['oom_at']))}"
+    if not p["selection_exercised"]:
+        where += "; every candidate block is selected at this length (top-n choice not exercised)"
+    return f"parity of the first step (output, every gradient vs float64; {where}): {'PASS' if p['ok'] else 'FAIL'}"
+
+
+def run_model(name: str, args, device: torch.device, env: dict, run: str) -> dict:
+    """Time and check one model, print its progress, append and return its record."""
+    started = time.perf_counter()
+    print(f"\n{name}: optimize, {args.batch} x {args.seq_len}, {args.warmup} warm-up and {args.steps} timed "
+          f"steps ...", flush=True)
+    record = {"record": "corpus", **env, "run": run, "model": name, "seq_len": args.seq_len, "batch": args.batch,
+              "compiler": args.compiler, **time_model(name, args, device)}
+    if record["status"] == "ok":
+        print(f"  {record['tok_s']:,.0f} tok/s, step {record['step_ms']:.1f} ms, first step "
+              f"{record['first_step_s']:.1f} s" + ("" if record["peak_gib"] is None else
+                                                    f", peak {record['peak_gib']:.2f} GiB"), flush=True)
+    else:
+        print(f"  {record['status']}: {record['detail']}", flush=True)
+    if record["coverage"] is not None:
+        print(f"  rewritten {record['rewritten']}/{len(REWRITES)}: {record['coverage']}", flush=True)
+    print("  parity ...", flush=True)
+    record["parity"] = parity_of(name, args, device)
+    record["seconds"] = round(time.perf_counter() - started, 1)
+    print(f"  {parity_sentence(record['parity'])}", flush=True)
+    for line in record["parity"].get("summary", []):
+        print(f"  {line}")
+    if record["parity"]["ok"] is False and record["parity"].get("worst"):
+        print(tabulate([[r["name"], f"{r['err_optimized']:.2e}", f"{r['err_eager']:.2e}", f"{r['bar']:.2e}"]
+                        for r in record["parity"]["worst"]],
+                       headers=["tensor (worst first)", "optimized err", "eager err", "bar"], tablefmt="github",
+                       disable_numparse=True))
+    print(f"  ({record['seconds']:.0f} s)", flush=True)
+    append_record(args.out, record)
+    return record
+
+
+# --- the table ------------------------------------------------------------------------------------
+
+
+def ratio_cell(record: dict, reference: dict | None) -> str:
+    """tok/s over the same run's reference, only where both ran and passed parity; a model out of
+    memory where the reference ran misses the target whatever its parity."""
+    if record["model"] == REFERENCE:
+        return "1.00x" if record["status"] == "ok" else "-"
+    if reference is None or reference["status"] != "ok":
+        return "-"
+    if record["status"] == "OOM":  # the target: it fits wherever the reference fits
+        return "OOM: missed"
+    if record["status"] != "ok":
+        return "-"
+    if record["parity"]["ok"] is None or reference["parity"]["ok"] is None:
+        return "n/a (no parity)"
+    if not (record["parity"]["ok"] and reference["parity"]["ok"]):
+        return "n/a (parity failed)"
+    ratio = record["tok_s"] / reference["tok_s"]
+    return f"{ratio:.2f}x ({'met' if ratio >= TARGET_RATIO else 'missed'})"
+
+
+def parity_cell(p: dict) -> str:
+    if p["ok"] is None:
+        return "not checked"
+    return f"{'PASS' if p['ok'] else 'FAIL'} (S {p['parity_len']})"
+
+
+def cell(record: dict, key: str, fmt: str) -> str:
+    """A timed value, or the record's status where it did not run ('OOM', 'error'), or '-'."""
+    if record["status"] != "ok":
+        return record["status"]
+    return "-" if record.get(key) is None else fmt.format(record[key])
+
+
+def table_rows(records: list[dict]) -> list[list[str]]:
+    """One row per record (each against the reference of its own run)."""
+    references = {r["run"]: r for r in records if r["model"] == REFERENCE}
+    rows = []
+    for r in records:
+        rewritten = "-" if r["rewritten"] is None else f"{r['rewritten']}/{len(REWRITES)}"
+        rows.append([r["model"], rewritten, cell(r, "tok_s", "{:,.0f}"), cell(r, "step_ms", "{:.1f}"),
+                     cell(r, "first_step_s", "{:.1f}"), cell(r, "peak_gib", "{:.2f}"),
+                     ratio_cell(r, references.get(r["run"])), parity_cell(r["parity"])])
+    return rows
+
+
+def print_table(records: list[dict]) -> None:
+    """The table, one per card, torch version and shape (numbers of different groups are not compared)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["card"], r["torch"], r["seq_len"], r["batch"], r["compiler"]), []).append(r)
+    for (card, version, seq_len, batch, compiler), group in groups.items():
+        dates = sorted(r["date"][:10] for r in group)
+        span = dates[0] + (f" to {dates[-1]}" if dates[-1] != dates[0] else "")
+        print(f"\ncorpus at the seed shape: {card}, torch {version}, {span}, S {seq_len} x batch {batch}, "
+              f"optimize ({compiler}); target: >= {TARGET_RATIO}x the reference's tok/s of the same run")
+        print(tabulate(table_rows(group), headers=HEADERS, tablefmt="github", disable_numparse=True))
+
+
+def latest(records: list[dict]) -> list[dict]:
+    """The latest record of each model per run group (file order is time order), runs kept in order."""
+    kept: dict[tuple, dict] = {}
+    for r in records:
+        if r.get("record") == "corpus":
+            kept[(r["run"], r["model"])] = r
+    return list(kept.values())
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def model_names(text: str | None) -> list[str]:
+    """The corpus file stems named in --models (stems or file names; default all)."""
+    stems = [m.removesuffix(".py") for m in MODELS]
+    if text is None:
+        return stems
+    names = [n.strip().removesuffix(".py") for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in stems]
+    if unknown or not names:
+        raise ValueError(f"unknown corpus model(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(stems)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=None, help="comma-separated corpus file stems (default: all); the "
+                                                   "reference always runs first")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--seq-len", type=int, default=2048, help="default %(default)s (the seed shape)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help=f"default {DEFAULT_TOKENS_PER_STEP} // seq-len (bench_e2e's tokens per step)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (default %(default)s)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (default %(default)s)")
+    ap.add_argument("--compiler", default="inductor", help="optimize's compiler (nsa_compile.config.COMPILERS)")
+    ap.add_argument("--parity-len", type=int, default=choice_length(SEED),
+                    help="the longest parity length to try (default %(default)s: the seed's choice_length; "
+                         "at most --seq-len)")
+    ap.add_argument("--parity-min-len", type=int, default=64, help="give up on parity below this length")
+    ap.add_argument("--no-parity", action="store_true", help="skip parity (ratios then print n/a)")
+    ap.add_argument("--out", default=None, help="append JSON-line records here")
+    ap.add_argument("--report-only", action="store_true", help="run nothing: the table of --out's records")
+    args = ap.parse_args(argv)
+    if args.report_only and not args.out:
+        ap.error("--report-only needs --out (the records to tabulate)")
+    try:
+        args.models = model_names(args.models)
+        config_for(args.compiler)
+    except ValueError as err:
+        ap.error(str(err))
+    if min(args.steps, args.seq_len, args.parity_len, args.batch or 1) < 1 or args.warmup < 0:
+        ap.error("--steps, --seq-len, --batch and --parity-len must be positive, --warmup >= 0")
+    args.batch = args.batch or max(1, DEFAULT_TOKENS_PER_STEP // args.seq_len)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.report_only:
+        print_table(latest(load_records(args.out)))
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_corpus: --device cuda, but no CUDA GPU is available")
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    env = environment(device, "python3 tools/bench_corpus.py " + shlex.join(argv))
+    run = f"{env['date']} pid {os.getpid()}"
+    print(f"{env['date']}  {env['card']}  torch {env['torch']}  triton {env['triton']}")
+    print(f"$ {env['command']}")
+    print(f"{len(args.models)} corpus model(s) and the reference at {args.batch} x {args.seq_len}, "
+          f"optimize ({args.compiler})", flush=True)
+    warm_up_compiler(device)
+    records = [run_model(name, args, device, env, run) for name in (REFERENCE, *args.models)]
+    print_table(records)
+    failed = any(r["status"] == "error" or r["parity"]["ok"] is False for r in records)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
