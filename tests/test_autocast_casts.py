@@ -1,0 +1,132 @@
+"""canonicalize's autocast rule (passes/autocast_casts.py): autocast's casts written into the graph.
+
+On the CPU, autocast runs matmuls in bf16 (so the rule fires on them here); its float32 softmax is
+CUDA's policy, so that branch is tested on a captured graph whose softmax value is set to what
+CUDA autocast records (float32 from bf16 scores), and on the GPU by tests/test_corpus.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from helpers import FAST, optimize_fresh, row
+
+import nsa_compile
+from nsa_compile.fx import op_name, value
+from nsa_compile.passes.autocast_casts import explicit_autocast
+
+B, H, S, D, W = 2, 4, 24, 8, 5
+
+
+class MixedWindow(nn.Module):
+    """Sliding-window attention whose q comes from a Linear (bf16 under autocast) and whose k, v are
+    the input itself (float32): eager autocast casts k to bf16 in `q @ k^T`, and p (float32) and v
+    in `p @ v`. Without the casts in the graph the window pass sees q and k of two dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(D, D, bias=False)
+
+    def forward(self, x):  # x [B, H, S, D]
+        q = self.q(x)
+        scores = (q @ x.transpose(-1, -2)).float() * D**-0.5
+        t = torch.arange(S, device=x.device)
+        keep = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < W)
+        p = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+        return p @ x
+
+
+def autocast_run(module, x, config):
+    """(eager output, optimized output, their input gradients) under CPU bf16 autocast."""
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    optimized = optimize_fresh(copy.deepcopy(module), config)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = module(xs[0]), optimized(xs[1])
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(3)).to(want.dtype)
+    return want, got, torch.autograd.grad(want, xs[0], grad)[0], torch.autograd.grad(got, xs[1], grad)[0], optimized
+
+
+def test_autocast_matmul_casts_are_written_and_the_window_pass_then_fires():
+    x = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(0))
+    want, got, gwant, ggot, optimized = autocast_run(MixedWindow(), x, FAST)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(ggot, gwant, rtol=2e-2, atol=2e-2)
+    canon = row(optimized, "canonicalize")
+    autocast = [m for m in canon["kernels"] if m.startswith("autocast:")]
+    assert len(autocast) == 2, canon["kernels"]  # q @ k^T (k cast) and p @ v (p and v cast)
+    assert "of transpose float32 written" in autocast[0]  # k^T; q is the Linear's bf16
+    assert "of p float32, l_x_ float32 written" in autocast[1]
+    assert row(optimized, "window_attention")["matches"] == 1
+
+
+def test_without_autocast_the_rule_leaves_the_graph_alone():
+    x = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(1))
+    module = MixedWindow()
+    optimized = optimize_fresh(copy.deepcopy(module), FAST)
+    torch.testing.assert_close(optimized(x), module(x), rtol=1e-5, atol=1e-5)
+    kernels = row(optimized, "canonicalize")["kernels"]
+    assert not any(k.startswith("autocast:") for k in kernels), kernels
+    assert row(optimized, "window_attention")["matches"] == 1
+
+
+def captured(fn, *inputs) -> fx.GraphModule:
+    """The Dynamo graph of fn (with its fake values), under CPU bf16 autocast."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+    (gm,) = graphs
+    return gm
+
+
+def softmax_node(gm: fx.GraphModule) -> fx.Node:
+    (node,) = [n for n in gm.graph.nodes if op_name(n) == "softmax"]
+    return node
+
+
+@pytest.mark.parametrize("spelling", ["function", "method"])
+def test_a_softmax_that_autocast_runs_in_float32_gets_its_cast_up(spelling):
+    def fn(q, k):
+        s = q @ k.transpose(-1, -2)
+        return torch.softmax(s, dim=-1) if spelling == "function" else s.softmax(-1)
+
+    q, k = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
+    gm = captured(fn, q, k)
+    node = softmax_node(gm)
+    scores = node.args[0]
+    assert value(scores).dtype == torch.bfloat16 and value(node).dtype == torch.bfloat16  # the CPU's policy
+    with value(node).fake_mode:  # what CUDA autocast records: float32 probabilities from bf16 scores
+        node.meta["example_value"] = value(node).float()
+    what = explicit_autocast(gm.graph, node)
+    assert what is not None and what.startswith("autocast: softmax computes in float32")
+    cast = node.args[0]
+    assert op_name(cast) == "to" and cast.args == (scores, torch.float32) and value(cast).dtype == torch.float32
+    gm.graph.lint()
+    gm.recompile()
+    inputs = {"L_q_": q, "L_k_": k}
+    (got,) = gm(*(inputs[n.target] for n in gm.graph.nodes if n.op == "placeholder"))
+    torch.testing.assert_close(got, torch.softmax((q @ k.transpose(-1, -2)).float(), dim=-1))
+
+
+def test_a_softmax_with_a_dtype_argument_or_no_dtype_change_is_left_alone():
+    def with_dtype(q, k):
+        return torch.softmax(q @ k.transpose(-1, -2), dim=-1, dtype=torch.float32)
+
+    q, k = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
+    gm = captured(with_dtype, q, k)
+    before = str(gm.graph)
+    assert explicit_autocast(gm.graph, softmax_node(gm)) is None
+    assert str(gm.graph) == before
+    gm = captured(lambda q, k: torch.softmax(q @ k.transpose(-1, -2), dim=-1), q, k)  # bf16 -> bf16
+    before = str(gm.graph)
+    assert explicit_autocast(gm.graph, softmax_node(gm)) is None
+    assert str(gm.graph) == before
