@@ -19,6 +19,11 @@ The normal form, anchored at the softmax of attention scores:
 
 Rules, in the order they run:
 
+autocast
+    The casts autocast makes when the graph runs (a matmul's operands to bf16, a softmax's input
+    up to float32 on CUDA), read from the recorded dtypes and written as `.to()` nodes, so that the
+    rules below and the passes see the dtypes the eager code computes in (passes/autocast_casts.py).
+
 sdpa
     `F.scaled_dot_product_attention(q, k, v, attn_mask=m[, scale=c][, enable_gqa=True])` becomes
     the normal form by SDPA's definition (softmax(q k^T * c + m) v, a bool m keeping True, K/V
@@ -141,6 +146,7 @@ from nsa_compile.fx import size as size_of
 from nsa_compile.rewrite import PassContext, RewritePass
 
 from . import compressed_attention as cmp
+from .autocast_casts import explicit_autocast
 from .window_attention import CONSTANT_POSITIONS
 
 INF = float("inf")
@@ -1585,7 +1591,7 @@ class Canonicalize(RewritePass):
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         subgraphs = cmp.PositionSubgraphs()  # position masks evaluated once per structure (the layers share them)
-        rules = (("sdpa", SDPADecomposition(subgraphs)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort),
+        rules = (("autocast", explicit_autocast), ("sdpa", SDPADecomposition(subgraphs)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort),
                  ("softmax", handwritten_softmax), ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("key_layout", key_transpose),
                  ("gqa_layout", layout_past_copy), ("scores", ScoreChains(subgraphs)),
                  ("empty_rows", EmptyRows(subgraphs)))
