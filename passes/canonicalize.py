@@ -146,7 +146,7 @@ from nsa_compile.fx import size as size_of
 from nsa_compile.rewrite import PassContext, RewritePass
 
 from . import compressed_attention as cmp
-from .autocast_casts import explicit_autocast
+from .autocast_casts import ExplicitAutocast
 from .window_attention import CONSTANT_POSITIONS
 
 INF = float("inf")
@@ -1591,7 +1591,7 @@ class Canonicalize(RewritePass):
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         subgraphs = cmp.PositionSubgraphs()  # position masks evaluated once per structure (the layers share them)
-        rules = (("autocast", explicit_autocast), ("sdpa", SDPADecomposition(subgraphs)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort),
+        rules = (("autocast", ExplicitAutocast()), ("sdpa", SDPADecomposition(subgraphs)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort),
                  ("softmax", handwritten_softmax), ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("key_layout", key_transpose),
                  ("gqa_layout", layout_past_copy), ("scores", ScoreChains(subgraphs)),
                  ("empty_rows", EmptyRows(subgraphs)))

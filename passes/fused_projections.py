@@ -95,7 +95,6 @@ reason shown by `explain`:
 from __future__ import annotations
 
 import heapq
-import inspect
 import math
 import operator
 from dataclasses import dataclass
@@ -112,6 +111,10 @@ from nsa_compile.ops import rope_triton
 from nsa_compile.ops.rope import choose_backend, rotate, why_not_triton
 from nsa_compile.rewrite import Match, PassContext, RewritePass
 from nsa_compile.sizes import Sizes, is_size
+
+from .autocast_casts import ENTER_AUTOCAST as _ENTER_AUTOCAST
+from .autocast_casts import EXIT_AUTOCAST as _EXIT_AUTOCAST
+from .autocast_casts import AutocastRegions
 
 MAX_PIECES = rope_triton.MAX_PIECES
 # The probe evaluates the RoPE subgraph at the real shape, in float64, on the graph's device:
@@ -141,10 +144,6 @@ _VIEW_OPS = {
 _SPLIT_OPS = {"split", "chunk", "unbind", "tensor_split", "split_with_sizes"}
 # Table-side ops that must not be moved before the first projection (random, in place).
 _IMPURE_WORDS = ("rand", "dropout", "bernoulli", "normal", "uniform", "manual_seed")
-# What Dynamo records for a `with torch.autocast(...)` inside the compiled code (2.11 and 2.13).
-_ENTER_AUTOCAST = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
-_EXIT_AUTOCAST = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
-_AUTOCAST_SIGNATURE = inspect.signature(torch.amp.autocast)
 
 
 def shape_at(node: fx.Node, what: str, sizes: Sizes) -> tuple[int, ...]:
@@ -162,62 +161,6 @@ def static_shape(node: fx.Node, what: str) -> tuple[int, ...]:
     if not all(is_concrete_int(d) for d in val.shape):
         raise Refused(f"the {what} has symbolic sizes {tuple(val.shape)} (dynamic shapes): not verified yet")
     return tuple(int(d) for d in val.shape)
-
-
-class AutocastRegions:
-    """The autocast state, per device type, that each linear of a graph runs under: the ambient
-    state the graph is compiled under (AOTAutograd traces the graph under it), changed by the
-    graph's own `_enter_autocast` / `_exit_autocast` nodes. A state is (enabled, dtype), or None
-    where the pass cannot read it (an enter node whose arguments do not bind)."""
-
-    UNKNOWN = "?"  # key of a state in which no device's autocast is known
-
-    def __init__(self, graph: fx.Graph):
-        self.at: dict[fx.Node, dict] = {}
-        current: dict = {}  # device type -> (enabled, dtype) set by enter nodes; absent: ambient
-        before: dict[fx.Node, dict] = {}
-        for node in graph.nodes:
-            if node.op != "call_function":
-                continue
-            if _ENTER_AUTOCAST is not None and node.target is _ENTER_AUTOCAST:
-                before[node] = current
-                current = self.entered(current, node)
-            elif _EXIT_AUTOCAST is not None and node.target is _EXIT_AUTOCAST:
-                enter = node.args[0] if node.args else None
-                current = before.get(enter, {self.UNKNOWN: None})
-            elif op_name(node) == "linear":
-                self.at[node] = current
-
-    @staticmethod
-    def ambient(device: str) -> tuple[bool, torch.dtype] | None:
-        try:
-            return torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
-        except (RuntimeError, TypeError, ValueError):  # a device type autocast does not know
-            return None
-
-    def state(self, node: fx.Node, device: str) -> tuple[bool, torch.dtype] | None:
-        current = self.at.get(node, {self.UNKNOWN: None})
-        if self.UNKNOWN in current:
-            return None
-        return current[device] if device in current else self.ambient(device)
-
-    def entered(self, current: dict, node: fx.Node) -> dict:
-        """The state inside `torch.autocast(*node.args, **node.kwargs)` entered in `current`."""
-        try:
-            bound = _AUTOCAST_SIGNATURE.bind(*node.args, **node.kwargs)
-        except TypeError:
-            return {self.UNKNOWN: None}
-        bound.apply_defaults()
-        device, dtype, enabled = (bound.arguments[k] for k in ("device_type", "dtype", "enabled"))
-        if not isinstance(device, str) or not isinstance(enabled, bool) or \
-                not (dtype is None or isinstance(dtype, torch.dtype)):
-            return {self.UNKNOWN: None}
-        outer = current[device] if device in current else self.ambient(device)
-        if dtype is None:  # torch.autocast keeps the dtype in effect when given none
-            if outer is None:
-                return {self.UNKNOWN: None}
-            dtype = outer[1]
-        return {**current, device: (enabled, dtype)}
 
 
 def check_linear(linear: fx.Node, regions: AutocastRegions) -> tuple[fx.Node, fx.Node | None, torch.dtype]:

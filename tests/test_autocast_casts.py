@@ -17,7 +17,7 @@ from helpers import FAST, optimize_fresh, row
 
 import nsa_compile
 from nsa_compile.fx import op_name, value
-from nsa_compile.passes.autocast_casts import explicit_autocast
+from nsa_compile.passes.autocast_casts import ExplicitAutocast
 
 B, H, S, D, W = 2, 4, 24, 8, 5
 
@@ -106,7 +106,9 @@ def test_a_softmax_that_autocast_runs_in_float32_gets_its_cast_up(spelling):
     assert value(scores).dtype == torch.bfloat16 and value(node).dtype == torch.bfloat16  # the CPU's policy
     with value(node).fake_mode:  # what CUDA autocast records: float32 probabilities from bf16 scores
         node.meta["example_value"] = value(node).float()
-    what = explicit_autocast(gm.graph, node)
+    assert ExplicitAutocast()(gm.graph, node) is None  # compiled without autocast: not autocast's cast
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the state the passes run under inside the compile
+        what = ExplicitAutocast()(gm.graph, node)
     assert what is not None and what.startswith("autocast: softmax computes in float32")
     cast = node.args[0]
     assert op_name(cast) == "to" and cast.args == (scores, torch.float32) and value(cast).dtype == torch.float32
@@ -124,9 +126,32 @@ def test_a_softmax_with_a_dtype_argument_or_no_dtype_change_is_left_alone():
     q, k = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
     gm = captured(with_dtype, q, k)
     before = str(gm.graph)
-    assert explicit_autocast(gm.graph, softmax_node(gm)) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ExplicitAutocast()(gm.graph, softmax_node(gm)) is None
     assert str(gm.graph) == before
     gm = captured(lambda q, k: torch.softmax(q @ k.transpose(-1, -2), dim=-1), q, k)  # bf16 -> bf16
     before = str(gm.graph)
-    assert explicit_autocast(gm.graph, softmax_node(gm)) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ExplicitAutocast()(gm.graph, softmax_node(gm)) is None
+    assert str(gm.graph) == before
+
+
+def test_an_einsum_that_promotes_two_dtypes_without_autocast_is_not_autocasts_doing():
+    """An outer-product einsum of bf16 and float32 operands (a mul) promotes to float32 in eager
+    PyTorch: outside autocast the rule writes no cast (canonicalize's einsum rule then refuses the
+    two dtypes, as before)."""
+    a, b = torch.randn(5).bfloat16(), torch.randn(3)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda a, b: torch.einsum("i,j->ij", a, b), backend=backend, fullgraph=True)(a, b)
+    (gm,) = graphs
+    (node,) = [n for n in gm.graph.nodes if op_name(n) == "einsum"]
+    assert value(node).dtype == torch.float32
+    before = str(gm.graph)
+    assert ExplicitAutocast()(gm.graph, node) is None
     assert str(gm.graph) == before
