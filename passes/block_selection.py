@@ -65,7 +65,12 @@ serves every layer with the same subgraphs.
 Symbolic sizes: a graph Dynamo compiled with S as a symbol is checked as above (the compressed
 probabilities with compressed_attention's checks) at each probe size, the size nodes (s27, the
 key's width as a sym_max) as their numbers: a check on probe sizes, not a proof for every S. The
--inf padding and past_end may then be size nodes; the op's arguments hold no size.
+-inf padding and past_end may then be size nodes; the op's arguments hold no size. A top-k of
+`min(n, Ns)` blocks (the model's `topk(min(n, blocks))`, torch.sym_min(n, Ns) at symbolic sizes:
+fewer than n columns where S < n l') takes n for the op, whose ids are then cut to the model's
+`[..., :min(n, Ns)]`: exact at every S, since the op's ids past Ns are -1 (fla's rule and the
+paper's alike: at most Ns blocks exist to choose), so the cut keeps eager's ids (block ids that a
+selected branch then reads with n = min(n, Ns): selection_attention gives its op all n).
 
 Becomes `torch.ops.nsa.select_blocks(q, k_cmp, lse, l, d, l', n, c, backend[, pos])` (nsa_compile/ops/
 block_select.py), [B, G, S, n] int64. The importance chain, the sorts and then, once nothing
@@ -89,7 +94,7 @@ Refuses (graph unchanged), with the reason shown by `explain`:
 - symbolic sizes (dynamic shapes): a key or block map that differs from NSA's at one of the probe
   sizes (`Sizes.probes`: the sizes Dynamo saw, then every symbol +1 and +19; the reason names
   them), an l' that is not one number at all of them (any l' >= S serves a probe with one
-  selection block), a number of block ids that depends on S; packed documents (pos) at symbolic
+  selection block), a number of block ids that depends on S other than min(n, Ns); packed documents (pos) at symbolic
   sizes (compressed_attention refuses them: no lse).
 - a key over an unmasked softmax whose +-inf fills hide no block after block 0 in any query row
   (t = 0 then ranks blocks of later tokens: the choice reads the future, non-causal; the masks are
@@ -125,6 +130,8 @@ KERNEL = ("nsa.select_blocks[{backend}] (l'={block}, n={n}{packed}, from the com
           "probabilities{note}{why})")
 # On every topk match: the op's choice is one of the results topk may give, not necessarily eager's.
 TOPK_NOTE = "; torch.topk: ties at the n-th place go to the lower block (eager's topk leaves them unspecified)"
+# A top-k of min(n, Ns) blocks at symbolic sizes: the op takes n, its ids cut to the model's number.
+CLAMP_NOTE = "; the model's top-k of min({n}, Ns) blocks: the op's ids past Ns are -1, cut off"
 # Per-head selection (no group sum): every query head is a group of one for the op.
 PER_HEAD = (", per query head (each head its own group: the compressed keys repeated x{h} per query head, "
             "a [B, H, Tc, Dk] copy)")
@@ -163,10 +170,25 @@ def always(condition) -> bool:
     return bool(condition) if isinstance(condition, bool) else statically_known_true(condition)
 
 
-def kept_columns(out: torch.Tensor | None, n: int, width) -> int:
+def clamped_count(k, width) -> int | None:
+    """n when a top-k's k is min(n, width) as a size node (torch.sym_min(n, W): a model's
+    `min(n, blocks)` at symbolic sizes), n a positive constant and W the key's width; else None."""
+    if not isinstance(k, fx.Node) or op_name(k) != "sym_min" or len(k.args) != 2 or k.kwargs:
+        return None
+    n, other = k.args if isinstance(k.args[0], int) else k.args[::-1]
+    other = size_of(other)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or other is None or not cmp.same(other, width):
+        return None
+    return n
+
+
+def kept_columns(out: torch.Tensor | None, n: int, width, clamp: fx.Node | None = None) -> int:
     """The number of block ids, out.shape[-1], when it is min(n, width) (width: the key's, a SymInt
-    under symbolic sizes, where it must be n and the width at least n at every size)."""
+    under symbolic sizes, where it must be n and the width at least n at every size, unless the
+    top-k took `clamp` = min(n, width) blocks: then n)."""
     m = None if out is None or out.dtype != torch.int64 else out.shape[-1]
+    if clamp is not None and m is not None and cmp.same(m, size_of(clamp)):
+        return n
     if isinstance(m, int) and (m == min(n, width) if isinstance(width, int) else m == n and always(width >= n)):
         return m
     raise Refused("the block ids are not int64 [B, G, S, n]" + ("" if isinstance(m, int) or m is None else
@@ -489,6 +511,8 @@ class BlockSelection(RewritePass):
             # with one selection block every l' >= S selects the same: say so rather than print S
             block = plan["block"] if plan["Ns"] > 1 else f">={plan['block']}"
             note = TOPK_NOTE if op_name(node) == "topk" else ""
+            if plan["clamp"] is not None:
+                note += CLAMP_NOTE.format(n=plan["n"])
             packed = ", packed documents (pos)" if plan["pos"] is not None else ""
             if plan.get("per_head", 1) > 1:
                 packed += PER_HEAD.format(h=plan["per_head"])
@@ -563,7 +587,7 @@ class BlockSelection(RewritePass):
             raise Refused(f"the compressed probabilities are also used by {names}: the [B, H, S, Tc] tensor stays, "
                           "and the selection reads it as it is")
         # forward from the sort or topk: values/indices -> first n -> > -inf filter -> ascending sort -> -1 padding
-        n, tail = self.read_choice(ranking, Ns, width)
+        n, tail, clamp = self.read_choice(ranking, Ns, width)
         final = tail[0]
         if op_name(final) == "where" and final.args[2] == -1:
             read_as_sets(final, requested_selection(ranking))
@@ -584,7 +608,7 @@ class BlockSelection(RewritePass):
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(block_select_backend={requested!r}): {why}") from None
         return {"probs": probs, "op": op, "final": final, "block": block, "Ns": sizes.int(Ns), "n": n, "l": l, "d": d,
-                "backend": backend, "pos": pos, "rule": "nsa", "q": probs.q, "k": probs.k, "tiled": None,
+                "backend": backend, "pos": pos, "rule": "nsa", "q": probs.q, "k": probs.k, "tiled": None, "clamp": clamp,
                 "per_head": per_head,
                 "chain": tail + [ranking] + ([padded] if padded is not key else []) + chain,
                 "roots": [overlap, forced_fill[1], cand_fill[1], p],
@@ -659,7 +683,7 @@ class BlockSelection(RewritePass):
         if [u for u in p.users if u is not favoured]:
             raise Refused("the compressed probabilities are also used other than by the selection: the [B, H, S, Tc] "
                           "tensor stays")
-        n, final, ids, tail = self.read_fla_choice(ranking, Ns)
+        n, final, ids, tail, clamp = self.read_fla_choice(ranking, Ns)
         for probe in sizes.probes():  # the favoured block and the -1 rule, evaluated at every probe size
             try:
                 self.verify_fla(subgraphs.at(probe), probe, (S, Ns), value(ids).shape, fill_mask, fill_sense,
@@ -677,7 +701,7 @@ class BlockSelection(RewritePass):
         except ValueError as why:
             raise Refused(f"OptimizeConfig(block_select_backend={requested!r}): {why}") from None
         return {"probs": probs, "op": op, "final": final, "block": l, "Ns": sizes.int(Ns), "n": n, "l": l, "d": d,
-                "backend": backend, "pos": None, "rule": "fla", "q": q_sel, "k": k_sel,
+                "backend": backend, "pos": None, "rule": "fla", "q": q_sel, "k": k_sel, "clamp": clamp,
                 "tiled": (h, G) if tiled_groups and h > 1 else None,
                 "chain": tail + [ranking] + chain, "roots": [fill_mask, p],
                 "why_not_triton": why_not_triton(*fakes, None, "fla") if requested == "auto"
@@ -687,13 +711,16 @@ class BlockSelection(RewritePass):
     def read_fla_choice(ranking: fx.Node, Ns) -> tuple:
         """topk(key, n, dim=-1).indices, then x.masked_fill(mask(x), -1) (or torch.where(mask, -1, x))
         -> (n, the filled ids, the topk ids, [the nodes after the topk that read the ids, consumers
-        first]); the mask is checked by `verify_fla`."""
+        first], the size node min(n, Ns) where the topk takes that many: `clamped_count`); the mask
+        is checked by `verify_fla`."""
         if op_name(ranking) != "topk":
             raise Refused("fla's rule (the current block favoured) is ranked by torch.topk only")
         k, dim, largest = arg(ranking, 1, "k"), arg(ranking, 2, "dim", -1), arg(ranking, 3, "largest", True)
         if largest is not True or not isinstance(dim, int) or dim % 4 != 3:
             raise Refused("torch.topk does not take the largest keys over the blocks (the key's last dim)")
-        if not isinstance(k, int) or k < 1 or not always(Ns >= k):
+        clamp = k if clamped_count(k, Ns) is not None else None
+        k = clamped_count(k, Ns) or k
+        if not isinstance(k, int) or k < 1 or not (clamp is not None or always(Ns >= k)):
             raise Refused(f"torch.topk's k is {k}, not a positive constant at most the number of blocks")
         items = item_users(ranking, "torch.topk")
         values = items.pop(0, None)
@@ -713,8 +740,8 @@ class BlockSelection(RewritePass):
                 raise Refused(f"{node.name}, computed from the chosen blocks, is used outside the -1 mask")
         order = {node: i for i, node in enumerate(ranking.graph.nodes)}
         between_order = sorted(between, key=order.get, reverse=True)
-        kept_columns(value(final), k, Ns)
-        return k, final, ids, [final, *between_order, ids] + ([values] if values is not None else [])
+        kept_columns(value(final), k, Ns, clamp)
+        return k, final, ids, [final, *between_order, ids] + ([values] if values is not None else []), clamp
 
     @staticmethod
     def verify_fla(subgraphs, sizes: Sizes, dims: tuple, ids_shape, fill_mask: fx.Node, fill_sense: bool,
@@ -768,9 +795,9 @@ class BlockSelection(RewritePass):
         return first_arg(padded), end
 
     @staticmethod
-    def read_sort(sort: fx.Node) -> tuple[int, list[fx.Node]]:
+    def read_sort(sort: fx.Node) -> tuple[int, list[fx.Node], None]:
         """torch.sort(key, dim=-1, descending=True, stable=True), both cut to [..., :n]
-        -> (n, [first n keys, first n blocks, values, order])."""
+        -> (n, [first n keys, first n blocks, values, order], None)."""
         dim, descending = arg(sort, 1, "dim", -1), arg(sort, 2, "descending", False)
         if not isinstance(dim, int) or dim % 4 != 3 or descending is not True:
             raise Refused("the ranking key is not sorted in descending order over its last dim")
@@ -785,14 +812,17 @@ class BlockSelection(RewritePass):
         n = first_n(values_n)
         if n is None or first_n(order_n) != n or n < 1:
             raise Refused("the sorted values and order are not cut to the same first n columns")
-        return n, [values_n, order_n, values, order]
+        return n, [values_n, order_n, values, order], None
 
     @staticmethod
-    def read_topk(topk: fx.Node) -> tuple[int, list[fx.Node]]:
+    def read_topk(topk: fx.Node, width) -> tuple[int, list[fx.Node], fx.Node | None]:
         """torch.topk(key, n, dim=-1), each result optionally cut to [..., :m] with m >= n
-        -> (n, [top keys, top blocks, values, indices]). `sorted` does not matter: the chosen
-        blocks are sorted ascending afterwards (checked by the caller)."""
+        -> (n, [top keys, top blocks, values, indices], the size node min(n, width) where the
+        topk takes that many: `clamped_count`). `sorted` does not matter: the chosen blocks are
+        sorted ascending afterwards (checked by the caller)."""
         k, dim, largest = arg(topk, 1, "k"), arg(topk, 2, "dim", -1), arg(topk, 3, "largest", True)
+        clamp = k if clamped_count(k, width) is not None else None
+        k = clamped_count(k, width) or k
         if largest is not True:
             raise Refused("torch.topk(largest=False) takes the lowest-ranked blocks, not the n best")
         if not isinstance(dim, int) or dim % 4 != 3:
@@ -805,7 +835,7 @@ class BlockSelection(RewritePass):
         values, order = items[0], items[1]
         values_n = BlockSelection.whole_topk(values, k, "values", "the op returns the block ids, not the keys")
         order_n = BlockSelection.whole_topk(order, k, "indices", "it must stay as it is")
-        return k, [values_n, order_n, values, order]
+        return k, [values_n, order_n, values, order], clamp
 
     @staticmethod
     def whole_topk(item: fx.Node, k: int, what: str, why: str) -> fx.Node:
@@ -822,10 +852,13 @@ class BlockSelection(RewritePass):
         return user
 
     @staticmethod
-    def read_choice(ranking: fx.Node, Ns: int, width: int) -> tuple[int, list[fx.Node]]:
-        """The chain after the descending sort or topk -> (n, [block_idx, ..., values, order]) consumers first."""
-        read = BlockSelection.read_topk if op_name(ranking) == "topk" else BlockSelection.read_sort
-        n, head = read(ranking)
+    def read_choice(ranking: fx.Node, Ns: int, width: int) -> tuple[int, list[fx.Node], fx.Node | None]:
+        """The chain after the descending sort or topk -> (n, [block_idx, ..., values, order]
+        consumers first, the topk's k where it is min(n, width): `clamped_count`)."""
+        if op_name(ranking) == "topk":
+            n, head, clamp = BlockSelection.read_topk(ranking, width)
+        else:
+            n, head, clamp = BlockSelection.read_sort(ranking)
         values_n, order_n = head[0], head[1]
         valid = single(values_n, "first n keys")
         if (cmp.name_of(valid) not in ("gt", "ne") or len(valid.args) != 2 or valid.args[0] is not values_n
@@ -839,7 +872,7 @@ class BlockSelection(RewritePass):
         if single(order_n, "first n blocks") is not chosen:
             raise Refused("the first n blocks are used elsewhere")
         if isinstance(past_end, int) and past_end == -1:  # the blocks in rank order, -1 for the unchosen
-            return kept_columns(value(chosen), n, width), [chosen, valid, *head]
+            return kept_columns(value(chosen), n, width, clamp), [chosen, valid, *head], clamp
         if not always(past_end >= Ns):
             raise Refused(f"unchosen slots are marked {past_end}, which is a block id (< {Ns})")
         ascending = single(chosen, "chosen blocks")
@@ -865,7 +898,8 @@ class BlockSelection(RewritePass):
         filled = cmp.fill_of(final, -1)
         if filled is None or filled[0] is not ids or filled[1] is not eq or filled[2] is not True:
             raise Refused("the unchosen slots are not set to -1")
-        return kept_columns(value(final), n, width), [final, eq, ids, *dead, ascending, chosen, valid, *head]
+        return (kept_columns(value(final), n, width, clamp), [final, eq, ids, *dead, ascending, chosen, valid, *head],
+                clamp)
 
     @staticmethod
     def verify_key(subgraphs, S: int, Tc: int, Ns: int, forced_fill: tuple, cand_fill: tuple, forced_outside: bool,
@@ -893,8 +927,9 @@ class BlockSelection(RewritePass):
         the l' shown where a probe has two selection blocks or more must be one number, and every
         probe with one block (where any l' >= S selects the same) must be shorter than it; else
         Refused naming the sizes. dims: (S, Tc, Ns), SymInts under symbolic sizes."""
-        if not sizes.symbolic:
-            return BlockSelection.verify_key(subgraphs, *dims, forced_fill, cand_fill, forced_outside, overlap, l, d)
+        if not sizes.symbolic:  # (ints: a size a guard fixed may still be a SymInt of one number)
+            return BlockSelection.verify_key(subgraphs, *(sizes.int(x) for x in dims), forced_fill, cand_fill,
+                                             forced_outside, overlap, l, d)
         found = []  # (sizes, S, Ns, l') per probe
         for probe in sizes.probes():
             S, Tc, Ns = (probe.int(x) for x in dims)
@@ -959,6 +994,8 @@ class BlockSelection(RewritePass):
             plan["k"] = call(graph, torch.repeat_interleave, probs.k, plan["per_head"], 1, anchor=final)
         chosen = call(graph, torch.ops.nsa.select_blocks, q, plan["k"], lse, plan["l"], plan["d"], plan["block"],
                       plan["n"], probs.scale, plan["backend"], *packed, anchor=final, **rule)
+        if plan["clamp"] is not None:  # the model's min(n, Ns) ids: the op's ids past Ns are -1, cut off
+            chosen = call(graph, operator.getitem, chosen, (Ellipsis, slice(None, plan["clamp"])), anchor=final)
         final.replace_all_uses_with(chosen)
         # the selection chain, then what only it used: the masks, and the compressed branch's
         # probabilities and scores (the op computes o and the lse without them)

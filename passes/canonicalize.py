@@ -38,12 +38,17 @@ sdpa
     per-query SDPA ([B, H, S, 1, D] against gathered [B, H, S, n, D], the selected branch) with a
     bool mask, followed by `nan_to_num(p)` (SDPA's 0 for a row with no key, which the selected op
     gives too). Other masked SDPA calls stay (SDPA's own kernels are their fast path) with the
-    reason; `is_causal` without a mask is dense causal attention and is left alone.
+    reason; `is_causal` without a mask is dense causal attention and is left alone. At symbolic
+    sizes a prefix mask is written with the zero fill and `* keep` whether or not a probe shows an
+    empty row (exact either way), and a window within constant documents stays SDPA (its positions
+    would be constants of one length).
 
 grouped_heads
     5-D grouped attention, two einsums over q [.., G, h, ..] and K/V [.., G, ..] shared by a
     group's h heads (`'bghsd,bgtd->bghst'`, `'bsghd,bgcd->bsghc'`, `'bghsd,bgsnd->bghsn'`) with the
     masks, scale and softmax between them, becomes 4-D heads [B, G * h, S, ..] (see GroupedHeads).
+    G and h may be sizes at symbolic sizes (the blocks of a bucketed window as groups): the views
+    and the K/V repeat then take them from q (sym_size nodes).
 
 softmax
     A softmax written out, `e = exp(x - x.amax(d, keepdim=True)); p = e / e.sum(d, keepdim=True)`
@@ -78,6 +83,8 @@ gqa_expand
     h, ..).flatten(1, 2)`), becomes `x.repeat_interleave(h, dim=1)`: shapes show head g * h + r
     reads group g. Tiling, `x.repeat(1, h, 1, 1)` or `x[:, None].expand(B, h, G, ..)`, gives head
     r * G + g group g, another grouping: refused unless the tiled dim has size 1 (then the two agree).
+    At symbolic sizes the shapes are compared as sizes (equal for every value of the symbols); h
+    must be a number.
 
 key_layout
     Scores `q @ k.permute(0, 2, 3, 1)`, whose permute also swaps the last two dims, become
@@ -124,6 +131,17 @@ empty_rows
     False. For nan_to_num, empty = `~keep.any(-1, keepdim=True)`: the same rows for finite scores
     (nan_to_num would also zero a NaN from non-finite scores; the match says so). Where no row is
     empty (the mask evaluated), the fill is dropped instead.
+
+Symbolic sizes (Dynamo's compile after S changed, S a SymInt): the rules read shapes as sizes
+(compared with statically_known_true, never with == or bool(), which would add a guard) and give
+views their sizes from tensors (sym_size nodes). The masks that sdpa, scores and empty_rows
+evaluate are evaluated at each probe size (nsa_compile/sizes.py: the sizes Dynamo saw, then every
+symbol +1 and +19), the graph's size nodes given their numbers there, and a rule's decision must
+hold at every probe (a window or prefix mask at each, every row keeping a key at each for a finite
+fill, one fill of a bias): a check on probe sizes, as the passes' are; a refusal names the probe
+sizes where it failed. Before the rules, a size read from a K/V copy (`Tc = kc.shape[2]` of kc =
+x.repeat_interleave(h, 1), a number in a static graph) is read from x (times h on the copied dim),
+so that the copy serves its products only, as in a static graph (`sizes_off_copies`; not a match).
 """
 
 from __future__ import annotations
@@ -144,9 +162,11 @@ from nsa_compile.attention_match import LARGE_NEGATIVE, Refused, ancestors, eras
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.fx import size as size_of
 from nsa_compile.rewrite import PassContext, RewritePass
+from nsa_compile.sizes import Sizes, is_size
 
 from . import compressed_attention as cmp
 from .autocast_casts import ExplicitAutocast
+from .compressed_attention import same
 from .window_attention import CONSTANT_POSITIONS
 
 INF = float("inf")
@@ -163,11 +183,59 @@ def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def static_shape(node: fx.Node) -> tuple[int, ...] | None:
+def shape_of(node) -> tuple | None:
+    """A tensor node's shape: ints, and SymInts in a graph with symbolic sizes (compared with
+    `same` only, never with == or bool(): that would add a guard); None for anything else."""
     val = value(node)
-    if val is None or not all(isinstance(d, int) for d in val.shape):
-        return None
-    return tuple(val.shape)
+    return None if val is None else tuple(val.shape)
+
+
+def dims_of(graph: fx.Graph, x: fx.Node, anchor: fx.Node) -> list:
+    """x's sizes as a view's arguments: ints where static, sym_size nodes where symbolic."""
+    return [size_of(graph, x, d, anchor) for d in range(value(x).dim())]
+
+
+class ProbeMasks:
+    """Position masks evaluated at compile time (cmp.PositionSubgraphs, once per structure: the
+    layers share them) under each probe assignment of the graph's sizes (`Sizes.probes`: the one
+    assignment of a static graph; at symbolic sizes the sizes Dynamo saw, then every symbol +1 and
+    +19). A rule decides from every probe's values: a check on probe sizes, as the passes' are."""
+
+    def __init__(self):
+        self.sizes: Sizes | None = None
+        self.subgraphs: cmp.PositionSubgraphs | None = None
+        self.evaluators: list[cmp.PositionSubgraphs] = []
+
+    def read(self, graph: fx.Graph) -> None:
+        """Take the graph's sizes and size nodes (again: a rule may have added sym_size nodes);
+        the values already evaluated are kept (their cache key holds the sizes' numbers)."""
+        cache = self.subgraphs.cache if self.subgraphs is not None else None
+        self.sizes = Sizes.of(graph)
+        self.subgraphs = cmp.PositionSubgraphs(self.sizes)
+        if cache is not None:
+            self.subgraphs.cache = cache
+        self.evaluators = [self.subgraphs.at(probe) for probe in self.sizes.probes()]
+
+    @property
+    def symbolic(self) -> bool:
+        return self.sizes.symbolic
+
+    def each(self, fn) -> list:
+        """fn(evaluator) for the evaluator of every probe, in order (the same evaluator objects
+        until the next `read`); a refusal at a probe of a symbolic graph names its sizes."""
+        results = []
+        for at in self.evaluators:
+            try:
+                results.append(fn(at))
+            except Refused as why:
+                if not at.sizes.symbolic:
+                    raise
+                raise Refused(f"at the probe sizes {at.sizes.describe()}: {why}") from None
+        return results
+
+    def evaluate(self, node: fx.Node, what: str) -> list[tuple[Sizes, torch.Tensor]]:
+        """(probe sizes, the value of `node`) at every probe."""
+        return self.each(lambda at: (at.sizes, at.evaluate(node, what)))
 
 
 # --- einsum -------------------------------------------------------------------------------------
@@ -326,13 +394,13 @@ def einsum_to_matmul(graph: fx.Graph, node: fx.Node) -> str | None:
 
 
 def einsum_terms(node: fx.Node) -> tuple[list[str], str, list[fx.Node]] | None:
-    """(operand terms, output term, operands) of a two-operand einsum with static shapes, or None."""
+    """(operand terms, output term, operands) of a two-operand einsum of tensors, or None."""
     if op_name(node) != "einsum" or node.op != "call_function" or not node.args or not isinstance(node.args[0], str):
         return None
     operands = list(node.args[1:])
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = list(operands[0])
-    shapes = [static_shape(x) if isinstance(x, fx.Node) else None for x in operands]
+    shapes = [shape_of(x) for x in operands]
     if len(operands) != 2 or None in shapes:
         return None
     try:
@@ -403,33 +471,43 @@ class GroupedHeads:
                  if u not in region and u is not second and u not in zeros and order[u] < order[second]]
         if early:
             raise Refused(f"{early[0].name} reads the grouped chain before p @ v (not rewritten)")
-        G, heads = static_shape(q)[ta.index(g)], static_shape(q)[ta.index(h)]
+        G, heads = shape_of(q)[ta.index(g)], shape_of(q)[ta.index(h)]  # ints, or SymInts (e.g. blocks as groups)
         fresh = next(c for c in string.ascii_uppercase if c not in ta + tb + out + tp + tv + out2)
         merged = out.replace(g + h, fresh)  # the 4-D scores with the heads where the group was
         layout = heads_first(merged, fresh)  # ... and in the order the passes read
         anchor = second
+        # G, h and G * h as view (and repeat) arguments: ints, or sym_size nodes of q where symbolic
+        G_arg, h_arg = (size_of(graph, q, ta.index(c), anchor) for c in (g, h))
+        GH_arg = size_product(graph, q, (ta.index(g), ta.index(h)), anchor)
 
         def heads_of(x):
-            """An operand of the 5-D chain (it broadcasts against `out`) in the 4-D `layout`."""
-            shape = static_shape(x) if isinstance(x, fx.Node) else None
+            """An operand of the 5-D chain (it broadcasts against `out`) in the 4-D `layout`. Its
+            sizes other than the group and head dims enter views as ints or sym_size nodes."""
+            shape = shape_of(x)
             if shape is None:
-                raise Refused("an operand of the grouped chain is not a tensor of static shape")
-            full = (1,) * (5 - len(shape)) + shape
-            if full[pos : pos + 2] not in ((1, 1), (G, heads)):
-                sizes = list(full)
-                sizes[pos : pos + 2] = [G, heads]
-                x = call(graph, torch.Tensor.expand, call(graph, torch.reshape, x, list(full), anchor=anchor),
-                         sizes, anchor=anchor)
-                full = tuple(sizes)
-            four = list(full[:pos]) + [full[pos] * full[pos + 1]] + list(full[pos + 2:])
+                raise Refused("an operand of the grouped chain is not a tensor")
+            pad = 5 - len(shape)
+            grouped = [1] * pad + list(shape)  # x as 5-D
+            ones = all(same(a, 1) for a in grouped[pos : pos + 2])
+            if not ones and not all(same(a, b) for a, b in zip(grouped[pos : pos + 2], (G, heads))):
+                if not all(same(a, 1) or same(a, b) for a, b in zip(grouped[pos : pos + 2], (G, heads))):
+                    raise Refused("an operand of the grouped chain does not broadcast over the group and head dims")
+                if pad:
+                    x = call(graph, torch.reshape, x, [1] * pad + dims_of(graph, x, anchor), anchor=anchor)
+                    pad = 0
+                sizes = [-1] * 5
+                sizes[pos : pos + 2] = (G_arg, h_arg)
+                x = call(graph, torch.Tensor.expand, x, sizes, anchor=anchor)
             if len(shape) <= 5 - pos - 2 and layout == merged:
                 return x  # it does not reach the group and head dims, and the layout is kept
+            full = [1] * pad + dims_of(graph, x, anchor)  # x's sizes as 5-D view arguments
+            four = full[:pos] + [1 if ones else GH_arg] + full[pos + 2:]
             x = call(graph, torch.reshape, x, four, anchor=anchor)
             perm = [merged.index(c) for c in layout]
             return x if perm == sorted(perm) else call(graph, torch.permute, x, perm, anchor=anchor)
 
         qa = call(graph, torch.flatten, q, ta.index(g), ta.index(h), anchor=anchor)
-        ka = call(graph, torch.repeat_interleave, k, heads, tb.index(g), anchor=anchor)
+        ka = call(graph, torch.repeat_interleave, k, h_arg, tb.index(g), anchor=anchor)
         x = call(graph, torch.functional.einsum, f"{ta.replace(g + h, fresh)},{tb.replace(g, fresh)}->{layout}",
                  qa, ka, anchor=anchor)
         replaced = {product: x}
@@ -444,11 +522,11 @@ class GroupedHeads:
         # p @ v on the 4-D probabilities: their letters are E2's names for E1's output dims
         rename = dict(zip(out, tp))
         p_layout = "".join(fresh if c == fresh else rename[c] for c in layout)
-        va = call(graph, torch.repeat_interleave, v, heads, tv.index(g2), anchor=anchor)
+        va = call(graph, torch.repeat_interleave, v, h_arg, tv.index(g2), anchor=anchor)
         o_layout = heads_first(out2.replace(g2 + h2, fresh), fresh)
         o4 = call(graph, torch.functional.einsum, f"{p_layout},{tv.replace(g2, fresh)}->{o_layout}", x, va,
                   anchor=anchor)
-        o5 = call(graph, torch.unflatten, o4, o_layout.index(fresh), (G, heads), anchor=anchor)
+        o5 = call(graph, torch.unflatten, o4, o_layout.index(fresh), (G_arg, h_arg), anchor=anchor)
         five = o_layout.replace(fresh, g2 + h2)
         perm = [five.index(c) for c in out2]
         if perm != sorted(perm):
@@ -458,7 +536,7 @@ class GroupedHeads:
         for old in reversed([product, *region]):  # users outside the region get the 5-D layout back
             outside = [u for u in old.users if u is not second and u not in region]
             if outside:
-                back = call(graph, torch.unflatten, replaced[old], layout.index(fresh), (G, heads), anchor=anchor)
+                back = call(graph, torch.unflatten, replaced[old], layout.index(fresh), (G_arg, h_arg), anchor=anchor)
                 if back_perm != sorted(back_perm):
                     back = call(graph, torch.permute, back, back_perm, anchor=anchor)
                 for user in outside:
@@ -596,8 +674,10 @@ def scale_of(node: fx.Node, x: fx.Node) -> float | None:
 
 
 def reads_data(node: fx.Node) -> bool:
-    """Whether a node depends on a graph input (data or a parameter), not positions only."""
-    return any(n.op == "placeholder" or n.op == "get_attr" for n in ancestors([node]))
+    """Whether a node depends on a graph input (data or a parameter), not positions only. Sizes
+    (a graph's SymInt inputs and what is computed from them) are not data: probes give them numbers."""
+    return any((n.op == "placeholder" and not is_size(n)) or n.op == "get_attr"
+               for n in ancestors([node], into_sizes=False))
 
 
 def read_step(node: fx.Node) -> Step | None:
@@ -731,7 +811,8 @@ class MaskValues:
 
 
 def mask_values(chain: Chain, subgraphs: cmp.PositionSubgraphs) -> MaskValues:
-    """Evaluate the chain's masks (positions only) and its biases (values 0 and one fill)."""
+    """Evaluate the chain's masks (positions only) and its biases (values 0 and one fill: the
+    same one at every probe size, where a bias's fill is already read)."""
     keeps, overwritten = [], []
     for step in chain.masks:
         if step.bias is not None:
@@ -740,10 +821,13 @@ def mask_values(chain: Chain, subgraphs: cmp.PositionSubgraphs) -> MaskValues:
             fills = fills[fills != 0]
             if len(fills) > 1:
                 raise Refused(f"the additive mask holds {len(fills)} values besides 0 (not one fill): it shifts scores")
-            fill = float(fills[0]) if len(fills) else -INF
-            if not fill <= LARGE_NEGATIVE:
-                raise Refused(f"the additive mask adds {fill} (not -inf or a large negative <= {LARGE_NEGATIVE:g})")
-            step.fill = fill
+            if len(fills):  # (none: the bias hides no key at these sizes)
+                fill = float(fills[0])
+                if not fill <= LARGE_NEGATIVE:
+                    raise Refused(f"the additive mask adds {fill} (not -inf or a large negative <= {LARGE_NEGATIVE:g})")
+                if step.fill is not None and step.fill != fill:
+                    raise Refused(f"the additive mask adds {step.fill:g} at one size and {fill:g} at another")
+                step.fill = fill
             keeps.append(bias == 0)
             continue
         got = subgraphs.evaluate(step.mask, "mask")
@@ -768,8 +852,8 @@ def mask_values(chain: Chain, subgraphs: cmp.PositionSubgraphs) -> MaskValues:
 class ScoreChains:
     """The `scores` rule (module docstring), one softmax at a time."""
 
-    def __init__(self, subgraphs: cmp.PositionSubgraphs):
-        self.subgraphs = subgraphs
+    def __init__(self, masks: ProbeMasks):
+        self.masks = masks
 
     def __call__(self, graph: fx.Graph, softmax: fx.Node) -> str | None:
         if op_name(softmax) != "softmax":
@@ -783,23 +867,34 @@ class ScoreChains:
         biases = [s for s in chain.masks if s.bias is not None]
         kept = None  # why the finite fills stay finite
         if finite or biases:
-            try:
-                values = mask_values(chain, self.subgraphs)  # fills the biases' fill
+            try:  # fills the biases' fill (the same at every probe)
+                per_probe = self.masks.each(lambda at: (at, mask_values(chain, at)))
             except Refused as why:
                 if biases or not finite:
                     raise
-                values, kept = None, f"its mask is not from positions only ({why})"
+                per_probe, kept = None, f"its mask is not from positions only ({why})"
+            for step in biases:
+                step.fill = -INF if step.fill is None else step.fill  # a bias of zeros: -inf hides nothing either
             finite = [s for s in chain.masks if s.fill not in (0.0, -INF)]
-            if values is not None and finite:
-                safe = (values.keep | values.overwritten).any(-1)
-                zero = row_zeroing(softmax) if not bool(safe.all()) else None
-                if zero is not None and zero.empty is not None:  # rows zeroed after the softmax (not nan_to_num)
-                    rows = self.subgraphs.evaluate(zero.empty, "zeroing mask")[..., 0]
-                    safe = safe | (rows if zero.empty_where_true else ~rows)
-                    zero.node.meta[FINITE_ROWS] = True  # empty_rows: these rows were finite in eager
-                if not bool(safe.all()):
-                    kept = ("a row can be fully masked: with the finite fill it gets the uniform average of its keys, "
-                            "with -inf NaN")
+            if per_probe is not None and finite:
+                zero = row_zeroing(softmax)
+
+                def every_row_safe(at, values) -> bool:
+                    safe = (values.keep | values.overwritten).any(-1)
+                    if not bool(safe.all()) and zero is not None and zero.empty is not None:
+                        # rows zeroed after the softmax (not nan_to_num)
+                        rows = at.evaluate(zero.empty, "zeroing mask")[..., 0]
+                        safe = safe | (rows if zero.empty_where_true else ~rows)
+                        zero.node.meta[FINITE_ROWS] = True  # empty_rows: these rows were finite in eager
+                    return bool(safe.all())
+
+                values_of = dict(per_probe)
+                safe = self.masks.each(lambda at: every_row_safe(at, values_of[at]))
+                if not all(safe):
+                    at = next(at for at, ok in zip(self.masks.evaluators, safe) if not ok)
+                    where = f" (at the probe sizes {at.sizes.describe()})" if at.sizes.symbolic else ""
+                    kept = (f"a row can be fully masked{where}: with the finite fill it gets the uniform average of "
+                            "its keys, with -inf NaN")
             fills = ", ".join(f"{s.fill:g}" for s in finite)
             if kept is not None:
                 if is_normal(chain, finite_ok=True):
@@ -920,8 +1015,8 @@ def row_zeroing(softmax: fx.Node) -> RowZeroing | None:
         user = users[0]
         found = zeroing_of(user, node)
         if found is not None:
-            shape = static_shape(found.empty) if found.empty is not None else (1,)
-            return found if shape is not None and shape[-1] == 1 else None
+            shape = shape_of(found.empty) if found.empty is not None else (1,)
+            return found if shape and same(shape[-1], 1) else None
         if cast_dtype(user) is not None or (op_name(user) in MATMULS and user.args[0] is node):
             node = user
             continue
@@ -959,8 +1054,8 @@ def hoist(node: fx.Node, anchor: fx.Node) -> None:
 class EmptyRows:
     """The `empty_rows` rule (module docstring), one softmax at a time."""
 
-    def __init__(self, subgraphs: cmp.PositionSubgraphs):
-        self.subgraphs = subgraphs
+    def __init__(self, masks: ProbeMasks):
+        self.masks = masks
 
     def __call__(self, graph: fx.Graph, softmax: fx.Node) -> str | None:
         if op_name(softmax) != "softmax":
@@ -982,15 +1077,20 @@ class EmptyRows:
         last = chain.masks[-1]
         output = op_name(zero.target) in MATMULS
         where = "the output" if output else "the probabilities"
-        try:
-            keep = self.subgraphs.evaluate(last.mask, "mask")
+
+        def rows_at(at) -> tuple[bool, bool]:
+            """(the zeroing hits a row, a row keeps no key) at one probe's sizes."""
+            keep = at.evaluate(last.mask, "mask")
             keep = ~keep if last.fill_where_true else keep
             if zero.empty is None:
                 hits = not bool(keep.any(-1).all())
             else:
-                rows = self.subgraphs.evaluate(zero.empty, "zeroing mask")
+                rows = at.evaluate(zero.empty, "zeroing mask")
                 hits = bool((rows if zero.empty_where_true else ~rows).any())
-            nan_rows = not bool(keep.any(-1).all())
+            return hits, not bool(keep.any(-1).all())
+
+        try:  # at any probe size
+            hits, nan_rows = (any(found) for found in zip(*self.masks.each(rows_at)))
         except Refused:
             hits = nan_rows = True  # masks that read data: rows not known
         if output and nan_rows and not zero.node.meta.get(FINITE_ROWS):
@@ -1028,6 +1128,49 @@ class EmptyRows:
 # --- GQA copies ----------------------------------------------------------------------------------
 
 
+def size_reads(node: fx.Node) -> list[tuple[fx.Node, int]]:
+    """(node, i) for each use of the tensor `node` that reads one of its sizes as a SymInt:
+    x.size(i), sym_size(x, i), an item i of x.size() all of whose uses take one item."""
+    reads = []
+    for user in node.users:
+        name, dim = op_name(user), arg(user, 1, "dim")
+        if name in ("size", "sym_size.int") and isinstance(dim, int):
+            reads.append((user, dim))
+        elif name == "size" and dim is None and all(
+                op_name(item) == "getitem" and isinstance(item.args[1], int) for item in user.users):
+            reads += [(item, item.args[1]) for item in user.users]
+    return [(read, i) for read, i in reads if is_size(read)]
+
+
+def sizes_off_copies(graph: fx.Graph) -> None:
+    """At symbolic sizes Dynamo reads sizes from tensors where a static graph holds numbers
+    (`Tc = kc.shape[2]` of a K/V copy kc = x.repeat_interleave(h, 1)). Such reads of a copy read
+    x's size instead (times h on the copied dim), so that the copy serves its products only and the
+    rules and passes that remove copies see it as they do in a static graph. Not a rewrite of
+    attention: no match."""
+    for rep in list(graph.nodes):
+        x, repeats, dim = first(rep), arg(rep, 1, "repeats"), arg(rep, 2, "dim")
+        if (op_name(rep) != "repeat_interleave" or not isinstance(x, fx.Node) or value(x) is None
+                or not isinstance(dim, int) or arg(rep, 3, "output_size") is not None
+                or not (isinstance(repeats, int) or isinstance(repeats, fx.Node) and is_size(repeats))):
+            continue
+        rank, reads = value(x).dim(), size_reads(rep)
+        for read, i in reads:
+            n = value(x).shape[i % rank]
+            # a size a guard fixed to one number is that number (a sym_size of it would be an int node)
+            size = int(n) if is_concrete_int(n) else size_of(graph, x, i % rank, read)
+            if i % rank == dim % rank:
+                size = size * repeats if isinstance(size, int) and isinstance(repeats, int) else \
+                    call(graph, operator.mul, size, repeats, anchor=read)
+                if isinstance(size, fx.Node):
+                    size.meta["example_value"] = value_or_int(read)  # (no fake mode in SymInts: recorded here)
+            for user in list(read.users):
+                user.args, user.kwargs = fx.node.map_arg((user.args, user.kwargs),
+                                                         lambda a, read=read, size=size: size if a is read else a)
+        for read, _ in reads:
+            erase_replaced(graph, [read], [])
+
+
 def inserted_dim(node: fx.Node) -> int | None:
     """p when `node` inserts one size-1 dim at p: x.unsqueeze(p), or x[:, :, None] (full slices and
     one None, an Ellipsis only at the end)."""
@@ -1052,11 +1195,12 @@ def merged_dims(node: fx.Node) -> int | None:
     """a when `node` (reshape / view / flatten) merges dims a and a + 1 of its input and keeps the rest."""
     if op_name(node) not in ("reshape", "view", "flatten"):
         return None
-    before, after = static_shape(first(node)), static_shape(node)
+    before, after = shape_of(first(node)), shape_of(node)
     if before is None or after is None or len(after) != len(before) - 1:
         return None
     for a in range(len(after)):
-        if before[:a] == after[:a] and before[a + 2:] == after[a + 1:] and before[a] * before[a + 1] == after[a]:
+        if cmp.same_shape(before[:a], after[:a]) and cmp.same_shape(before[a + 2:], after[a + 1:]) \
+                and same(before[a] * before[a + 1], after[a]):
             return a
     return None
 
@@ -1067,12 +1211,12 @@ def copied_dim(node: fx.Node, p: int) -> int | None:
     src = first(node)
     if op_name(node) not in ("expand", "repeat", "broadcast_to", "expand_as") or not isinstance(src, fx.Node):
         return None
-    before, after = static_shape(src), static_shape(node)
-    if before is None or after is None or len(before) != len(after) or before[p] != 1:
+    before, after = shape_of(src), shape_of(node)
+    if before is None or after is None or len(before) != len(after) or not same(before[p], 1):
         return None
-    if any(b != a for i, (b, a) in enumerate(zip(before, after)) if i != p):
+    if any(not same(b, a) for i, (b, a) in enumerate(zip(before, after)) if i != p):
         return None
-    return after[p]
+    return after[p] if isinstance(after[p], int) else None  # a head count, not a symbolic size
 
 
 def feeds_matmul(node: fx.Node, depth: int = 4) -> bool:
@@ -1112,7 +1256,7 @@ def gqa_copy(graph: fx.Graph, node: fx.Node) -> str | None:
     what = f"{op_name(inserted)} + {op_name(copy)} + {op_name(node)}"
     # [.., G, h, ..] merged: head g * h + r reads group g; [.., h, 1, ..]: one group, where tiling
     # and interleaving agree
-    if p == a + 1 or value(x).shape[a] == 1:
+    if p == a + 1 or same(value(x).shape[a], 1):
         dim = a
     else:
         raise Refused(f"{what} tiles K/V over the heads (head r * G + g reads group g); the ops take head "
@@ -1129,14 +1273,14 @@ def tiled_repeat(graph: fx.Graph, node: fx.Node) -> str | None:
     if len(reps) == 1 and isinstance(reps[0], (tuple, list)):
         reps = tuple(reps[0])
     x = first(node)
-    shape = static_shape(x)
+    shape = shape_of(x)
     if shape is None or len(reps) != len(shape) or not all(isinstance(r, int) for r in reps):
         return None
     copied = [i for i, r in enumerate(reps) if r != 1]
     if len(copied) != 1 or not feeds_matmul(node):
         return None
     dim = copied[0]
-    if shape[dim] != 1:
+    if not same(shape[dim], 1):
         raise Refused(f"x.repeat{tuple(reps)} tiles K/V over the heads (head r * G + g reads group g); the ops take "
                       "head g * h + r (repeat_interleave): a different grouping, not rewritten")
     new = call(graph, torch.repeat_interleave, x, reps[dim], dim, anchor=node)
@@ -1148,7 +1292,7 @@ def tiled_repeat(graph: fx.Graph, node: fx.Node) -> str | None:
 def layout_of(node: fx.Node) -> list[int] | None:
     """The permutation a permute / transpose / swapaxes node applies (output dim i = input dim perm[i])."""
     src = first(node)
-    shape = static_shape(src) if isinstance(src, fx.Node) else None
+    shape = shape_of(src)
     if shape is None:
         return None
     rank = len(shape)
@@ -1205,8 +1349,8 @@ def layout_past_copy(graph: fx.Graph, node: fx.Node) -> str | None:
         return None
     repeats, dim = arg(rep, 1, "repeats"), arg(rep, 2, "dim")
     x = first(rep)
-    if not isinstance(repeats, int) or not isinstance(dim, int) or not isinstance(x, fx.Node) \
-            or arg(rep, 3, "output_size") is not None:
+    if not (isinstance(repeats, int) or isinstance(repeats, fx.Node) and is_size(repeats)) \
+            or not isinstance(dim, int) or not isinstance(x, fx.Node) or arg(rep, 3, "output_size") is not None:
         return None
     dim %= len(perm)
     if perm.index(dim) == dim or any(layout_of(u) is None for u in rep.users):
@@ -1247,19 +1391,23 @@ def read_sdpa(node: fx.Node) -> SDPACall | None:
         raise Refused("SDPA with dropout (the decomposition has none)")
     if given.get("is_causal", False):
         raise Refused("SDPA with both attn_mask and is_causal")
-    shapes = [static_shape(x) if isinstance(x, fx.Node) else None for x in (q, k, v, mask)]
+    shapes = [shape_of(x) for x in (q, k, v, mask)]
     if None in shapes:
-        raise Refused("SDPA operands that are not tensors of static shape")
+        raise Refused("SDPA operands that are not tensors")
     qs, ks, vs, _ = shapes
     if len(qs) not in (4, 5) or len(ks) != len(qs) or len(vs) != len(qs):
         raise Refused(f"SDPA on {len(qs)}-D tensors (the passes read 4-D, or 5-D with one query row)")
     scale = given.get("scale")
+    if scale is None and not isinstance(qs[-1], int):
+        raise Refused(f"SDPA with a symbolic head size {qs[-1]} (its default scale is not a number)")
     if scale is None:
         scale = qs[-1] ** -0.5
     if not is_number(scale):
         raise Refused("SDPA with a scale that is not a number")
     groups = 1
-    if qs[-3] != ks[-3]:
+    if not same(qs[-3], ks[-3]):
+        if not isinstance(qs[-3], int) or not isinstance(ks[-3], int):
+            raise Refused(f"SDPA with {qs[-3]} query heads and {ks[-3]} K/V heads (symbolic sizes)")
         if not given.get("enable_gqa", False) or ks[-3] == 0 or qs[-3] % ks[-3]:
             raise Refused(f"SDPA with {qs[-3]} query heads and {ks[-3]} K/V heads")
         groups = qs[-3] // ks[-3]
@@ -1352,46 +1500,57 @@ class SDPADecomposition:
     The decomposition computes the scores in q's dtype and the softmax in float32 (fp16/bf16),
     as the normal form does; SDPA's fused kernels keep the scores in float32 throughout."""
 
-    def __init__(self, subgraphs: cmp.PositionSubgraphs):
-        self.subgraphs = subgraphs
+    def __init__(self, masks: ProbeMasks):
+        self.masks = masks
 
     def __call__(self, graph: fx.Graph, node: fx.Node) -> str | None:
         call_ = read_sdpa(node)
         if call_ is None:
             return None
-        qs, ks = static_shape(call_.q), static_shape(call_.k)
+        qs, ks = shape_of(call_.q), shape_of(call_.k)
         mask_val = value(call_.mask)
         per_query = len(qs) == 5
-        if per_query and qs[-2] != 1:
+        if per_query and not same(qs[-2], 1):
             raise Refused("5-D SDPA with more than one query row per token")
+        self_attention = same(qs[-2], ks[-2])
         empty_rows = None
         if not per_query:
             if reads_data(call_.mask):
                 raise Refused("SDPA's mask reads data (not positions only): the window and compressed passes "
                               "read position masks")
-            got = self.subgraphs.evaluate(call_.mask, "SDPA mask")
-            keep = got if got.dtype == torch.bool else got == 0
-            if got.dtype != torch.bool:
-                fills = got.unique()
-                fills = fills[fills != 0]
-                if len(fills) > 1 or (len(fills) and not float(fills[0]) <= LARGE_NEGATIVE):
-                    raise Refused("SDPA's additive mask holds values other than 0 and one large negative fill")
-            if qs[-2] == ks[-2] and not causal_window(keep):
-                found = document_windows(keep)
-                if found is None or got.dtype != torch.bool:
-                    raise Refused(window_miss(keep))
-                self.rewrite(graph, node, self.documents(graph, node, call_, keep, found[1]), False, None)
-                return (f"sdpa: F.scaled_dot_product_attention (window of {found[1]} tokens within {found[0]} "
-                        "documents of constant bounds) -> scores, mask from constant positions, softmax, @ v")
-            if qs[-2] != ks[-2] and not staircase_like(keep):
-                raise Refused("SDPA's mask does not keep a growing prefix of the keys per query: SDPA stays")
-            finite = got.dtype != torch.bool and bool((got != 0).any()) and bool(torch.isfinite(got).all())
-            if not bool(keep.any(-1).all()) and not finite:
-                empty_rows = True  # SDPA gives 0 where a bool / -inf mask keeps no key
+            has_empty_row = finite = False
+            for probe, got in self.masks.evaluate(call_.mask, "SDPA mask"):
+                at = f"at the probe sizes {probe.describe()}: " if probe.symbolic else ""
+                keep = got if got.dtype == torch.bool else got == 0
+                if got.dtype != torch.bool:
+                    fills = got.unique()
+                    fills = fills[fills != 0]
+                    if len(fills) > 1 or (len(fills) and not float(fills[0]) <= LARGE_NEGATIVE):
+                        raise Refused(f"{at}SDPA's additive mask holds values other than 0 and one large negative fill")
+                if self_attention and not causal_window(keep):
+                    found = document_windows(keep)
+                    if found is None or got.dtype != torch.bool:
+                        raise Refused(at + window_miss(keep))
+                    if probe.symbolic:
+                        raise Refused(f"SDPA's mask is a causal window of {found[1]} tokens within each of {found[0]} "
+                                      "documents of constant bounds: at symbolic sizes (dynamic shapes) their "
+                                      "positions are not one constant; SDPA stays")
+                    self.rewrite(graph, node, self.documents(graph, node, call_, keep, found[1]), False, None)
+                    return (f"sdpa: F.scaled_dot_product_attention (window of {found[1]} tokens within {found[0]} "
+                            "documents of constant bounds) -> scores, mask from constant positions, softmax, @ v")
+                if not self_attention and not staircase_like(keep):
+                    raise Refused(f"{at}SDPA's mask does not keep a growing prefix of the keys per query: SDPA stays")
+                finite |= got.dtype != torch.bool and bool((got != 0).any()) and bool(torch.isfinite(got).all())
+                has_empty_row |= not bool(keep.any(-1).all())
+            # SDPA gives 0 where a bool / -inf mask keeps no key. At symbolic sizes a prefix mask's
+            # rows are written that way even where no probe shows an empty one (exact either way:
+            # the zero fill and `* keep` change no row that keeps a key).
+            if not finite and (has_empty_row or (self.masks.symbolic and not self_attention)):
+                empty_rows = True
         elif mask_val.dtype != torch.bool:
             raise Refused("5-D SDPA with an additive mask")
         self.rewrite(graph, node, call_, per_query, empty_rows)
-        what = "per-query 5-D" if per_query else ("window" if qs[-2] == ks[-2] else "prefix mask")
+        what = "per-query 5-D" if per_query else ("window" if self_attention else "prefix mask")
         return f"sdpa: F.scaled_dot_product_attention ({what}) -> scores, mask, softmax, @ v"
 
     @staticmethod
@@ -1407,7 +1566,8 @@ class SDPADecomposition:
         starts = torch.ones(T, dtype=torch.bool, device="cpu")
         starts[1:] = ~grid[t[1:], t[1:] - 1]
         first_token = torch.cummax(torch.where(starts, t, 0), 0).values  # each token's document start
-        B, device = static_shape(c.q)[0], value(c.q).device
+        # static sizes only (the caller refuses symbolic ones; int(): a size a guard fixed is a SymInt)
+        B, device = int(value(c.q).shape[0]), value(c.q).device
         rows = [(t - first_token).tolist()] * B
         pos = constant(graph, torch.tensor, rows, like=c.q, anchor=node, dtype=torch.int64, device=device)
         pos.meta[CONSTANT_POSITIONS] = True
@@ -1423,7 +1583,7 @@ class SDPADecomposition:
 
     @staticmethod
     def rewrite(graph: fx.Graph, node: fx.Node, c: SDPACall, per_query: bool, empty_rows) -> None:
-        rank = len(static_shape(c.q))
+        rank = value(c.q).dim()
         k, v = c.k, c.v
         if c.groups > 1:
             k = call(graph, torch.repeat_interleave, k, c.groups, rank - 3, anchor=node)
@@ -1432,8 +1592,8 @@ class SDPADecomposition:
         mask = c.mask
         if per_query:
             scores = call(graph, torch.squeeze, scores, -2, anchor=node)
-            mshape = static_shape(mask)
-            if len(mshape) >= 2 and mshape[-2] == 1:
+            mshape = shape_of(mask)
+            if len(mshape) >= 2 and same(mshape[-2], 1):
                 mask = call(graph, torch.squeeze, mask, -2, anchor=node)
         low = value(scores).dtype
         compute = torch.float32 if low in (torch.float16, torch.bfloat16) else low
@@ -1590,12 +1750,14 @@ class Canonicalize(RewritePass):
     summary = "equivalent spellings of attention (einsum, mask forms, softmax dtype, ...) -> the form the passes read"
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
-        subgraphs = cmp.PositionSubgraphs()  # position masks evaluated once per structure (the layers share them)
-        rules = (("autocast", ExplicitAutocast()), ("sdpa", SDPADecomposition(subgraphs)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort),
+        sizes_off_copies(graph)
+        masks = ProbeMasks()
+        rules = (("autocast", ExplicitAutocast()), ("sdpa", SDPADecomposition(masks)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort),
                  ("softmax", handwritten_softmax), ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("key_layout", key_transpose),
-                 ("gqa_layout", layout_past_copy), ("scores", ScoreChains(subgraphs)),
-                 ("empty_rows", EmptyRows(subgraphs)))
+                 ("gqa_layout", layout_past_copy), ("scores", ScoreChains(masks)),
+                 ("empty_rows", EmptyRows(masks)))
         for name, rule in rules:
+            masks.read(graph)  # the size nodes the rules before may have added
             for node in list(graph.nodes):
                 if node._erased or node.op not in ("call_function", "call_method"):
                     continue

@@ -76,7 +76,10 @@ Refuses (graph unchanged), with the reason shown by `explain`:
 Symbolic sizes: a graph Dynamo compiled with S as a symbol is verified as above at each probe
 size, every mask element evaluated there, with the size nodes (s27, s27 // 4) as their numbers: a
 check on probe sizes, not a proof for every S. The op's arguments hold no size (l, d, the scale
-are constants); its shapes come from its tensors.
+are constants); its shapes come from its tensors. The end padding before a view into blocks may
+then be a size (C * l - S: `F.pad(x, (.., 0, C * l - S))`): read at any sign, since the blocks cut
+from the start of the result are blocks of x either way. A graph whose sizes a guard fixed (its
+SymInts each one number: a model that reads a length as a value) is evaluated as a static one.
 """
 
 from __future__ import annotations
@@ -216,11 +219,12 @@ class PositionSubgraphs:
 
     In a graph with symbolic sizes the subgraphs are evaluated under one assignment of numbers
     to the size symbols (`sizes`; `at` gives the evaluator for another, sharing the cache): the
-    size nodes they read (s27, s27 // 4) enter as those numbers, which the cache key holds."""
+    size nodes they read (s27, s27 // 4) enter as those numbers, which the cache key holds. So do
+    the size nodes of a graph whose sizes a guard has fixed (SymInt nodes of one number each)."""
 
     def __init__(self, sizes: Sizes | None = None):
         self.sizes = sizes
-        self.numbers = sizes.size_nodes() if sizes is not None and sizes.symbolic else {}
+        self.numbers = sizes.size_nodes() if sizes is not None else {}
         self.cache: dict[str, torch.Tensor] = {}
         self._probes: dict[tuple, list] = {}
 
@@ -230,7 +234,7 @@ class PositionSubgraphs:
             return self
         other = PositionSubgraphs.__new__(PositionSubgraphs)
         other.sizes, other.cache, other._probes = sizes, self.cache, self._probes
-        other.numbers = sizes.size_nodes() if sizes.symbolic else {}
+        other.numbers = sizes.size_nodes()
         return other
 
     def shape(self, x) -> tuple:
@@ -388,12 +392,25 @@ def _end_padding_source(node: fx.Node, axis: int) -> fx.Node:
         return node
     pads, mode = arg(node, 1, "pad"), arg(node, 2, "mode", "constant")
     rank = value(first(node)).dim()
-    if mode != "constant" or not isinstance(pads, (tuple, list)) or not all(isinstance(p, int) for p in pads):
+    # ints, or SymInts (size nodes: at symbolic sizes the padding is C * l - S, an expression of S)
+    amounts = [_size_value(p) for p in pads] if isinstance(pads, (tuple, list)) else [None]
+    if mode != "constant" or None in amounts:
         return node
     end = 2 * (rank - 1 - axis) + 1  # pads run from the last dim backwards, (start, end) per dim
-    if end >= len(pads) or pads[end] < 0 or any(p for i, p in enumerate(pads) if i != end):
+    if end >= len(amounts) or any(not same(p, 0) for i, p in enumerate(amounts) if i != end):
+        return node
+    # A symbolic end amount is read whatever its sign at a given S (a negative one cuts tokens off
+    # the end): the blocks cut from the start of the result are then blocks of x either way.
+    if isinstance(amounts[end], int) and amounts[end] < 0:
         return node
     return first(node)
+
+
+def _size_value(x):
+    """An int as it is, the SymInt a size node stands for; None for anything else."""
+    if isinstance(x, fx.Node):
+        x = x.meta.get("example_value", x.meta.get("val"))
+    return x if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) else None
 
 
 def window_view(node: fx.Node, axis: int) -> Pooling | None:

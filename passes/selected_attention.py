@@ -72,7 +72,10 @@ clamp(max=s27 - 1)), is evaluated on the probes above at each assignment of
 `nsa_compile.sizes.Sizes.probes()` (the sizes Dynamo saw, then every symbol +1 and +19), the
 graph's size nodes given their numbers there; the verification cap applies at each. A refusal
 then names the sizes where the probe failed ("at s27=43: the mask is off by one ..."). The op
-reads B and S from its tensors: the rewrite writes no size into the graph.
+reads B and S from its tensors: the rewrite writes no size into the graph. Block ids whose number
+is min(n, Ns) (block_selection's op output cut as the model's top-k of min(n, blocks) took them,
+`clamped_ids`) are read with their n = min(n, Ns) at each probe size, and the op gets the uncut
+ids: the ids cut off are past the Ns blocks, where the op's are -1, so it attends to the same tokens.
 
 Becomes `torch.ops.nsa.selected_attention(q, k, v, block_idx, l', c, backend)[0]` (NaN-filled as
 above where rows may be empty) on the un-gathered,
@@ -96,7 +99,8 @@ Refuses (graph unchanged), with the reason shown by `explain`:
   with pos: blocks counted from the row start instead of the document start, a document start
   off by one, a mask that compares row-start token ids (ignores pos);
 - shapes that do not fit; a verification larger than the cap;
-- at symbolic sizes: heads, n, l' or head dims that are symbols; q, K, V, block ids (or pos) whose
+- at symbolic sizes: heads, n (but for min(n, Ns) cut from nsa.select_blocks' ids), l' or head
+  dims that are symbols; q, K, V, block ids (or pos) whose
   B and S are not provably the same sizes (separate inputs get separate symbols); a selection
   right at one probe size and wrong at another.
 """
@@ -176,6 +180,34 @@ def same(a, b) -> bool:
     if isinstance(a, tuple) or isinstance(b, tuple):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return statically_known_true(a == b)
+
+
+def clamped_ids(block_idx: fx.Node, sizes: Sizes) -> tuple[fx.Node, int]:
+    """(ids, n) for block ids [B, G, S, min(n, Ns)]: ids[..., :k], ids = nsa.select_blocks(.., n, ..)
+    [B, G, S, n] and k = torch.sym_min(n, W) (block_selection's rewrite of a model's top-k of
+    min(n, blocks) at symbolic sizes), with W = Ns = ceil(S / l') at every probe size: the columns
+    cut off are past the Ns blocks, where the op's ids are -1 (no tokens), so the op reading all n
+    ids attends to the same tokens. Refused for any other block ids whose number is a symbol."""
+    n = dims(block_idx, "block index tensor", 4)[3]
+    why = (f"the block index tensor has a symbolic size n = {n}; only the batch and sequence sizes may vary (or "
+           "n = min(n, Ns) cut from nsa.select_blocks' ids)")
+    source, index = (block_idx.args + (None, None))[:2] if op_name(block_idx) == "getitem" else (None, None)
+    targets = (torch.ops.nsa.select_blocks, torch.ops.nsa.select_blocks.default)
+    if not (isinstance(source, fx.Node) and source.op == "call_function" and source.target in targets
+            and isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis
+            and isinstance(index[1], slice) and index[1].start is None and index[1].step is None):
+        raise Refused(why)
+    k, n_op, block = index[1].stop, arg(source, 6, "n_selected"), arg(source, 5, "sel_block")
+    if not isinstance(k, fx.Node) or op_name(k) != "sym_min" or n_op not in k.args or not isinstance(block, int):
+        raise Refused(why)
+    width = k.args[1] if k.args[0] == n_op else k.args[0]
+    width = width.meta.get("example_value", width.meta.get("val")) if isinstance(width, fx.Node) else width
+    S = value(source).shape[2]
+    if not isinstance(width, (int, torch.SymInt)) or any(at.int(width) != -(-at.int(S) // block)
+                                                         for at in sizes.probes()):
+        raise Refused(f"the block ids are nsa.select_blocks' cut to min({n_op}, {width}), and {width} is not the "
+                      f"number of selection blocks ceil(S / {block}) at every probe size")
+    return source, n_op
 
 
 def constant(what: str, **sizes) -> None:
@@ -534,7 +566,7 @@ def check_evaluable(nodes: list[fx.Node], leaves: list[fx.Node], B, H: int, S, T
                 raise Refused("the token ids or the mask have a symbolic size as a constant argument (not a size "
                               "node of the graph): not evaluated")
     for at in probe_sizes:
-        cost = at.int(B) * H * at.int(S) * T + sum(math.prod(at.shape(value(n))) for n in nodes
+        cost = at.int(B) * H * at.int(S) * at.int(T) + sum(math.prod(at.shape(value(n))) for n in nodes
                                                     if value(n) is not None and op_name(n) not in _VIEWS)
         if cost > MAX_VERIFIED_ELEMENTS:
             where = f" (at {at.describe()})" if at.symbolic else ""
@@ -760,7 +792,6 @@ class SelectionAttention(RewritePass):
         if not is_dim(out, "squeeze", 1, 5, 3):
             raise Refused("the per-query output is not squeezed back to [B, H, S, Dv] (.squeeze(-2))")
         B, X, Y, T = dims(softmax, "probability tensor", 4)  # [B, H, S, T] or [B, S, H, T]
-        constant("probability tensor", T=T)
         # backward: masked <- [scale] <- {squeeze, upcast} <- q.unsqueeze(-2) @ k_sel^T
         masked = first(softmax)
         if not isinstance(masked, fx.Node):
@@ -821,10 +852,17 @@ class SelectionAttention(RewritePass):
         block_idx, pos, nodes = find_block_idx(roots, B, G, S, order)
         leaves = [block_idx] if pos is None else [block_idx, pos]
         n = dims(block_idx, "block index tensor", 4)[3]
-        constant("block index tensor", n=n)
-        if n == 0 or T % n:
-            raise Refused(f"the {T} gathered tokens per query are not n * l' for the n = {n} blocks")
-        block = T // n
+        ids, n_op = block_idx, n  # the block ids and their number as the op reads them
+        if isinstance(n, int):
+            constant("probability tensor", T=T)
+            if n == 0 or T % n:
+                raise Refused(f"the {T} gathered tokens per query are not n * l' for the n = {n} blocks")
+            block = T // n
+        else:  # min(n, Ns) blocks (a model's top-k of min(n, blocks)): the op reads all n ids
+            ids, n_op = clamped_ids(block_idx, sizes)
+            block = sizes.int(T) // sizes.int(n)
+            if not same(T, n * block):
+                raise Refused(f"the {T} gathered tokens per query are not n * l' for the n = {n} blocks")
         check_evaluable(nodes, leaves, B, H, S, T, sizes.probes())
         key = (structure(nodes, leaves, roots), tuple(d if isinstance(d, int) else str(d) for d in (B, H, G, S, T, n)),
                keep_where_true, layout, k.kind, k.source_seq_first, v.kind, v.source_seq_first)
@@ -836,7 +874,7 @@ class SelectionAttention(RewritePass):
                 except Refused as why:
                     raise (Refused(f"at {at.describe()}: {why}") if sizes.symbolic else why) from None
         verified.add(key)
-        if fill != float("-inf") and may_leave_rows_empty({"rows_zeroed": False, "block_idx": block_idx}):
+        if fill != float("-inf") and may_leave_rows_empty({"rows_zeroed": False, "block_idx": ids}):
             raise Refused(f"the scores are filled with {fill:g}, not -inf, and the block ids may leave a query no "
                           "token (they are not nsa.select_blocks' output): such a row gets the uniform average of its "
                           "gathered tokens in eager code, 0 or NaN from the op")
@@ -847,7 +885,7 @@ class SelectionAttention(RewritePass):
             backend = choose_backend(*fakes, block, requested, fake_pos)
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(selection_backend={requested!r}): {why}") from None
-        return {"q": q, "k": k, "v": v, "layout": layout, "G": G, "h": H // G, "block_idx": block_idx, "pos": pos, "block": block, "n": n, "scale": scale,
+        return {"q": q, "k": k, "v": v, "layout": layout, "G": G, "h": H // G, "block_idx": ids, "pos": pos, "block": block, "n": n_op, "scale": scale,
                 "backend": backend,
                 "why_not_triton": why_not_triton(*fakes, block, fake_pos) if requested == "auto"
                 else f"selection_backend={requested!r} in OptimizeConfig",
@@ -877,8 +915,8 @@ class SelectionAttention(RewritePass):
         checked by `verify` (mask and token ids brought to the heads-first, grouped order of the
         op); Refused at the first probe that differs. heads = (G, H, T, n, l')."""
         G, H, T, n, block = heads
-        B, S = at.int(B), at.int(S)
-        numbers = at.size_nodes() if at.symbolic else {}
+        B, S, T, n = at.int(B), at.int(S), at.int(T), at.int(n)
+        numbers = at.size_nodes()  # (also in a graph whose sizes a guard fixed: SymInt nodes of one number)
         device = value(block_idx).device
         scores = (B, H, S, T) if layout.head == 1 else (B, S, H, T)
         slots = layout.slots(B, G, S, T)

@@ -67,11 +67,11 @@ def run(module, inputs, config=FAST, tol=1e-5):
     return optimized
 
 
-def qkv(dtype=torch.float32, layout="bhsd"):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, H, S, D, generator=g)
-    k = torch.randn(B, G, S, D, generator=g)
-    v = torch.randn(B, G, S, D, generator=g)
+def qkv(dtype=torch.float32, layout="bhsd", length=S):
+    g = torch.Generator().manual_seed(length)
+    q = torch.randn(B, H, length, D, generator=g)
+    k = torch.randn(B, G, length, D, generator=g)
+    v = torch.randn(B, G, length, D, generator=g)
     if layout == "bshd":
         q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     return [x.to(dtype) for x in (q, k, v)]
@@ -96,6 +96,7 @@ class Window(nn.Module):
 
     def forward(self, q, k, v):
         sp = self.spelling
+        S = q.shape[1 if WINDOW_SPELLINGS.get(sp, (None, "bhsd"))[1] == "bshd" else 2]  # the length of this call
         c = D**-0.5
         if sp == "sdpa-bool":
             return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(q.shape[2], q.device), enable_gqa=True)
@@ -281,6 +282,7 @@ class Compressed(nn.Module):
 
     def forward(self, q, k, v):
         sp = self.spelling
+        S = q.shape[2]  # the length of this call
         kc = k.unfold(2, L, STRIDE).mean(-1).repeat_interleave(h, 1)  # [B, H, Tc, D]
         vc = v.unfold(2, L, STRIDE).mean(-1).repeat_interleave(h, 1)
         Tc = kc.shape[2]
@@ -592,6 +594,100 @@ def test_an_einsum_broadcast_at_symbolic_sizes_is_refused():
     assert log.matches == [] and log.code_after == symbolic.code_before
     (refusal,) = log.refusals
     assert re.fullmatch(r"einsum: einsum letter 's' has sizes s\d+ and 1 \(broadcast\)", refusal.reason), refusal
+
+
+def run_at_lengths(module, inputs_of, config, lengths, tol=1e-5):
+    """Optimize a copy of `module` (dynamic=None: the first length compiles static, the next ones
+    share one graph with S a symbol) and check outputs and the gradients of every input against
+    eager at each length. Returns the optimized module."""
+    optimized = optimize_fresh(copy.deepcopy(module), config)
+    for length in lengths:
+        leaves = [[x.clone().requires_grad_() for x in inputs_of(length)] for _ in range(2)]
+        want, got = module(*leaves[0]), optimized(*leaves[1])
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(length))
+        for a, b in zip(torch.autograd.grad(got, leaves[1], grad), torch.autograd.grad(want, leaves[0], grad)):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    return optimized
+
+
+def static_and_symbolic(model):
+    """The two graphs of a model run at three lengths: the first length's, and the symbolic one."""
+    static, symbolic = state_of(model).graphs
+    assert "torch.SymInt" not in static.code_before and "torch.SymInt" in symbolic.code_before
+    return static, symbolic
+
+
+def log_of(record, name: str):
+    (log,) = [log for log in record.logs if log.pass_name == name]
+    return log
+
+
+def rules_fired(record) -> dict[str, int]:
+    """Matches of canonicalize per rule in one graph."""
+    counts = {}
+    for match in log_of(record, "canonicalize").matches:
+        counts[match.kernel.split(":")[0]] = counts.get(match.kernel.split(":")[0], 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("spelling", ["grouped-5d", "sequence-first", "hf-repeat-kv", "key-permute", "sdpa-bool",
+                                      "sdpa-additive", "finfo-min", "additive"])
+def test_window_spellings_at_symbolic_sizes_keep_their_rules_and_the_window(spelling):
+    """S 24, then 25 and 31 in one graph with S a symbol: the rules that fire on the static graph
+    (sdpa, grouped_heads, gqa_expand, key_layout, gqa_layout, scores: the masks evaluated at each
+    probe size) fire on the symbolic one as often, and the window pass takes the result there."""
+    rules, layout = WINDOW_SPELLINGS[spelling]
+    model = run_at_lengths(Window(spelling), lambda n: qkv(layout=layout, length=n),
+                           only("canonicalize", "window_attention"), (24, 25, 31))
+    for record in static_and_symbolic(model):
+        assert rules_fired(record) == rules
+        assert log_of(record, "canonicalize").refusals == []
+        window = log_of(record, "window_attention")
+        assert [m.kernel.startswith(f"nsa.window_attention[reference] (w={W}, ") for m in window.matches] == [True]
+    body = log_of(static_and_symbolic(model)[1], "canonicalize").code_after.split("def forward")[1]
+    assert "scaled_dot_product_attention" not in body and "einsum" not in body and "finfo" not in body
+
+
+@pytest.mark.parametrize("spelling, rules", [("nan_to_num", {"empty_rows": 1}),
+                                             ("finfo-min-then-zero", {"scores": 1, "empty_rows": 1})])
+def test_empty_rows_at_symbolic_sizes_keep_their_rules_and_the_compressed_branch(spelling, rules):
+    """The rows with no block (t < l - 1 at every S) evaluated at each probe size: empty_rows (and
+    the finite fill of scores) fire on the symbolic graph as on the static one, and the compressed
+    pass takes the result there."""
+    model = run_at_lengths(Compressed(spelling), lambda n: qkv(length=n), only("canonicalize", "compressed_attention"),
+                           (24, 25, 31))
+    for record in static_and_symbolic(model):
+        assert rules_fired(record) == rules and log_of(record, "canonicalize").refusals == []
+        assert len(log_of(record, "compressed_attention").matches) == 1
+
+
+class HiddenRowFrom26(nn.Module):
+    """A window whose finite fill (finfo.min) also hides every key of query S - 26: there is no such
+    query below S = 26, so every row keeps a key up to S = 25 (the fill can be -inf), but from 26 on
+    query S - 26 keeps none and gets the finite fill's uniform average of its keys (NaN with -inf)."""
+
+    def forward(self, q, k, v):
+        S = q.shape[2]
+        t = torch.arange(S, device=q.device)
+        keep = window_mask(S, q.device) & (t[:, None] != S - 26)
+        s = (q @ k.repeat_interleave(h, 1).transpose(-1, -2)).float() * D**-0.5
+        return torch.softmax(s.masked_fill(~keep, torch.finfo(s.dtype).min), dim=-1) @ v.repeat_interleave(h, 1)
+
+
+def test_a_rule_right_at_the_symbolic_graphs_size_but_not_at_the_next_probe_is_refused():
+    """Compiled static at S 20 (the fill becomes -inf), then with S a symbol at 25: every row keeps a
+    key at 25, but at 26, the next probe size, query 0 keeps none, so the scores rule refuses the
+    symbolic graph (naming that size) and leaves it unchanged; eager's uniform row stays, at 26 too."""
+    model = run_at_lengths(HiddenRowFrom26(), lambda n: qkv(length=n), only("canonicalize"), (20, 25, 26))
+    static, symbolic = static_and_symbolic(model)
+    assert rules_fired(static) == {"scores": 1}
+    log = log_of(symbolic, "canonicalize")
+    assert log.matches == [] and log.code_after == symbolic.code_before
+    (refusal,) = log.refusals
+    assert re.fullmatch(r"scores: finite fill -3.40282e\+38 not rewritten: a row can be fully masked \(at the probe "
+                        r"sizes s\d+=26\): with the finite fill it gets the uniform average of its keys, with -inf NaN",
+                        refusal.reason), refusal.reason
 
 
 # --- softmax written out by hand (exp(s - amax) / sum) -----------------------------------------------

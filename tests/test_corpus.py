@@ -4,8 +4,9 @@ For every corpus model: eager forward and backward are finite; `check_causality`
 ones causal and catches the one that reads the future; `optimize` (aot_eager) runs and matches
 eager in fp32, output and every gradient; and the passes' match counts equal
 tests/corpus/coverage.json exactly (`python tools/corpus_coverage.py --update` rewrites it when a
-pass learns, or unlearns, a corpus model). Then `check_causality` on small models whose leak is
-known, and the `nsa-compile check` command.
+pass learns, or unlearns, a corpus model), also in the graphs compiled when the length changes
+(S + 1: Dynamo's graph with S a symbol; S + 15), where output and gradients match eager's too.
+Then `check_causality` on small models whose leak is known, and the `nsa-compile check` command.
 """
 
 from __future__ import annotations
@@ -274,15 +275,38 @@ def test_cuda_bf16_parity_and_the_same_rewrites(name):
     assert bf16_matches(wl, "cuda") == bf16_matches(wl, "cpu")
 
 
-def test_a_corpus_model_at_changing_lengths_compiles_and_matches_eager():
-    """where_bias_spellings at S 64, 65, 79 (a static graph, then symbolic sizes): the compile
-    does not fail (a check that met a value it was not given used to raise KeyError out of the
-    backend; it refuses now) and the output is eager's at each length."""
-    wl = load_workload(spec("where_bias_spellings.py"))
-    model = optimize_fresh(copy.deepcopy(wl.model))
+# Corpus models whose own code fixes the length in the graph Dynamo compiles after it changed, so
+# that each length compiles a static graph: a Python loop over query chunks (chunked_queries), a
+# size used as a tensor value (where_bias_spellings: torch.where(picked, order, key.shape[-1])),
+# documents that are constants of the model (xunhaolai_varlen: its doc_lens change with S).
+STATIC_PER_LENGTH = {"chunked_queries.py", "where_bias_spellings.py", "xunhaolai_varlen.py"}
+
+
+def test_changing_lengths_keep_the_rewrites_of_coverage_json(corpus_run):
+    """The model compiled at its length S (static), then run at S + 1 (Dynamo compiles again with S a
+    symbol, where the passes check their candidates at probe sizes) and S + 15: every graph compiled
+    rewrites what coverage.json says, pass by pass, and the output and every gradient match eager's
+    at each length. xunhaolai_varlen's documents grow with S (the last one)."""
+    if corpus_run["error"] is not None:
+        raise corpus_run["error"]
+    name, wl, optimized = corpus_run["name"], corpus_run["workload"], corpus_run["optimized"]
     x = wl.inputs[0]
-    for S in (x.shape[1], x.shape[1] + 1, x.shape[1] + 15):
-        xi = torch.randn(x.shape[0], S, *x.shape[2:], generator=torch.Generator().manual_seed(S))
-        with torch.no_grad():
-            torch.testing.assert_close(model(xi), wl.model(xi), rtol=1e-5, atol=1e-6)
-    assert len(nsa_compile.api.state_of(model).graphs) >= 2  # the symbolic-size graph was compiled
+    documents = getattr(wl.model, "doc_lens", None)
+    try:
+        for S in (x.shape[1] + 1, x.shape[1] + 15):
+            if documents is not None:
+                wl.model.doc_lens = optimized.doc_lens = (*documents[:-1], S - sum(documents[:-1]))
+            xi = torch.randn(x.shape[0], S, *x.shape[2:], generator=torch.Generator().manual_seed(S))
+            (eager_out, eager_grads), (opt_out, opt_grads) = (forward_backward(m, (xi,)) for m in (wl.model, optimized))
+            torch.testing.assert_close(opt_out, eager_out, rtol=1e-4, atol=1e-5, msg=lambda m: f"S={S}: {m}")
+            for key, grad in eager_grads.items():
+                torch.testing.assert_close(opt_grads[key], grad, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m, k=key: f"S={S}, grad {k}: {m}")
+    finally:
+        if documents is not None:
+            wl.model.doc_lens = optimized.doc_lens = documents
+    graphs = nsa_compile.api.state_of(optimized).graphs
+    for i, record in enumerate(graphs):
+        assert {log.pass_name: len(log.matches) for log in record.logs} == COVERAGE[name], f"graph {i} of {len(graphs)}"
+    symbolic = ["torch.SymInt" in record.code_before for record in graphs[1:]]
+    assert any(symbolic) == (name not in STATIC_PER_LENGTH), symbolic
