@@ -36,20 +36,18 @@ def one_thread():
 
 
 @contextlib.contextmanager
-def triton_interpreter(kernels, on: bool):
-    """While the block runs: where `on` (no CUDA), TRITON_INTERPRET=1 and the kernels of the
-    module `kernels` rebuilt for the interpreter (they are built on first use); after it, the
-    variable as it was and the kernels rebuilt again, so the rest of the session sees the CPU as
-    it is."""
+def triton_interpreter(on: bool):
+    """While the block runs: where `on` (no CUDA), TRITON_INTERPRET=1, so the kernels launched
+    run on Triton's CPU interpreter (each kernel module's @jit functions are built for the mode
+    Triton is in at launch: triton_support.jit); after it, the variable as it was, so the rest of
+    the session sees the CPU as it is."""
     before = os.environ.get("TRITON_INTERPRET")
     if on:
         os.environ["TRITON_INTERPRET"] = "1"
-        kernels._kernels.cache_clear()
     try:
         yield
     finally:
         if on:
-            kernels._kernels.cache_clear()
             if before is None:
                 os.environ.pop("TRITON_INTERPRET", None)
             else:

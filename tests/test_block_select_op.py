@@ -38,8 +38,8 @@ NEAR_TIE = 1e-6  # relative difference of eager's p_grp that float32 rounding ma
 
 @pytest.fixture(autouse=True, scope="module")
 def interpreter_on_cpu():
-    """Without CUDA: TRITON_INTERPRET=1 while this module runs (the kernel is rebuilt for it)."""
-    with triton_interpreter(bst, on=DEVICE == "cpu" and HAVE_TRITON):
+    """Without CUDA: TRITON_INTERPRET=1 while this module runs."""
+    with triton_interpreter(on=DEVICE == "cpu" and HAVE_TRITON):
         yield
 
 

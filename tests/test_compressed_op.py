@@ -607,9 +607,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(scope="class")
 def triton_device():
-    """On a machine without CUDA: TRITON_INTERPRET=1 while the class runs, kernels rebuilt."""
+    """On a machine without CUDA: TRITON_INTERPRET=1 while the class runs."""
     pytest.importorskip("triton")
-    with triton_interpreter(ct, on=DEVICE == "cpu"):
+    with triton_interpreter(on=DEVICE == "cpu"):
         yield DEVICE
 
 

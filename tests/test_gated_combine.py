@@ -175,12 +175,12 @@ def test_backend_choice():
 
 @pytest.fixture
 def interpreter():
-    """Without CUDA: TRITON_INTERPRET=1 while the test runs, kernels rebuilt (and again after, so
-    the other tests see the CPU as it is)."""
+    """Without CUDA: TRITON_INTERPRET=1 while the test runs (and as it was after, so the other
+    tests see the CPU as it is)."""
     pytest.importorskip("triton")
     from nsa_compile.ops import gated_combine_triton as gt
 
-    with triton_interpreter(gt, on=DEVICE == "cpu"):
+    with triton_interpreter(on=DEVICE == "cpu"):
         yield gt
 
 

@@ -26,8 +26,8 @@ B, DK = 2, 16
 
 @pytest.fixture(autouse=True, scope="module")
 def interpreter_on_cpu():
-    """On a machine without CUDA: TRITON_INTERPRET=1 while this module runs, kernels rebuilt."""
-    with triton_interpreter(st, on=DEVICE == "cpu"):
+    """On a machine without CUDA: TRITON_INTERPRET=1 while this module runs."""
+    with triton_interpreter(on=DEVICE == "cpu"):
         yield
 
 
@@ -216,14 +216,31 @@ def test_the_op_with_backend_triton_matches_backend_reference_through_autograd(d
                                      rtol=tol, atol=tol)
 
 
-def test_row_reductions_compiled_are_triton_library_ones():
-    """Kernels built for the GPU call tl.max / tl.min / tl.sum themselves (the interpreted
-    stand-ins run in every interpreted test above; these run only on the GPU)."""
+def test_jit_builds_each_mode_with_that_modes_helpers_and_reductions(monkeypatch):
+    """triton_support.jit: a module-level kernel is handed to triton.jit per mode, read from
+    TRITON_INTERPRET at first use (set after import here), and kept. Compiled, the helpers it
+    calls are their compiled objects and the reductions tl.max / tl.sum themselves (what
+    @triton.jit at module level would see; the GPU tests launch them); interpreted, their
+    interpreted objects and tl.reduce stand-ins. The kernel module's own globals stay as written."""
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
-    from nsa_compile.ops.triton_support import row_reductions
+    from nsa_compile.ops import attention_tiles
+    from nsa_compile.ops.triton_support import reduce_max, reduce_min, reduce_sum
 
-    assert row_reductions(False, "max", "min", "sum") == (tl.max, tl.min, tl.sum)
-    assert row_reductions(False, "sum", "max") == (tl.sum, tl.max)
-    interpreted = row_reductions(True, "max", "min", "sum")
-    assert not any(f in (tl.max, tl.min, tl.sum) for f in interpreted)
+    built = {}
+    for interpret in ("0", "1"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        built[interpret] = st.fwd_kernel.built()
+        assert st.fwd_kernel.built() is built[interpret]  # kept
+        update = attention_tiles.softmax_update.built()
+        assert built[interpret].fn.__globals__["softmax_update"] is update
+        if interpret == "0":
+            assert (reduce_max.built(), reduce_min.built(), reduce_sum.built()) == (tl.max, tl.min, tl.sum)
+            assert update.fn.__globals__["reduce_max"] is tl.max
+        else:
+            assert not {reduce_max.built(), reduce_min.built(), reduce_sum.built()} & {tl.max, tl.min, tl.sum}
+            assert update.fn.__globals__["reduce_max"] is not tl.max
+    assert isinstance(built["0"], JITFunction) and isinstance(built["1"], InterpretedFunction)
+    assert st.softmax_update is attention_tiles.softmax_update and attention_tiles.reduce_max is reduce_max

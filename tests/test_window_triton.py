@@ -27,8 +27,8 @@ SMALL = {kernel: {"BLOCK_M": 16, "BLOCK_N": 16} for kernel in ("fwd", "dkdv", "d
 
 @pytest.fixture(autouse=True, scope="module")
 def interpreter_on_cpu():
-    """On a machine without CUDA: TRITON_INTERPRET=1 while this module runs, kernels rebuilt."""
-    with triton_interpreter(wt, on=DEVICE == "cpu"):
+    """On a machine without CUDA: TRITON_INTERPRET=1 while this module runs."""
+    with triton_interpreter(on=DEVICE == "cpu"):
         yield
 
 
@@ -117,6 +117,31 @@ def test_unsupported_reason(monkeypatch):
         assert "device cpu" in wt.unsupported_reason(q, k, v)
         with pytest.raises(ValueError, match="device cpu"):
             wt.window_forward(q, k, v, 2, 0.5)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the kernel tests launch the compiled kernels")
+def test_the_kernels_compile_for_sm90_without_a_gpu(monkeypatch):
+    """The compiled path, which the interpreted tests here never take: the forward and the dq
+    kernel, their attention_tiles helpers and the reductions built as on the GPU (TRITON_INTERPRET
+    off at launch) and compiled to PTX for an H100 by the Triton installed here (bf16, h 6, D 64:
+    the seed's tiles)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    tiles = wt._tiles(64, 64, False)
+    consts = {"HPG": 6, "DK": 64, "DV": 64, "DK_P": 64, "DV_P": 64, "PREC": "tf32", "UPCAST": False}
+    for kernel, cfg in ((wt.fwd_kernel, tiles["fwd"]), (wt.dq_kernel, tiles["dq"])):
+        fn = kernel.built()
+        signature = {p.name: "constexpr" if p.is_constexpr else "*bf16" if p.name in ("Q", "K", "V", "O", "DO", "DQ")
+                     else "*fp32" if p.name in ("LSE", "DELTA") else "fp32" if "scale" in p.name else "i32"
+                     for p in fn.params}  # fmt: skip
+        given = consts | {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
+        compiled = triton.compile(ASTSource(fn, signature, {n: v for n, v in given.items() if n in signature}),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+        assert f".entry {kernel.__name__}(" in compiled.asm["ptx"]
 
 
 def test_module_imports_without_triton():

@@ -56,10 +56,10 @@ q and k both fp16, bf16 or fp32; Dk <= 256; d divides l and l', m = l' / d a pow
 (a tile of compression blocks must hold whole selection blocks), l <= (TC + 1) * d (the previous
 tile covers the first block's reach); n <= 128; S < 2^31.
 
-CPU interpreter: built on first use (`_kernels`), as in selection_triton.py: TRITON_INTERPRET only
-has to be set before the first call (`_kernels.cache_clear()` rebuilds); interpreted, bf16 dot
-operands are cast to fp32 first (the interpreter multiplies bf16 as raw bits) and the reductions
-are tl.reduce with triton's combine functions (see triton_support.row_reductions).
+CPU interpreter: the kernel and its helpers are module-level `triton_support.jit` functions, as in
+selection_triton.py (built for the mode Triton is in when launched); interpreted, bf16 dot operands
+are cast to fp32 first (the interpreter multiplies bf16 as raw bits) and the reductions are
+tl.reduce with triton's combine functions (triton_support.reduce_max and friends).
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ except ImportError:  # the module still imports; unsupported_reason says why the
     triton = tl = None
 
 from .triton_support import (
-    KERNEL_DTYPES, cdiv as _cdiv, device_reason, interpreting as _interpreting, next_pow2 as _next_pow2,
-    row_reductions,
+    KERNEL_DTYPES, cdiv as _cdiv, device_reason, jit, next_pow2 as _next_pow2, reduce_max, reduce_min, reduce_sum,
+    upcast_dots,
 )
 
 __all__ = ["select_blocks_forward", "unsupported_reason"]
@@ -160,160 +160,141 @@ def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, 
     return None
 
 
-def _set_reductions() -> None:
-    """Row max / min / sum for the kernel, as module globals (looked up when the kernel runs): the
-    library reductions compiled, plain functions interpreted (`triton_support.row_reductions`)."""
-    global _vmax, _vmin, _vsum, _built_interpreted
-    _built_interpreted = _interpreting()
-    _vmax, _vmin, _vsum = row_reductions(_built_interpreted, "max", "min", "sum")
+@jit
+def _compare_swap(x, M: tl.constexpr, N: tl.constexpr, DIST: tl.constexpr, SPAN: tl.constexpr,
+                  DESC: tl.constexpr):  # fmt: skip
+    """One step of a bitonic network on each row of x [M, N]: the elements at positions p and
+    p + DIST (p & DIST == 0) are put in order: ascending where p & SPAN == 0, descending
+    elsewhere (SPAN = 2N: one direction for the whole row), all reversed when DESC."""
+    pairs: tl.constexpr = N // (2 * DIST)
+    xr = tl.reshape(x, [M, pairs, 2, DIST])  # position = pair * 2 DIST + half * DIST + offset
+    lo = reduce_min(xr, 2)[:, :, None, :]  # [M, pairs, 1, DIST]
+    hi = reduce_max(xr, 2)[:, :, None, :]
+    first = tl.arange(0, pairs)[:, None] * (2 * DIST) + tl.arange(0, DIST)[None, :]  # [pairs, DIST]
+    if DESC:
+        ascending = (first & SPAN) != 0
+    else:
+        ascending = (first & SPAN) == 0
+    upper = (tl.arange(0, 2) == 1)[:, None]  # [2, 1]
+    # ascending: the lower position takes the min, the upper one the max; descending: swapped
+    take_hi = upper[None, None, :, :] == ascending[None, :, None, :]  # [1, pairs, 2, DIST]
+    return tl.reshape(tl.where(take_hi, hi, lo), [M, N])
 
 
-_vmax = _vmin = _vsum = None
-_compare_swap = _sort_rows = _merge_top = None
-_built_interpreted = False
+@jit
+def _sort_rows(x, M: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr, DESC: tl.constexpr):
+    """Each row of x [M, N] (N = 2^LOG_N) sorted (bitonic sort)."""
+    for s in tl.static_range(1, LOG_N + 1):  # sorted runs of 2^s
+        for r in tl.static_range(s):
+            x = _compare_swap(x, M, N, 1 << (s - 1 - r), 1 << s, DESC)
+    return x
 
 
-@functools.cache
-def _kernels():
-    """The kernel, built on first use (TRITON_INTERPRET is read when it is built). Its helpers
-    become module globals: the interpreter and the JIT both resolve a kernel's callees there."""
-    global _compare_swap, _sort_rows, _merge_top
-    _set_reductions()
+@jit
+def _merge_top(run, new, M: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
+    """The N largest of each row of run [M, N] (sorted descending) and new [M, N] (any order),
+    sorted descending: new sorted ascending, the elementwise max (the top N of both, a
+    bitonic sequence), then a bitonic merge."""
+    top = tl.maximum(run, _sort_rows(new, M, N, LOG_N, False))
+    for r in tl.static_range(LOG_N):
+        top = _compare_swap(top, M, N, N >> (r + 1), 2 * N, True)
+    return top
 
-    @triton.jit
-    def _compare_swap(x, M: tl.constexpr, N: tl.constexpr, DIST: tl.constexpr, SPAN: tl.constexpr,
-                      DESC: tl.constexpr):  # fmt: skip
-        """One step of a bitonic network on each row of x [M, N]: the elements at positions p and
-        p + DIST (p & DIST == 0) are put in order: ascending where p & SPAN == 0, descending
-        elsewhere (SPAN = 2N: one direction for the whole row), all reversed when DESC."""
-        pairs: tl.constexpr = N // (2 * DIST)
-        xr = tl.reshape(x, [M, pairs, 2, DIST])  # position = pair * 2 DIST + half * DIST + offset
-        lo = _vmin(xr, 2)[:, :, None, :]  # [M, pairs, 1, DIST]
-        hi = _vmax(xr, 2)[:, :, None, :]
-        first = tl.arange(0, pairs)[:, None] * (2 * DIST) + tl.arange(0, DIST)[None, :]  # [pairs, DIST]
-        if DESC:
-            ascending = (first & SPAN) != 0
-        else:
-            ascending = (first & SPAN) == 0
-        upper = (tl.arange(0, 2) == 1)[:, None]  # [2, 1]
-        # ascending: the lower position takes the min, the upper one the max; descending: swapped
-        take_hi = upper[None, None, :, :] == ascending[None, :, None, :]  # [1, pairs, 2, DIST]
-        return tl.reshape(tl.where(take_hi, hi, lo), [M, N])
 
-    @triton.jit
-    def _sort_rows(x, M: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr, DESC: tl.constexpr):
-        """Each row of x [M, N] (N = 2^LOG_N) sorted (bitonic sort)."""
-        for s in tl.static_range(1, LOG_N + 1):  # sorted runs of 2^s
-            for r in tl.static_range(s):
-                x = _compare_swap(x, M, N, 1 << (s - 1 - r), 1 << s, DESC)
-        return x
+@jit
+def select_kernel(
+    Q, KC, LSE, W, OUT,
+    sqb, sqh, sqs, sqd, skb, skg, skt, skd, slb, slh, sls, sob, sog, sos,
+    S, G, Tc, N_SEL, L, D, LS, scale,
+    HPG: tl.constexpr, HC: tl.constexpr, NHC: tl.constexpr, DK: tl.constexpr, DK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, TC: tl.constexpr, NS: tl.constexpr, KS: tl.constexpr, LOG_KS: tl.constexpr,
+    PREC: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    # heaviest (latest) query tiles first: a short tail for the causal imbalance
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    bg = tl.program_id(1)
+    b = (bg // G).to(tl.int64)
+    g = bg % G
+    ROWS: tl.constexpr = BLOCK_M * HC
+    row = tl.arange(0, ROWS)
+    t_row = tile * BLOCK_M + row // HC  # [ROWS] token of each (query, head) row
+    t_q = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    dk = tl.arange(0, DK_P)
+    dk_ok = dk < DK
+    k_base = KC + b * skb + g.to(tl.int64) * skg
+    if NHC == 1:  # all heads in one chunk: q and lse stay in registers for the whole loop
+        head = row % HC
+        row_ok = (head < HPG) & (t_row < S)
+        hd = (g * HPG + head).to(tl.int64)
+        q0 = tl.load(Q + b * sqb + hd[:, None] * sqh + t_row.to(tl.int64)[:, None] * sqs + dk[None, :] * sqd,
+                     mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
+        if UPCAST:
+            q0 = q0.to(tl.float32)
+        lse0 = tl.load(LSE + b * slb + hd * slh + t_row.to(tl.int64) * sls, mask=row_ok, other=0.0)
+    cur = t_q // LS  # [BLOCK_M] the current selection block
+    t_last = tl.minimum(tile * BLOCK_M + BLOCK_M, S) - 1
+    n_tiles = (t_last // LS) // NS + 1  # up to the latest query's current block
+    kk = tl.arange(0, 2 * TC)
+    jj = tl.arange(0, KS)
+    w = tl.load(W + kk[:, None] * KS + jj[None, :])  # [2 TC, KS] overlap / l: previous | this tile
+    ic = tl.arange(0, TC)
+    prev = tl.full([BLOCK_M, TC], 0.0, tl.float32)  # the previous tile's head sums (none before 0)
+    run = tl.full([BLOCK_M, KS], -1, tl.int64)  # running top KS keys, descending (-1: none)
+    kt = tl.load(k_base + ic.to(tl.int64)[:, None] * skt + dk[None, :] * skd,
+                 mask=(ic < Tc)[:, None] & dk_ok[None, :], other=0.0)  # [TC, DK_P] the first tile
+    for c in range(n_tiles):
+        i = c * TC + ic  # [TC] compression blocks of this tile
+        # the next tile's keys requested now, used next iteration: the load overlaps this work
+        i_next = i + TC
+        kt_next = tl.load(k_base + i_next.to(tl.int64)[:, None] * skt + dk[None, :] * skd,
+                          mask=(i_next < Tc)[:, None] & dk_ok[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        psum = tl.full([BLOCK_M, TC], 0.0, tl.float32)
+        for hc in tl.static_range(NHC):
+            if NHC == 1:
+                q = q0
+                lse = lse0
+                ok = row_ok
+            else:
+                head = hc * HC + row % HC
+                ok = (head < HPG) & (t_row < S)
+                hd = (g * HPG + head).to(tl.int64)
+                q = tl.load(Q + b * sqb + hd[:, None] * sqh + t_row.to(tl.int64)[:, None] * sqs + dk[None, :] * sqd,
+                            mask=ok[:, None] & dk_ok[None, :], other=0.0)
+                if UPCAST:
+                    q = q.to(tl.float32)
+                lse = tl.load(LSE + b * slb + hd * slh + t_row.to(tl.int64) * sls, mask=ok, other=0.0)
+            s = tl.dot(q, tl.trans(kt), input_precision=PREC)  # [ROWS, TC] fp32
+            if ROUND:  # eager's q @ k^T is rounded to the input dtype before the upcast
+                s = s.to(Q.dtype.element_ty).to(tl.float32)
+            vis = ok[:, None] & (i < Tc)[None, :] & (i[None, :] * D + L - 1 <= t_row[:, None])
+            # where, not multiply: a row without a visible block has lse = -inf (exp = inf)
+            p = tl.where(vis, tl.exp(s * scale - lse[:, None]), 0.0)
+            psum += reduce_sum(tl.reshape(p, [BLOCK_M, HC, TC]), 1)  # the group's heads summed
+        # [previous | this tile] in ascending compression block, then the overlap map
+        both = tl.reshape(tl.permute(tl.join(prev, psum), (0, 2, 1)), [BLOCK_M, 2 * TC])
+        p_grp = tl.dot(both, w, input_precision="ieee")  # [BLOCK_M, KS]
+        prev = psum
+        j = c * NS + jj  # [KS] selection blocks (columns >= NS: none)
+        real = (jj < NS)[None, :]
+        forced = real & ((j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1))
+        candidate = real & (j[None, :] * LS <= t_q[:, None])
+        bits = tl.where(forced, 0x7F800000, tl.where(candidate, p_grp.to(tl.int32, bitcast=True), -1))
+        key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)[None, :]  # [BLOCK_M, KS]
+        # merge only when some key beats some query's running minimum (the list's last entry)
+        beats = reduce_max(key, 1) > reduce_min(run, 1)  # [BLOCK_M]
+        if reduce_max(beats.to(tl.int32), 0) > 0:
+            run = _merge_top(run, key, BLOCK_M, KS, LOG_KS)
+        kt = kt_next
 
-    @triton.jit
-    def _merge_top(run, new, M: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
-        """The N largest of each row of run [M, N] (sorted descending) and new [M, N] (any order),
-        sorted descending: new sorted ascending, the elementwise max (the top N of both, a
-        bitonic sequence), then a bitonic merge."""
-        top = tl.maximum(run, _sort_rows(new, M, N, LOG_N, False))
-        for r in tl.static_range(LOG_N):
-            top = _compare_swap(top, M, N, N >> (r + 1), 2 * N, True)
-        return top
-
-    @triton.jit
-    def select_kernel(
-        Q, KC, LSE, W, OUT,
-        sqb, sqh, sqs, sqd, skb, skg, skt, skd, slb, slh, sls, sob, sog, sos,
-        S, G, Tc, N_SEL, L, D, LS, scale,
-        HPG: tl.constexpr, HC: tl.constexpr, NHC: tl.constexpr, DK: tl.constexpr, DK_P: tl.constexpr,
-        BLOCK_M: tl.constexpr, TC: tl.constexpr, NS: tl.constexpr, KS: tl.constexpr, LOG_KS: tl.constexpr,
-        PREC: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr,
-    ):  # fmt: skip
-        # heaviest (latest) query tiles first: a short tail for the causal imbalance
-        tile = tl.num_programs(0) - 1 - tl.program_id(0)
-        bg = tl.program_id(1)
-        b = (bg // G).to(tl.int64)
-        g = bg % G
-        ROWS: tl.constexpr = BLOCK_M * HC
-        row = tl.arange(0, ROWS)
-        t_row = tile * BLOCK_M + row // HC  # [ROWS] token of each (query, head) row
-        t_q = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-        dk = tl.arange(0, DK_P)
-        dk_ok = dk < DK
-        k_base = KC + b * skb + g.to(tl.int64) * skg
-        if NHC == 1:  # all heads in one chunk: q and lse stay in registers for the whole loop
-            head = row % HC
-            row_ok = (head < HPG) & (t_row < S)
-            hd = (g * HPG + head).to(tl.int64)
-            q0 = tl.load(Q + b * sqb + hd[:, None] * sqh + t_row.to(tl.int64)[:, None] * sqs + dk[None, :] * sqd,
-                         mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
-            if UPCAST:
-                q0 = q0.to(tl.float32)
-            lse0 = tl.load(LSE + b * slb + hd * slh + t_row.to(tl.int64) * sls, mask=row_ok, other=0.0)
-        cur = t_q // LS  # [BLOCK_M] the current selection block
-        t_last = tl.minimum(tile * BLOCK_M + BLOCK_M, S) - 1
-        n_tiles = (t_last // LS) // NS + 1  # up to the latest query's current block
-        kk = tl.arange(0, 2 * TC)
-        jj = tl.arange(0, KS)
-        w = tl.load(W + kk[:, None] * KS + jj[None, :])  # [2 TC, KS] overlap / l: previous | this tile
-        ic = tl.arange(0, TC)
-        prev = tl.full([BLOCK_M, TC], 0.0, tl.float32)  # the previous tile's head sums (none before 0)
-        run = tl.full([BLOCK_M, KS], -1, tl.int64)  # running top KS keys, descending (-1: none)
-        kt = tl.load(k_base + ic.to(tl.int64)[:, None] * skt + dk[None, :] * skd,
-                     mask=(ic < Tc)[:, None] & dk_ok[None, :], other=0.0)  # [TC, DK_P] the first tile
-        for c in range(n_tiles):
-            i = c * TC + ic  # [TC] compression blocks of this tile
-            # the next tile's keys requested now, used next iteration: the load overlaps this work
-            i_next = i + TC
-            kt_next = tl.load(k_base + i_next.to(tl.int64)[:, None] * skt + dk[None, :] * skd,
-                              mask=(i_next < Tc)[:, None] & dk_ok[None, :], other=0.0)
-            if UPCAST:
-                kt = kt.to(tl.float32)
-            psum = tl.full([BLOCK_M, TC], 0.0, tl.float32)
-            for hc in tl.static_range(NHC):
-                if NHC == 1:
-                    q = q0
-                    lse = lse0
-                    ok = row_ok
-                else:
-                    head = hc * HC + row % HC
-                    ok = (head < HPG) & (t_row < S)
-                    hd = (g * HPG + head).to(tl.int64)
-                    q = tl.load(Q + b * sqb + hd[:, None] * sqh + t_row.to(tl.int64)[:, None] * sqs + dk[None, :] * sqd,
-                                mask=ok[:, None] & dk_ok[None, :], other=0.0)
-                    if UPCAST:
-                        q = q.to(tl.float32)
-                    lse = tl.load(LSE + b * slb + hd * slh + t_row.to(tl.int64) * sls, mask=ok, other=0.0)
-                s = tl.dot(q, tl.trans(kt), input_precision=PREC)  # [ROWS, TC] fp32
-                if ROUND:  # eager's q @ k^T is rounded to the input dtype before the upcast
-                    s = s.to(Q.dtype.element_ty).to(tl.float32)
-                vis = ok[:, None] & (i < Tc)[None, :] & (i[None, :] * D + L - 1 <= t_row[:, None])
-                # where, not multiply: a row without a visible block has lse = -inf (exp = inf)
-                p = tl.where(vis, tl.exp(s * scale - lse[:, None]), 0.0)
-                psum += _vsum(tl.reshape(p, [BLOCK_M, HC, TC]), 1)  # the group's heads summed
-            # [previous | this tile] in ascending compression block, then the overlap map
-            both = tl.reshape(tl.permute(tl.join(prev, psum), (0, 2, 1)), [BLOCK_M, 2 * TC])
-            p_grp = tl.dot(both, w, input_precision="ieee")  # [BLOCK_M, KS]
-            prev = psum
-            j = c * NS + jj  # [KS] selection blocks (columns >= NS: none)
-            real = (jj < NS)[None, :]
-            forced = real & ((j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1))
-            candidate = real & (j[None, :] * LS <= t_q[:, None])
-            bits = tl.where(forced, 0x7F800000, tl.where(candidate, p_grp.to(tl.int32, bitcast=True), -1))
-            key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)[None, :]  # [BLOCK_M, KS]
-            # merge only when some key beats some query's running minimum (the list's last entry)
-            beats = _vmax(key, 1) > _vmin(run, 1)  # [BLOCK_M]
-            if _vmax(beats.to(tl.int32), 0) > 0:
-                run = _merge_top(run, key, BLOCK_M, KS, LOG_KS)
-            kt = kt_next
-
-        # the first n keys of each query that are forced or candidates, as ascending block ids
-        pos = tl.arange(0, KS)[None, :]
-        none: tl.constexpr = 0x7FFFFFFF
-        ids = tl.where((pos < N_SEL) & (run >= 0), 0x7FFFFFFF - (run & 0x7FFFFFFF), none)
-        ids = _sort_rows(ids, BLOCK_M, KS, LOG_KS, False)
-        out_ptrs = OUT + b * sob + g.to(tl.int64) * sog + t_q.to(tl.int64)[:, None] * sos + pos
-        tl.store(out_ptrs, tl.where(ids == none, -1, ids), mask=(t_q < S)[:, None] & (pos < N_SEL))
-
-    return select_kernel
+    # the first n keys of each query that are forced or candidates, as ascending block ids
+    pos = tl.arange(0, KS)[None, :]
+    none: tl.constexpr = 0x7FFFFFFF
+    ids = tl.where((pos < N_SEL) & (run >= 0), 0x7FFFFFFF - (run & 0x7FFFFFFF), none)
+    ids = _sort_rows(ids, BLOCK_M, KS, LOG_KS, False)
+    out_ptrs = OUT + b * sob + g.to(tl.int64) * sog + t_q.to(tl.int64)[:, None] * sos + pos
+    tl.store(out_ptrs, tl.where(ids == none, -1, ids), mask=(t_q < S)[:, None] & (pos < N_SEL))
 
 
 @functools.lru_cache(maxsize=64)
@@ -349,16 +330,15 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
     m = sel_block // cmp_stride
     NS = T["TC"] // m
     w = _overlap_matrix(T["TC"], NS, T["KS"], cmp_block, cmp_stride, sel_block, q.device)
-    kernel = _kernels()
     launch = {"num_warps": T["num_warps"]} | ({"num_stages": T["num_stages"]} if "num_stages" in T else {})
     grid = (_cdiv(S, T["BLOCK_M"]), B * G)
-    kernel[grid](
+    select_kernel[grid](
         q, k, lse, w, out,
         *q.stride(), *k.stride(), *lse.stride(), *out.stride()[:3],
         S, G, Tc, n_selected, cmp_block, cmp_stride, sel_block, scale,
         HPG=h, HC=T["HC"], NHC=_cdiv(h, T["HC"]), DK=Dk, DK_P=T["DK_P"], BLOCK_M=T["BLOCK_M"], TC=T["TC"], NS=NS,
         KS=T["KS"], LOG_KS=T["KS"].bit_length() - 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        ROUND=q.dtype != torch.float32, UPCAST=q.dtype == torch.bfloat16 and _built_interpreted, **launch,
+        ROUND=q.dtype != torch.float32, UPCAST=upcast_dots(q.dtype), **launch,
     )  # fmt: skip
     return out

@@ -46,10 +46,16 @@ Supported (`unsupported_reason` says why not): CUDA tensors, or any device with 
 q, k, v all fp16, bf16 or fp32; head dims up to 256 (padded to a power of two >= 16 by
 masking); any h >= 1, block >= 1, stride >= 1, Tc >= 0 (Tc = 0: zeros and -inf without a launch).
 
-CPU interpreter: as nsa_compile/ops/selection_triton.py (kernels built on first use, bf16 dot
-operands cast to fp32 when interpreted, reductions through tl.reduce). One more gap: the
-interpreter's fp32 -> bf16 cast truncates, so interpreted kernels round to bf16 on the fp32 bits
-(`_rounded_interpreted`); without that the CPU tests could not check the score rounding.
+The tile loads, the online-softmax step and the backward's row statistics are attention_tiles'
+helpers; the forward's and dq's two passes over the tokens (whole tiles, then the diagonal) and
+dk/dv's over the pairs (diagonal, then the rest) are one loop body each, unrolled twice by
+tl.static_range (the same code as two loops).
+
+CPU interpreter: as nsa_compile/ops/selection_triton.py (module-level `triton_support.jit`
+kernels built for the mode Triton is in when launched, bf16 dot operands cast to fp32 when
+interpreted, reductions through tl.reduce). One more gap: the interpreter's fp32 -> bf16 cast
+truncates, so interpreted kernels round to bf16 on the fp32 bits (`rounded`'s interpreted
+stand-in `_rounded_interpreted`); without that the CPU tests could not check the score rounding.
 The Triton 3.6 interpreter (the GPU image's) cannot run these kernels, nor selection_triton's:
 computed loop bounds fail there; the tests pin Triton 3.9 (pyproject.toml). Compiled for sm_90,
 both 3.6 and 3.9 build them.
@@ -69,9 +75,12 @@ try:
 except ImportError:  # the module still imports; unsupported_reason says why the kernels cannot run
     triton = tl = None
 
+from .attention_tiles import (
+    load_tile, row_delta, row_stats, softmax_finish, softmax_state, softmax_update, store_tile,
+)
 from .triton_support import (
-    cdiv as _cdiv, device_reason, dot_precision as _dot_precision, interpreting as _interpreting,
-    next_pow2 as _next_pow2, qkv_reason, row_reductions,
+    cdiv as _cdiv, device_reason, dot_precision as _dot_precision, jit, next_pow2 as _next_pow2, qkv_reason,
+    upcast_dots,
 )
 
 __all__ = ["compressed_backward", "compressed_forward", "unsupported_reason"]
@@ -142,22 +151,10 @@ def _launch_options(cfg: dict) -> dict:
     return {name: value for name, value in cfg.items() if name != "SEGMENT"}
 
 
-def _upcast_dots(q: torch.Tensor) -> bool:
-    """Triton's interpreter multiplies bf16 tl.dot operands as their raw uint16 bits: when the
-    kernels were built interpreted, bf16 dot operands are cast to fp32 first (exact; the values
-    rounded to bf16 on the GPU, p and ds * scale, are still rounded first). Call after `_kernels()`."""
-    return q.dtype == torch.bfloat16 and _built_interpreted
-
-
-def _rounded_compiled(x, DTYPE: tl.constexpr):
-    """x (fp32) rounded to DTYPE (round to nearest even), as fp32."""
-    return x.to(DTYPE).to(tl.float32)
-
-
 def _rounded_interpreted(x, dtype):
-    """`_rounded_compiled` for Triton's interpreter, whose fp32 -> bf16 cast truncates (and whose
-    'rtne' mode does not carry into the exponent): bf16 is rounded on the fp32 bits instead
-    (round to nearest even; the values here are finite). fp16 casts go through numpy: exact."""
+    """`rounded` for Triton's interpreter, whose fp32 -> bf16 cast truncates (and whose 'rtne'
+    mode does not carry into the exponent): bf16 is rounded on the fp32 bits instead (round to
+    nearest even; the values here are finite). fp16 casts go through numpy: exact."""
     if dtype != tl.bfloat16:
         return x.to(dtype).to(tl.float32)
     bits = x.to(tl.uint32, bitcast=True)
@@ -165,351 +162,280 @@ def _rounded_interpreted(x, dtype):
     return bits.to(tl.float32, bitcast=True)
 
 
-def _set_reductions() -> None:
-    """Row max / row sum and the rounding helper for the kernels, as module globals (looked up
-    when a kernel runs). The reductions: `triton_support.row_reductions`. The rounding helper:
-    compiled, a @triton.jit `_rounded_compiled` (jitted here, at build time, so that it is built in
-    the kernels' mode); interpreted, the plain `_rounded_interpreted`."""
-    global _rowmax, _rowsum, _rounded, _built_interpreted
-    _built_interpreted = _interpreting()
-    _rowmax, _rowsum = row_reductions(_built_interpreted, "max", "sum")
-    _rounded = _rounded_interpreted if _built_interpreted else triton.jit(_rounded_compiled)
+@jit(interpreted=_rounded_interpreted)
+def rounded(x, DTYPE: tl.constexpr):
+    """x (fp32) rounded to DTYPE (round to nearest even), as fp32."""
+    return x.to(DTYPE).to(tl.float32)
 
 
-_rowmax = _rowsum = _rounded = None
-_built_interpreted = False
+@jit
+def _score(q, k, scale, DTYPE: tl.constexpr, PREC: tl.constexpr):
+    """The eager score [ROWS, BLOCK_N]: q @ k^T rounded to q's dtype DTYPE, then scaled in fp32."""
+    return rounded(tl.dot(q, tl.trans(k), input_precision=PREC), DTYPE) * scale
 
 
-@functools.cache
-def _kernels():
-    """The @triton.jit kernels, built on first use: TRITON_INTERPRET is read when they are built,
-    not at import. (`tl` and the reductions must be module globals: the interpreter patches the
-    `tl` it finds in the kernel's globals, and the JIT resolves helpers there.)"""
-    _set_reductions()
+@jit
+def _dot_operand(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """x (fp32) as a tl.dot operand of DTYPE: cast; with UPCAST (interpreted bf16) rounded to
+    DTYPE but kept fp32."""
+    return rounded(x, DTYPE) if UPCAST else x.to(DTYPE)
 
-    @triton.jit
-    def fwd_kernel(
-        Q, K, V, O, LSE,
-        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sob, soh, sos, sod,
-        S, G, TC, BLK, STRIDE, scale, N_TILES,
-        HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ):  # fmt: skip
-        tile = N_TILES - 1 - tl.program_id(0)  # the last queries (most tokens) first
-        bg = tl.program_id(1)
-        b = (bg // G).to(tl.int64)
-        g = bg % G
-        n_pairs = S * HPG
-        p0 = tile * ROWS
-        pr = p0 + tl.arange(0, ROWS)  # [ROWS] (query, head) pairs, query-major
-        row_ok = pr < n_pairs
-        tq = pr // HPG  # [ROWS] query token
-        head = (g * HPG + pr % HPG).to(tl.int64)
-        t_min = p0 // HPG
-        t_max = (tl.minimum(p0 + ROWS, n_pairs) - 1) // HPG  # the tile's last query
-        # tokens < n_full are visible to every row, tokens >= n_vis to none: query t sees
-        # (t - BLK + 1) // STRIDE + 1 tokens when t >= BLK - 1, else none (written without a
-        # branch and without dividing a negative number)
-        n_full = tl.minimum(tl.maximum(t_min - BLK + 1 + STRIDE, 0) // STRIDE, TC)
-        n_vis = tl.minimum(tl.maximum(t_max - BLK + 1 + STRIDE, 0) // STRIDE, TC)
 
-        dk = tl.arange(0, DK_P)
-        dv = tl.arange(0, DV_P)
-        dk_ok = dk < DK
-        dv_ok = dv < DV
-        tq64 = tq.to(tl.int64)
-        q = tl.load(Q + b * sqb + head[:, None] * sqh + tq64[:, None] * sqs + dk[None, :] * sqd,
-                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
-        if UPCAST:
-            q = q.to(tl.float32)
-        k_base = K + b * skb + g.to(tl.int64) * skg
-        v_base = V + b * svb + g.to(tl.int64) * svg
-        cols = tl.arange(0, BLOCK_N)
+@jit
+def _pair_tile(N_TILES, G, S, TC, BLK, STRIDE, HPG: tl.constexpr, ROWS: tl.constexpr):
+    """The forward's and dq's program: ROWS (query, head) pairs of one (batch, group), the last
+    queries (most tokens) first. Returns b (int64), g, row_ok, tq (query token), head (int64)
+    [ROWS] each, and the tile's compression tokens: those < n_full are visible to every row,
+    those >= n_vis to none."""
+    tile = N_TILES - 1 - tl.program_id(0)
+    bg = tl.program_id(1)
+    b = (bg // G).to(tl.int64)
+    g = bg % G
+    n_pairs = S * HPG
+    p0 = tile * ROWS
+    pr = p0 + tl.arange(0, ROWS)  # [ROWS] (query, head) pairs, query-major
+    row_ok = pr < n_pairs
+    tq = pr // HPG  # [ROWS] query token
+    head = (g * HPG + pr % HPG).to(tl.int64)
+    t_min = p0 // HPG
+    t_max = (tl.minimum(p0 + ROWS, n_pairs) - 1) // HPG  # the tile's last query
+    # query t sees (t - BLK + 1) // STRIDE + 1 tokens when t >= BLK - 1, else none (written
+    # without a branch and without dividing a negative number)
+    n_full = tl.minimum(tl.maximum(t_min - BLK + 1 + STRIDE, 0) // STRIDE, TC)
+    n_vis = tl.minimum(tl.maximum(t_max - BLK + 1 + STRIDE, 0) // STRIDE, TC)
+    return b, g, row_ok, tq, head, n_full, n_vis
 
-        # running max in log2 units from a finite floor: a row with nothing visible in a tile keeps
-        # its state (alpha = 1, p = 0) instead of making NaN; its first visible tile gets alpha = 0
-        m_i = tl.full([ROWS], -1.0e30, tl.float32)
-        l_i = tl.full([ROWS], 0.0, tl.float32)
-        acc = tl.full([ROWS, DV_P], 0.0, tl.float32)
-        full_end = (n_full // BLOCK_N) * BLOCK_N
-        for c0 in range(0, full_end, BLOCK_N):  # every row sees every token of these tiles
-            c64 = (c0 + cols).to(tl.int64)
-            k = tl.load(k_base + c64[:, None] * sks + dk[None, :] * skd, mask=dk_ok[None, :], other=0.0)
-            v = tl.load(v_base + c64[:, None] * svs + dv[None, :] * svd, mask=dv_ok[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            # the eager score: q @ k^T rounded to q's dtype, then scaled in fp32
-            s = _rounded(tl.dot(q, tl.trans(k), input_precision=PREC), Q.dtype.element_ty) * scale
-            s2 = s * 1.4426950408889634  # [ROWS, BLOCK_N], log2 units
-            m_new = tl.maximum(m_i, _rowmax(s2, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s2 - m_new[:, None])
-            l_i = l_i * alpha + _rowsum(p, 1)
-            pv = _rounded(p, V.dtype.element_ty) if UPCAST else p.to(V.dtype.element_ty)
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PREC)
-            m_i = m_new
-        for c0 in range(full_end, n_vis, BLOCK_N):  # the diagonal: the staircase mask
+
+@jit
+def fwd_kernel(
+    Q, K, V, O, LSE,
+    sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sob, soh, sos, sod,
+    S, G, TC, BLK, STRIDE, scale, N_TILES,
+    HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    b, g, row_ok, tq, head, n_full, n_vis = _pair_tile(N_TILES, G, S, TC, BLK, STRIDE, HPG, ROWS)
+    dk = tl.arange(0, DK_P)
+    dv = tl.arange(0, DV_P)
+    dk_ok = dk < DK
+    dv_ok = dv < DV
+    tq64 = tq.to(tl.int64)
+    q = load_tile(Q + b * sqb + head[:, None] * sqh, tq64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)  # [ROWS, DK_P]
+    k_base = K + b * skb + g.to(tl.int64) * skg
+    v_base = V + b * svb + g.to(tl.int64) * svg
+    cols = tl.arange(0, BLOCK_N)
+
+    m_i, l_i, acc = softmax_state(ROWS, DV_P)
+    full_end = (n_full // BLOCK_N) * BLOCK_N
+    # two passes over the tokens: first the tiles every row sees whole, [0, full_end), then the
+    # diagonal, [full_end, n_vis), with the staircase mask
+    for diagonal in tl.static_range(2):
+        for c0 in range(full_end if diagonal else 0, n_vis if diagonal else full_end, BLOCK_N):
             c = c0 + cols
             c_ok = c < n_vis
             c64 = c.to(tl.int64)
-            k = tl.load(k_base + c64[:, None] * sks + dk[None, :] * skd, mask=c_ok[:, None] & dk_ok[None, :], other=0.0)
-            v = tl.load(v_base + c64[:, None] * svs + dv[None, :] * svd, mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = _rounded(tl.dot(q, tl.trans(k), input_precision=PREC), Q.dtype.element_ty) * scale
-            visible = c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
-            s2 = tl.where(visible, s * 1.4426950408889634, float("-inf"))
-            m_new = tl.maximum(m_i, _rowmax(s2, 1))  # finite: at least the floor
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s2 - m_new[:, None])  # 0 where invisible
-            l_i = l_i * alpha + _rowsum(p, 1)
-            pv = _rounded(p, V.dtype.element_ty) if UPCAST else p.to(V.dtype.element_ty)
+            k = load_tile(k_base, c64, dk, sks, skd, c_ok if diagonal else None, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
+            v = load_tile(v_base, c64, dv, svs, svd, c_ok if diagonal else None, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
+            s = _score(q, k, scale, Q.dtype.element_ty, PREC)
+            if diagonal:
+                visible = c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
+                s2 = tl.where(visible, s * 1.4426950408889634, float("-inf"))
+            else:
+                s2 = s * 1.4426950408889634  # [ROWS, BLOCK_N], log2 units
+            m_new, alpha, p, l_i = softmax_update(m_i, l_i, s2, None)  # p 0 where invisible
+            pv = _dot_operand(p, V.dtype.element_ty, UPCAST)
             acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PREC)
             m_i = m_new
 
-        empty = l_i == 0.0
-        l_safe = tl.where(empty, 1.0, l_i)
-        o = acc / l_safe[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # ln(2): log2 -> ln
-        tl.store(O + b * sob + head[:, None] * soh + tq64[:, None] * sos + dv[None, :] * sod,
-                 o.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
-        tl.store(LSE + (b * G * HPG + head) * S + tq64, lse, mask=row_ok)
+    o, lse = softmax_finish(acc, m_i, l_i)  # a row without a visible token: o 0, lse -inf
+    store_tile(O + b * sob + head[:, None] * soh, tq64, dv, sos, sod, o, row_ok, dv_ok)
+    tl.store(LSE + (b * G * HPG + head) * S + tq64, lse, mask=row_ok)
 
-    @triton.jit
-    def dq_kernel(
-        Q, K, V, DO, O, LSE, DELTA, DQ,
-        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
-        sdob, sdoh, sdos, sdod, sob, soh, sos, sod, sdqb, sdqh, sdqs, sdqd,
-        S, G, TC, BLK, STRIDE, scale, N_TILES,
-        HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ):  # fmt: skip
-        tile = N_TILES - 1 - tl.program_id(0)
-        bg = tl.program_id(1)
-        b = (bg // G).to(tl.int64)
-        g = bg % G
-        n_pairs = S * HPG
-        p0 = tile * ROWS
-        pr = p0 + tl.arange(0, ROWS)
-        row_ok = pr < n_pairs
-        tq = pr // HPG
-        head = (g * HPG + pr % HPG).to(tl.int64)
-        t_min = p0 // HPG
-        t_max = (tl.minimum(p0 + ROWS, n_pairs) - 1) // HPG  # the tile's last query
-        n_full = tl.minimum(tl.maximum(t_min - BLK + 1 + STRIDE, 0) // STRIDE, TC)
-        n_vis = tl.minimum(tl.maximum(t_max - BLK + 1 + STRIDE, 0) // STRIDE, TC)
 
-        dk = tl.arange(0, DK_P)
-        dv = tl.arange(0, DV_P)
-        dk_ok = dk < DK
-        dv_ok = dv < DV
-        tq64 = tq.to(tl.int64)
-        q = tl.load(Q + b * sqb + head[:, None] * sqh + tq64[:, None] * sqs + dk[None, :] * sqd,
-                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
-        rv_mask = row_ok[:, None] & dv_ok[None, :]
-        do = tl.load(DO + b * sdob + head[:, None] * sdoh + tq64[:, None] * sdos + dv[None, :] * sdod,
-                     mask=rv_mask, other=0.0)  # [ROWS, DV_P]
-        o = tl.load(O + b * sob + head[:, None] * soh + tq64[:, None] * sos + dv[None, :] * sod,
-                    mask=rv_mask, other=0.0)
-        delta = _rowsum(do.to(tl.float32) * o.to(tl.float32), 1)  # [ROWS]
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        row_lin = (b * G * HPG + head) * S + tq64
-        tl.store(DELTA + row_lin, delta, mask=row_ok)
-        lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
+@jit
+def dq_kernel(
+    Q, K, V, DO, O, LSE, DELTA, DQ,
+    sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
+    sdob, sdoh, sdos, sdod, sob, soh, sos, sod, sdqb, sdqh, sdqs, sdqd,
+    S, G, TC, BLK, STRIDE, scale, N_TILES,
+    HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    b, g, row_ok, tq, head, n_full, n_vis = _pair_tile(N_TILES, G, S, TC, BLK, STRIDE, HPG, ROWS)
+    dk = tl.arange(0, DK_P)
+    dv = tl.arange(0, DV_P)
+    dk_ok = dk < DK
+    dv_ok = dv < DV
+    tq64 = tq.to(tl.int64)
+    q = load_tile(Q + b * sqb + head[:, None] * sqh, tq64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)  # [ROWS, DK_P]
+    do = load_tile(DO + b * sdob + head[:, None] * sdoh, tq64, dv, sdos, sdod, row_ok, dv_ok, UPCAST)  # [ROWS, DV_P]
+    o = load_tile(O + b * sob + head[:, None] * soh, tq64, dv, sos, sod, row_ok, dv_ok, False)
+    delta = row_delta(do, o)  # [ROWS]
+    row_lin = (b * G * HPG + head) * S + tq64
+    tl.store(DELTA + row_lin, delta, mask=row_ok)
+    lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
 
-        k_base = K + b * skb + g.to(tl.int64) * skg
-        v_base = V + b * svb + g.to(tl.int64) * svg
-        cols = tl.arange(0, BLOCK_N)
-        acc = tl.full([ROWS, DK_P], 0.0, tl.float32)
-        full_end = (n_full // BLOCK_N) * BLOCK_N
-        # the forward's two loops; rows without a visible token never reach the first (their lse
-        # is -inf) and get p = 0 in the second
-        for c0 in range(0, full_end, BLOCK_N):
-            c64 = (c0 + cols).to(tl.int64)
-            k = tl.load(k_base + c64[:, None] * sks + dk[None, :] * skd, mask=dk_ok[None, :], other=0.0)
-            v = tl.load(v_base + c64[:, None] * svs + dv[None, :] * svd, mask=dv_ok[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = _rounded(tl.dot(q, tl.trans(k), input_precision=PREC), Q.dtype.element_ty) * scale
-            p = tl.exp2(s * 1.4426950408889634 - lse2[:, None])  # [ROWS, BLOCK_N]
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None]) * scale
-            ds = _rounded(ds, Q.dtype.element_ty) if UPCAST else ds.to(Q.dtype.element_ty)
-            acc += tl.dot(ds, k, input_precision=PREC)
-        for c0 in range(full_end, n_vis, BLOCK_N):
+    k_base = K + b * skb + g.to(tl.int64) * skg
+    v_base = V + b * svb + g.to(tl.int64) * svg
+    cols = tl.arange(0, BLOCK_N)
+    acc = tl.full([ROWS, DK_P], 0.0, tl.float32)
+    full_end = (n_full // BLOCK_N) * BLOCK_N
+    # the forward's two passes; rows without a visible token never reach the first (their lse
+    # is -inf) and get p = 0 in the second
+    for diagonal in tl.static_range(2):
+        for c0 in range(full_end if diagonal else 0, n_vis if diagonal else full_end, BLOCK_N):
             c = c0 + cols
             c_ok = c < n_vis
             c64 = c.to(tl.int64)
-            k = tl.load(k_base + c64[:, None] * sks + dk[None, :] * skd, mask=c_ok[:, None] & dk_ok[None, :], other=0.0)
-            v = tl.load(v_base + c64[:, None] * svs + dv[None, :] * svd, mask=c_ok[:, None] & dv_ok[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = _rounded(tl.dot(q, tl.trans(k), input_precision=PREC), Q.dtype.element_ty) * scale
-            visible = row_ok[:, None] & c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
-            p = tl.where(visible, tl.exp2(s * 1.4426950408889634 - lse2[:, None]), 0.0)
+            k = load_tile(k_base, c64, dk, sks, skd, c_ok if diagonal else None, dk_ok, UPCAST)
+            v = load_tile(v_base, c64, dv, svs, svd, c_ok if diagonal else None, dv_ok, UPCAST)
+            s = _score(q, k, scale, Q.dtype.element_ty, PREC)
+            if diagonal:
+                visible = row_ok[:, None] & c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
+                p = tl.where(visible, tl.exp2(s * 1.4426950408889634 - lse2[:, None]), 0.0)
+            else:
+                p = tl.exp2(s * 1.4426950408889634 - lse2[:, None])  # [ROWS, BLOCK_N]
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None]) * scale
-            ds = _rounded(ds, Q.dtype.element_ty) if UPCAST else ds.to(Q.dtype.element_ty)
+            ds = _dot_operand(p * (dp - delta[:, None]) * scale, Q.dtype.element_ty, UPCAST)
             acc += tl.dot(ds, k, input_precision=PREC)
-        tl.store(DQ + b * sdqb + head[:, None] * sdqh + tq64[:, None] * sdqs + dk[None, :] * sdqd,
-                 acc.to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok[None, :])
+    store_tile(DQ + b * sdqb + head[:, None] * sdqh, tq64, dk, sdqs, sdqd, acc, row_ok, dk_ok)
 
-    @triton.jit
-    def dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV, PK, PV, ITEM_TILE, ITEM_SEG, TILE_NSEG,
-        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
-        sdob, sdoh, sdos, sdod, sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
-        S, G, TC, BLK, STRIDE, scale, SEG, N_ITEMS,
-        HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ):  # fmt: skip
-        item = tl.program_id(0)
-        bg = tl.program_id(1)
-        b = (bg // G).to(tl.int64)
-        g = bg % G
-        tile = tl.load(ITEM_TILE + item)
-        seg = tl.load(ITEM_SEG + item)
-        nseg = tl.load(TILE_NSEG + tile)
-        n_pairs = S * HPG
-        c0 = tile * BLOCK_N
-        c = c0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] compression tokens
-        c_ok = c < TC
-        c_last = tl.minimum(c0 + BLOCK_N, TC) - 1
-        # pairs [p_lo, n_pairs) see some token of the tile, pairs >= p_full see all of them; the
-        # masked tiles end at p_mid, a whole number of ROWS after p_lo (as the segments are)
-        p_lo = tl.minimum(c0 * STRIDE + BLK - 1, S) * HPG
-        p_full = tl.minimum(c_last * STRIDE + BLK - 1, S) * HPG
-        p_mid = p_lo + (p_full - p_lo + ROWS - 1) // ROWS * ROWS
-        a = p_lo + seg * SEG
-        e = tl.minimum(a + SEG, n_pairs)
 
-        dk = tl.arange(0, DK_P)
-        dv = tl.arange(0, DV_P)
-        dk_ok = dk < DK_
-        dv_ok = dv < DV_
-        c64 = c.to(tl.int64)
-        kmask = c_ok[:, None] & dk_ok[None, :]
-        vmask = c_ok[:, None] & dv_ok[None, :]
-        k = tl.load(K + b * skb + g.to(tl.int64) * skg + c64[:, None] * sks + dk[None, :] * skd,
-                    mask=kmask, other=0.0)  # [BLOCK_N, DK_P]
-        v = tl.load(V + b * svb + g.to(tl.int64) * svg + c64[:, None] * svs + dv[None, :] * svd,
-                    mask=vmask, other=0.0)  # [BLOCK_N, DV_P]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
-        acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
-        rows = tl.arange(0, ROWS)
-        # the diagonal pair tiles: the staircase mask (and rows past the end of the sequence)
-        for r0 in range(a, tl.minimum(e, p_mid), ROWS):
+@jit
+def _pair_gradients(acc_k, acc_v, s, visible, lse2, delta, q, do, v, scale, QDT: tl.constexpr, DODT: tl.constexpr,
+                    PREC: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """acc_k [BLOCK_N, DK_P] and acc_v [BLOCK_N, DV_P] plus one pair tile's share, from its
+    scores s [ROWS, BLOCK_N]: p = exp(s - lse), 0 where not `visible` (None: visible everywhere),
+    dv += p^T @ dO, ds = p * (dO @ v^T - delta) * scale, dk += ds^T @ q (p and ds rounded to the
+    operands' dtypes QDT, DODT first, as the eager backward rounds them)."""
+    if visible is None:
+        p = tl.exp2(s * 1.4426950408889634 - lse2[:, None])
+    else:
+        p = tl.where(visible, tl.exp2(s * 1.4426950408889634 - lse2[:, None]), 0.0)  # [ROWS, BLOCK_N]
+    pv = _dot_operand(p, DODT, UPCAST)
+    acc_v += tl.dot(tl.trans(pv), do, input_precision=PREC)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = _dot_operand(p * (dp - delta[:, None]) * scale, QDT, UPCAST)
+    acc_k += tl.dot(tl.trans(ds), q, input_precision=PREC)
+    return acc_k, acc_v
+
+
+@jit
+def dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, PK, PV, ITEM_TILE, ITEM_SEG, TILE_NSEG,
+    sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
+    sdob, sdoh, sdos, sdod, sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
+    S, G, TC, BLK, STRIDE, scale, SEG, N_ITEMS,
+    HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    item = tl.program_id(0)
+    bg = tl.program_id(1)
+    b = (bg // G).to(tl.int64)
+    g = bg % G
+    tile = tl.load(ITEM_TILE + item)
+    seg = tl.load(ITEM_SEG + item)
+    nseg = tl.load(TILE_NSEG + tile)
+    n_pairs = S * HPG
+    c0 = tile * BLOCK_N
+    c = c0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] compression tokens
+    c_ok = c < TC
+    c_last = tl.minimum(c0 + BLOCK_N, TC) - 1
+    # pairs [p_lo, n_pairs) see some token of the tile, pairs >= p_full see all of them; the
+    # masked tiles end at p_mid, a whole number of ROWS after p_lo (as the segments are)
+    p_lo = tl.minimum(c0 * STRIDE + BLK - 1, S) * HPG
+    p_full = tl.minimum(c_last * STRIDE + BLK - 1, S) * HPG
+    p_mid = p_lo + (p_full - p_lo + ROWS - 1) // ROWS * ROWS
+    a = p_lo + seg * SEG
+    e = tl.minimum(a + SEG, n_pairs)
+
+    dk = tl.arange(0, DK_P)
+    dv = tl.arange(0, DV_P)
+    dk_ok = dk < DK_
+    dv_ok = dv < DV_
+    c64 = c.to(tl.int64)
+    kmask = c_ok[:, None] & dk_ok[None, :]
+    vmask = c_ok[:, None] & dv_ok[None, :]
+    k = tl.load(K + b * skb + g.to(tl.int64) * skg + c64[:, None] * sks + dk[None, :] * skd,
+                mask=kmask, other=0.0)  # [BLOCK_N, DK_P]
+    v = tl.load(V + b * svb + g.to(tl.int64) * svg + c64[:, None] * svs + dv[None, :] * svd,
+                mask=vmask, other=0.0)  # [BLOCK_N, DV_P]
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
+    acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
+    rows = tl.arange(0, ROWS)
+    # two passes over the item's pairs: first the diagonal pair tiles, [a, p_mid), with the
+    # staircase mask (and rows past the end of the sequence); then the rest, which see every
+    # token of the tile: no visibility mask (rows past the end load q = dO = 0 and add nothing;
+    # columns past Tc are not stored)
+    for full in tl.static_range(2):
+        for r0 in range(tl.maximum(a, p_mid) if full else a, e if full else tl.minimum(e, p_mid), ROWS):
             pr = r0 + rows
             row_ok = pr < n_pairs
             tq = pr // HPG
             tq64 = tq.to(tl.int64)
             head = (g * HPG + pr % HPG).to(tl.int64)
-            q = tl.load(Q + b * sqb + head[:, None] * sqh + tq64[:, None] * sqs + dk[None, :] * sqd,
-                        mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
-            do = tl.load(DO + b * sdob + head[:, None] * sdoh + tq64[:, None] * sdos + dv[None, :] * sdod,
-                         mask=row_ok[:, None] & dv_ok[None, :], other=0.0)  # [ROWS, DV_P]
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            row_lin = (b * G * HPG + head) * S + tq64
-            lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + row_lin, mask=row_ok, other=0.0)
-            s = _rounded(tl.dot(q, tl.trans(k), input_precision=PREC), Q.dtype.element_ty) * scale
-            visible = row_ok[:, None] & c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
-            p = tl.where(visible, tl.exp2(s * 1.4426950408889634 - lse2[:, None]), 0.0)  # [ROWS, BLOCK_N]
-            pv = _rounded(p, DO.dtype.element_ty) if UPCAST else p.to(DO.dtype.element_ty)
-            acc_v += tl.dot(tl.trans(pv), do, input_precision=PREC)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None]) * scale
-            ds = _rounded(ds, Q.dtype.element_ty) if UPCAST else ds.to(Q.dtype.element_ty)
-            acc_k += tl.dot(tl.trans(ds), q, input_precision=PREC)
-        # every row sees every token of the tile: no visibility mask (rows past the end load
-        # q = dO = 0 and add nothing; columns past Tc are not stored)
-        for r0 in range(tl.maximum(a, p_mid), e, ROWS):
-            pr = r0 + rows
-            row_ok = pr < n_pairs
-            tq64 = (pr // HPG).to(tl.int64)
-            head = (g * HPG + pr % HPG).to(tl.int64)
-            q = tl.load(Q + b * sqb + head[:, None] * sqh + tq64[:, None] * sqs + dk[None, :] * sqd,
-                        mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
-            do = tl.load(DO + b * sdob + head[:, None] * sdoh + tq64[:, None] * sdos + dv[None, :] * sdod,
-                         mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            row_lin = (b * G * HPG + head) * S + tq64
-            lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + row_lin, mask=row_ok, other=0.0)
-            s = _rounded(tl.dot(q, tl.trans(k), input_precision=PREC), Q.dtype.element_ty) * scale
-            p = tl.exp2(s * 1.4426950408889634 - lse2[:, None])
-            pv = _rounded(p, DO.dtype.element_ty) if UPCAST else p.to(DO.dtype.element_ty)
-            acc_v += tl.dot(tl.trans(pv), do, input_precision=PREC)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None]) * scale
-            ds = _rounded(ds, Q.dtype.element_ty) if UPCAST else ds.to(Q.dtype.element_ty)
-            acc_k += tl.dot(tl.trans(ds), q, input_precision=PREC)
+            q = load_tile(Q + b * sqb + head[:, None] * sqh, tq64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)  # [ROWS, DK_P]
+            do = load_tile(DO + b * sdob + head[:, None] * sdoh, tq64, dv, sdos, sdod, row_ok, dv_ok, UPCAST)
+            lse2, delta = row_stats(LSE, DELTA, (b * G * HPG + head) * S + tq64, row_ok)
+            s = _score(q, k, scale, Q.dtype.element_ty, PREC)
+            visible = None if full else row_ok[:, None] & c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
+            acc_k, acc_v = _pair_gradients(acc_k, acc_v, s, visible, lse2, delta, q, do, v, scale, Q.dtype.element_ty,
+                                           DO.dtype.element_ty, PREC, UPCAST)
 
-        # one segment: the final value; several: an fp32 partial per item, summed by reduce_kernel
-        # (the scalar conditions become column limits: block masks only)
-        direct = (c < tl.where(nseg == 1, TC, 0))[:, None]
-        split = (c < tl.where(nseg > 1, TC, 0))[:, None]
-        tl.store(DK + b * sdkb + g.to(tl.int64) * sdkg + c64[:, None] * sdks + dk[None, :] * sdkd,
-                 acc_k.to(DK.dtype.element_ty), mask=kmask & direct)
-        tl.store(DV + b * sdvb + g.to(tl.int64) * sdvg + c64[:, None] * sdvs + dv[None, :] * sdvd,
-                 acc_v.to(DV.dtype.element_ty), mask=vmask & direct)
-        # partials [B*G, items, BLOCK_N, D]
-        slot = (bg.to(tl.int64) * N_ITEMS + item) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-        tl.store(PK + slot[:, None] * DK_ + dk[None, :], acc_k, mask=kmask & split)
-        tl.store(PV + slot[:, None] * DV_ + dv[None, :], acc_v, mask=vmask & split)
+    # one segment: the final value; several: an fp32 partial per item, summed by reduce_kernel
+    # (the scalar conditions become column limits: block masks only)
+    direct = (c < tl.where(nseg == 1, TC, 0))[:, None]
+    split = (c < tl.where(nseg > 1, TC, 0))[:, None]
+    tl.store(DK + b * sdkb + g.to(tl.int64) * sdkg + c64[:, None] * sdks + dk[None, :] * sdkd,
+             acc_k.to(DK.dtype.element_ty), mask=kmask & direct)
+    tl.store(DV + b * sdvb + g.to(tl.int64) * sdvg + c64[:, None] * sdvs + dv[None, :] * sdvd,
+             acc_v.to(DV.dtype.element_ty), mask=vmask & direct)
+    # partials [B*G, items, BLOCK_N, D]
+    slot = (bg.to(tl.int64) * N_ITEMS + item) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    tl.store(PK + slot[:, None] * DK_ + dk[None, :], acc_k, mask=kmask & split)
+    tl.store(PV + slot[:, None] * DV_ + dv[None, :], acc_v, mask=vmask & split)
 
-    @triton.jit
-    def reduce_kernel(
-        PK, PV, DK, DV, TILE_NSEG, TILE_FIRST,
-        sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
-        G, TC, N_ITEMS,
-        DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
-        TILE_N: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
-        # program (tile, chunk of BLOCK_N of its TILE_N tokens, batch*group)
-        tile = tl.program_id(0)
-        chunk = tl.program_id(1)
-        bg = tl.program_id(2)
-        b = (bg // G).to(tl.int64)
-        g = (bg % G).to(tl.int64)
-        nseg = tl.load(TILE_NSEG + tile)
-        first = tl.load(TILE_FIRST + tile).to(tl.int64)
-        j = chunk * BLOCK_N + tl.arange(0, BLOCK_N)  # offset in the tile
-        c = tile * TILE_N + j
-        c_ok = (j < TILE_N) & (c < TC)
-        c64 = c.to(tl.int64)
-        dk = tl.arange(0, DK_P)
-        dv = tl.arange(0, DV_P)
-        kmask = c_ok[:, None] & (dk < DK_)[None, :]
-        vmask = c_ok[:, None] & (dv < DV_)[None, :]
-        acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
-        acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
-        # in segment order: deterministic (a one-item tile reads a slot it never wrote, and
-        # stores nothing: `split` below)
-        for i in range(nseg):
-            slot = (bg.to(tl.int64) * N_ITEMS + first + i) * TILE_N + j.to(tl.int64)
-            acc_k += tl.load(PK + slot[:, None] * DK_ + dk[None, :], mask=kmask, other=0.0)
-            acc_v += tl.load(PV + slot[:, None] * DV_ + dv[None, :], mask=vmask, other=0.0)
-        split = (j < tl.where(nseg > 1, TILE_N, 0))[:, None]
-        tl.store(DK + b * sdkb + g * sdkg + c64[:, None] * sdks + dk[None, :] * sdkd,
-                 acc_k.to(DK.dtype.element_ty), mask=kmask & split)
-        tl.store(DV + b * sdvb + g * sdvg + c64[:, None] * sdvs + dv[None, :] * sdvd,
-                 acc_v.to(DV.dtype.element_ty), mask=vmask & split)
 
-    return fwd_kernel, dq_kernel, dkdv_kernel, reduce_kernel
+@jit
+def reduce_kernel(
+    PK, PV, DK, DV, TILE_NSEG, TILE_FIRST,
+    sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
+    G, TC, N_ITEMS,
+    DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+    TILE_N: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # program (tile, chunk of BLOCK_N of its TILE_N tokens, batch*group)
+    tile = tl.program_id(0)
+    chunk = tl.program_id(1)
+    bg = tl.program_id(2)
+    b = (bg // G).to(tl.int64)
+    g = (bg % G).to(tl.int64)
+    nseg = tl.load(TILE_NSEG + tile)
+    first = tl.load(TILE_FIRST + tile).to(tl.int64)
+    j = chunk * BLOCK_N + tl.arange(0, BLOCK_N)  # offset in the tile
+    c = tile * TILE_N + j
+    c_ok = (j < TILE_N) & (c < TC)
+    c64 = c.to(tl.int64)
+    dk = tl.arange(0, DK_P)
+    dv = tl.arange(0, DV_P)
+    kmask = c_ok[:, None] & (dk < DK_)[None, :]
+    vmask = c_ok[:, None] & (dv < DV_)[None, :]
+    acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
+    acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
+    # in segment order: deterministic (a one-item tile reads a slot it never wrote, and
+    # stores nothing: `split` below)
+    for i in range(nseg):
+        slot = (bg.to(tl.int64) * N_ITEMS + first + i) * TILE_N + j.to(tl.int64)
+        acc_k += tl.load(PK + slot[:, None] * DK_ + dk[None, :], mask=kmask, other=0.0)
+        acc_v += tl.load(PV + slot[:, None] * DV_ + dv[None, :], mask=vmask, other=0.0)
+    split = (j < tl.where(nseg > 1, TILE_N, 0))[:, None]
+    tl.store(DK + b * sdkb + g * sdkg + c64[:, None] * sdks + dk[None, :] * sdkd,
+             acc_k.to(DK.dtype.element_ty), mask=kmask & split)
+    tl.store(DV + b * sdvb + g * sdvg + c64[:, None] * sdvs + dv[None, :] * sdvd,
+             acc_v.to(DV.dtype.element_ty), mask=vmask & split)
 
 
 def _require(q, k, v, block, stride) -> None:
@@ -533,13 +459,12 @@ def compressed_forward(q, k, v, block: int, stride: int, scale: float, *, tiles:
     T = _tiles(Dk, Dv, q.dtype == torch.float32, tiles)
     cfg = T["fwd"]
     n_tiles = _cdiv(S * h, cfg["ROWS"])
-    fwd_kernel = _kernels()[0]
     fwd_kernel[(n_tiles, B * G)](
         q, k, v, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         S, G, Tc, block, stride, scale, n_tiles,
         HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=_dot_precision(q.dtype),
-        UPCAST=_upcast_dots(q), **_launch_options(cfg),
+        UPCAST=upcast_dots(q.dtype), **_launch_options(cfg),
     )  # fmt: skip
     return o, lse
 
@@ -596,8 +521,7 @@ def compressed_backward(grad_o, q, k, v, o, lse, block: int, stride: int, scale:
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
     T = _tiles(Dk, Dv, q.dtype == torch.float32, tiles)
-    _, dq_kernel, dkdv_kernel, reduce_kernel = _kernels()
-    prec, upcast = _dot_precision(q.dtype), _upcast_dots(q)
+    prec, upcast = _dot_precision(q.dtype), upcast_dots(q.dtype)
 
     delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     n_tiles = _cdiv(S * h, T["dq"]["ROWS"])

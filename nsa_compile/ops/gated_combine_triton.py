@@ -48,9 +48,10 @@ for the dots, as autocast does); Dv up to MAX_DV; with a hidden layer, DH_P * DI
 MAX_FUSED_WEIGHT (padded to powers of two >= 16: the seed's 32 x 64 and the paper's group gate
 64 x 128 fit) and NI up to MAX_FUSED_NI. Offsets are int64 (no size limit).
 
-CPU interpreter: as in selection_triton.py, the kernels are built on first use (`_kernels`), so
-TRITON_INTERPRET=1 only has to be set before the first call; interpreted, bf16 dot operands are
-cast to fp32 (the interpreter multiplies bf16 as raw bits) and row sums use tl.reduce.
+CPU interpreter: as in selection_triton.py, the kernels and their helpers are module-level
+`triton_support.jit` functions, built for the mode Triton is in when launched; interpreted, bf16
+dot operands are cast to fp32 (the interpreter multiplies bf16 as raw bits) and row sums use
+tl.reduce.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ except ImportError:  # the module still imports; unsupported_reason says why the
     triton = tl = None
 
 from .triton_support import (
-    KERNEL_DTYPES, cdiv as _cdiv, device_reason, dot_precision as _dot_precision, interpreting as _interpreting,
-    next_pow2 as _next_pow2, row_reductions,
+    KERNEL_DTYPES, cdiv as _cdiv, device_reason, dot_precision as _dot_precision, jit, next_pow2 as _next_pow2,
+    reduce_sum, upcast_dots,
 )
 
 __all__ = ["MAX_DV", "MAX_FUSED_WEIGHT", "combine_backward", "combine_forward", "unsupported_reason"]
@@ -153,330 +154,306 @@ def _tiles(d: dict, hidden: bool, fp32: bool = False, override: dict | None = No
     return tiles
 
 
-def _set_reductions() -> None:
-    """Row sums for the kernels, as a module global (looked up when a kernel runs): tl.sum
-    compiled, a plain function interpreted (`triton_support.row_reductions`)."""
-    global _rowsum, _built_interpreted
-    _built_interpreted = _interpreting()
-    (_rowsum,) = row_reductions(_built_interpreted, "sum")
+@jit
+def _act(pre, ACT: tl.constexpr):
+    if ACT == 1:  # silu
+        out = pre / (1.0 + tl.exp(-pre))
+    elif ACT == 2:  # relu
+        out = tl.maximum(pre, 0.0)
+    else:  # gelu (erf)
+        out = 0.5 * pre * (1.0 + tl.math.erf(pre * 0.7071067811865476))
+    return out
 
 
-_rowsum = None
-_built_interpreted = False
-_act = _act_slope = _normalize = _mm = None
+@jit
+def _act_slope(pre, ACT: tl.constexpr):
+    if ACT == 1:
+        sig = 1.0 / (1.0 + tl.exp(-pre))
+        out = sig * (1.0 + pre * (1.0 - sig))
+    elif ACT == 2:
+        out = tl.where(pre > 0.0, 1.0, 0.0)
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(pre * 0.7071067811865476))
+        out = cdf + pre * tl.exp(-0.5 * pre * pre) * 0.3989422804014327  # 1 / sqrt(2 pi)
+    return out
 
 
-@functools.cache
-def _kernels():
-    """The @triton.jit kernels and their helpers, built on first use (TRITON_INTERPRET is read
-    then). The helpers are module globals: the JIT resolves a kernel's callees there."""
-    global _act, _act_slope, _normalize, _mm
-    _set_reductions()
+@jit
+def _normalize(l0, l1, l2, SOFTMAX: tl.constexpr):
+    if SOFTMAX:  # over the three branches
+        mx = tl.maximum(tl.maximum(l0, l1), l2)
+        e0 = tl.exp(l0 - mx)
+        e1 = tl.exp(l1 - mx)
+        e2 = tl.exp(l2 - mx)
+        den = e0 + e1 + e2
+        g0, g1, g2 = e0 / den, e1 / den, e2 / den
+    else:
+        g0 = 1.0 / (1.0 + tl.exp(-l0))
+        g1 = 1.0 / (1.0 + tl.exp(-l1))
+        g2 = 1.0 / (1.0 + tl.exp(-l2))
+    return g0, g1, g2
 
-    @triton.jit
-    def act(pre, ACT: tl.constexpr):
-        if ACT == 1:  # silu
-            out = pre / (1.0 + tl.exp(-pre))
-        elif ACT == 2:  # relu
-            out = tl.maximum(pre, 0.0)
-        else:  # gelu (erf)
-            out = 0.5 * pre * (1.0 + tl.math.erf(pre * 0.7071067811865476))
-        return out
 
-    @triton.jit
-    def act_slope(pre, ACT: tl.constexpr):
-        if ACT == 1:
-            sig = 1.0 / (1.0 + tl.exp(-pre))
-            out = sig * (1.0 + pre * (1.0 - sig))
-        elif ACT == 2:
-            out = tl.where(pre > 0.0, 1.0, 0.0)
-        else:
-            cdf = 0.5 * (1.0 + tl.math.erf(pre * 0.7071067811865476))
-            out = cdf + pre * tl.exp(-0.5 * pre * pre) * 0.3989422804014327  # 1 / sqrt(2 pi)
-        return out
+@jit
+def _mm(a, b, DT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with both operands rounded to DT (the tensor-core dtype), fp32 accumulation."""
+    a = a.to(DT)
+    b = b.to(DT)
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PREC)
 
-    @triton.jit
-    def normalize(l0, l1, l2, SOFTMAX: tl.constexpr):
-        if SOFTMAX:  # over the three branches
-            mx = tl.maximum(tl.maximum(l0, l1), l2)
-            e0 = tl.exp(l0 - mx)
-            e1 = tl.exp(l1 - mx)
-            e2 = tl.exp(l2 - mx)
-            den = e0 + e1 + e2
-            g0, g1, g2 = e0 / den, e1 / den, e2 / den
-        else:
-            g0 = 1.0 / (1.0 + tl.exp(-l0))
-            g1 = 1.0 / (1.0 + tl.exp(-l1))
-            g2 = 1.0 / (1.0 + tl.exp(-l2))
-        return g0, g1, g2
 
-    @triton.jit
-    def mm(a, b, DT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-        """a @ b with both operands rounded to DT (the tensor-core dtype), fp32 accumulation."""
-        a = a.to(DT)
-        b = b.to(DT)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        return tl.dot(a, b, input_precision=PREC)
+@jit
+def fwd_kernel(
+    GIN, W1, B1, W2, B2, OC, OS, OW, OUT, GATES,
+    sgb, sgs, sgr, sgm, sgd, sw1o, sw1i, sw2o, sw2i,
+    scb, scs, sch, scd, ssb, sss, ssh, ssd, swb, sws, swh, swd, sob, sos, soh, sod,
+    N_ROWS, S, R,
+    M: tl.constexpr, DIN: tl.constexpr, DH: tl.constexpr, NI: tl.constexpr, REP: tl.constexpr,
+    HPR: tl.constexpr, DV: tl.constexpr, DH_P: tl.constexpr, DV_P: tl.constexpr,
+    ROWS: tl.constexpr, NB: tl.constexpr, CHUNKS: tl.constexpr, BK: tl.constexpr,
+    HIDDEN: tl.constexpr, LOGITS: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
+    ACT: tl.constexpr, SOFTMAX: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    DT = GIN.dtype.element_ty
+    # a 1-D grid, the triple chunk fastest: the CHUNKS programs of a row tile run side by side
+    # and read its gate input while it is still in L2 (the paper's x: 4 KB a token, 4 chunks)
+    tile = tl.program_id(0) // CHUNKS
+    chunk = tl.program_id(0) % CHUNKS
+    rows = tile * ROWS + tl.arange(0, ROWS)  # gate rows (b, s, r)
+    row_ok = rows < N_ROWS
+    rows64 = rows.to(tl.int64)
+    b = rows64 // (S * R)
+    s = rows64 // R % S
+    r = rows64 % R
+    tri = chunk * NB + tl.arange(0, NB)  # this program's gate triples
+    tri_ok = tri < NI
+    gin = GIN + b * sgb + s * sgs + r * sgr  # [ROWS] row starts
 
-    _act, _act_slope, _normalize, _mm = act, act_slope, normalize, mm
-
-    @triton.jit
-    def fwd_kernel(
-        GIN, W1, B1, W2, B2, OC, OS, OW, OUT, GATES,
-        sgb, sgs, sgr, sgm, sgd, sw1o, sw1i, sw2o, sw2i,
-        scb, scs, sch, scd, ssb, sss, ssh, ssd, swb, sws, swh, swd, sob, sos, soh, sod,
-        N_ROWS, S, R,
-        M: tl.constexpr, DIN: tl.constexpr, DH: tl.constexpr, NI: tl.constexpr, REP: tl.constexpr,
-        HPR: tl.constexpr, DV: tl.constexpr, DH_P: tl.constexpr, DV_P: tl.constexpr,
-        ROWS: tl.constexpr, NB: tl.constexpr, CHUNKS: tl.constexpr, BK: tl.constexpr,
-        HIDDEN: tl.constexpr, LOGITS: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
-        ACT: tl.constexpr, SOFTMAX: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ):  # fmt: skip
-        DT = GIN.dtype.element_ty
-        # a 1-D grid, the triple chunk fastest: the CHUNKS programs of a row tile run side by side
-        # and read its gate input while it is still in L2 (the paper's x: 4 KB a token, 4 chunks)
-        tile = tl.program_id(0) // CHUNKS
-        chunk = tl.program_id(0) % CHUNKS
-        rows = tile * ROWS + tl.arange(0, ROWS)  # gate rows (b, s, r)
-        row_ok = rows < N_ROWS
-        rows64 = rows.to(tl.int64)
-        b = rows64 // (S * R)
-        s = rows64 // R % S
-        r = rows64 % R
-        tri = chunk * NB + tl.arange(0, NB)  # this program's gate triples
-        tri_ok = tri < NI
-        gin = GIN + b * sgb + s * sgs + r * sgr  # [ROWS] row starts
-
-        # the gate MLP -> logits l0, l1, l2 [ROWS, NB] (branch c of triple i is w2 row i * 3 + c)
-        if HIDDEN:
-            hid = tl.arange(0, DH_P)
-            hid_ok = hid < DH
-            pre = tl.full([ROWS, DH_P], 0.0, tl.float32)
-            for k0 in range(0, DIN, BK):
-                kk = k0 + tl.arange(0, BK)
-                k_ok = kk < DIN
-                u = tl.full([ROWS, BK], 0.0, tl.float32)
-                for mi in range(M):
-                    u += tl.load(gin[:, None] + mi * sgm + kk[None, :] * sgd, mask=row_ok[:, None] & k_ok[None, :],
-                                 other=0.0).to(tl.float32)
-                u = u / M
-                w1t = tl.load(W1 + hid[None, :] * sw1o + kk[:, None] * sw1i, mask=k_ok[:, None] & hid_ok[None, :],
-                              other=0.0)  # [BK, DH_P]
-                pre += _mm(u, w1t, DT, PREC, UPCAST)
-            if HAS_B1:
-                pre += tl.load(B1 + hid, mask=hid_ok, other=0.0).to(tl.float32)[None, :]
-            a = _act(pre, ACT)  # [ROWS, DH_P]; 0 in the padded columns
-            wmask = hid_ok[:, None] & tri_ok[None, :]
-            w2p = W2 + hid[:, None] * sw2i + (tri * 3)[None, :] * sw2o  # [DH_P, NB]: w2^T of branch 0
-            l0 = _mm(a, tl.load(w2p, mask=wmask, other=0.0), DT, PREC, UPCAST)
-            l1 = _mm(a, tl.load(w2p + sw2o, mask=wmask, other=0.0), DT, PREC, UPCAST)
-            l2 = _mm(a, tl.load(w2p + 2 * sw2o, mask=wmask, other=0.0), DT, PREC, UPCAST)
-        elif LOGITS:  # the gate input is the logits (m = 1)
-            zmask = row_ok[:, None] & tri_ok[None, :]
-            zp = gin[:, None] + (tri * 3 * sgd)[None, :]
-            l0 = tl.load(zp, mask=zmask, other=0.0).to(tl.float32)
-            l1 = tl.load(zp + sgd, mask=zmask, other=0.0).to(tl.float32)
-            l2 = tl.load(zp + 2 * sgd, mask=zmask, other=0.0).to(tl.float32)
-        else:
-            l0 = tl.full([ROWS, NB], 0.0, tl.float32)
-            l1 = tl.full([ROWS, NB], 0.0, tl.float32)
-            l2 = tl.full([ROWS, NB], 0.0, tl.float32)
-            for k0 in range(0, DIN, BK):
-                kk = k0 + tl.arange(0, BK)
-                k_ok = kk < DIN
-                u = tl.full([ROWS, BK], 0.0, tl.float32)
-                for mi in range(M):
-                    u += tl.load(gin[:, None] + mi * sgm + kk[None, :] * sgd, mask=row_ok[:, None] & k_ok[None, :],
-                                 other=0.0).to(tl.float32)
-                u = u / M
-                wmask = k_ok[:, None] & tri_ok[None, :]
-                w2p = W2 + kk[:, None] * sw2i + (tri * 3)[None, :] * sw2o  # [BK, NB]
-                l0 += _mm(u, tl.load(w2p, mask=wmask, other=0.0), DT, PREC, UPCAST)
-                l1 += _mm(u, tl.load(w2p + sw2o, mask=wmask, other=0.0), DT, PREC, UPCAST)
-                l2 += _mm(u, tl.load(w2p + 2 * sw2o, mask=wmask, other=0.0), DT, PREC, UPCAST)
-        if HAS_B2:
-            l0 += tl.load(B2 + tri * 3, mask=tri_ok, other=0.0).to(tl.float32)[None, :]
-            l1 += tl.load(B2 + tri * 3 + 1, mask=tri_ok, other=0.0).to(tl.float32)[None, :]
-            l2 += tl.load(B2 + tri * 3 + 2, mask=tri_ok, other=0.0).to(tl.float32)[None, :]
-        g0, g1, g2 = _normalize(l0, l1, l2, SOFTMAX)
-        gmask = row_ok[:, None] & tri_ok[None, :]
-        gp = GATES + rows64[:, None] * (NI * 3) + (tri * 3)[None, :]
-        tl.store(gp, g0, mask=gmask)
-        tl.store(gp + 1, g1, mask=gmask)
-        tl.store(gp + 2, g2, mask=gmask)
-
-        # the weighted sum: per triple, its gates back from GATES as row vectors (the stores above
-        # are by other threads: a barrier first), then its REP heads
-        tl.debug_barrier()
-        dv = tl.arange(0, DV_P)
-        omask = row_ok[:, None] & (dv < DV)[None, :]
-        g_row = GATES + rows64 * (NI * 3)
-        for jj in range(0, tl.minimum(NI - chunk * NB, NB)):
-            j = chunk * NB + jj
-            ga = tl.load(g_row + j * 3, mask=row_ok, other=0.0)[:, None]
-            gb = tl.load(g_row + j * 3 + 1, mask=row_ok, other=0.0)[:, None]
-            gc = tl.load(g_row + j * 3 + 2, mask=row_ok, other=0.0)[:, None]
-            for k in range(REP):
-                head = r * HPR + j * REP + k  # [ROWS]
-                xc = tl.load(OC + (b * scb + s * scs + head * sch)[:, None] + dv[None, :] * scd, mask=omask, other=0.0)
-                xs = tl.load(OS + (b * ssb + s * sss + head * ssh)[:, None] + dv[None, :] * ssd, mask=omask, other=0.0)
-                xw = tl.load(OW + (b * swb + s * sws + head * swh)[:, None] + dv[None, :] * swd, mask=omask, other=0.0)
-                o = ga * xc.to(tl.float32) + gb * xs.to(tl.float32) + gc * xw.to(tl.float32)
-                tl.store(OUT + (b * sob + s * sos + head * soh)[:, None] + dv[None, :] * sod,
-                         o.to(OUT.dtype.element_ty), mask=omask)
-
-    @triton.jit
-    def bwd_kernel(
-        DO, OC, OS, OW, GATES, DOC, DOS, DOW, DZ,
-        sdb, sds, sdh, sdd, scb, scs, sch, scd, ssb, sss, ssh, ssd, swb, sws, swh, swd, sxb, sxs, sxh, sxd,
-        N_ROWS, S, R,
-        NI: tl.constexpr, REP: tl.constexpr, HPR: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
-        ROWS: tl.constexpr, NB: tl.constexpr, SOFTMAX: tl.constexpr,
-    ):  # fmt: skip
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < N_ROWS
-        rows64 = rows.to(tl.int64)
-        b = rows64 // (S * R)
-        s = rows64 // R % S
-        r = rows64 % R
-        dv = tl.arange(0, DV_P)
-        omask = row_ok[:, None] & (dv < DV)[None, :]
-        g_row = GATES + rows64 * (NI * 3)
-        dz_row = DZ + rows64 * (NI * 3)
-        # per triple: d o_c = g_c * dO for its REP heads, dg_c = the sum over them of dO . o_c,
-        # then dz, the logit gradient, through the softmax / sigmoid
-        for jj in range(0, tl.minimum(NI - tl.program_id(1) * NB, NB)):
-            j = tl.program_id(1) * NB + jj
-            ga = tl.load(g_row + j * 3, mask=row_ok, other=0.0)
-            gb = tl.load(g_row + j * 3 + 1, mask=row_ok, other=0.0)
-            gc = tl.load(g_row + j * 3 + 2, mask=row_ok, other=0.0)
-            dga = tl.full([ROWS], 0.0, tl.float32)
-            dgb = tl.full([ROWS], 0.0, tl.float32)
-            dgc = tl.full([ROWS], 0.0, tl.float32)
-            for k in range(REP):
-                head = r * HPR + j * REP + k
-                do = tl.load(DO + (b * sdb + s * sds + head * sdh)[:, None] + dv[None, :] * sdd, mask=omask,
-                             other=0.0).to(tl.float32)
-                xc = tl.load(OC + (b * scb + s * scs + head * sch)[:, None] + dv[None, :] * scd, mask=omask, other=0.0)
-                xs = tl.load(OS + (b * ssb + s * sss + head * ssh)[:, None] + dv[None, :] * ssd, mask=omask, other=0.0)
-                xw = tl.load(OW + (b * swb + s * sws + head * swh)[:, None] + dv[None, :] * swd, mask=omask, other=0.0)
-                dst = (b * sxb + s * sxs + head * sxh)[:, None] + dv[None, :] * sxd
-                tl.store(DOC + dst, (ga[:, None] * do).to(DOC.dtype.element_ty), mask=omask)
-                tl.store(DOS + dst, (gb[:, None] * do).to(DOS.dtype.element_ty), mask=omask)
-                tl.store(DOW + dst, (gc[:, None] * do).to(DOW.dtype.element_ty), mask=omask)
-                dga += _rowsum(do * xc.to(tl.float32), 1)
-                dgb += _rowsum(do * xs.to(tl.float32), 1)
-                dgc += _rowsum(do * xw.to(tl.float32), 1)
-            if SOFTMAX:
-                dot = ga * dga + gb * dgb + gc * dgc
-                dza, dzb, dzc = ga * (dga - dot), gb * (dgb - dot), gc * (dgc - dot)
-            else:
-                dza, dzb, dzc = dga * ga * (1.0 - ga), dgb * gb * (1.0 - gb), dgc * gc * (1.0 - gc)
-            tl.store(dz_row + j * 3, dza, mask=row_ok)
-            tl.store(dz_row + j * 3 + 1, dzb, mask=row_ok)
-            tl.store(dz_row + j * 3 + 2, dzc, mask=row_ok)
-
-    @triton.jit
-    def mlp_bwd_kernel(
-        DZ, GIN, W1, B1, W2, DGIN, PW1, PB1, PW2, PB2,
-        sgb, sgs, sgr, sgm, sgd, sw1o, sw1i, sw2o, sw2i, seb, ses, ser, sem, sed,
-        N_ROWS, S, R, N_TILES,
-        M: tl.constexpr, DIN: tl.constexpr, DH: tl.constexpr, NI: tl.constexpr,
-        DIN_P: tl.constexpr, DH_P: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr,
-        HAS_B1: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ):  # fmt: skip
-        DT = GIN.dtype.element_ty
-        pid = tl.program_id(0)
-        tri = tl.arange(0, NB)  # every triple (NB >= NI)
-        tri_ok = tri < NI
-        kk = tl.arange(0, DIN_P)
-        k_ok = kk < DIN
+    # the gate MLP -> logits l0, l1, l2 [ROWS, NB] (branch c of triple i is w2 row i * 3 + c)
+    if HIDDEN:
         hid = tl.arange(0, DH_P)
         hid_ok = hid < DH
-        w1mask = hid_ok[:, None] & k_ok[None, :]
-        w1p = W1 + hid[:, None] * sw1o + kk[None, :] * sw1i  # [DH_P, DIN_P]
-        w2mask = tri_ok[:, None] & hid_ok[None, :]
-        w2p = W2 + (tri * 3)[:, None] * sw2o + hid[None, :] * sw2i  # [NB, DH_P], branch 0
-        # fp32 gradient partials over this program's row tiles (every P-th)
-        acc_w1 = tl.full([DH_P, DIN_P], 0.0, tl.float32)
-        acc_b1 = tl.full([DH_P], 0.0, tl.float32)
-        acc_w2a = tl.full([NB, DH_P], 0.0, tl.float32)
-        acc_w2b = tl.full([NB, DH_P], 0.0, tl.float32)
-        acc_w2c = tl.full([NB, DH_P], 0.0, tl.float32)
-        acc_b2a = tl.full([NB], 0.0, tl.float32)
-        acc_b2b = tl.full([NB], 0.0, tl.float32)
-        acc_b2c = tl.full([NB], 0.0, tl.float32)
-        for tile in range(pid, N_TILES, tl.num_programs(0)):
-            rows = tile * ROWS + tl.arange(0, ROWS)
-            row_ok = rows < N_ROWS
-            rows64 = rows.to(tl.int64)
-            b = rows64 // (S * R)
-            s = rows64 // R % S
-            r = rows64 % R
-            gmask = row_ok[:, None] & tri_ok[None, :]
-            dzp = DZ + rows64[:, None] * (NI * 3) + (tri * 3)[None, :]
-            dz0 = tl.load(dzp, mask=gmask, other=0.0)  # [ROWS, NB]
-            dz1 = tl.load(dzp + 1, mask=gmask, other=0.0)
-            dz2 = tl.load(dzp + 2, mask=gmask, other=0.0)
-            # the hidden layer again, from gate_in (the weights are tiny: loaded per tile from cache
-            # rather than held in registers across the loop)
-            gin = GIN + b * sgb + s * sgs + r * sgr
-            umask = row_ok[:, None] & k_ok[None, :]
-            u = tl.full([ROWS, DIN_P], 0.0, tl.float32)
+        pre = tl.full([ROWS, DH_P], 0.0, tl.float32)
+        for k0 in range(0, DIN, BK):
+            kk = k0 + tl.arange(0, BK)
+            k_ok = kk < DIN
+            u = tl.full([ROWS, BK], 0.0, tl.float32)
             for mi in range(M):
-                u += tl.load(gin[:, None] + mi * sgm + kk[None, :] * sgd, mask=umask, other=0.0).to(tl.float32)
+                u += tl.load(gin[:, None] + mi * sgm + kk[None, :] * sgd, mask=row_ok[:, None] & k_ok[None, :],
+                             other=0.0).to(tl.float32)
             u = u / M
-            w1 = tl.load(w1p, mask=w1mask, other=0.0)
-            pre = _mm(u, tl.trans(w1), DT, PREC, UPCAST)  # [ROWS, DH_P]
-            if HAS_B1:
-                pre += tl.load(B1 + hid, mask=hid_ok, other=0.0).to(tl.float32)[None, :]
-            a = _act(pre, ACT)
-            # z = a @ w2^T + b2  ->  dw2 += dz^T @ a, db2 += sum dz, da = dz @ w2
-            da = _mm(dz0, tl.load(w2p, mask=w2mask, other=0.0), DT, PREC, UPCAST)
-            da += _mm(dz1, tl.load(w2p + sw2o, mask=w2mask, other=0.0), DT, PREC, UPCAST)
-            da += _mm(dz2, tl.load(w2p + 2 * sw2o, mask=w2mask, other=0.0), DT, PREC, UPCAST)
-            acc_w2a += _mm(tl.trans(dz0), a, DT, PREC, UPCAST)
-            acc_w2b += _mm(tl.trans(dz1), a, DT, PREC, UPCAST)
-            acc_w2c += _mm(tl.trans(dz2), a, DT, PREC, UPCAST)
-            acc_b2a += _rowsum(dz0, 0)
-            acc_b2b += _rowsum(dz1, 0)
-            acc_b2c += _rowsum(dz2, 0)
-            # pre = u @ w1^T + b1  ->  dw1 += d_pre^T @ u, db1 += sum d_pre, du = d_pre @ w1
-            d_pre = tl.where(row_ok[:, None], da * _act_slope(pre, ACT), 0.0)
-            acc_w1 += _mm(tl.trans(d_pre), u, DT, PREC, UPCAST)
-            acc_b1 += _rowsum(d_pre, 0)
-            du = _mm(d_pre, w1, DT, PREC, UPCAST) / M  # [ROWS, DIN_P]: the mean's gradient, to each of its m
-            dgin = DGIN + b * seb + s * ses + r * ser
+            w1t = tl.load(W1 + hid[None, :] * sw1o + kk[:, None] * sw1i, mask=k_ok[:, None] & hid_ok[None, :],
+                          other=0.0)  # [BK, DH_P]
+            pre += _mm(u, w1t, DT, PREC, UPCAST)
+        if HAS_B1:
+            pre += tl.load(B1 + hid, mask=hid_ok, other=0.0).to(tl.float32)[None, :]
+        a = _act(pre, ACT)  # [ROWS, DH_P]; 0 in the padded columns
+        wmask = hid_ok[:, None] & tri_ok[None, :]
+        w2p = W2 + hid[:, None] * sw2i + (tri * 3)[None, :] * sw2o  # [DH_P, NB]: w2^T of branch 0
+        l0 = _mm(a, tl.load(w2p, mask=wmask, other=0.0), DT, PREC, UPCAST)
+        l1 = _mm(a, tl.load(w2p + sw2o, mask=wmask, other=0.0), DT, PREC, UPCAST)
+        l2 = _mm(a, tl.load(w2p + 2 * sw2o, mask=wmask, other=0.0), DT, PREC, UPCAST)
+    elif LOGITS:  # the gate input is the logits (m = 1)
+        zmask = row_ok[:, None] & tri_ok[None, :]
+        zp = gin[:, None] + (tri * 3 * sgd)[None, :]
+        l0 = tl.load(zp, mask=zmask, other=0.0).to(tl.float32)
+        l1 = tl.load(zp + sgd, mask=zmask, other=0.0).to(tl.float32)
+        l2 = tl.load(zp + 2 * sgd, mask=zmask, other=0.0).to(tl.float32)
+    else:
+        l0 = tl.full([ROWS, NB], 0.0, tl.float32)
+        l1 = tl.full([ROWS, NB], 0.0, tl.float32)
+        l2 = tl.full([ROWS, NB], 0.0, tl.float32)
+        for k0 in range(0, DIN, BK):
+            kk = k0 + tl.arange(0, BK)
+            k_ok = kk < DIN
+            u = tl.full([ROWS, BK], 0.0, tl.float32)
             for mi in range(M):
-                tl.store(dgin[:, None] + mi * sem + kk[None, :] * sed, du.to(DGIN.dtype.element_ty), mask=umask)
-        # this program's partials: [P, DH, DIN], [P, DH], [P, 3, NI, DH], [P, 3, NI]
-        pid64 = pid.to(tl.int64)
-        tl.store(PW1 + pid64 * (DH * DIN) + hid[:, None] * DIN + kk[None, :], acc_w1, mask=w1mask)
-        tl.store(PB1 + pid64 * DH + hid, acc_b1, mask=hid_ok)
-        pw2 = PW2 + pid64 * (3 * NI * DH) + tri[:, None] * DH + hid[None, :]
-        tl.store(pw2, acc_w2a, mask=w2mask)
-        tl.store(pw2 + NI * DH, acc_w2b, mask=w2mask)
-        tl.store(pw2 + 2 * NI * DH, acc_w2c, mask=w2mask)
-        pb2 = PB2 + pid64 * (3 * NI) + tri
-        tl.store(pb2, acc_b2a, mask=tri_ok)
-        tl.store(pb2 + NI, acc_b2b, mask=tri_ok)
-        tl.store(pb2 + 2 * NI, acc_b2c, mask=tri_ok)
+                u += tl.load(gin[:, None] + mi * sgm + kk[None, :] * sgd, mask=row_ok[:, None] & k_ok[None, :],
+                             other=0.0).to(tl.float32)
+            u = u / M
+            wmask = k_ok[:, None] & tri_ok[None, :]
+            w2p = W2 + kk[:, None] * sw2i + (tri * 3)[None, :] * sw2o  # [BK, NB]
+            l0 += _mm(u, tl.load(w2p, mask=wmask, other=0.0), DT, PREC, UPCAST)
+            l1 += _mm(u, tl.load(w2p + sw2o, mask=wmask, other=0.0), DT, PREC, UPCAST)
+            l2 += _mm(u, tl.load(w2p + 2 * sw2o, mask=wmask, other=0.0), DT, PREC, UPCAST)
+    if HAS_B2:
+        l0 += tl.load(B2 + tri * 3, mask=tri_ok, other=0.0).to(tl.float32)[None, :]
+        l1 += tl.load(B2 + tri * 3 + 1, mask=tri_ok, other=0.0).to(tl.float32)[None, :]
+        l2 += tl.load(B2 + tri * 3 + 2, mask=tri_ok, other=0.0).to(tl.float32)[None, :]
+    g0, g1, g2 = _normalize(l0, l1, l2, SOFTMAX)
+    gmask = row_ok[:, None] & tri_ok[None, :]
+    gp = GATES + rows64[:, None] * (NI * 3) + (tri * 3)[None, :]
+    tl.store(gp, g0, mask=gmask)
+    tl.store(gp + 1, g1, mask=gmask)
+    tl.store(gp + 2, g2, mask=gmask)
 
-    return fwd_kernel, bwd_kernel, mlp_bwd_kernel
+    # the weighted sum: per triple, its gates back from GATES as row vectors (the stores above
+    # are by other threads: a barrier first), then its REP heads
+    tl.debug_barrier()
+    dv = tl.arange(0, DV_P)
+    omask = row_ok[:, None] & (dv < DV)[None, :]
+    g_row = GATES + rows64 * (NI * 3)
+    for jj in range(0, tl.minimum(NI - chunk * NB, NB)):
+        j = chunk * NB + jj
+        ga = tl.load(g_row + j * 3, mask=row_ok, other=0.0)[:, None]
+        gb = tl.load(g_row + j * 3 + 1, mask=row_ok, other=0.0)[:, None]
+        gc = tl.load(g_row + j * 3 + 2, mask=row_ok, other=0.0)[:, None]
+        for k in range(REP):
+            head = r * HPR + j * REP + k  # [ROWS]
+            xc = tl.load(OC + (b * scb + s * scs + head * sch)[:, None] + dv[None, :] * scd, mask=omask, other=0.0)
+            xs = tl.load(OS + (b * ssb + s * sss + head * ssh)[:, None] + dv[None, :] * ssd, mask=omask, other=0.0)
+            xw = tl.load(OW + (b * swb + s * sws + head * swh)[:, None] + dv[None, :] * swd, mask=omask, other=0.0)
+            o = ga * xc.to(tl.float32) + gb * xs.to(tl.float32) + gc * xw.to(tl.float32)
+            tl.store(OUT + (b * sob + s * sos + head * soh)[:, None] + dv[None, :] * sod,
+                     o.to(OUT.dtype.element_ty), mask=omask)
+
+
+@jit
+def bwd_kernel(
+    DO, OC, OS, OW, GATES, DOC, DOS, DOW, DZ,
+    sdb, sds, sdh, sdd, scb, scs, sch, scd, ssb, sss, ssh, ssd, swb, sws, swh, swd, sxb, sxs, sxh, sxd,
+    N_ROWS, S, R,
+    NI: tl.constexpr, REP: tl.constexpr, HPR: tl.constexpr, DV: tl.constexpr, DV_P: tl.constexpr,
+    ROWS: tl.constexpr, NB: tl.constexpr, SOFTMAX: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < N_ROWS
+    rows64 = rows.to(tl.int64)
+    b = rows64 // (S * R)
+    s = rows64 // R % S
+    r = rows64 % R
+    dv = tl.arange(0, DV_P)
+    omask = row_ok[:, None] & (dv < DV)[None, :]
+    g_row = GATES + rows64 * (NI * 3)
+    dz_row = DZ + rows64 * (NI * 3)
+    # per triple: d o_c = g_c * dO for its REP heads, dg_c = the sum over them of dO . o_c,
+    # then dz, the logit gradient, through the softmax / sigmoid
+    for jj in range(0, tl.minimum(NI - tl.program_id(1) * NB, NB)):
+        j = tl.program_id(1) * NB + jj
+        ga = tl.load(g_row + j * 3, mask=row_ok, other=0.0)
+        gb = tl.load(g_row + j * 3 + 1, mask=row_ok, other=0.0)
+        gc = tl.load(g_row + j * 3 + 2, mask=row_ok, other=0.0)
+        dga = tl.full([ROWS], 0.0, tl.float32)
+        dgb = tl.full([ROWS], 0.0, tl.float32)
+        dgc = tl.full([ROWS], 0.0, tl.float32)
+        for k in range(REP):
+            head = r * HPR + j * REP + k
+            do = tl.load(DO + (b * sdb + s * sds + head * sdh)[:, None] + dv[None, :] * sdd, mask=omask,
+                         other=0.0).to(tl.float32)
+            xc = tl.load(OC + (b * scb + s * scs + head * sch)[:, None] + dv[None, :] * scd, mask=omask, other=0.0)
+            xs = tl.load(OS + (b * ssb + s * sss + head * ssh)[:, None] + dv[None, :] * ssd, mask=omask, other=0.0)
+            xw = tl.load(OW + (b * swb + s * sws + head * swh)[:, None] + dv[None, :] * swd, mask=omask, other=0.0)
+            dst = (b * sxb + s * sxs + head * sxh)[:, None] + dv[None, :] * sxd
+            tl.store(DOC + dst, (ga[:, None] * do).to(DOC.dtype.element_ty), mask=omask)
+            tl.store(DOS + dst, (gb[:, None] * do).to(DOS.dtype.element_ty), mask=omask)
+            tl.store(DOW + dst, (gc[:, None] * do).to(DOW.dtype.element_ty), mask=omask)
+            dga += reduce_sum(do * xc.to(tl.float32), 1)
+            dgb += reduce_sum(do * xs.to(tl.float32), 1)
+            dgc += reduce_sum(do * xw.to(tl.float32), 1)
+        if SOFTMAX:
+            dot = ga * dga + gb * dgb + gc * dgc
+            dza, dzb, dzc = ga * (dga - dot), gb * (dgb - dot), gc * (dgc - dot)
+        else:
+            dza, dzb, dzc = dga * ga * (1.0 - ga), dgb * gb * (1.0 - gb), dgc * gc * (1.0 - gc)
+        tl.store(dz_row + j * 3, dza, mask=row_ok)
+        tl.store(dz_row + j * 3 + 1, dzb, mask=row_ok)
+        tl.store(dz_row + j * 3 + 2, dzc, mask=row_ok)
+
+
+@jit
+def mlp_bwd_kernel(
+    DZ, GIN, W1, B1, W2, DGIN, PW1, PB1, PW2, PB2,
+    sgb, sgs, sgr, sgm, sgd, sw1o, sw1i, sw2o, sw2i, seb, ses, ser, sem, sed,
+    N_ROWS, S, R, N_TILES,
+    M: tl.constexpr, DIN: tl.constexpr, DH: tl.constexpr, NI: tl.constexpr,
+    DIN_P: tl.constexpr, DH_P: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr,
+    HAS_B1: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    DT = GIN.dtype.element_ty
+    pid = tl.program_id(0)
+    tri = tl.arange(0, NB)  # every triple (NB >= NI)
+    tri_ok = tri < NI
+    kk = tl.arange(0, DIN_P)
+    k_ok = kk < DIN
+    hid = tl.arange(0, DH_P)
+    hid_ok = hid < DH
+    w1mask = hid_ok[:, None] & k_ok[None, :]
+    w1p = W1 + hid[:, None] * sw1o + kk[None, :] * sw1i  # [DH_P, DIN_P]
+    w2mask = tri_ok[:, None] & hid_ok[None, :]
+    w2p = W2 + (tri * 3)[:, None] * sw2o + hid[None, :] * sw2i  # [NB, DH_P], branch 0
+    # fp32 gradient partials over this program's row tiles (every P-th)
+    acc_w1 = tl.full([DH_P, DIN_P], 0.0, tl.float32)
+    acc_b1 = tl.full([DH_P], 0.0, tl.float32)
+    acc_w2a = tl.full([NB, DH_P], 0.0, tl.float32)
+    acc_w2b = tl.full([NB, DH_P], 0.0, tl.float32)
+    acc_w2c = tl.full([NB, DH_P], 0.0, tl.float32)
+    acc_b2a = tl.full([NB], 0.0, tl.float32)
+    acc_b2b = tl.full([NB], 0.0, tl.float32)
+    acc_b2c = tl.full([NB], 0.0, tl.float32)
+    for tile in range(pid, N_TILES, tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < N_ROWS
+        rows64 = rows.to(tl.int64)
+        b = rows64 // (S * R)
+        s = rows64 // R % S
+        r = rows64 % R
+        gmask = row_ok[:, None] & tri_ok[None, :]
+        dzp = DZ + rows64[:, None] * (NI * 3) + (tri * 3)[None, :]
+        dz0 = tl.load(dzp, mask=gmask, other=0.0)  # [ROWS, NB]
+        dz1 = tl.load(dzp + 1, mask=gmask, other=0.0)
+        dz2 = tl.load(dzp + 2, mask=gmask, other=0.0)
+        # the hidden layer again, from gate_in (the weights are tiny: loaded per tile from cache
+        # rather than held in registers across the loop)
+        gin = GIN + b * sgb + s * sgs + r * sgr
+        umask = row_ok[:, None] & k_ok[None, :]
+        u = tl.full([ROWS, DIN_P], 0.0, tl.float32)
+        for mi in range(M):
+            u += tl.load(gin[:, None] + mi * sgm + kk[None, :] * sgd, mask=umask, other=0.0).to(tl.float32)
+        u = u / M
+        w1 = tl.load(w1p, mask=w1mask, other=0.0)
+        pre = _mm(u, tl.trans(w1), DT, PREC, UPCAST)  # [ROWS, DH_P]
+        if HAS_B1:
+            pre += tl.load(B1 + hid, mask=hid_ok, other=0.0).to(tl.float32)[None, :]
+        a = _act(pre, ACT)
+        # z = a @ w2^T + b2  ->  dw2 += dz^T @ a, db2 += sum dz, da = dz @ w2
+        da = _mm(dz0, tl.load(w2p, mask=w2mask, other=0.0), DT, PREC, UPCAST)
+        da += _mm(dz1, tl.load(w2p + sw2o, mask=w2mask, other=0.0), DT, PREC, UPCAST)
+        da += _mm(dz2, tl.load(w2p + 2 * sw2o, mask=w2mask, other=0.0), DT, PREC, UPCAST)
+        acc_w2a += _mm(tl.trans(dz0), a, DT, PREC, UPCAST)
+        acc_w2b += _mm(tl.trans(dz1), a, DT, PREC, UPCAST)
+        acc_w2c += _mm(tl.trans(dz2), a, DT, PREC, UPCAST)
+        acc_b2a += reduce_sum(dz0, 0)
+        acc_b2b += reduce_sum(dz1, 0)
+        acc_b2c += reduce_sum(dz2, 0)
+        # pre = u @ w1^T + b1  ->  dw1 += d_pre^T @ u, db1 += sum d_pre, du = d_pre @ w1
+        d_pre = tl.where(row_ok[:, None], da * _act_slope(pre, ACT), 0.0)
+        acc_w1 += _mm(tl.trans(d_pre), u, DT, PREC, UPCAST)
+        acc_b1 += reduce_sum(d_pre, 0)
+        du = _mm(d_pre, w1, DT, PREC, UPCAST) / M  # [ROWS, DIN_P]: the mean's gradient, to each of its m
+        dgin = DGIN + b * seb + s * ses + r * ser
+        for mi in range(M):
+            tl.store(dgin[:, None] + mi * sem + kk[None, :] * sed, du.to(DGIN.dtype.element_ty), mask=umask)
+    # this program's partials: [P, DH, DIN], [P, DH], [P, 3, NI, DH], [P, 3, NI]
+    pid64 = pid.to(tl.int64)
+    tl.store(PW1 + pid64 * (DH * DIN) + hid[:, None] * DIN + kk[None, :], acc_w1, mask=w1mask)
+    tl.store(PB1 + pid64 * DH + hid, acc_b1, mask=hid_ok)
+    pw2 = PW2 + pid64 * (3 * NI * DH) + tri[:, None] * DH + hid[None, :]
+    tl.store(pw2, acc_w2a, mask=w2mask)
+    tl.store(pw2 + NI * DH, acc_w2b, mask=w2mask)
+    tl.store(pw2 + 2 * NI * DH, acc_w2c, mask=w2mask)
+    pb2 = PB2 + pid64 * (3 * NI) + tri
+    tl.store(pb2, acc_b2a, mask=tri_ok)
+    tl.store(pb2 + NI, acc_b2b, mask=tri_ok)
+    tl.store(pb2 + 2 * NI, acc_b2c, mask=tri_ok)
 
 
 def _require(gate_in, w1, w2, o_cmp, activation) -> None:
     why = unsupported_reason(gate_in, w1, w2, o_cmp, activation)
     if why is not None:
         raise ValueError(f"gated_combine (triton): cannot run these inputs: {why}")
-
-
-def _upcast_dots(gate_in: torch.Tensor) -> bool:
-    """Interpreted, bf16 dot operands go through fp32 (after rounding to bf16): see
-    selection_triton._upcast_dots. Call after `_kernels()`."""
-    return gate_in.dtype == torch.bfloat16 and _built_interpreted
 
 
 def _programs(device: torch.device, per_sm: int) -> int:
@@ -504,7 +481,6 @@ def combine_forward(gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation: st
     gates = torch.empty(d["B"], d["S"], d["R"], d["NI"], 3, dtype=torch.float32, device=o_cmp.device)
     if d["N_ROWS"] == 0:
         return out, gates
-    fwd_kernel = _kernels()[0]
     T = _tiles(d, w1 is not None, gate_in.dtype == torch.float32, tiles)
     cfg = T["fwd"]
     dummy = gate_in  # for an absent w1, b1, w2, b2 (never read)
@@ -518,7 +494,7 @@ def combine_forward(gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation: st
         M=d["M"], DIN=d["DIN"], DH=d["DH"], NI=d["NI"], REP=d["REP"], HPR=d["HPR"], DV=d["DV"], DH_P=T["DH_P"],
         DV_P=T["DV_P"], HIDDEN=w1 is not None, LOGITS=w2 is None, HAS_B1=b1 is not None, HAS_B2=b2 is not None,
         ACT=_ACT[activation], SOFTMAX=normalize == "softmax", PREC=_dot_precision(gate_in.dtype),
-        UPCAST=_upcast_dots(gate_in), CHUNKS=chunks, **cfg,
+        UPCAST=upcast_dots(gate_in.dtype), CHUNKS=chunks, **cfg,
     )  # fmt: skip
     return out, gates
 
@@ -536,10 +512,9 @@ def combine_backward(grad_o, gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, gates
     # the logit gradient [rows, NI, 3] (3 * NI floats a row: about 1% of the bytes the kernels move)
     dz = torch.empty(d["N_ROWS"], d["NI"], 3, dtype=torch.float32, device=dev)
     gates = gates.contiguous()
-    kernels = _kernels()
     cfg = T["bwd"]
     if d["N_ROWS"]:
-        kernels[1][(_cdiv(d["N_ROWS"], cfg["ROWS"]), _cdiv(d["NI"], cfg["NB"]))](
+        bwd_kernel[(_cdiv(d["N_ROWS"], cfg["ROWS"]), _cdiv(d["NI"], cfg["NB"]))](
             grad_o, o_cmp, o_sel, o_win, gates, *d_branches, dz,
             *grad_o.stride(), *o_cmp.stride(), *o_sel.stride(), *o_win.stride(), *d_branches[0].stride(),
             d["N_ROWS"], d["S"], d["R"],
@@ -547,7 +522,7 @@ def combine_backward(grad_o, gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, gates
             **cfg,
         )  # fmt: skip
     if hidden:
-        return (*_mlp_backward(dz, gate_in, w1, b1, w2, b2, activation, d, T, kernels[2]), *d_branches)
+        return (*_mlp_backward(dz, gate_in, w1, b1, w2, b2, activation, d, T), *d_branches)
     if w2 is None:  # the gate input is the logits
         d_gin = dz.view(gate_in.shape).to(gate_in.dtype)
         return (d_gin, _empty(gate_in), _empty(gate_in), _empty(gate_in), _empty(gate_in), *d_branches)
@@ -569,7 +544,7 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,))
 
 
-def _mlp_backward(dz, gate_in, w1, b1, w2, b2, activation, d, T, mlp_bwd_kernel):
+def _mlp_backward(dz, gate_in, w1, b1, w2, b2, activation, d, T):
     """d_gate_in, d_w1, d_b1, d_w2, d_b2 through a hidden-layer gate, from the logit gradient:
     one persistent kernel, fp32 partials per program summed here in a fixed order."""
     dev = gate_in.device
@@ -589,7 +564,7 @@ def _mlp_backward(dz, gate_in, w1, b1, w2, b2, activation, d, T, mlp_bwd_kernel)
             d["N_ROWS"], d["S"], d["R"], n_tiles,
             M=d["M"], DIN=d["DIN"], DH=d["DH"], NI=d["NI"], DIN_P=T["DIN_P"], DH_P=T["DH_P"],
             HAS_B1=b1 is not None, ACT=_ACT[activation], PREC=_dot_precision(gate_in.dtype),
-            UPCAST=_upcast_dots(gate_in), **cfg,
+            UPCAST=upcast_dots(gate_in.dtype), **cfg,
         )  # fmt: skip
     d_w1 = pw1.sum(0).to(w1.dtype)
     d_b1 = pb1.sum(0).to(b1.dtype) if b1 is not None else _empty(gate_in)

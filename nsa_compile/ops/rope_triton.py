@@ -56,8 +56,12 @@ TRITON_INTERPRET=1); x, weight, bias all fp16, bf16 or fp32 (fp32 uses IEEE dots
 fast; `auto` gives fp32 to the reference backend); tables of any float dtype; at most
 MAX_PIECES pieces; one head dim D <= 256 for all rotated pieces.
 
-CPU interpreter: kernels are built on first use (`_kernels`), as in selection_triton.py, and bf16
-tl.dot operands are cast to fp32 there (the interpreter multiplies bf16 bits as integers).
+The two kernels share their tile's geometry (`_column_tile`, `_pair_columns`, `_pass_columns`),
+the table loads (`_rotation`) and the pick of the piece's tensor (`_piece_pointer`).
+
+CPU interpreter: the kernels are module-level `triton_support.jit` functions, as in
+selection_triton.py (built for the mode Triton is in when launched), and bf16 tl.dot operands
+are cast to fp32 there (the interpreter multiplies bf16 bits as integers).
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ try:
 except ImportError:  # the module still imports; unsupported_reason says why the kernels cannot run
     triton = tl = None
 
-from .triton_support import cdiv as _cdiv, interpreting as _interpreting, next_pow2 as _next_pow2
+from .triton_support import cdiv as _cdiv, device_reason, jit, next_pow2 as _next_pow2, upcast_dots
 
 __all__ = ["MAX_PIECES", "projection_rope_forward", "projection_rope_grad", "unsupported_reason"]
 
@@ -85,14 +89,8 @@ RAW_WINDOW = 64
 
 def unsupported_reason(x, weight, bias, cos, sin, widths, head_dims) -> str | None:
     """Why the Triton kernels cannot run these inputs, or None when they can."""
-    if triton is None:
-        return "triton is not installed"
-    tensors = [t for t in (x, weight, bias, cos, sin) if t is not None]
-    devices = {t.device.type for t in tensors}
-    if len(devices) != 1:
-        return f"tensors on several devices: {sorted(devices)}"
-    if devices != {"cuda"} and not _interpreting():
-        return f"device {devices.pop()} (needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter)"
+    if why := device_reason(x, weight, bias, cos, sin):
+        return why
     dtypes = {x.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
     if len(dtypes) != 1 or x.dtype not in _DTYPES:
         return f"dtypes {sorted(map(str, dtypes))} (x, weight and bias must share one of fp16, bf16, fp32)"
@@ -177,302 +175,256 @@ def _config(dtype: torch.dtype, override: dict | None) -> dict:
     return cfg
 
 
-@functools.cache
-def _kernels():
-    """The @triton.jit kernels, built on first use: TRITON_INTERPRET is read when they are built."""
-    global _built_interpreted
-    _built_interpreted = _interpreting()
+@jit
+def _column_tile(TILES, NT, ALIGNED: tl.constexpr):
+    """The program's row tile mt and its column tile's entry of the tile table (`_tile_table`):
+    piece, first column c0, first weight row row0, rotated flag, the piece's width (ALIGNED:
+    host-checked multiples of 16). Programs run column tile fastest."""
+    pid = tl.program_id(0)
+    mt = pid // NT
+    tile = TILES + (pid - mt * NT) * 5
+    piece = tl.load(tile)
+    c0 = tl.load(tile + 1)
+    row0 = tl.load(tile + 2)
+    rot_flag = tl.load(tile + 3)
+    width = tl.load(tile + 4)
+    if ALIGNED:  # host-checked: every tile full, widths and tile starts multiples of 16
+        c0 = tl.multiple_of(c0, 16)
+        row0 = tl.multiple_of(row0, 16)
+        width = tl.multiple_of(width, 16)
+    return mt, piece, c0, row0, rot_flag, width
 
-    @triton.jit
-    def fwd_kernel(
-        X, W, BIAS, COS, SIN, COS_B, SIN_B, TILES, O0, O1, O2, O3, O4, O5, O6, O7,
-        M, K, S, NT, sxm, sxk, swn, swk, scb, scs, scf,
-        D: tl.constexpr, R2: tl.constexpr, HT: tl.constexpr, NA: tl.constexpr, NP: tl.constexpr,
-        JA: tl.constexpr, JP: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
-        HAS_TABLE: tl.constexpr, FULL: tl.constexpr, NOUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-        EVEN_K: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ):  # fmt: skip
-        pid = tl.program_id(0)
-        mt = pid // NT
-        tile = TILES + (pid - mt * NT) * 5
-        piece = tl.load(tile)
-        c0 = tl.load(tile + 1)
-        row0 = tl.load(tile + 2)
-        rot_flag = tl.load(tile + 3)
-        width = tl.load(tile + 4)
-        if ALIGNED:  # host-checked: every tile full, widths and tile starts multiples of 16
-            c0 = tl.multiple_of(c0, 16)
-            row0 = tl.multiple_of(row0, 16)
-            width = tl.multiple_of(width, 16)
 
-        rows = mt * BM + tl.arange(0, BM)
-        row_ok = rows < M
-        rows64 = tl.where(row_ok, rows, 0).to(tl.int64)  # rows past M read row 0, never stored
-
-        # columns of the tile, relative to the piece: pair firsts (a), partners (b), pass-through (p)
-        ja = tl.arange(0, JA)
-        rot = (ja * 0 + rot_flag) != 0  # [JA] (a vector: the interpreter rejects scalar bools in masks)
-        if HAS_TABLE:
-            head = ja // R2
-            f = ja % R2  # frequency index of the pair
-            if HALF:
-                ca_rot = head * D + f
-                cb_rot = ca_rot + R2
-            else:
-                ca_rot = head * D + 2 * f
-                cb_rot = ca_rot + 1
-            ca = c0 + tl.where(rot, ca_rot, ja)
-            cb = c0 + tl.where(rot, cb_rot, NA + ja)
+@jit
+def _pair_columns(c0, rot_flag, width, D: tl.constexpr, R2: tl.constexpr, NA: tl.constexpr, JA: tl.constexpr,
+                  HALF: tl.constexpr, HAS_TABLE: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
+    """The tile's columns relative to the piece, [JA] each: pair firsts ca and partners cb (a raw
+    tile: two windows of NA consecutive columns), their masks ok_a, ok_b, the rotated flag as a
+    vector rot (the interpreter rejects scalar bools in masks) and each pair's frequency index f."""
+    ja = tl.arange(0, JA)
+    rot = (ja * 0 + rot_flag) != 0
+    if HAS_TABLE:
+        head = ja // R2
+        f = ja % R2  # frequency index of the pair
+        if HALF:
+            ca_rot = head * D + f
+            cb_rot = ca_rot + R2
         else:
-            ca = c0 + ja
-            cb = c0 + NA + ja
-        if ALIGNED:  # no column masks: stores and loads of consecutive columns are vectorized
-            ok_a = ja < JA
-            ok_b = ok_a
+            ca_rot = head * D + 2 * f
+            cb_rot = ca_rot + 1
+        ca = c0 + tl.where(rot, ca_rot, ja)
+        cb = c0 + tl.where(rot, cb_rot, NA + ja)
+    else:
+        f = ja  # no table: unused
+        ca = c0 + ja
+        cb = c0 + NA + ja
+    if ALIGNED:  # no column masks: stores and loads of consecutive columns are vectorized
+        ok_a = ja < JA
+        ok_b = ok_a
+    else:
+        ok_a = (ja < NA) & (ca < width)
+        ok_b = (ja < NA) & (cb < width)
+    return ja, rot, f, ca, cb, ok_a, ok_b
+
+
+@jit
+def _pass_columns(c0, rot_flag, width, D: tl.constexpr, R2: tl.constexpr, NA: tl.constexpr, NP: tl.constexpr,
+                  JP: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
+    """The tile's pass-through columns cp [JP] relative to the piece and their mask ok_p: for a
+    rotated tile, head jp // P's column R + jp % P (P = D - R); for a raw one, the third window."""
+    jp = tl.arange(0, JP)
+    cp_rot = (jp // (D - 2 * R2)) * D + 2 * R2 + jp % (D - 2 * R2)
+    cp = c0 + tl.where((jp * 0 + rot_flag) != 0, cp_rot, 2 * NA + jp)
+    ok_p = jp < JP if ALIGNED else (jp < NP) & (cp < width)
+    return cp, ok_p
+
+
+@jit
+def _piece_pointer(piece, P0, P1, P2, P3, P4, P5, P6, P7, NOUT: tl.constexpr):
+    """P<piece> of the NOUT pieces' tensors (separate tensors: a custom op's outputs may not
+    alias), picked with scalar branches."""
+    ptr = P0
+    if NOUT > 1:
+        if piece == 1:
+            ptr = P1
+    if NOUT > 2:
+        if piece == 2:
+            ptr = P2
+    if NOUT > 3:
+        if piece == 3:
+            ptr = P3
+    if NOUT > 4:
+        if piece == 4:
+            ptr = P4
+    if NOUT > 5:
+        if piece == 5:
+            ptr = P5
+    if NOUT > 6:
+        if piece == 6:
+            ptr = P6
+    if NOUT > 7:
+        if piece == 7:
+            ptr = P7
+    return ptr
+
+
+@jit
+def _rotation(COS, SIN, COS_B, SIN_B, rows_c, rot, f, S, scb, scs, scf, BM: tl.constexpr, HT: tl.constexpr,
+              R2: tl.constexpr, JA: tl.constexpr, ALIGNED: tl.constexpr, FULL: tl.constexpr):  # fmt: skip
+    """cos and sin [BM, JA] in fp32 of each row's position (batch m // S, token m % S; rows_c:
+    rows clamped into [0, M)) for each pair of the tile, and the partners' own entries c_b, s_b
+    (FULL tables; else c, s again). A raw tile rotates by nothing: cos 1, sin 0."""
+    bidx = rows_c // S
+    t_off = bidx * scb + (rows_c - bidx * S) * scs  # int32: a table is small (batch stride 0 for one batch)
+    # f < R/2 and rows clamped: every table address is valid (no column mask)
+    if ALIGNED:  # one [BM, R/2] load per table, repeated over the tile's HT heads
+        fr = tl.arange(0, R2)
+        t_ptr = t_off[:, None] + fr[None, :] * scf
+        c = tl.reshape(tl.broadcast_to(tl.load(COS + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
+        s = tl.reshape(tl.broadcast_to(tl.load(SIN + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
+        if FULL:  # the partners' own entries of full-width tables
+            c_b = tl.reshape(tl.broadcast_to(tl.load(COS_B + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
+            s_b = tl.reshape(tl.broadcast_to(tl.load(SIN_B + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
+    else:
+        t_ptr = t_off[:, None] + f[None, :] * scf
+        c = tl.load(COS + t_ptr)
+        s = tl.load(SIN + t_ptr)
+        if FULL:
+            c_b = tl.load(COS_B + t_ptr)
+            s_b = tl.load(SIN_B + t_ptr)
+    c = tl.where(rot[None, :], c.to(tl.float32), 1.0)
+    s = tl.where(rot[None, :], s.to(tl.float32), 0.0)
+    if FULL:
+        c_b = tl.where(rot[None, :], c_b.to(tl.float32), 1.0)
+        s_b = tl.where(rot[None, :], s_b.to(tl.float32), 0.0)
+    else:
+        c_b = c
+        s_b = s
+    return c, s, c_b, s_b
+
+
+@jit
+def fwd_kernel(
+    X, W, BIAS, COS, SIN, COS_B, SIN_B, TILES, O0, O1, O2, O3, O4, O5, O6, O7,
+    M, K, S, NT, sxm, sxk, swn, swk, scb, scs, scf,
+    D: tl.constexpr, R2: tl.constexpr, HT: tl.constexpr, NA: tl.constexpr, NP: tl.constexpr,
+    JA: tl.constexpr, JP: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_TABLE: tl.constexpr, FULL: tl.constexpr, NOUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    EVEN_K: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    mt, piece, c0, row0, rot_flag, width = _column_tile(TILES, NT, ALIGNED)
+
+    rows = mt * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    rows64 = tl.where(row_ok, rows, 0).to(tl.int64)  # rows past M read row 0, never stored
+
+    # columns of the tile, relative to the piece: pair firsts (a), partners (b), pass-through (p)
+    ja, rot, f, ca, cb, ok_a, ok_b = _pair_columns(c0, rot_flag, width, D, R2, NA, JA, HALF, HAS_TABLE, ALIGNED)
+    kk = tl.arange(0, BK)
+    # pointers advanced by BK each step (the Triton tutorial's form: no per-step broadcasts)
+    x_ptrs = X + rows64[:, None] * sxm + kk[None, :] * sxk  # [BM, BK]
+    # the a and b weight rows stacked, [a_0 .. a_{JA-1}, b_0 .. b_{JA-1}]: one dot of 2 JA
+    # columns per step instead of two of JA (wider MMAs, x read once from shared memory)
+    c_ab = tl.reshape(tl.permute(tl.join(tl.where(ok_a, ca, 0), tl.where(ok_b, cb, 0)), (1, 0)), [2 * JA])
+    w_ptrs = W + (row0 + c_ab)[:, None] * swn + kk[None, :] * swk  # [2 JA, BK]
+    acc = tl.full([BM, 2 * JA], 0.0, tl.float32)
+    if NP > 0:
+        cp, ok_p = _pass_columns(c0, rot_flag, width, D, R2, NA, NP, JP, ALIGNED)
+        wp_ptrs = W + (row0 + tl.where(ok_p, cp, 0))[:, None] * swn + kk[None, :] * swk
+        acc_p = tl.full([BM, JP], 0.0, tl.float32)
+
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+            wt = tl.load(w_ptrs)
         else:
-            ok_a = (ja < NA) & (ca < width)
-            ok_b = (ja < NA) & (cb < width)
-        kk = tl.arange(0, BK)
-        # pointers advanced by BK each step (the Triton tutorial's form: no per-step broadcasts)
-        x_ptrs = X + rows64[:, None] * sxm + kk[None, :] * sxk  # [BM, BK]
-        # the a and b weight rows stacked, [a_0 .. a_{JA-1}, b_0 .. b_{JA-1}]: one dot of 2 JA
-        # columns per step instead of two of JA (wider MMAs, x read once from shared memory)
-        c_ab = tl.reshape(tl.permute(tl.join(tl.where(ok_a, ca, 0), tl.where(ok_b, cb, 0)), (1, 0)), [2 * JA])
-        w_ptrs = W + (row0 + c_ab)[:, None] * swn + kk[None, :] * swk  # [2 JA, BK]
-        acc = tl.full([BM, 2 * JA], 0.0, tl.float32)
+            k_ok = (k0 + kk < K)[None, :]
+            xt = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            wt = tl.load(w_ptrs, mask=k_ok, other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            wt = wt.to(tl.float32)
+        acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PREC)
         if NP > 0:
-            jp = tl.arange(0, JP)
-            # rotated: head jp // P, its pass-through column R + jp % P (P = D - R); raw: the third window
-            cp_rot = (jp // (D - 2 * R2)) * D + 2 * R2 + jp % (D - 2 * R2)
-            cp = c0 + tl.where((jp * 0 + rot_flag) != 0, cp_rot, 2 * NA + jp)
-            ok_p = jp < JP if ALIGNED else (jp < NP) & (cp < width)
-            wp_ptrs = W + (row0 + tl.where(ok_p, cp, 0))[:, None] * swn + kk[None, :] * swk
-            acc_p = tl.full([BM, JP], 0.0, tl.float32)
-
-        for k0 in range(0, K, BK):
             if EVEN_K:
-                xt = tl.load(x_ptrs)
-                wt = tl.load(w_ptrs)
+                wp = tl.load(wp_ptrs)
             else:
-                k_ok = (k0 + kk < K)[None, :]
-                xt = tl.load(x_ptrs, mask=k_ok, other=0.0)
-                wt = tl.load(w_ptrs, mask=k_ok, other=0.0)
+                wp = tl.load(wp_ptrs, mask=(k0 + kk < K)[None, :], other=0.0)
             if UPCAST:
-                xt = xt.to(tl.float32)
-                wt = wt.to(tl.float32)
-            acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PREC)
-            if NP > 0:
-                if EVEN_K:
-                    wp = tl.load(wp_ptrs)
-                else:
-                    wp = tl.load(wp_ptrs, mask=(k0 + kk < K)[None, :], other=0.0)
-                if UPCAST:
-                    wp = wp.to(tl.float32)
-                acc_p = tl.dot(xt, tl.trans(wp), acc_p, input_precision=PREC)
-                wp_ptrs += BK * swk
-            x_ptrs += BK * sxk
-            w_ptrs += BK * swk
-        # back to the a and b halves: [BM, 2, JA] -> [BM, JA, 2] -> two [BM, JA]
-        acc_a, acc_b = tl.split(tl.permute(tl.reshape(acc, [BM, 2, JA]), (0, 2, 1)))
+                wp = wp.to(tl.float32)
+            acc_p = tl.dot(xt, tl.trans(wp), acc_p, input_precision=PREC)
+            wp_ptrs += BK * swk
+        x_ptrs += BK * sxk
+        w_ptrs += BK * swk
+    # back to the a and b halves: [BM, 2, JA] -> [BM, JA, 2] -> two [BM, JA]
+    acc_a, acc_b = tl.split(tl.permute(tl.reshape(acc, [BM, 2, JA]), (0, 2, 1)))
 
-        if HAS_BIAS:
-            acc_a += tl.load(BIAS + row0 + ca, mask=ok_a, other=0.0).to(tl.float32)[None, :]
-            acc_b += tl.load(BIAS + row0 + cb, mask=ok_b, other=0.0).to(tl.float32)[None, :]
-            if NP > 0:
-                acc_p += tl.load(BIAS + row0 + cp, mask=ok_p, other=0.0).to(tl.float32)[None, :]
-        if HAS_TABLE:
-            # the row's position: batch m // S, token m % S (a table of batch 1 has stride 0)
-            rows32 = tl.where(row_ok, rows, 0)
-            bidx = rows32 // S
-            t_off = bidx * scb + (rows32 - bidx * S) * scs  # int32: a table is small
-            # f < R/2 and rows clamped: every table address is valid (no column mask)
-            if ALIGNED:  # one [BM, R/2] load per table, repeated over the tile's HT heads
-                fr = tl.arange(0, R2)
-                t_ptr = t_off[:, None] + fr[None, :] * scf
-                c = tl.reshape(tl.broadcast_to(tl.load(COS + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
-                s = tl.reshape(tl.broadcast_to(tl.load(SIN + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
-                if FULL:  # the partners' own entries of full-width tables
-                    c_b = tl.reshape(tl.broadcast_to(tl.load(COS_B + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
-                    s_b = tl.reshape(tl.broadcast_to(tl.load(SIN_B + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
-            else:
-                t_ptr = t_off[:, None] + f[None, :] * scf
-                c = tl.load(COS + t_ptr)
-                s = tl.load(SIN + t_ptr)
-                if FULL:
-                    c_b = tl.load(COS_B + t_ptr)
-                    s_b = tl.load(SIN_B + t_ptr)
-            # raw tiles rotate by nothing: cos 1, sin 0
-            c = tl.where(rot[None, :], c.to(tl.float32), 1.0)
-            s = tl.where(rot[None, :], s.to(tl.float32), 0.0)
-            if FULL:
-                c_b = tl.where(rot[None, :], c_b.to(tl.float32), 1.0)
-                s_b = tl.where(rot[None, :], s_b.to(tl.float32), 0.0)
-            else:
-                c_b = c
-                s_b = s
-            out_a = acc_a * c - acc_b * s
-            out_b = acc_b * c_b + acc_a * s_b
-        else:
-            out_a = acc_a
-            out_b = acc_b
-
-        # the tile's output tensor (pieces are separate tensors)
-        out = O0
-        if NOUT > 1:
-            if piece == 1:
-                out = O1
-        if NOUT > 2:
-            if piece == 2:
-                out = O2
-        if NOUT > 3:
-            if piece == 3:
-                out = O3
-        if NOUT > 4:
-            if piece == 4:
-                out = O4
-        if NOUT > 5:
-            if piece == 5:
-                out = O5
-        if NOUT > 6:
-            if piece == 6:
-                out = O6
-        if NOUT > 7:
-            if piece == 7:
-                out = O7
-        # int32 offsets unless a piece passes 2^31 elements (fewer registers in the epilogue)
-        if WIDE:
-            o_row = rows64[:, None] * width
-        else:
-            o_row = tl.where(row_ok, rows, 0)[:, None] * width
-        tl.store(out + o_row + ca[None, :], out_a.to(O0.dtype.element_ty), mask=row_ok[:, None] & ok_a[None, :])
-        tl.store(out + o_row + cb[None, :], out_b.to(O0.dtype.element_ty), mask=row_ok[:, None] & ok_b[None, :])
+    if HAS_BIAS:
+        acc_a += tl.load(BIAS + row0 + ca, mask=ok_a, other=0.0).to(tl.float32)[None, :]
+        acc_b += tl.load(BIAS + row0 + cb, mask=ok_b, other=0.0).to(tl.float32)[None, :]
         if NP > 0:
-            tl.store(out + o_row + cp[None, :], acc_p.to(O0.dtype.element_ty), mask=row_ok[:, None] & ok_p[None, :])
+            acc_p += tl.load(BIAS + row0 + cp, mask=ok_p, other=0.0).to(tl.float32)[None, :]
+    if HAS_TABLE:
+        c, s, c_b, s_b = _rotation(COS, SIN, COS_B, SIN_B, tl.where(row_ok, rows, 0), rot, f, S, scb, scs, scf, BM, HT,
+                                   R2, JA, ALIGNED, FULL)
+        out_a = acc_a * c - acc_b * s
+        out_b = acc_b * c_b + acc_a * s_b
+    else:
+        out_a = acc_a
+        out_b = acc_b
 
-    @triton.jit
-    def grad_kernel(
-        G0, G1, G2, G3, G4, G5, G6, G7, DY, COS, SIN, COS_B, SIN_B, TILES,
-        M, N, S, NT, scb, scs, scf,
-        D: tl.constexpr, R2: tl.constexpr, HT: tl.constexpr, NA: tl.constexpr, NP: tl.constexpr,
-        JA: tl.constexpr, JP: tl.constexpr, HALF: tl.constexpr, HAS_TABLE: tl.constexpr, FULL: tl.constexpr,
-        NOUT: tl.constexpr, BM: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr,
-    ):  # fmt: skip
-        pid = tl.program_id(0)
-        mt = pid // NT
-        tile = TILES + (pid - mt * NT) * 5
-        piece = tl.load(tile)
-        c0 = tl.load(tile + 1)
-        row0 = tl.load(tile + 2)
-        rot_flag = tl.load(tile + 3)
-        width = tl.load(tile + 4)
-        if ALIGNED:  # host-checked: every tile full, widths and tile starts multiples of 16
-            c0 = tl.multiple_of(c0, 16)
-            row0 = tl.multiple_of(row0, 16)
-            width = tl.multiple_of(width, 16)
-        rows = mt * BM + tl.arange(0, BM)
-        row_ok = rows < M
-        rows_c = tl.where(row_ok, rows, 0)
-        # int32 offsets unless a tensor passes 2^31 elements (fewer registers)
-        rows_w = rows_c.to(tl.int64) if WIDE else rows_c
-
-        ja = tl.arange(0, JA)
-        rot = (ja * 0 + rot_flag) != 0  # [JA] (a vector: the interpreter rejects scalar bools in masks)
-        if HAS_TABLE:
-            head = ja // R2
-            f = ja % R2
-            if HALF:
-                ca_rot = head * D + f
-                cb_rot = ca_rot + R2
-            else:
-                ca_rot = head * D + 2 * f
-                cb_rot = ca_rot + 1
-            ca = c0 + tl.where(rot, ca_rot, ja)
-            cb = c0 + tl.where(rot, cb_rot, NA + ja)
-        else:
-            ca = c0 + ja
-            cb = c0 + NA + ja
-        if ALIGNED:  # no column masks: stores and loads of consecutive columns are vectorized
-            ok_a = ja < JA
-            ok_b = ok_a
-        else:
-            ok_a = (ja < NA) & (ca < width)
-            ok_b = (ja < NA) & (cb < width)
-
-        grad = G0
-        if NOUT > 1:
-            if piece == 1:
-                grad = G1
-        if NOUT > 2:
-            if piece == 2:
-                grad = G2
-        if NOUT > 3:
-            if piece == 3:
-                grad = G3
-        if NOUT > 4:
-            if piece == 4:
-                grad = G4
-        if NOUT > 5:
-            if piece == 5:
-                grad = G5
-        if NOUT > 6:
-            if piece == 6:
-                grad = G6
-        if NOUT > 7:
-            if piece == 7:
-                grad = G7
-        g_row = grad + rows_w[:, None] * width
-        a_mask = row_ok[:, None] & ok_a[None, :]
-        b_mask = row_ok[:, None] & ok_b[None, :]
-        ga = tl.load(g_row + ca[None, :], mask=a_mask, other=0.0).to(tl.float32)
-        gb = tl.load(g_row + cb[None, :], mask=b_mask, other=0.0).to(tl.float32)
-        if HAS_TABLE:
-            bidx = rows_c // S
-            t_off = bidx * scb + (rows_c - bidx * S) * scs  # int32: a table is small
-            if ALIGNED:  # one [BM, R/2] load per table, repeated over the tile's HT heads
-                fr = tl.arange(0, R2)
-                t_ptr = t_off[:, None] + fr[None, :] * scf
-                c = tl.reshape(tl.broadcast_to(tl.load(COS + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
-                s = tl.reshape(tl.broadcast_to(tl.load(SIN + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
-                if FULL:
-                    c_b = tl.reshape(tl.broadcast_to(tl.load(COS_B + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
-                    s_b = tl.reshape(tl.broadcast_to(tl.load(SIN_B + t_ptr)[:, None, :], [BM, HT, R2]), [BM, JA])
-            else:
-                t_ptr = t_off[:, None] + f[None, :] * scf
-                c = tl.load(COS + t_ptr)
-                s = tl.load(SIN + t_ptr)
-                if FULL:
-                    c_b = tl.load(COS_B + t_ptr)
-                    s_b = tl.load(SIN_B + t_ptr)
-            c = tl.where(rot[None, :], c.to(tl.float32), 1.0)
-            s = tl.where(rot[None, :], s.to(tl.float32), 0.0)
-            if FULL:
-                c_b = tl.where(rot[None, :], c_b.to(tl.float32), 1.0)
-                s_b = tl.where(rot[None, :], s_b.to(tl.float32), 0.0)
-            else:
-                c_b = c
-                s_b = s
-            # the forward's [[c, -s], [s_b, c_b]] transposed
-            da = ga * c + gb * s_b
-            db = gb * c_b - ga * s
-        else:
-            da = ga
-            db = gb
-        dy_row = DY + rows_w[:, None] * N + row0
-        tl.store(dy_row + ca[None, :], da.to(DY.dtype.element_ty), mask=a_mask)
-        tl.store(dy_row + cb[None, :], db.to(DY.dtype.element_ty), mask=b_mask)
-        if NP > 0:
-            jp = tl.arange(0, JP)
-            # rotated: head jp // P, its pass-through column R + jp % P (P = D - R); raw: the third window
-            cp_rot = (jp // (D - 2 * R2)) * D + 2 * R2 + jp % (D - 2 * R2)
-            cp = c0 + tl.where((jp * 0 + rot_flag) != 0, cp_rot, 2 * NA + jp)
-            p_mask = row_ok[:, None] & (jp < JP if ALIGNED else (jp < NP) & (cp < width))[None, :]
-            gp = tl.load(g_row + cp[None, :], mask=p_mask, other=0.0)
-            tl.store(dy_row + cp[None, :], gp.to(DY.dtype.element_ty), mask=p_mask)
-
-    return fwd_kernel, grad_kernel
+    out = _piece_pointer(piece, O0, O1, O2, O3, O4, O5, O6, O7, NOUT)  # the tile's output tensor
+    # int32 offsets unless a piece passes 2^31 elements (fewer registers in the epilogue)
+    if WIDE:
+        o_row = rows64[:, None] * width
+    else:
+        o_row = tl.where(row_ok, rows, 0)[:, None] * width
+    tl.store(out + o_row + ca[None, :], out_a.to(O0.dtype.element_ty), mask=row_ok[:, None] & ok_a[None, :])
+    tl.store(out + o_row + cb[None, :], out_b.to(O0.dtype.element_ty), mask=row_ok[:, None] & ok_b[None, :])
+    if NP > 0:
+        tl.store(out + o_row + cp[None, :], acc_p.to(O0.dtype.element_ty), mask=row_ok[:, None] & ok_p[None, :])
 
 
-_built_interpreted = False
+@jit
+def grad_kernel(
+    G0, G1, G2, G3, G4, G5, G6, G7, DY, COS, SIN, COS_B, SIN_B, TILES,
+    M, N, S, NT, scb, scs, scf,
+    D: tl.constexpr, R2: tl.constexpr, HT: tl.constexpr, NA: tl.constexpr, NP: tl.constexpr,
+    JA: tl.constexpr, JP: tl.constexpr, HALF: tl.constexpr, HAS_TABLE: tl.constexpr, FULL: tl.constexpr,
+    NOUT: tl.constexpr, BM: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr,
+):  # fmt: skip
+    mt, piece, c0, row0, rot_flag, width = _column_tile(TILES, NT, ALIGNED)
+    rows = mt * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    rows_c = tl.where(row_ok, rows, 0)
+    # int32 offsets unless a tensor passes 2^31 elements (fewer registers)
+    rows_w = rows_c.to(tl.int64) if WIDE else rows_c
+
+    ja, rot, f, ca, cb, ok_a, ok_b = _pair_columns(c0, rot_flag, width, D, R2, NA, JA, HALF, HAS_TABLE, ALIGNED)
+
+    grad = _piece_pointer(piece, G0, G1, G2, G3, G4, G5, G6, G7, NOUT)  # the tile's gradient tensor
+    g_row = grad + rows_w[:, None] * width
+    a_mask = row_ok[:, None] & ok_a[None, :]
+    b_mask = row_ok[:, None] & ok_b[None, :]
+    ga = tl.load(g_row + ca[None, :], mask=a_mask, other=0.0).to(tl.float32)
+    gb = tl.load(g_row + cb[None, :], mask=b_mask, other=0.0).to(tl.float32)
+    if HAS_TABLE:
+        c, s, c_b, s_b = _rotation(COS, SIN, COS_B, SIN_B, rows_c, rot, f, S, scb, scs, scf, BM, HT, R2, JA, ALIGNED,
+                                   FULL)
+        # the forward's [[c, -s], [s_b, c_b]] transposed
+        da = ga * c + gb * s_b
+        db = gb * c_b - ga * s
+    else:
+        da = ga
+        db = gb
+    dy_row = DY + rows_w[:, None] * N + row0
+    tl.store(dy_row + ca[None, :], da.to(DY.dtype.element_ty), mask=a_mask)
+    tl.store(dy_row + cb[None, :], db.to(DY.dtype.element_ty), mask=b_mask)
+    if NP > 0:
+        cp, ok_p = _pass_columns(c0, rot_flag, width, D, R2, NA, NP, JP, ALIGNED)
+        p_mask = row_ok[:, None] & ok_p[None, :]
+        gp = tl.load(g_row + cp[None, :], mask=p_mask, other=0.0)
+        tl.store(dy_row + cp[None, :], gp.to(DY.dtype.element_ty), mask=p_mask)
 
 
 def _table_strides(cos) -> tuple[int, int, int]:
@@ -526,10 +478,9 @@ def projection_rope_forward(x2, weight, bias, cos, sin, widths, head_dims, style
     lay = _layout(widths, head_dims, rot_half, cfg.get("HT"))
     table, NT = _tiles_on(x2.device, widths, head_dims, lay["TW"])
     scb, scs, scf = _table_strides(cos) if rotated else (0, 0, 0)
-    kernel = _kernels()[0]
     launch = {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
     BM, BK = cfg["BM"], cfg["BK"]
-    kernel[(_cdiv(M, BM) * NT,)](
+    fwd_kernel[(_cdiv(M, BM) * NT,)](
         x2, weight, bias if bias is not None else weight, *((cos, sin, cos_b, sin_b) if rotated else (weight,) * 4),
         table, *_pad_outputs(outs),
         M, K, max(S, 1), NT, *x2.stride(), *weight.stride(), scb, scs, scf,
@@ -538,7 +489,7 @@ def projection_rope_forward(x2, weight, bias, cos, sin, widths, head_dims, style
         NOUT=len(widths), BM=BM, BK=BK,
         EVEN_K=K % BK == 0, WIDE=M * max(widths) >= 2**31, ALIGNED=lay["ALIGNED"],
         PREC="ieee" if x2.dtype == torch.float32 else "tf32",
-        UPCAST=x2.dtype == torch.bfloat16 and _built_interpreted, **launch,
+        UPCAST=upcast_dots(x2.dtype), **launch,
     )  # fmt: skip
     return outs
 
@@ -559,10 +510,9 @@ def projection_rope_grad(grads, cos, sin, widths, head_dims, style: str, S: int,
     lay = _layout(widths, head_dims, rot_half, cfg["fwd"].get("HT"))
     table, NT = _tiles_on(dy.device, widths, head_dims, lay["TW"])
     scb, scs, scf = _table_strides(cos) if rotated else (0, 0, 0)
-    kernel = _kernels()[1]
     BM = cfg["bwd"]["BM"]
     launch = {k: v for k, v in cfg["bwd"].items() if k in ("num_warps", "num_stages")}
-    kernel[(_cdiv(M, BM) * NT,)](
+    grad_kernel[(_cdiv(M, BM) * NT,)](
         *_pad_outputs(grads), dy, *((cos, sin, cos_b, sin_b) if rotated else (dy,) * 4), table,
         M, N, max(S, 1), NT, scb, scs, scf,
         D=lay["D"], R2=lay["R2"], HT=lay["HT"], NA=lay["NA"], NP=lay["NP"], JA=lay["JA"], JP=lay["JP"],

@@ -67,16 +67,20 @@ any h >= 1 (several row tiles when TQ * h > ROWS); any block size l' >= 1: a K/V
 power of two of l' between 16 and 64 (32 in the dk/dv kernel), masked, so l' < 16 or not a power
 of two wastes columns but is correct. fp32 (no tensor cores) is correct but slow.
 
-CPU interpreter: the kernels are built on first use (`_kernels`), so TRITON_INTERPRET=1 only
-has to be set before the first call in the process, whether or not triton was imported before
-(`_kernels.cache_clear()` rebuilds them). Two interpreter gaps are worked around only when built
-interpreted: bf16 tl.dot (operands cast to fp32 first) and calls of triton.language's own @jit
-helpers (see `triton_support.row_reductions`; tl.zeros is written tl.full for the same reason).
+The tile loads, the online-softmax step and the backward's row statistics are attention_tiles'
+helpers.
+
+CPU interpreter: the kernels are module-level `triton_support.jit` functions, made by triton.jit
+when launched, once per mode (compiled or interpreted: TRITON_INTERPRET as Triton reads it at the
+launch), so the interpreter can be turned on and off at any time, whether or not triton was
+imported before. Two interpreter gaps are worked around only when interpreted: bf16 tl.dot
+(operands cast to fp32 first: `triton_support.upcast_dots`) and calls of triton.language's own
+@jit helpers (the reductions are `triton_support.reduce_max` / `reduce_sum`; tl.zeros is written
+tl.full for the same reason).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -89,9 +93,13 @@ try:
 except ImportError:  # the module still imports; unsupported_reason says why the kernels cannot run
     triton = tl = None
 
+from .attention_tiles import (
+    dim_ranges, load_tile, row_delta, row_stats, softmax_accumulate, softmax_finish, softmax_state, softmax_update,
+    store_tile,
+)
 from .triton_support import (
-    cdiv as _cdiv, device_reason, dot_precision as _dot_precision, interpreting as _interpreting,
-    next_pow2 as _next_pow2, qkv_reason, row_reductions,
+    cdiv as _cdiv, device_reason, dot_precision as _dot_precision, jit, next_pow2 as _next_pow2, qkv_reason,
+    reduce_sum, upcast_dots,
 )
 
 __all__ = ["DKV_SEGMENT", "selected_backward", "selected_forward", "unsupported_reason"]
@@ -180,341 +188,275 @@ def _override_tiles(tiles: dict, override: dict | None) -> dict:
     return tiles
 
 
-def _upcast_dots(q: torch.Tensor) -> bool:
-    """Triton's interpreter multiplies bf16 tl.dot operands as their raw uint16 bits: when the
-    kernels were built interpreted, bf16 dot operands are cast to fp32 first (exact; p and ds are
-    still rounded to bf16 first, as on the GPU). Call after `_kernels()`."""
-    return q.dtype == torch.bfloat16 and _built_interpreted
+@jit
+def _query_rows(G, S, HPG: tl.constexpr, TQ: tl.constexpr, ROWS: tl.constexpr):
+    """The forward's and dq's program: a tile of TQ consecutive queries of one (batch, group), its
+    rows the tile's (query, head) pairs, query-major (TQ queries x HPG heads), ROWS of them from
+    program_id(2). Returns tile, bg, b (int64), g, and t (query token), row_ok, head (int64) [ROWS]."""
+    tile = tl.program_id(0)
+    bg = tl.program_id(1)
+    b = (bg // G).to(tl.int64)
+    g = bg % G
+    pair = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    t = tile * TQ + pair // HPG  # [ROWS] query token of each row
+    row_ok = (pair < TQ * HPG) & (t < S)
+    head = (g * HPG + pair % HPG).to(tl.int64)
+    return tile, bg, b, g, t, row_ok, head
 
 
-def _set_reductions() -> None:
-    """Row max / row sum for the kernels, as module globals (looked up when a kernel runs): the
-    library reductions compiled, plain functions interpreted (`triton_support.row_reductions`)."""
-    global _rowmax, _rowsum, _built_interpreted
-    _built_interpreted = _interpreting()
-    _rowmax, _rowsum = row_reductions(_built_interpreted, "max", "sum")
+@jit
+def _row_choices(IDX, b, g, t64, row_ok, sib, sig, sis, sin_, N_SEL, N_P: tl.constexpr):
+    """Each row's own block list [ROWS, N_P] int32 (-1 padded), to test membership of the tile's
+    blocks."""
+    nsel = tl.arange(0, N_P)
+    return tl.load(IDX + b * sib + g.to(tl.int64) * sig + t64[:, None] * sis + nsel[None, :] * sin_,
+                   mask=row_ok[:, None] & (nsel < N_SEL)[None, :], other=-1).to(tl.int32)
 
 
-_rowmax = _rowsum = None
-_built_interpreted = False
+@jit
+def _union_blocks(IDX, UNION, UCNT, b, g, bg, tile, sib, sig, sis, NT, N_SEL, TQ: tl.constexpr):
+    """The blocks the tile reads, as a base pointer and a count: the tile's row of `_tile_union`'s
+    union, or for TQ = 1 the query's own ascending list (read with stride sin_; no union tensors)."""
+    if TQ == 1:
+        u_base = IDX + b * sib + g.to(tl.int64) * sig + tile.to(tl.int64) * sis
+        n_union = N_SEL
+    else:
+        u_base = UNION + (bg * NT + tile).to(tl.int64) * (TQ * N_SEL + 1)
+        n_union = tl.load(UCNT + bg * NT + tile)
+    return u_base, n_union
 
 
-@functools.cache
-def _kernels():
-    """The @triton.jit kernels, built on first use: TRITON_INTERPRET is read when they are built,
-    not at import. (`tl` and the reductions must be module globals: the interpreter patches the
-    `tl` it finds in the kernel's globals, and the JIT resolves helpers there.)"""
-    _set_reductions()
+@jit
+def _union_chunk(u_base, it, cols, sin_, S, BS, TQ: tl.constexpr, CPB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Step `it` of the flat (union block, chunk) loop over the tile's blocks (u_base, from
+    `_union_blocks`): the block id blk, the chunk's token ids s and col_ok [BLOCK_N] (the block's
+    tokens that exist; none for a padding id < 0)."""
+    u = it // CPB
+    if TQ == 1:
+        blk = tl.load(u_base + u * sin_).to(tl.int32)
+    else:
+        blk = tl.load(u_base + u)
+    s = blk * BS + (it - u * CPB) * BLOCK_N + cols  # [BLOCK_N] token ids
+    lo = tl.where(blk >= 0, blk * BS, S)  # an id < 0 (TQ = 1 padding) holds no token
+    col_ok = (s >= lo) & (s < blk * BS + BS) & (s < S)
+    return blk, s, col_ok
 
-    @triton.jit
-    def fwd_kernel(
-        Q, K, V, IDX, UNION, UCNT, O, LSE,
-        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
-        sib, sig, sis, sin_, sob, soh, sos, sod,
-        S, G, N_SEL, BS, NT, qk_scale,  # qk_scale = scale * log2(e)
-        HPG: tl.constexpr, TQ: tl.constexpr, ROWS: tl.constexpr, N_P: tl.constexpr,
-        DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
-        CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
-    ):  # fmt: skip
-        tile = tl.program_id(0)
-        bg = tl.program_id(1)
-        b = (bg // G).to(tl.int64)
-        g = bg % G
-        # rows: the tile's (query, head) pairs, query-major (TQ queries x HPG heads)
-        pair = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
-        t = tile * TQ + pair // HPG  # [ROWS] query token of each row
-        row_ok = (pair < TQ * HPG) & (t < S)
-        head = (g * HPG + pair % HPG).to(tl.int64)
-        dk = tl.arange(0, DK_P)
-        dv = tl.arange(0, DV_P)
-        dk_ok = dk < DK
-        dv_ok = dv < DV
-        t64 = t.to(tl.int64)
-        q = tl.load(Q + b * sqb + head[:, None] * sqh + t64[:, None] * sqs + dk[None, :] * sqd,
-                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
-        if UPCAST:
-            q = q.to(tl.float32)
-        # each row's own block list, to test membership of the tile's blocks
-        nsel = tl.arange(0, N_P)
-        chosen = tl.load(IDX + b * sib + g.to(tl.int64) * sig + t64[:, None] * sis + nsel[None, :] * sin_,
-                         mask=row_ok[:, None] & (nsel < N_SEL)[None, :], other=-1).to(tl.int32)  # [ROWS, N_P]
-        k_base = K + b * skb + g.to(tl.int64) * skg
-        v_base = V + b * svb + g.to(tl.int64) * svg
-        if TQ == 1:  # one query: its own ascending list is the union (no union tensors)
-            u_base = IDX + b * sib + g.to(tl.int64) * sig + tile.to(tl.int64) * sis
-            n_union = N_SEL
-        else:
-            u_base = UNION + (bg * NT + tile).to(tl.int64) * (TQ * N_SEL + 1)
-            n_union = tl.load(UCNT + bg * NT + tile)
-        cols = tl.arange(0, BLOCK_N)
 
-        # running max in log2 units, from a finite floor: a chunk masked for a row (every score
-        # -inf) leaves its m_i, l_i, acc unchanged (alpha = 1, p = 0) instead of making NaN; the
-        # first valid chunk gets alpha = exp2(M_FLOOR - m) = 0, as from -inf.
-        m_i = tl.full([ROWS], -1.0e30, tl.float32)
-        l_i = tl.full([ROWS], 0.0, tl.float32)
-        acc = tl.full([ROWS, DV_P], 0.0, tl.float32)
-        # one flat loop over (block of the tile's union, chunk) pairs; each row masks the blocks
-        # it did not choose and the tokens after it (no data-dependent branch around the loads)
-        for it in range(0, n_union * CPB):
-            u = it // CPB
-            if TQ == 1:
-                blk = tl.load(u_base + u * sin_).to(tl.int32)
-            else:
-                blk = tl.load(u_base + u)
-            s = blk * BS + (it - u * CPB) * BLOCK_N + cols  # [BLOCK_N] token ids
-            lo = tl.where(blk >= 0, blk * BS, S)  # an id < 0 (TQ = 1 padding) holds no token
-            col_ok = (s >= lo) & (s < blk * BS + BS) & (s < S)
-            s64 = s.to(tl.int64)
-            k = tl.load(k_base + s64[:, None] * sks + dk[None, :] * skd,
-                        mask=col_ok[:, None] & dk_ok[None, :], other=0.0)  # [BLOCK_N, DK_P]
-            v = tl.load(v_base + s64[:, None] * svs + dv[None, :] * svd,
-                        mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, DV_P]
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            if TQ == 1:  # the query's own list, slot by slot: a repeated id is met (and counts) twice
-                times = tl.full([ROWS], 1.0, tl.float32)
-            else:
-                times = _rowsum((chosen == blk).to(tl.float32), 1)  # [ROWS] how often the row chose blk
-            valid = (times[:, None] > 0) & col_ok[None, :] & (s[None, :] <= t[:, None])
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [ROWS, BLOCK_N]
-            qk = tl.where(valid, qk, float("-inf"))
-            m_new = tl.maximum(m_i, _rowmax(qk, 1))  # finite: at least the floor
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None]) * times[:, None]  # 0 where masked; a block chosen twice counts twice
-            l_i = l_i * alpha + _rowsum(p, 1)
-            pv = p.to(V.dtype.element_ty)
-            if UPCAST:
-                pv = pv.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PREC)
-            m_i = m_new
+@jit
+def fwd_kernel(
+    Q, K, V, IDX, UNION, UCNT, O, LSE,
+    sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
+    sib, sig, sis, sin_, sob, soh, sos, sod,
+    S, G, N_SEL, BS, NT, qk_scale,  # qk_scale = scale * log2(e)
+    HPG: tl.constexpr, TQ: tl.constexpr, ROWS: tl.constexpr, N_P: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
+):  # fmt: skip
+    tile, bg, b, g, t, row_ok, head = _query_rows(G, S, HPG, TQ, ROWS)
+    dk, dv, dk_ok, dv_ok = dim_ranges(DK, DV, DK_P, DV_P)
+    t64 = t.to(tl.int64)
+    q = load_tile(Q + b * sqb + head[:, None] * sqh, t64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)  # [ROWS, DK_P]
+    chosen = _row_choices(IDX, b, g, t64, row_ok, sib, sig, sis, sin_, N_SEL, N_P)  # [ROWS, N_P]
+    k_base = K + b * skb + g.to(tl.int64) * skg
+    v_base = V + b * svb + g.to(tl.int64) * svg
+    u_base, n_union = _union_blocks(IDX, UNION, UCNT, b, g, bg, tile, sib, sig, sis, NT, N_SEL, TQ)
+    cols = tl.arange(0, BLOCK_N)
 
-        empty = l_i == 0.0
-        l_safe = tl.where(empty, 1.0, l_i)
-        o = acc / l_safe[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # ln(2): log2 -> natural log
-        o_ptrs = O + b * sob + head[:, None] * soh + t64[:, None] * sos + dv[None, :] * sod
-        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
-        tl.store(LSE + (b * G * HPG + head) * S + t64, lse, mask=row_ok)
-
-    @triton.jit
-    def dq_kernel(
-        Q, K, V, IDX, UNION, UCNT, DO, O, LSE, DELTA, DQ,
-        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
-        sib, sig, sis, sin_, sdob, sdoh, sdos, sdod, sob, soh, sos, sod, sdqb, sdqh, sdqs, sdqd,
-        S, G, N_SEL, BS, NT, scale, qk_scale,
-        HPG: tl.constexpr, TQ: tl.constexpr, ROWS: tl.constexpr, N_P: tl.constexpr,
-        DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
-        CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
-    ):  # fmt: skip
-        tile = tl.program_id(0)
-        bg = tl.program_id(1)
-        b = (bg // G).to(tl.int64)
-        g = bg % G
-        pair = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
-        t = tile * TQ + pair // HPG
-        row_ok = (pair < TQ * HPG) & (t < S)
-        head = (g * HPG + pair % HPG).to(tl.int64)
-        dk = tl.arange(0, DK_P)
-        dv = tl.arange(0, DV_P)
-        dk_ok = dk < DK
-        dv_ok = dv < DV
-        t64 = t.to(tl.int64)
-        q = tl.load(Q + b * sqb + head[:, None] * sqh + t64[:, None] * sqs + dk[None, :] * sqd,
-                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
-        rv_mask = row_ok[:, None] & dv_ok[None, :]
-        do = tl.load(DO + b * sdob + head[:, None] * sdoh + t64[:, None] * sdos + dv[None, :] * sdod,
-                     mask=rv_mask, other=0.0)  # [ROWS, DV_P]
-        o = tl.load(O + b * sob + head[:, None] * soh + t64[:, None] * sos + dv[None, :] * sod,
-                    mask=rv_mask, other=0.0)
-        delta = _rowsum(do.to(tl.float32) * o.to(tl.float32), 1)  # [ROWS]
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        row_lin = (b * G * HPG + head) * S + t64
-        tl.store(DELTA + row_lin, delta, mask=row_ok)
-        lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
-        nsel = tl.arange(0, N_P)
-        chosen = tl.load(IDX + b * sib + g.to(tl.int64) * sig + t64[:, None] * sis + nsel[None, :] * sin_,
-                         mask=row_ok[:, None] & (nsel < N_SEL)[None, :], other=-1).to(tl.int32)  # [ROWS, N_P]
-
-        k_base = K + b * skb + g.to(tl.int64) * skg
-        v_base = V + b * svb + g.to(tl.int64) * svg
-        if TQ == 1:  # one query: its own ascending list is the union (no union tensors)
-            u_base = IDX + b * sib + g.to(tl.int64) * sig + tile.to(tl.int64) * sis
-            n_union = N_SEL
-        else:
-            u_base = UNION + (bg * NT + tile).to(tl.int64) * (TQ * N_SEL + 1)
-            n_union = tl.load(UCNT + bg * NT + tile)
-        cols = tl.arange(0, BLOCK_N)
-        acc = tl.full([ROWS, DK_P], 0.0, tl.float32)
-        # the forward's flat (union block, chunk) loop, each row masking what it did not choose
-        # (p = 0 there; an empty row's lse is -inf, but it has no valid column)
-        for it in range(0, n_union * CPB):
-            u = it // CPB
-            if TQ == 1:
-                blk = tl.load(u_base + u * sin_).to(tl.int32)
-            else:
-                blk = tl.load(u_base + u)
-            s = blk * BS + (it - u * CPB) * BLOCK_N + cols
-            lo = tl.where(blk >= 0, blk * BS, S)  # an id < 0 (TQ = 1 padding) holds no token
-            col_ok = (s >= lo) & (s < blk * BS + BS) & (s < S)
-            s64 = s.to(tl.int64)
-            k = tl.load(k_base + s64[:, None] * sks + dk[None, :] * skd,
-                        mask=col_ok[:, None] & dk_ok[None, :], other=0.0)  # [BLOCK_N, DK_P]
-            v = tl.load(v_base + s64[:, None] * svs + dv[None, :] * svd,
-                        mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, DV_P]
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            if TQ == 1:
-                times = tl.full([ROWS], 1.0, tl.float32)
-            else:
-                times = _rowsum((chosen == blk).to(tl.float32), 1)
-            valid = row_ok[:, None] & (times[:, None] > 0) & col_ok[None, :] & (s[None, :] <= t[:, None])
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0) * times[:, None]  # [ROWS, BLOCK_N]
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            ds = ds.to(K.dtype.element_ty)
-            if UPCAST:
-                ds = ds.to(tl.float32)
-            acc += tl.dot(ds, k, input_precision=PREC)
-        dq = acc * scale
-        tl.store(DQ + b * sdqb + head[:, None] * sdqh + t64[:, None] * sdqs + dk[None, :] * sdqd,
-                 dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok[None, :])
-
-    @triton.jit
-    def dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV, PK, PV,
-        ITEM_KEY, ITEM_SEG, QOFF, NSEG, QTOK,
-        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
-        sdob, sdoh, sdos, sdod, sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
-        S, G, NB, BS, SEG, scale, qk_scale,
-        HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr,
-        DK_P: tl.constexpr, DV_P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-        CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
-    ):  # fmt: skip
-        # a 1-D grid of U * CPB programs, the chunk fastest: the CPB programs of an item run
-        # together and share its q / dO rows in L2 (1-D: U can pass CUDA's 65535 limit on grid y)
-        pid = tl.program_id(0)
-        item = pid // CPB
-        chunk = pid - item * CPB
-        key_raw = tl.load(ITEM_KEY + item)  # (b*G + g)*NB + block, -1 for an unused item
-        item_ok = key_raw >= 0
-        key = tl.maximum(key_raw, 0)
-        seg = tl.load(ITEM_SEG + item)
-        blk = key % NB
-        bg = key // NB
-        b = (bg // G).to(tl.int64)
-        g = bg % G
-        q_lo = tl.load(QOFF + key) + seg * SEG
-        q_hi = tl.minimum(tl.load(QOFF + key + 1), q_lo + SEG)
-        n_pairs = tl.where(item_ok, q_hi - q_lo, 0) * HPG  # (query, head) pairs of this item
-
-        j = chunk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] offset in the block
-        s = blk * BS + j  # token ids
-        col_ok = (j < BS) & (s < S)
+    m_i, l_i, acc = softmax_state(ROWS, DV_P)
+    # one flat loop over (block of the tile's union, chunk) pairs; each row masks the blocks
+    # it did not choose and the tokens after it (no data-dependent branch around the loads, so
+    # Triton's pipeliner prefetches the next pair during this one's compute)
+    for it in range(0, n_union * CPB):
+        blk, s, col_ok = _union_chunk(u_base, it, cols, sin_, S, BS, TQ, CPB, BLOCK_N)
         s64 = s.to(tl.int64)
-        dk = tl.arange(0, DK_P)
-        dv = tl.arange(0, DV_P)
-        dk_ok = dk < DK_
-        dv_ok = dv < DV_
-        kmask = col_ok[:, None] & dk_ok[None, :]
-        vmask = col_ok[:, None] & dv_ok[None, :]
-        k = tl.load(K + b * skb + g.to(tl.int64) * skg + s64[:, None] * sks + dk[None, :] * skd,
-                    mask=kmask, other=0.0)  # [BLOCK_N, DK_P]
-        v = tl.load(V + b * svb + g.to(tl.int64) * svg + s64[:, None] * svs + dv[None, :] * svd,
-                    mask=vmask, other=0.0)  # [BLOCK_N, DV_P]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
+        v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
+        if TQ == 1:  # the query's own list, slot by slot: a repeated id is met (and counts) twice
+            times = tl.full([ROWS], 1.0, tl.float32)
+        else:
+            times = reduce_sum((chosen == blk).to(tl.float32), 1)  # [ROWS] how often the row chose blk
+        valid = (times[:, None] > 0) & col_ok[None, :] & (s[None, :] <= t[:, None])
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [ROWS, BLOCK_N]
+        qk = tl.where(valid, qk, float("-inf"))
+        # p 0 where masked; a block chosen twice counts twice
+        m_new, alpha, p, l_i = softmax_update(m_i, l_i, qk, times)
+        acc = softmax_accumulate(acc, alpha, p, v, V.dtype.element_ty, PREC, UPCAST)
+        m_i = m_new
 
-        acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
-        acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
-        rows = tl.arange(0, ROWS)
-        for p0 in range(0, n_pairs, ROWS):
-            pr = p0 + rows  # [ROWS] (query, head) pair ids: query-major, heads inside
-            row_ok = pr < n_pairs
-            tq = tl.load(QTOK + q_lo + pr // HPG, mask=row_ok, other=0)  # query token of each row
-            head = (g * HPG + pr % HPG).to(tl.int64)
-            tq64 = tq.to(tl.int64)
-            q = tl.load(Q + b * sqb + head[:, None] * sqh + tq64[:, None] * sqs + dk[None, :] * sqd,
-                        mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
-            do = tl.load(DO + b * sdob + head[:, None] * sdoh + tq64[:, None] * sdos + dv[None, :] * sdod,
-                         mask=row_ok[:, None] & dv_ok[None, :], other=0.0)  # [ROWS, DV_P]
-            row_lin = (b * G * HPG + head) * S + tq64
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + row_lin, mask=row_ok, other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [ROWS, BLOCK_N]
-            valid = row_ok[:, None] & col_ok[None, :] & (s[None, :] <= tq[:, None])
-            p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)
-            pv = p.to(DO.dtype.element_ty)
-            if UPCAST:
-                pv = pv.to(tl.float32)
-            acc_v += tl.dot(tl.trans(pv), do, input_precision=PREC)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # [ROWS, BLOCK_N]
-            ds = p * (dp - delta[:, None])
-            ds = ds.to(Q.dtype.element_ty)
-            if UPCAST:
-                ds = ds.to(tl.float32)
-            acc_k += tl.dot(tl.trans(ds), q, input_precision=PREC)
-        acc_k = acc_k * scale
+    o, lse = softmax_finish(acc, m_i, l_i)  # a row without a valid token: o 0, lse -inf
+    store_tile(O + b * sob + head[:, None] * soh, t64, dv, sos, sod, o, row_ok, dv_ok)
+    tl.store(LSE + (b * G * HPG + head) * S + t64, lse, mask=row_ok)
 
-        # one segment: the final value; several: an fp32 partial per item, summed by reduce_kernel
-        # (the scalar conditions become column limits: block masks only)
-        nseg = tl.load(NSEG + key)
-        direct = (j < tl.where(item_ok & (nseg == 1), BS, 0))[:, None]
-        split = (j < tl.where(item_ok & (nseg > 1), BS, 0))[:, None]
-        tl.store(DK + b * sdkb + g.to(tl.int64) * sdkg + s64[:, None] * sdks + dk[None, :] * sdkd,
-                 acc_k.to(DK.dtype.element_ty), mask=kmask & direct)
-        tl.store(DV + b * sdvb + g.to(tl.int64) * sdvg + s64[:, None] * sdvs + dv[None, :] * sdvd,
-                 acc_v.to(DV.dtype.element_ty), mask=vmask & direct)
-        item64 = item.to(tl.int64)
-        jk = j.to(tl.int64)[:, None]
-        tl.store(PK + (item64 * BS + jk) * DK_ + dk[None, :], acc_k, mask=kmask & split)
-        tl.store(PV + (item64 * BS + jk) * DV_ + dv[None, :], acc_v, mask=vmask & split)
 
-    @triton.jit
-    def reduce_kernel(
-        PK, PV, DK, DV, NSEG, ITEM_START,
-        sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
-        S, G, NB, BS,
-        DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
-        key = tl.program_id(0)
-        chunk = tl.program_id(1)
-        nseg = tl.load(NSEG + key)
-        first = tl.load(ITEM_START + key).to(tl.int64)
-        blk = key % NB
-        bg = key // NB
-        b = (bg // G).to(tl.int64)
-        g = (bg % G).to(tl.int64)
-        j = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-        s = blk * BS + j
-        col_ok = (j < BS) & (s < S)
+@jit
+def dq_kernel(
+    Q, K, V, IDX, UNION, UCNT, DO, O, LSE, DELTA, DQ,
+    sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
+    sib, sig, sis, sin_, sdob, sdoh, sdos, sdod, sob, soh, sos, sod, sdqb, sdqh, sdqs, sdqd,
+    S, G, N_SEL, BS, NT, scale, qk_scale,
+    HPG: tl.constexpr, TQ: tl.constexpr, ROWS: tl.constexpr, N_P: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
+):  # fmt: skip
+    tile, bg, b, g, t, row_ok, head = _query_rows(G, S, HPG, TQ, ROWS)
+    dk, dv, dk_ok, dv_ok = dim_ranges(DK, DV, DK_P, DV_P)
+    t64 = t.to(tl.int64)
+    q = load_tile(Q + b * sqb + head[:, None] * sqh, t64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)  # [ROWS, DK_P]
+    do = load_tile(DO + b * sdob + head[:, None] * sdoh, t64, dv, sdos, sdod, row_ok, dv_ok, UPCAST)  # [ROWS, DV_P]
+    o = load_tile(O + b * sob + head[:, None] * soh, t64, dv, sos, sod, row_ok, dv_ok, False)
+    delta = row_delta(do, o)  # [ROWS]
+    row_lin = (b * G * HPG + head) * S + t64
+    tl.store(DELTA + row_lin, delta, mask=row_ok)
+    lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
+    chosen = _row_choices(IDX, b, g, t64, row_ok, sib, sig, sis, sin_, N_SEL, N_P)  # [ROWS, N_P]
+    k_base = K + b * skb + g.to(tl.int64) * skg
+    v_base = V + b * svb + g.to(tl.int64) * svg
+    u_base, n_union = _union_blocks(IDX, UNION, UCNT, b, g, bg, tile, sib, sig, sis, NT, N_SEL, TQ)
+    cols = tl.arange(0, BLOCK_N)
+    acc = tl.full([ROWS, DK_P], 0.0, tl.float32)
+    # the forward's flat (union block, chunk) loop, each row masking what it did not choose
+    # (p = 0 there; an empty row's lse is -inf, but it has no valid column)
+    for it in range(0, n_union * CPB):
+        blk, s, col_ok = _union_chunk(u_base, it, cols, sin_, S, BS, TQ, CPB, BLOCK_N)
         s64 = s.to(tl.int64)
-        jk = j.to(tl.int64)[:, None]
-        split = (j < tl.where(nseg > 1, BS, 0))[:, None]
-        dk = tl.arange(0, DK_P)
-        dv = tl.arange(0, DV_P)
-        kmask = col_ok[:, None] & (dk < DK_)[None, :]
-        vmask = col_ok[:, None] & (dv < DV_)[None, :]
-        acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
-        acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
-        for i in range(tl.where(nseg > 1, nseg, 0)):  # in segment order: deterministic
-            acc_k += tl.load(PK + ((first + i) * BS + jk) * DK_ + dk[None, :], mask=kmask, other=0.0)
-            acc_v += tl.load(PV + ((first + i) * BS + jk) * DV_ + dv[None, :], mask=vmask, other=0.0)
-        tl.store(DK + b * sdkb + g * sdkg + s64[:, None] * sdks + dk[None, :] * sdkd,
-                 acc_k.to(DK.dtype.element_ty), mask=kmask & split)
-        tl.store(DV + b * sdvb + g * sdvg + s64[:, None] * sdvs + dv[None, :] * sdvd,
-                 acc_v.to(DV.dtype.element_ty), mask=vmask & split)
+        k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
+        v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
+        if TQ == 1:
+            times = tl.full([ROWS], 1.0, tl.float32)
+        else:
+            times = reduce_sum((chosen == blk).to(tl.float32), 1)
+        valid = row_ok[:, None] & (times[:, None] > 0) & col_ok[None, :] & (s[None, :] <= t[:, None])
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0) * times[:, None]  # [ROWS, BLOCK_N]
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        ds = ds.to(K.dtype.element_ty)
+        if UPCAST:
+            ds = ds.to(tl.float32)
+        acc += tl.dot(ds, k, input_precision=PREC)
+    dq = acc * scale
+    store_tile(DQ + b * sdqb + head[:, None] * sdqh, t64, dk, sdqs, sdqd, dq, row_ok, dk_ok)
 
-    return fwd_kernel, dq_kernel, dkdv_kernel, reduce_kernel
+
+@jit
+def dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, PK, PV,
+    ITEM_KEY, ITEM_SEG, QOFF, NSEG, QTOK,
+    sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
+    sdob, sdoh, sdos, sdod, sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
+    S, G, NB, BS, SEG, scale, qk_scale,
+    HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr,
+    DK_P: tl.constexpr, DV_P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
+):  # fmt: skip
+    # a 1-D grid of U * CPB programs, the chunk fastest: the CPB programs of an item run
+    # together and share its q / dO rows in L2 (1-D: U can pass CUDA's 65535 limit on grid y)
+    pid = tl.program_id(0)
+    item = pid // CPB
+    chunk = pid - item * CPB
+    key_raw = tl.load(ITEM_KEY + item)  # (b*G + g)*NB + block, -1 for an unused item
+    item_ok = key_raw >= 0
+    key = tl.maximum(key_raw, 0)
+    seg = tl.load(ITEM_SEG + item)
+    blk = key % NB
+    bg = key // NB
+    b = (bg // G).to(tl.int64)
+    g = bg % G
+    q_lo = tl.load(QOFF + key) + seg * SEG
+    q_hi = tl.minimum(tl.load(QOFF + key + 1), q_lo + SEG)
+    n_pairs = tl.where(item_ok, q_hi - q_lo, 0) * HPG  # (query, head) pairs of this item
+
+    j = chunk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] offset in the block
+    s = blk * BS + j  # token ids
+    col_ok = (j < BS) & (s < S)
+    s64 = s.to(tl.int64)
+    dk, dv, dk_ok, dv_ok = dim_ranges(DK_, DV_, DK_P, DV_P)
+    kmask = col_ok[:, None] & dk_ok[None, :]
+    vmask = col_ok[:, None] & dv_ok[None, :]
+    k = tl.load(K + b * skb + g.to(tl.int64) * skg + s64[:, None] * sks + dk[None, :] * skd,
+                mask=kmask, other=0.0)  # [BLOCK_N, DK_P]
+    v = tl.load(V + b * svb + g.to(tl.int64) * svg + s64[:, None] * svs + dv[None, :] * svd,
+                mask=vmask, other=0.0)  # [BLOCK_N, DV_P]
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
+    acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
+    rows = tl.arange(0, ROWS)
+    for p0 in range(0, n_pairs, ROWS):
+        pr = p0 + rows  # [ROWS] (query, head) pair ids: query-major, heads inside
+        row_ok = pr < n_pairs
+        tq = tl.load(QTOK + q_lo + pr // HPG, mask=row_ok, other=0)  # query token of each row
+        head = (g * HPG + pr % HPG).to(tl.int64)
+        tq64 = tq.to(tl.int64)
+        q = load_tile(Q + b * sqb + head[:, None] * sqh, tq64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)  # [ROWS, DK_P]
+        do = load_tile(DO + b * sdob + head[:, None] * sdoh, tq64, dv, sdos, sdod, row_ok, dv_ok, UPCAST)
+        lse2, delta = row_stats(LSE, DELTA, (b * G * HPG + head) * S + tq64, row_ok)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [ROWS, BLOCK_N]
+        valid = row_ok[:, None] & col_ok[None, :] & (s[None, :] <= tq[:, None])
+        p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)
+        pv = p.to(DO.dtype.element_ty)
+        if UPCAST:
+            pv = pv.to(tl.float32)
+        acc_v += tl.dot(tl.trans(pv), do, input_precision=PREC)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # [ROWS, BLOCK_N]
+        ds = p * (dp - delta[:, None])
+        ds = ds.to(Q.dtype.element_ty)
+        if UPCAST:
+            ds = ds.to(tl.float32)
+        acc_k += tl.dot(tl.trans(ds), q, input_precision=PREC)
+    acc_k = acc_k * scale
+
+    # one segment: the final value; several: an fp32 partial per item, summed by reduce_kernel
+    # (the scalar conditions become column limits: block masks only)
+    nseg = tl.load(NSEG + key)
+    direct = (j < tl.where(item_ok & (nseg == 1), BS, 0))[:, None]
+    split = (j < tl.where(item_ok & (nseg > 1), BS, 0))[:, None]
+    tl.store(DK + b * sdkb + g.to(tl.int64) * sdkg + s64[:, None] * sdks + dk[None, :] * sdkd,
+             acc_k.to(DK.dtype.element_ty), mask=kmask & direct)
+    tl.store(DV + b * sdvb + g.to(tl.int64) * sdvg + s64[:, None] * sdvs + dv[None, :] * sdvd,
+             acc_v.to(DV.dtype.element_ty), mask=vmask & direct)
+    item64 = item.to(tl.int64)
+    jk = j.to(tl.int64)[:, None]
+    tl.store(PK + (item64 * BS + jk) * DK_ + dk[None, :], acc_k, mask=kmask & split)
+    tl.store(PV + (item64 * BS + jk) * DV_ + dv[None, :], acc_v, mask=vmask & split)
+
+
+@jit
+def reduce_kernel(
+    PK, PV, DK, DV, NSEG, ITEM_START,
+    sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
+    S, G, NB, BS,
+    DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    key = tl.program_id(0)
+    chunk = tl.program_id(1)
+    nseg = tl.load(NSEG + key)
+    first = tl.load(ITEM_START + key).to(tl.int64)
+    blk = key % NB
+    bg = key // NB
+    b = (bg // G).to(tl.int64)
+    g = (bg % G).to(tl.int64)
+    j = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    s = blk * BS + j
+    col_ok = (j < BS) & (s < S)
+    s64 = s.to(tl.int64)
+    jk = j.to(tl.int64)[:, None]
+    split = (j < tl.where(nseg > 1, BS, 0))[:, None]
+    dk = tl.arange(0, DK_P)
+    dv = tl.arange(0, DV_P)
+    kmask = col_ok[:, None] & (dk < DK_)[None, :]
+    vmask = col_ok[:, None] & (dv < DV_)[None, :]
+    acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
+    acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
+    for i in range(tl.where(nseg > 1, nseg, 0)):  # in segment order: deterministic
+        acc_k += tl.load(PK + ((first + i) * BS + jk) * DK_ + dk[None, :], mask=kmask, other=0.0)
+        acc_v += tl.load(PV + ((first + i) * BS + jk) * DV_ + dv[None, :], mask=vmask, other=0.0)
+    tl.store(DK + b * sdkb + g * sdkg + s64[:, None] * sdks + dk[None, :] * sdkd,
+             acc_k.to(DK.dtype.element_ty), mask=kmask & split)
+    tl.store(DV + b * sdvb + g * sdvg + s64[:, None] * sdvs + dv[None, :] * sdvd,
+             acc_v.to(DV.dtype.element_ty), mask=vmask & split)
 
 
 def _require(q, k, v, block_idx, block_size) -> None:
@@ -579,14 +521,13 @@ def _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse):
     h, n = H // G, block_idx.shape[3]
     cfg = T["fwd"]
     u, count, NT = union
-    fwd_kernel = _kernels()[0]
     grid = (NT, B * G, _cdiv(cfg["TQ"] * h, cfg["ROWS"]))
     return fwd_kernel[grid](
         q, k, v, block_idx, u, count, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *o.stride(),
         S, G, n, block_size, NT, scale * math.log2(math.e),
         HPG=h, N_P=max(2, _next_pow2(n)), DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"],
-        CPB=_cdiv(block_size, cfg["BLOCK_N"]), PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q), **cfg,
+        CPB=_cdiv(block_size, cfg["BLOCK_N"]), PREC=_dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype), **cfg,
     )  # fmt: skip
 
 
@@ -665,13 +606,12 @@ def _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, d
     h, n = H // G, block_idx.shape[3]
     cfg = T["dq"]
     u, count, NT = union
-    dq_kernel = _kernels()[1]
     return dq_kernel[(NT, B * G, _cdiv(cfg["TQ"] * h, cfg["ROWS"]))](
         q, k, v, block_idx, u, count, grad_o, o, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *grad_o.stride(), *o.stride(), *dq.stride(),
         S, G, n, block_size, NT, scale, scale * math.log2(math.e),
         HPG=h, N_P=max(2, _next_pow2(n)), DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"],
-        CPB=_cdiv(block_size, cfg["BLOCK_N"]), PREC=_dot_precision(q.dtype), UPCAST=_upcast_dots(q), **cfg,
+        CPB=_cdiv(block_size, cfg["BLOCK_N"]), PREC=_dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype), **cfg,
     )  # fmt: skip
 
 
@@ -686,7 +626,6 @@ def _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T,
     pk_rows = U if U > B * G * NB else 0  # fp32 partials [U, l', D], only when a block can need two items
     pk = torch.empty(pk_rows, block_size, Dk, dtype=torch.float32, device=q.device)
     pv = torch.empty(pk_rows, block_size, Dv, dtype=torch.float32, device=q.device)
-    dkdv_kernel = _kernels()[2]
     cpb = _cdiv(block_size, T["dkdv"]["BLOCK_N"])
     launched = dkdv_kernel[(U * cpb,)](
         q, k, v, grad_o, lse, delta, dk, dv, pk, pv,
@@ -694,7 +633,7 @@ def _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
         S, G, NB, block_size, segment, scale, scale * math.log2(math.e),
         HPG=h, DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], CPB=cpb, PREC=_dot_precision(q.dtype),
-        UPCAST=_upcast_dots(q), **T["dkdv"],
+        UPCAST=upcast_dots(q.dtype), **T["dkdv"],
     )  # fmt: skip
     return pk, pv, launched
 
@@ -707,7 +646,6 @@ def _reduce_stage(pk, pv, inv, block_size, T, dk, dv):
     B, G, S, Dk = dk.shape
     Dv = dv.shape[3]
     nseg, item_start, NB = inv[2], inv[3], inv[7]
-    reduce_kernel = _kernels()[3]
     return reduce_kernel[(B * G * NB, _cdiv(block_size, T["reduce"]["BLOCK_N"]))](
         pk, pv, dk, dv, nseg, item_start,
         *dk.stride(), *dv.stride(),

@@ -22,8 +22,8 @@ Kernels (tile sizes from `_tiles`):
   last query, about (window + BLOCK_M) / BLOCK_N tiles whatever S; an online softmax in fp32.
   The running max starts at a finite floor (-1e30), so a tile masked for a row leaves its state
   unchanged instead of making NaN.
-- delta, the same grid: rowsum(dO * O) in fp32 per row, for both backward kernels (no
-  [B, H, S, Dv] fp32 temporary).
+- delta (attention_tiles.delta_kernel), the same grid: rowsum(dO * O) in fp32 per row, for both
+  backward kernels (no [B, H, S, Dv] fp32 temporary).
 - dk/dv, grid (ceil(S / BLOCK_N), B * G): BLOCK_N keys of one KV head walk, for each of the
   group's h query heads in turn, the query tiles that see them (from the keys' own first token to
   window - 1 tokens past their last), accumulating dk and dv in fp32 in registers: the sum over
@@ -35,14 +35,14 @@ Supported (`unsupported_reason` says why not): no packed documents (pos: the win
 backend takes them), CUDA tensors or any device under TRITON_INTERPRET=1, q, k, v all fp16, bf16
 or fp32, head dims up to 256 (padded to a power of two >= 16 by masking).
 
-CPU interpreter: kernels are built on first use (`_kernels`), as in selection_triton.py, with the
-same two interpreter workarounds (bf16 dot operands cast to fp32 first; the row reductions of
-`triton_support.row_reductions`).
+The tile loads, the online-softmax step, the backward's row statistics and the delta kernel are
+attention_tiles'. CPU interpreter: module-level `triton_support.jit` kernels, as in
+selection_triton.py, with the same two interpreter workarounds (bf16 dot operands cast to fp32
+first; the reductions of `triton_support`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -55,9 +55,13 @@ try:
 except ImportError:  # the module still imports; unsupported_reason says why the kernels cannot run
     triton = tl = None
 
+from .attention_tiles import (
+    delta_kernel, dim_ranges, load_tile, row_stats, softmax_accumulate, softmax_finish, softmax_state, softmax_update,
+    store_tile,
+)
 from .triton_support import (
-    cdiv as _cdiv, device_reason, dot_precision as _dot_precision, interpreting as _interpreting,
-    next_pow2 as _next_pow2, qkv_reason, row_reductions,
+    cdiv as _cdiv, device_reason, dot_precision as _dot_precision, jit, next_pow2 as _next_pow2, qkv_reason,
+    upcast_dots,
 )
 
 __all__ = ["unsupported_reason", "window_backward", "window_forward"]
@@ -100,224 +104,159 @@ def _tiles(Dk: int, Dv: int, fp32: bool, override: dict | None = None) -> dict:
     return tiles
 
 
-_rowmax = _rowsum = None
-_built_interpreted = False
+@jit
+def _query_tile(S, G, HPG: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The forward's and dq's program: BLOCK_M consecutive queries t [BLOCK_M] (row_ok: t < S) of
+    one head; also its tile index, batch b and head (int64), and KV head g."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // (G * HPG)).to(tl.int64)
+    head = (bh % (G * HPG)).to(tl.int64)
+    g = head // HPG
+    t = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = t < S
+    return tile, b, head, g, t, row_ok
 
 
-def _upcast_dots(q: torch.Tensor) -> bool:
-    """bf16 dot operands go to fp32 first when the kernels were built interpreted (Triton's
-    interpreter multiplies bf16 as raw bits). Call after `_kernels()`."""
-    return q.dtype == torch.bfloat16 and _built_interpreted
+@jit
+def _key_range(tile, S, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys [lo, hi) that query tile `tile` walks in tiles of BLOCK_N: from the first key any
+    of its queries sees (t0 - W + 1, rounded down to BLOCK_N) to its last query."""
+    lo = tl.maximum(tile * BLOCK_M - W + 1, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(tile * BLOCK_M + BLOCK_M, S)
+    return lo, hi
 
 
-@functools.cache
-def _kernels():
-    """The @triton.jit kernels, built on first use (TRITON_INTERPRET is read then)."""
-    global _rowmax, _rowsum, _built_interpreted
-    _built_interpreted = _interpreting()
-    _rowmax, _rowsum = row_reductions(_built_interpreted, "max", "sum")
-
-    @triton.jit
-    def fwd_kernel(
-        Q, K, V, O, LSE,
-        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sob, soh, sos, sod,
-        S, G, W, qk_scale,  # qk_scale = scale * log2(e)
-        HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ):  # fmt: skip
-        tile = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = (bh // (G * HPG)).to(tl.int64)
-        head = (bh % (G * HPG)).to(tl.int64)
-        g = head // HPG
-        t = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = t < S
-        dk = tl.arange(0, DK_P)
-        dv = tl.arange(0, DV_P)
-        dk_ok = dk < DK
-        dv_ok = dv < DV
-        t64 = t.to(tl.int64)
-        q = tl.load(Q + b * sqb + head * sqh + t64[:, None] * sqs + dk[None, :] * sqd,
-                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [BLOCK_M, DK_P]
-        if UPCAST:
-            q = q.to(tl.float32)
-        k_base = K + b * skb + g * skg
-        v_base = V + b * svb + g * svg
-        cols = tl.arange(0, BLOCK_N)
-        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-        acc = tl.full([BLOCK_M, DV_P], 0.0, tl.float32)
-        lo = tl.maximum(tile * BLOCK_M - W + 1, 0) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(tile * BLOCK_M + BLOCK_M, S)
-        for start in range(lo, hi, BLOCK_N):
-            s = start + cols
-            col_ok = s < S
-            s64 = s.to(tl.int64)
-            k = tl.load(k_base + s64[:, None] * sks + dk[None, :] * skd, mask=col_ok[:, None] & dk_ok[None, :], other=0.0)
-            v = tl.load(v_base + s64[:, None] * svs + dv[None, :] * svd, mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            valid = col_ok[None, :] & (s[None, :] <= t[:, None]) & (t[:, None] - s[None, :] < W)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            qk = tl.where(valid, qk, float("-inf"))
-            m_new = tl.maximum(m_i, _rowmax(qk, 1))  # finite: at least the floor
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])  # 0 where masked
-            l_i = l_i * alpha + _rowsum(p, 1)
-            pv = p.to(V.dtype.element_ty)
-            if UPCAST:
-                pv = pv.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PREC)
-            m_i = m_new
-        empty = l_i == 0.0  # only rows past S: every query sees itself
-        l_safe = tl.where(empty, 1.0, l_i)
-        o = acc / l_safe[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # log2 -> ln
-        tl.store(O + b * sob + head * soh + t64[:, None] * sos + dv[None, :] * sod, o.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & dv_ok[None, :])
-        tl.store(LSE + (b * G * HPG + head) * S + t64, lse, mask=row_ok)
-
-    @triton.jit
-    def delta_kernel(
-        DO, O, DELTA, sdob, sdoh, sdos, sdod, sob, soh, sos, sod, S, H,
-        DV: tl.constexpr, DV_P: tl.constexpr, BLOCK_M: tl.constexpr,
-    ):  # fmt: skip
-        tile = tl.program_id(0)
-        bh = tl.program_id(1).to(tl.int64)
-        b = bh // H
-        head = bh % H
-        t = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        dv = tl.arange(0, DV_P)
-        mask = (t < S)[:, None] & (dv < DV)[None, :]
-        do = tl.load(DO + b * sdob + head * sdoh + t[:, None] * sdos + dv[None, :] * sdod, mask=mask, other=0.0)
-        o = tl.load(O + b * sob + head * soh + t[:, None] * sos + dv[None, :] * sod, mask=mask, other=0.0)
-        tl.store(DELTA + bh * S + t, _rowsum(do.to(tl.float32) * o.to(tl.float32), 1), mask=t < S)
-
-    @triton.jit
-    def dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV,
-        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sdob, sdoh, sdos, sdod,
-        sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
-        S, G, W, scale, qk_scale,
-        HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ):  # fmt: skip
-        ktile = tl.program_id(0)
-        bg = tl.program_id(1)
-        b = (bg // G).to(tl.int64)
-        g = (bg % G).to(tl.int64)
-        s = ktile * BLOCK_N + tl.arange(0, BLOCK_N)
+@jit
+def fwd_kernel(
+    Q, K, V, O, LSE,
+    sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sob, soh, sos, sod,
+    S, G, W, qk_scale,  # qk_scale = scale * log2(e)
+    HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    tile, b, head, g, t, row_ok = _query_tile(S, G, HPG, BLOCK_M)
+    dk, dv, dk_ok, dv_ok = dim_ranges(DK, DV, DK_P, DV_P)
+    t64 = t.to(tl.int64)
+    q = load_tile(Q + b * sqb + head * sqh, t64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)  # [BLOCK_M, DK_P]
+    k_base = K + b * skb + g * skg
+    v_base = V + b * svb + g * svg
+    cols = tl.arange(0, BLOCK_N)
+    m_i, l_i, acc = softmax_state(BLOCK_M, DV_P)
+    lo, hi = _key_range(tile, S, W, BLOCK_M, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        s = start + cols
         col_ok = s < S
         s64 = s.to(tl.int64)
-        dk = tl.arange(0, DK_P)
-        dv = tl.arange(0, DV_P)
-        kmask = col_ok[:, None] & (dk < DK_)[None, :]
-        vmask = col_ok[:, None] & (dv < DV_)[None, :]
-        k = tl.load(K + b * skb + g * skg + s64[:, None] * sks + dk[None, :] * skd, mask=kmask, other=0.0)
-        v = tl.load(V + b * svb + g * svg + s64[:, None] * svs + dv[None, :] * svd, mask=vmask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
-        acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
-        # the queries that see these keys: t >= the first key, t - s < W for the last key
-        q_lo = ktile * BLOCK_N // BLOCK_M * BLOCK_M
-        q_hi = tl.minimum(ktile * BLOCK_N + BLOCK_N - 1 + W, S)
-        n_tiles = (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M
-        rows = tl.arange(0, BLOCK_M)
-        for it in range(0, HPG * n_tiles):  # the group's heads in turn, each over its query tiles
-            j = it // n_tiles
-            head = g * HPG + j
-            t = q_lo + (it - j * n_tiles) * BLOCK_M + rows
-            row_ok = t < S
-            t64 = t.to(tl.int64)
-            q = tl.load(Q + b * sqb + head * sqh + t64[:, None] * sqs + dk[None, :] * sqd,
-                        mask=row_ok[:, None] & (dk < DK_)[None, :], other=0.0)  # [BLOCK_M, DK_P]
-            do = tl.load(DO + b * sdob + head * sdoh + t64[:, None] * sdos + dv[None, :] * sdod,
-                         mask=row_ok[:, None] & (dv < DV_)[None, :], other=0.0)  # [BLOCK_M, DV_P]
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            row_lin = (b * G * HPG + head) * S + t64
-            lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + row_lin, mask=row_ok, other=0.0)
-            qk_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
-            valid = row_ok[None, :] & col_ok[:, None] & (s[:, None] <= t[None, :]) & (t[None, :] - s[:, None] < W)
-            p_t = tl.where(valid, tl.exp2(qk_t - lse2[None, :]), 0.0)
-            pv = p_t.to(DO.dtype.element_ty)
-            if UPCAST:
-                pv = pv.to(tl.float32)
-            acc_v += tl.dot(pv, do, input_precision=PREC)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
-            ds_t = (p_t * (dp_t - delta[None, :])).to(Q.dtype.element_ty)
-            if UPCAST:
-                ds_t = ds_t.to(tl.float32)
-            acc_k += tl.dot(ds_t, q, input_precision=PREC)
-        acc_k = acc_k * scale
-        tl.store(DK + b * sdkb + g * sdkg + s64[:, None] * sdks + dk[None, :] * sdkd, acc_k.to(DK.dtype.element_ty),
-                 mask=kmask)
-        tl.store(DV + b * sdvb + g * sdvg + s64[:, None] * sdvs + dv[None, :] * sdvd, acc_v.to(DV.dtype.element_ty),
-                 mask=vmask)
+        k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
+        v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
+        valid = col_ok[None, :] & (s[None, :] <= t[:, None]) & (t[:, None] - s[None, :] < W)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        qk = tl.where(valid, qk, float("-inf"))
+        m_new, alpha, p, l_i = softmax_update(m_i, l_i, qk, None)
+        acc = softmax_accumulate(acc, alpha, p, v, V.dtype.element_ty, PREC, UPCAST)
+        m_i = m_new
+    o, lse = softmax_finish(acc, m_i, l_i)  # every query sees itself: only rows past S are empty
+    store_tile(O + b * sob + head * soh, t64, dv, sos, sod, o, row_ok, dv_ok)
+    tl.store(LSE + (b * G * HPG + head) * S + t64, lse, mask=row_ok)
 
-    @triton.jit
-    def dq_kernel(
-        Q, K, V, DO, LSE, DELTA, DQ,
-        sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sdob, sdoh, sdos, sdod,
-        sdqb, sdqh, sdqs, sdqd,
-        S, G, W, scale, qk_scale,
-        HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ):  # fmt: skip
-        tile = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = (bh // (G * HPG)).to(tl.int64)
-        head = (bh % (G * HPG)).to(tl.int64)
-        g = head // HPG
-        t = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+
+@jit
+def dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sdob, sdoh, sdos, sdod,
+    sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
+    S, G, W, scale, qk_scale,
+    HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    ktile = tl.program_id(0)
+    bg = tl.program_id(1)
+    b = (bg // G).to(tl.int64)
+    g = (bg % G).to(tl.int64)
+    s = ktile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = s < S
+    s64 = s.to(tl.int64)
+    dk = tl.arange(0, DK_P)
+    dv = tl.arange(0, DV_P)
+    kmask = col_ok[:, None] & (dk < DK_)[None, :]
+    vmask = col_ok[:, None] & (dv < DV_)[None, :]
+    k = tl.load(K + b * skb + g * skg + s64[:, None] * sks + dk[None, :] * skd, mask=kmask, other=0.0)
+    v = tl.load(V + b * svb + g * svg + s64[:, None] * svs + dv[None, :] * svd, mask=vmask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
+    acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
+    # the queries that see these keys: t >= the first key, t - s < W for the last key
+    q_lo = ktile * BLOCK_N // BLOCK_M * BLOCK_M
+    q_hi = tl.minimum(ktile * BLOCK_N + BLOCK_N - 1 + W, S)
+    n_tiles = (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
+    for it in range(0, HPG * n_tiles):  # the group's heads in turn, each over its query tiles
+        j = it // n_tiles
+        head = g * HPG + j
+        t = q_lo + (it - j * n_tiles) * BLOCK_M + rows
         row_ok = t < S
         t64 = t.to(tl.int64)
-        dk = tl.arange(0, DK_P)
-        dv = tl.arange(0, DV_P)
-        dk_ok = dk < DK
-        dv_ok = dv < DV
-        q = tl.load(Q + b * sqb + head * sqh + t64[:, None] * sqs + dk[None, :] * sqd,
-                    mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
-        do = tl.load(DO + b * sdob + head * sdoh + t64[:, None] * sdos + dv[None, :] * sdod,
-                     mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+        q = load_tile(Q + b * sqb + head * sqh, t64, dk, sqs, sqd, row_ok, dk < DK_, UPCAST)  # [BLOCK_M, DK_P]
+        do = load_tile(DO + b * sdob + head * sdoh, t64, dv, sdos, sdod, row_ok, dv < DV_, UPCAST)  # [BLOCK_M, DV_P]
+        lse2, delta = row_stats(LSE, DELTA, (b * G * HPG + head) * S + t64, row_ok)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
+        valid = row_ok[None, :] & col_ok[:, None] & (s[:, None] <= t[None, :]) & (t[None, :] - s[:, None] < W)
+        p_t = tl.where(valid, tl.exp2(qk_t - lse2[None, :]), 0.0)
+        pv = p_t.to(DO.dtype.element_ty)
         if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        row_lin = (b * G * HPG + head) * S + t64
-        lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(DELTA + row_lin, mask=row_ok, other=0.0)
-        k_base = K + b * skb + g * skg
-        v_base = V + b * svb + g * svg
-        cols = tl.arange(0, BLOCK_N)
-        acc = tl.full([BLOCK_M, DK_P], 0.0, tl.float32)
-        lo = tl.maximum(tile * BLOCK_M - W + 1, 0) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(tile * BLOCK_M + BLOCK_M, S)
-        for start in range(lo, hi, BLOCK_N):
-            s = start + cols
-            col_ok = s < S
-            s64 = s.to(tl.int64)
-            k = tl.load(k_base + s64[:, None] * sks + dk[None, :] * skd, mask=col_ok[:, None] & dk_ok[None, :], other=0.0)
-            v = tl.load(v_base + s64[:, None] * svs + dv[None, :] * svd, mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            valid = row_ok[:, None] & col_ok[None, :] & (s[None, :] <= t[:, None]) & (t[:, None] - s[None, :] < W)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = (p * (dp - delta[:, None])).to(K.dtype.element_ty)
-            if UPCAST:
-                ds = ds.to(tl.float32)
-            acc += tl.dot(ds, k, input_precision=PREC)
-        tl.store(DQ + b * sdqb + head * sdqh + t64[:, None] * sdqs + dk[None, :] * sdqd,
-                 (acc * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok[None, :])
+            pv = pv.to(tl.float32)
+        acc_v += tl.dot(pv, do, input_precision=PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)  # [BLOCK_N, BLOCK_M]
+        ds_t = (p_t * (dp_t - delta[None, :])).to(Q.dtype.element_ty)
+        if UPCAST:
+            ds_t = ds_t.to(tl.float32)
+        acc_k += tl.dot(ds_t, q, input_precision=PREC)
+    acc_k = acc_k * scale
+    tl.store(DK + b * sdkb + g * sdkg + s64[:, None] * sdks + dk[None, :] * sdkd, acc_k.to(DK.dtype.element_ty),
+             mask=kmask)
+    tl.store(DV + b * sdvb + g * sdvg + s64[:, None] * sdvs + dv[None, :] * sdvd, acc_v.to(DV.dtype.element_ty),
+             mask=vmask)
 
-    return fwd_kernel, delta_kernel, dkdv_kernel, dq_kernel
+
+@jit
+def dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sdob, sdoh, sdos, sdod,
+    sdqb, sdqh, sdqs, sdqd,
+    S, G, W, scale, qk_scale,
+    HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    tile, b, head, g, t, row_ok = _query_tile(S, G, HPG, BLOCK_M)
+    t64 = t.to(tl.int64)
+    dk, dv, dk_ok, dv_ok = dim_ranges(DK, DV, DK_P, DV_P)
+    q = load_tile(Q + b * sqb + head * sqh, t64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)
+    do = load_tile(DO + b * sdob + head * sdoh, t64, dv, sdos, sdod, row_ok, dv_ok, UPCAST)
+    lse2, delta = row_stats(LSE, DELTA, (b * G * HPG + head) * S + t64, row_ok)
+    k_base = K + b * skb + g * skg
+    v_base = V + b * svb + g * svg
+    cols = tl.arange(0, BLOCK_N)
+    acc = tl.full([BLOCK_M, DK_P], 0.0, tl.float32)
+    lo, hi = _key_range(tile, S, W, BLOCK_M, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        s = start + cols
+        col_ok = s < S
+        s64 = s.to(tl.int64)
+        k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)
+        v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)
+        valid = row_ok[:, None] & col_ok[None, :] & (s[None, :] <= t[:, None]) & (t[:, None] - s[None, :] < W)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = (p * (dp - delta[:, None])).to(K.dtype.element_ty)
+        if UPCAST:
+            ds = ds.to(tl.float32)
+        acc += tl.dot(ds, k, input_precision=PREC)
+    tl.store(DQ + b * sdqb + head * sdqh + t64[:, None] * sdqs + dk[None, :] * sdqd,
+             (acc * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok[None, :])
 
 
 def _require(q, k, v) -> None:
@@ -342,12 +281,11 @@ def window_forward(q, k, v, window: int, scale: float, *, tiles: dict | None = N
     if B * H * S == 0:
         return o, lse
     T, consts = _launch_config(q, k, v, tiles)
-    fwd_kernel = _kernels()[0]
     cfg = T["fwd"]
     fwd_kernel[(_cdiv(S, cfg["BLOCK_M"]), B * H)](
         q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         S, k.shape[1], min(window, S), scale * math.log2(math.e),  # a window past S is S: int32-safe bounds
-        DK=Dk, DV=v.shape[3], UPCAST=_upcast_dots(q), **consts, **cfg,
+        DK=Dk, DV=v.shape[3], UPCAST=upcast_dots(q.dtype), **consts, **cfg,
     )  # fmt: skip
     return o, lse
 
@@ -366,13 +304,12 @@ def window_backward(grad_o, q, k, v, o, lse, window: int, scale: float, *, tiles
     lse = lse.contiguous()
     T, consts = _launch_config(q, k, v, tiles)
     W = min(window, S)  # a window past S is S: int32-safe bounds in the kernels
-    _, delta_kernel, dkdv_kernel, dq_kernel = _kernels()
     delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     bm = T["delta"]["BLOCK_M"]
     delta_kernel[(_cdiv(S, bm), B * H)](
         grad_o, o, delta, *grad_o.stride(), *o.stride(), S, H, DV=Dv, DV_P=T["DV_P"], **T["delta"],
     )  # fmt: skip
-    upcast = _upcast_dots(q)
+    upcast = upcast_dots(q.dtype)
     qk_scale = scale * math.log2(math.e)
     cfg = T["dkdv"]
     dkdv_kernel[(_cdiv(S, cfg["BLOCK_N"]), B * G)](
