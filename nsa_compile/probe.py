@@ -66,6 +66,25 @@ def run_all(nodes: list[fx.Node], env: dict, what: str, dtype=torch.float64) -> 
     return _run(nodes, env, None, what, dtype)
 
 
+def _reference_backend(node: fx.Node, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call of one of this project's ops (torch.ops.nsa.*) with backend 'reference': a rewrite
+    already in the region wrote the backend it chose for the graph's tensors (e.g. 'triton' on
+    CUDA), which a probe's float64 (or CPU) values may not run on; the reference backend is the
+    op's definition."""
+    target = node.target
+    overload = target.default if isinstance(target, torch._ops.OpOverloadPacket) else target
+    schema = getattr(overload, "_schema", None)
+    if schema is None or not schema.name.startswith("nsa::"):
+        return args, kwargs
+    names = [a.name for a in schema.arguments]
+    if "backend" not in names:
+        return args, kwargs
+    at = names.index("backend")
+    if len(args) > at:
+        return (*args[:at], "reference", *args[at + 1:]), kwargs
+    return args, {**kwargs, "backend": "reference"}
+
+
 def _run(nodes: list[fx.Node], env: dict, keep: fx.Node | None, what: str, dtype: torch.dtype,
          device: str | None = None) -> dict:
     last = {i: n for n, node in enumerate(nodes) for i in node.all_input_nodes} if keep is not None else {}
@@ -73,6 +92,8 @@ def _run(nodes: list[fx.Node], env: dict, keep: fx.Node | None, what: str, dtype
     for step, node in enumerate(nodes):
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
         args, kwargs = torch.utils._pytree.tree_map(wide, (args, kwargs))
+        if node.op == "call_function":
+            args, kwargs = _reference_backend(node, args, kwargs)
         try:
             if node.op == "call_method" and node.target in _CASTS:
                 env[node] = args[0].to(dtype)

@@ -12,6 +12,7 @@ tensor is a CPU probe moved later or compared with a `.cpu()` copy).
 from __future__ import annotations
 
 import ast
+import operator
 import pathlib
 
 import pytest
@@ -62,3 +63,26 @@ def test_probe_run_moves_the_graphs_own_constants_to_the_probe_device():
     assert got.tolist() == [1.0, 2.0, 3.0, 4.0]
     with pytest.raises(Exception):  # without the mapping the meta constant cannot meet CPU values
         probe.run(nodes, {x: torch.ones(4, dtype=torch.float64)}, out, "a test region").tolist()
+
+
+def test_probe_run_evaluates_the_projects_ops_with_their_reference_backend():
+    """A region holding a rewritten op with the backend its pass wrote for the graph (here 'triton',
+    which cannot run CPU float64 probes) is evaluated with the op's reference backend."""
+    import torch
+    from torch import fx
+
+    import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
+    from nsa_compile import probe
+    from nsa_compile.ops.window import _reference_forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    graph = fx.Graph()
+    xs = [graph.placeholder(name) for name in ("q", "k", "v")]
+    op = graph.call_function(torch.ops.nsa.window_attention.default, (*xs, 3, 0.5, "triton"))
+    out = graph.call_function(operator.getitem, (op, 0))
+    env = dict(zip(xs, (q, k, v)))
+    got = probe.run([op, out], dict(env), out, "a test region")
+    torch.testing.assert_close(got, _reference_forward(q, k, v, 3, 0.5)[0])
+    with pytest.raises(ValueError):  # the backend the graph names cannot run these values
+        torch.ops.nsa.window_attention(q, k, v, 3, 0.5, "triton")
