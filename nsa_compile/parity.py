@@ -318,20 +318,21 @@ def _record_op_choices(choices: _Choices):
     """Record the block indices every `nsa.selected_attention` call receives (real tensors only,
     not a compile's fakes) while `choices.recording`: the optimized model's choices, whatever
     computed them."""
-    from .ops import selection
+    from .ops import registry
 
-    check = selection._check
+    op = registry.get("selected_attention")
+    check = op.check  # the declaration's check, which every call of the op runs first
 
     def recording(q, k, v, block_idx, *args, **kwargs):
         if choices.recording and type(block_idx) is torch.Tensor:
             choices.calls.append(_Choice("", block_idx.detach().clone()))
         return check(q, k, v, block_idx, *args, **kwargs)
 
-    selection._check = recording
+    op.check = recording
     try:
         yield
     finally:
-        selection._check = check
+        op.check = check
 
 
 def _choice_rows(call: _Choice) -> torch.Tensor:

@@ -239,10 +239,13 @@ def declare(op: Op) -> Op:
     if op.name in _OPS:
         raise ValueError(f"an op named {op.name!r} is already declared")
     op.builtin = tuple(b.name for b in op.backends)
-    op.forward_op, arguments = _define(f"nsa::{op.name}", op.schema, op.check,
+    # op.check is read at each call, so that a wrapper set on the declaration sees every call
+    # (parity.py records the block ids the selected-attention op receives this way)
+    op.forward_op, arguments = _define(f"nsa::{op.name}", op.schema, lambda *values: op.check(*values),
                                        lambda chosen: op.backend(chosen).forward, op.fake)
     if op.backward_schema is not None:
-        op.backward_op, _ = _define(f"nsa::{op.name}_backward", op.backward_schema, op.check_backward,
+        op.backward_op, _ = _define(f"nsa::{op.name}_backward", op.backward_schema,
+                                    lambda *values: op.check_backward(*values),
                                     lambda chosen: op.backend(chosen).backward, op.backward_fake)
         _register_autograd(op, arguments)
     _OPS[op.name] = op
