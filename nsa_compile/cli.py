@@ -240,9 +240,9 @@ def explain(model, device, seq_len, batch, dtype, fmt, only_pass, diff, out, doc
         print_pass_table(data["passes"])
         print_near_misses(data["near_misses"])
         print_graph_breaks(breaks, skipped)
-        print_coverage(cov)
         click.echo("\nbackends (ops/registry.py; the pass table says which one each rewrite took and why):")
         print_backend_table(data["backends"])
+        print_coverage(cov)
         if diff:
             for name, text in diffs.items():
                 click.echo(f"\n# {name}\n{text}")

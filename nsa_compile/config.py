@@ -7,6 +7,7 @@ reads no environment variables.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 from .ops import registry
@@ -21,6 +22,18 @@ __all__ = ["OptimizeConfig", "COMPILERS"]
 COMPILERS = ("inductor", "aot_eager", "eager")
 
 
+# The backend fields' earlier names (the order of the InitVars below) -> today's.
+RENAMED_FIELDS = {
+    "window_backend": "window_attention_backend", "selection_backend": "selected_attention_backend",
+    "compressed_backend": "compressed_attention_backend", "block_select_backend": "select_blocks_backend",
+    "combine_backend": "gated_combine_backend",
+}
+
+# Passes' earlier names, accepted in disabled_passes (deprecated) -> today's.
+RENAMED_PASSES = {"block_selection": "select_blocks", "selection_attention": "selected_attention",
+                  "projections_rope": "projection_rope"}
+
+
 @dataclass(frozen=True)
 class OptimizeConfig:
     """How `nsa_compile.optimize` compiles a model.
@@ -32,8 +45,8 @@ class OptimizeConfig:
                      first call, head dims included, so a scale computed from one is no constant
                      and the attention passes refuse it; False: a static compile per size).
     fullgraph:       passed to torch.compile (True: a graph break is an error).
-    window_backend, selection_backend, compressed_backend, block_select_backend, combine_backend,
-    projection_backend:
+    window_attention_backend, selected_attention_backend, compressed_attention_backend, select_blocks_backend, gated_combine_backend,
+    projection_rope_backend:
                      the backend of each custom op (torch.ops.nsa.window_attention,
                      selected_attention, compressed_attention, select_blocks, gated_combine,
                      projection_rope), declared with the op (nsa_compile/ops/registry.py;
@@ -57,6 +70,9 @@ class OptimizeConfig:
                      scatter-add on CUDA, where its Triton kernels cannot run) need
                      torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8,
                      both set by the user.
+    window_backend, selection_backend, compressed_backend, block_select_backend, combine_backend:
+                     the earlier names of the backend fields (`<op>_backend` now: one name per
+                     concept, the op's); accepted with a DeprecationWarning for one release.
     strict:          True: the first compile raises nsa_compile.coverage.CoverageError, with the
                      coverage table (per layer: branches rewritten / detected; each eager branch
                      with its source line and reasons), where an NSA branch it detects stays eager,
@@ -70,19 +86,34 @@ class OptimizeConfig:
     disabled_passes: tuple[str, ...] = ()
     dynamic: bool | None = None
     fullgraph: bool = False
-    window_backend: str = "auto"
-    selection_backend: str = "auto"
-    compressed_backend: str = "auto"
-    block_select_backend: str = "auto"
-    combine_backend: str = "auto"
-    projection_backend: str = "auto"
+    window_attention_backend: str = "auto"
+    selected_attention_backend: str = "auto"
+    compressed_attention_backend: str = "auto"
+    select_blocks_backend: str = "auto"
+    gated_combine_backend: str = "auto"
+    projection_rope_backend: str = "auto"
     deterministic: bool = False
     strict: bool = False
     # the backend fields that deterministic=True turned from 'auto' into a deterministic backend
     # (replace() starts them from 'auto' again, so that replace(deterministic=False) undoes it)
     _resolved_auto: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
+    # the fields' earlier names (deprecated aliases, for one release)
+    window_backend: dataclasses.InitVar[str | None] = None
+    selection_backend: dataclasses.InitVar[str | None] = None
+    compressed_backend: dataclasses.InitVar[str | None] = None
+    block_select_backend: dataclasses.InitVar[str | None] = None
+    combine_backend: dataclasses.InitVar[str | None] = None
+
+    def __post_init__(self, *old_names) -> None:
+        for (old, new), given in zip(RENAMED_FIELDS.items(), old_names):
+            if given is None:
+                continue
+            warnings.warn(f"OptimizeConfig({old}=...) is deprecated: the field is {new} now (the op's name)",
+                          DeprecationWarning, stacklevel=3)
+            if getattr(self, new) not in ("auto", given):
+                raise ValueError(f"{old}={given!r} and {new}={getattr(self, new)!r} name one field twice")
+            object.__setattr__(self, new, given)
         if self.compiler not in COMPILERS:
             raise ValueError(f"unknown compiler {self.compiler!r}; valid: {', '.join(COMPILERS)}")
         # torch.compile reads these as truthy (fullgraph='no' is True) or fails at the first call
@@ -99,7 +130,13 @@ class OptimizeConfig:
         self._check_deterministic()
         if isinstance(self.disabled_passes, str) or not hasattr(self.disabled_passes, "__iter__"):
             raise TypeError("disabled_passes is a tuple of pass names")
-        object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))
+        disabled = []
+        for name in self.disabled_passes:
+            if name in RENAMED_PASSES:
+                warnings.warn(f"pass {name!r} is {RENAMED_PASSES[name]!r} now (the op's name); the old name is "
+                              "deprecated", DeprecationWarning, stacklevel=3)
+            disabled.append(RENAMED_PASSES.get(name, name))
+        object.__setattr__(self, "disabled_passes", tuple(disabled))
         from .registry import pass_names
 
         valid = pass_names()

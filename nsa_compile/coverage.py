@@ -39,8 +39,8 @@ BRANCH_OPS = {"window_attention": "window", "compressed_attention": "compressed"
               "selected_attention": "selected", "gated_combine": "gate"}
 NOT_BRANCHES = ("projection_rope",)  # rewritten, but not one of the five NSA branches
 # the built-in passes that take an eager branch of each kind (named when switched off)
-PASSES_FOR = {"attention": ("window_attention", "compressed_attention", "selection_attention"),
-              "gate": ("gated_combine",), "block selection": ("block_selection",)}
+PASSES_FOR = {"attention": ("window_attention", "compressed_attention", "selected_attention"),
+              "gate": ("gated_combine",), "block selection": ("select_blocks",)}
 _PRODUCTS = ("matmul", "bmm", "baddbmm", "einsum")
 _RANKINGS = ("topk", "sort", "argsort")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>[^\n]+)\n(?P<code>[^\n]*)')

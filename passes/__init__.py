@@ -1,12 +1,12 @@
 """The built-in rewrite passes, one per file, in the order they run (order is priority: a pass
 that replaces a whole attention branch runs before the GQA pass, which takes what is left)."""
 
-from . import (block_selection, canonicalize, compressed_attention, fused_projections, gated_combine,
+from . import (select_blocks, canonicalize, compressed_attention, projection_rope, gated_combine,
                gqa_grouped_matmul, selected_attention, window_attention)
 
-# canonicalize first: it rewrites equivalent spellings into the form the others read; then projections_rope,
+# canonicalize first: it rewrites equivalent spellings into the form the others read; then projection_rope,
 # which rewrites the projections and RoPE whose outputs the attention passes read
-BUILTIN_PASSES = (canonicalize.PASS, fused_projections.PASS, window_attention.PASS, compressed_attention.PASS,
-                  block_selection.PASS, selected_attention.PASS, gated_combine.PASS, gqa_grouped_matmul.PASS)
+BUILTIN_PASSES = (canonicalize.PASS, projection_rope.PASS, window_attention.PASS, compressed_attention.PASS,
+                  select_blocks.PASS, selected_attention.PASS, gated_combine.PASS, gqa_grouped_matmul.PASS)
 
 __all__ = ["BUILTIN_PASSES"]

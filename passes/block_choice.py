@@ -1,10 +1,10 @@
 """A block choice as user code writes it: the ranking key a top-k or sort reads, and whether the
 choice it makes can be causal.
 
-block_selection rewrites causal choices; what it refuses, and selection_attention's reason for
+select_blocks rewrites causal choices; what it refuses, and selected_attention's reason for
 block ids it cannot take, both need the same reading of the key: its fills (+-inf cells from
 positions only, evaluated at compile time), the importance under them, and the varlen layout.
-It lives here so that both passes read it (block_selection also asks selection_attention whether
+It lives here so that both passes read it (select_blocks also asks selected_attention whether
 its ids are read as sets, so neither pass may import the other for this).
 """
 
@@ -38,7 +38,7 @@ def unbatched_key(ranking: fx.Node) -> str | None:
     if scores is None:
         return None
     shape = ", ".join(str(n) for n in value(key).shape)
-    return f"the ranking key [{shape}] is computed from {scores}; block_selection reads a [B, G, S, Ns] key"
+    return f"the ranking key [{shape}] is computed from {scores}; select_blocks reads a [B, G, S, Ns] key"
 
 
 def written_from(node: fx.Node, cap: int = 10_000) -> set[fx.Node]:

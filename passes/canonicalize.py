@@ -118,7 +118,7 @@ scores
       fill, NaN with -inf). The masks are evaluated at compile time. A finite fill that cannot be
       shown safe (its mask reads data: block ids, document positions; or a row can be fully
       masked) stays finite, as the softmax sees it, while the rest of the chain is rewritten
-      (selection_attention takes a finite fill where block_selection's op gives every row a key);
+      (selected_attention takes a finite fill where select_blocks's op gives every row a key);
       with nothing else to rewrite, that is a refusal.
     Refused: a negative or non-constant scale, two scales, a cast down, a fill other than -inf, 0
     or a large negative, a bias that reads data or holds other values.
@@ -1065,7 +1065,7 @@ class EmptyRows:
             return None
         chain = read_chain(softmax)
         if chain is not None and op_name(chain.product) == "squeeze" and zero.empty is None:
-            return None  # per-query scores (selected branch): nan_to_num is the form selection_attention reads
+            return None  # per-query scores (selected branch): nan_to_num is the form selected_attention reads
         in_place = in_place_step(softmax) if chain is None else None
         if in_place is not None:
             raise Refused(f"rows are zeroed after the softmax, and the scores are masked in place ({in_place.name}: "

@@ -51,7 +51,7 @@ Becomes `o, lse = torch.ops.nsa.compressed_attention(q, k_cmp^T, v_cmp^T, l, d, 
 the un-repeated pooled K/V [B, G, Tc, D] (nsa_compile/ops/compressed.py), with the positions as
 its last argument (`pos`) in the packed form; o replaces the p @ v product. The pooling stays in
 the graph (cheap; Inductor fuses it). p usually has another user, the block selection: p and what
-computes it stay for it (block_selection, the next pass, takes the lse from this op and removes
+computes it stay for it (select_blocks, the next pass, takes the lse from this op and removes
 them); only what became dead is erased.
 
 Refuses (graph unchanged), with the reason shown by `explain`:
@@ -1191,11 +1191,11 @@ class CompressedAttention(RewritePass):
         try:  # from the fake tensors: device, dtype, head dims
             backend = choose_backend(*fakes, requested, pos)
         except ValueError as why:  # a backend named in the config that cannot run these tensors
-            raise Refused(f"OptimizeConfig(compressed_backend={requested!r}): {why}") from None
+            raise Refused(f"OptimizeConfig(compressed_attention_backend={requested!r}): {why}") from None
         return {"probs": probs, "v": v, "pv": pv, "cast": cast, "block": seen.block, "stride": seen.stride,
                 "pos": seen.pos, "backend": backend,
                 "why_not_triton": why_not_triton(*fakes, pos) if requested == "auto"
-                else f"compressed_backend={requested!r} in OptimizeConfig"}
+                else f"compressed_attention_backend={requested!r} in OptimizeConfig"}
 
     def rewrite(self, graph: fx.Graph, plan: dict) -> None:
         probs, pv = plan["probs"], plan["pv"]
@@ -1203,7 +1203,7 @@ class CompressedAttention(RewritePass):
         if plan["pos"] is not None:  # packed documents: the positions go with it
             args += (plan["pos"],)
         both = call(graph, torch.ops.nsa.compressed_attention, *args, anchor=pv)
-        out = call(graph, operator.getitem, both, 0, anchor=pv)  # o; block_selection takes the lse (item 1)
+        out = call(graph, operator.getitem, both, 0, anchor=pv)  # o; select_blocks takes the lse (item 1)
         pv.replace_all_uses_with(out)
         # erase p @ v, then whatever only it used: the V copy, and p's chain unless p has other users
         erase_replaced(graph, [pv], [plan["cast"] or probs.p])

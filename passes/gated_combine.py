@@ -30,7 +30,7 @@ more: [B, G, h, S, Dv]) or packed tokens [N, H, Dv], each in its own, the result
       z = linear(a, w2, b2)                                   # [B, S, 3 * NI] or [B, S, R, 3 * NI]
       a = act(linear(u, w1, b1))                              # optional hidden layer: silu, relu, gelu (erf)
       u = v.mean(3) with v [B, S, R, m, Din]  |  any u [B, S, R, Din] or [B, S, Din]
-  or z as it is when it is not a Linear's output (logits computed elsewhere: fused_projections
+  or z as it is when it is not a Linear's output (logits computed elsewhere: projection_rope
   merges the paper's gate Linear into the GEMM of the projections that read the same x, and
   whatever else computes the logits, an unknown activation or another tensor added in, stays);
 - symbolic sizes (dynamic shapes: one graph for every length once S changes): the check above
@@ -47,7 +47,7 @@ as [B, S, H, Dv], the result viewed back as O was laid out), cast to O's dtype w
 from the branch outputs' (a float32 gate on bf16 branch outputs: CUDA's bf16 autocast runs the
 softmax in float32) unless every use of O is the input of a Linear or matmul that rounds it back
 to the branch outputs' dtype itself (autocast's next Linear, wo): then the op's output goes there
-as it is. The backend is chosen here from the fake tensors (OptimizeConfig.combine_backend) and
+as it is. The backend is chosen here from the fake tensors (OptimizeConfig.gated_combine_backend) and
 written into the graph; `explain` shows which and, for reference, why not triton.
 
 Refuses (graph unchanged), with the reason shown by `explain`, a gate whose
@@ -313,9 +313,9 @@ class GatedCombine(RewritePass):
         try:
             backend = choose_backend(gate_in, w1, w2, o_like, plan["act"], requested)
         except ValueError as why:  # a backend named in the config that cannot run these tensors
-            raise Refused(f"OptimizeConfig(combine_backend={requested!r}): {why}") from None
+            raise Refused(f"OptimizeConfig(gated_combine_backend={requested!r}): {why}") from None
         why_not = (why_not_triton(gate_in, w1, w2, o_like, plan["act"])
-                   if requested == "auto" else f"combine_backend={requested!r} in OptimizeConfig")
+                   if requested == "auto" else f"gated_combine_backend={requested!r} in OptimizeConfig")
         return {**plan, **mix, "out": out, "dead": nodes + plan["chain"], "backend": backend,
                 "why_not_triton": why_not, "dtype": value(out).dtype, "gate_node": gate}
 

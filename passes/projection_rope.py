@@ -1,4 +1,4 @@
-"""projections_rope: the Linear projections of one input -> one GEMM over their concatenated
+"""projection_rope: the Linear projections of one input -> one GEMM over their concatenated
 weights, with the RoPE of the rotated ones applied in that GEMM's epilogue.
 
 Matches (torch IR), per input node x (models/nsa.py `NSAAttention.forward`; tests/corpus/):
@@ -287,7 +287,7 @@ class Member:
 
 
 class ProjectionsRope(RewritePass):
-    name = "projections_rope"
+    name = "projection_rope"
     summary = "Linear projections of one input (+ their RoPE) -> one GEMM with RoPE in its epilogue"
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
@@ -896,7 +896,7 @@ class ProjectionsRope(RewritePass):
             for node in reversed([n for n in graph.nodes if n not in before]):
                 graph.erase_node(node)
             for m in group:
-                ctx.refused(m.linear, f"OptimizeConfig(projection_backend={requested!r}): {why}")
+                ctx.refused(m.linear, f"OptimizeConfig(projection_rope_backend={requested!r}): {why}")
             return
         full = bool(rope) and rope["width"] == "full"
         outs = call(graph, torch.ops.nsa.projection_rope, x, weight, bias, cos, sin, widths, head_dims, style,
@@ -923,7 +923,7 @@ class ProjectionsRope(RewritePass):
         where = ".".join(common) if len(group) > 1 else ".".join(paths[0][:-1])
         why = "" if backend == "triton" else (f"; not triton: {why_not_triton(*fakes, widths, head_dims)}"
                                               if requested == "auto" else
-                                              f"; not triton: projection_backend={requested!r} in OptimizeConfig")
+                                              f"; not triton: projection_rope_backend={requested!r} in OptimizeConfig")
         rope_text = (f"RoPE {rope['style']} r={rope['rotary']} on {len(ropes)} of them" if rope else "no RoPE")
         if rope and rope["width"] != "half":
             rope_text += " (complex tables)" if rope["width"] == "complex" else " (full-width tables)"

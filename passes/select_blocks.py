@@ -1,4 +1,4 @@
-"""block_selection: NSA's block importance and top-n choice from the compressed probabilities
+"""select_blocks: NSA's block importance and top-n choice from the compressed probabilities
 -> one block-selection op that recomputes them from the compressed op's log-sum-exp.
 
 Matches (torch IR), anchored at the descending sort or topk (models/nsa.py `NSAAttention.select_blocks`):
@@ -13,7 +13,7 @@ Matches (torch IR), anchored at the descending sort or topk (models/nsa.py `NSAA
     chosen = torch.sort(chosen, dim=-1).values
     block_idx = torch.where(chosen == past_end, -1, chosen)                  # or masked_fill(.., -1)
     # or, for the three lines above, the blocks in rank order: block_idx = torch.where(values > -inf, order, -1),
-    # where every use of block_idx is a selected branch that selection_attention accepts (it checks on probes
+    # where every use of block_idx is a selected branch that selected_attention accepts (it checks on probes
     # that the attention depends on each query's blocks as a set: the op's ascending order gives the same)
 where overlap [Tc, Ns], forced and candidate [S, Ns] are computed from positions only.
 
@@ -70,7 +70,7 @@ key's width as a sym_max) as their numbers: a check on probe sizes, not a proof 
 fewer than n columns where S < n l') takes n for the op, whose ids are then cut to the model's
 `[..., :min(n, Ns)]`: exact at every S, since the op's ids past Ns are -1 (fla's rule and the
 paper's alike: at most Ns blocks exist to choose), so the cut keeps eager's ids (block ids that a
-selected branch then reads with n = min(n, Ns): selection_attention gives its op all n).
+selected branch then reads with n = min(n, Ns): selected_attention gives its op all n).
 
 Becomes `torch.ops.nsa.select_blocks(q, k_cmp, lse, l, d, l', n, c, backend[, pos])` (nsa_compile/ops/
 block_select.py), [B, G, S, n] int64. The importance chain, the sorts and then, once nothing
@@ -469,7 +469,7 @@ def _verify_on_probes(probes, nodes, pos, roots, forced_sense, cand_sense, force
     # one document per row: the unpacked rules, and l' read from when block 1 enters
     one = torch.arange(S, device=device).expand(B, S).contiguous()
     overlap, cls = classes_on(one)
-    block = BlockSelection.selection_block(cls[0, 0])
+    block = SelectBlocks.selection_block(cls[0, 0])
     if not torch.equal(cls, packed_classes(one, G, Ns, block)):
         want = nsa_classes(S, Ns, block, device)
         raise Refused(classes_reason(cls[0, 0], want, block) if not torch.equal(cls[0, 0], want) else
@@ -483,8 +483,8 @@ def _verify_on_probes(probes, nodes, pos, roots, forced_sense, cand_sense, force
     return block
 
 
-class BlockSelection(RewritePass):
-    name = "block_selection"
+class SelectBlocks(RewritePass):
+    name = "select_blocks"
     summary = "importance map + top-n sort over the compressed probabilities -> nsa.select_blocks from the lse"
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
@@ -606,14 +606,14 @@ class BlockSelection(RewritePass):
         try:
             backend = choose_backend(*fakes, requested, value(pos))
         except ValueError as why:  # a backend named in the config that cannot run these tensors
-            raise Refused(f"OptimizeConfig(block_select_backend={requested!r}): {why}") from None
+            raise Refused(f"OptimizeConfig(select_blocks_backend={requested!r}): {why}") from None
         return {"probs": probs, "op": op, "final": final, "block": block, "Ns": sizes.int(Ns), "n": n, "l": l, "d": d,
                 "backend": backend, "pos": pos, "rule": "nsa", "q": probs.q, "k": probs.k, "tiled": None, "clamp": clamp,
                 "per_head": per_head,
                 "chain": tail + [ranking] + ([padded] if padded is not key else []) + chain,
                 "roots": [overlap, forced_fill[1], cand_fill[1], p],
                 "why_not_triton": why_not_triton(*fakes, value(pos)) if requested == "auto"
-                else f"block_select_backend={requested!r} in OptimizeConfig"}
+                else f"select_blocks_backend={requested!r} in OptimizeConfig"}
 
     @staticmethod
     def compressed_source(p: fx.Node, form: str, ranking: fx.Node, subgraphs, data: set, cmp_requested: str):
@@ -699,13 +699,13 @@ class BlockSelection(RewritePass):
         try:
             backend = choose_backend(*fakes, requested, None, "fla")
         except ValueError as why:
-            raise Refused(f"OptimizeConfig(block_select_backend={requested!r}): {why}") from None
+            raise Refused(f"OptimizeConfig(select_blocks_backend={requested!r}): {why}") from None
         return {"probs": probs, "op": op, "final": final, "block": l, "Ns": sizes.int(Ns), "n": n, "l": l, "d": d,
                 "backend": backend, "pos": None, "rule": "fla", "q": q_sel, "k": k_sel, "clamp": clamp,
                 "tiled": (h, G) if tiled_groups and h > 1 else None,
                 "chain": tail + [ranking] + chain, "roots": [fill_mask, p],
                 "why_not_triton": why_not_triton(*fakes, None, "fla") if requested == "auto"
-                else f"block_select_backend={requested!r} in OptimizeConfig"}
+                else f"select_blocks_backend={requested!r} in OptimizeConfig"}
 
     @staticmethod
     def read_fla_choice(ranking: fx.Node, Ns) -> tuple:
@@ -833,8 +833,8 @@ class BlockSelection(RewritePass):
         if set(items) != {0, 1}:
             raise Refused("torch.topk's values and indices are not both used")
         values, order = items[0], items[1]
-        values_n = BlockSelection.whole_topk(values, k, "values", "the op returns the block ids, not the keys")
-        order_n = BlockSelection.whole_topk(order, k, "indices", "it must stay as it is")
+        values_n = SelectBlocks.whole_topk(values, k, "values", "the op returns the block ids, not the keys")
+        order_n = SelectBlocks.whole_topk(order, k, "indices", "it must stay as it is")
         return k, [values_n, order_n, values, order], clamp
 
     @staticmethod
@@ -856,9 +856,9 @@ class BlockSelection(RewritePass):
         """The chain after the descending sort or topk -> (n, [block_idx, ..., values, order]
         consumers first, the topk's k where it is min(n, width): `clamped_count`)."""
         if op_name(ranking) == "topk":
-            n, head, clamp = BlockSelection.read_topk(ranking, width)
+            n, head, clamp = SelectBlocks.read_topk(ranking, width)
         else:
-            n, head, clamp = BlockSelection.read_sort(ranking)
+            n, head, clamp = SelectBlocks.read_sort(ranking)
         values_n, order_n = head[0], head[1]
         valid = single(values_n, "first n keys")
         if (cmp.name_of(valid) not in ("gt", "ne") or len(valid.args) != 2 or valid.args[0] is not values_n
@@ -906,9 +906,9 @@ class BlockSelection(RewritePass):
                    overlap: fx.Node, l: int, d: int) -> int:  # fmt: skip
         """l' of a key whose forced and candidate blocks and block map are NSA's (evaluated at
         compile time, every element: a proof for these sizes), else Refused."""
-        cls = key_classes(BlockSelection.grid(subgraphs, forced_fill, S, Ns, "forced-block mask"),
-                          BlockSelection.grid(subgraphs, cand_fill, S, Ns, "candidate mask"), forced_outside)  # [S, Ns]
-        block = BlockSelection.selection_block(cls)
+        cls = key_classes(SelectBlocks.grid(subgraphs, forced_fill, S, Ns, "forced-block mask"),
+                          SelectBlocks.grid(subgraphs, cand_fill, S, Ns, "candidate mask"), forced_outside)  # [S, Ns]
+        block = SelectBlocks.selection_block(cls)
         want = nsa_classes(S, Ns, block, cls.device)
         if not torch.equal(cls, want):
             raise Refused(classes_reason(cls, want, block))
@@ -928,13 +928,13 @@ class BlockSelection(RewritePass):
         probe with one block (where any l' >= S selects the same) must be shorter than it; else
         Refused naming the sizes. dims: (S, Tc, Ns), SymInts under symbolic sizes."""
         if not sizes.symbolic:  # (ints: a size a guard fixed may still be a SymInt of one number)
-            return BlockSelection.verify_key(subgraphs, *(sizes.int(x) for x in dims), forced_fill, cand_fill,
+            return SelectBlocks.verify_key(subgraphs, *(sizes.int(x) for x in dims), forced_fill, cand_fill,
                                              forced_outside, overlap, l, d)
         found = []  # (sizes, S, Ns, l') per probe
         for probe in sizes.probes():
             S, Tc, Ns = (probe.int(x) for x in dims)
             try:
-                block = BlockSelection.verify_key(subgraphs.at(probe), S, Tc, Ns, forced_fill, cand_fill,
+                block = SelectBlocks.verify_key(subgraphs.at(probe), S, Tc, Ns, forced_fill, cand_fill,
                                                   forced_outside, overlap, l, d)
             except Refused as why:
                 raise Refused(f"at the probe sizes {probe.describe()} (S = {S}): {why}") from None
@@ -1006,9 +1006,9 @@ def requested_selection(node: fx.Node) -> str:
     return "auto"  # the selection backend does not change what its check accepts
 
 
-def read_as_sets(ids: fx.Node, selection_backend: str) -> None:
+def read_as_sets(ids: fx.Node, selected_attention_backend: str) -> None:
     """Refused unless every use of `ids` (block ids in rank order, -1 padded) is the token-id and
-    mask arithmetic of a selected branch that selection_attention accepts: that pass checks on
+    mask arithmetic of a selected branch that selected_attention accepts: that pass checks on
     probes that its attention depends on each query's blocks as a set, so the op's ascending order
     gives the same result."""
     from . import selected_attention as sel  # the pass that reads the ids after this one
@@ -1024,7 +1024,7 @@ def read_as_sets(ids: fx.Node, selection_backend: str) -> None:
                 stack.append(user)
     for softmax in [n for n in seen if op_name(n) == "softmax"]:
         try:
-            plan = sel.PASS.check(softmax, order, set(), selection_backend)
+            plan = sel.PASS.check(softmax, order, set(), selected_attention_backend)
         except Refused:
             continue
         if plan["block_idx"] is ids:
@@ -1032,7 +1032,7 @@ def read_as_sets(ids: fx.Node, selection_backend: str) -> None:
     outside = [u for u in ids.users if u not in region]
     if outside:
         raise Refused(f"the chosen blocks are in rank order (not sorted ascending), and {outside[0].name} reads "
-                      "them other than as the blocks of a selected branch that selection_attention accepts: their "
+                      "them other than as the blocks of a selected branch that selected_attention accepts: their "
                       "order may matter")
 
 
@@ -1104,4 +1104,4 @@ def same_dtype_casts(p: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     return p, casts
 
 
-PASS = BlockSelection()
+PASS = SelectBlocks()

@@ -1,4 +1,4 @@
-"""selection_attention: the eager selected-block branch (gather, repeat, masked per-query attention)
+"""selected_attention: the eager selected-block branch (gather, repeat, masked per-query attention)
 -> one GQA-native selected-attention op.
 
 Matches (torch IR), anchored at the softmax (models/nsa.py `NSAAttention.selected_attention`):
@@ -53,7 +53,7 @@ code treating any of them differently shows. Identical subgraphs (one per layer)
 once per graph. A query whose blocks hold no token <= t gets 0 from the op (ops/selection.py)
 where eager's softmax over all -inf gives NaN: the rewrite then sets those rows to NaN, as eager
 (`o.masked_fill(lse == -inf, nan)`, fused by Inductor into o's consumer), unless block_idx is
-the output of `nsa.select_blocks` (block_selection's op), which forces each query's current
+the output of `nsa.select_blocks` (select_blocks's op), which forces each query's current
 block, so every row holds its own token and the fill is left out.
 With pos the check runs on the product of probe positions and probe block ids (4 x 2): the
 positions of a probe differ per batch row and cycle through one document (arange), documents of
@@ -73,7 +73,7 @@ clamp(max=s27 - 1)), is evaluated on the probes above at each assignment of
 graph's size nodes given their numbers there; the verification cap applies at each. A refusal
 then names the sizes where the probe failed ("at s27=43: the mask is off by one ..."). The op
 reads B and S from its tensors: the rewrite writes no size into the graph. Block ids whose number
-is min(n, Ns) (block_selection's op output cut as the model's top-k of min(n, blocks) took them,
+is min(n, Ns) (select_blocks's op output cut as the model's top-k of min(n, blocks) took them,
 `clamped_ids`) are read with their n = min(n, Ns) at each probe size, and the op gets the uncut
 ids: the ids cut off are past the Ns blocks, where the op's are -1, so it attends to the same tokens.
 
@@ -184,7 +184,7 @@ def same(a, b) -> bool:
 
 def clamped_ids(block_idx: fx.Node, sizes: Sizes) -> tuple[fx.Node, int]:
     """(ids, n) for block ids [B, G, S, min(n, Ns)]: ids[..., :k], ids = nsa.select_blocks(.., n, ..)
-    [B, G, S, n] and k = torch.sym_min(n, W) (block_selection's rewrite of a model's top-k of
+    [B, G, S, n] and k = torch.sym_min(n, W) (select_blocks's rewrite of a model's top-k of
     min(n, blocks) at symbolic sizes), with W = Ns = ceil(S / l') at every probe size: the columns
     cut off are past the Ns blocks, where the op's ids are -1 (no tokens), so the op reading all n
     ids attends to the same tokens. Refused for any other block ids whose number is a symbol."""
@@ -512,9 +512,9 @@ def find_block_idx(roots: list[fx.Node], B: int, G: int, S: int,
 
 def choice_reason(roots: list[fx.Node], B: int, G: int, S: int) -> str | None:
     """The refusal for block ids that come from a top-k or sort over float block scores left eager
-    because the choice is not causal (block_selection's `noncausal_reason`), or read in a
+    because the choice is not causal (select_blocks's `noncausal_reason`), or read in a
     [B, S, G, n] layout; None for other block ids (the caller's reason stands)."""
-    # the reading of a block choice that block_selection shares, and its position-only evaluator
+    # the reading of a block choice that select_blocks shares, and its position-only evaluator
     from . import block_choice as bs
     from . import compressed_attention as cmp
 
@@ -530,8 +530,8 @@ def choice_reason(roots: list[fx.Node], B: int, G: int, S: int) -> str | None:
     if not noncausal and not seq_first:
         return None
     what = ("a top-k over block scores with no candidate mask hiding the blocks after the current one (data of the "
-            "input, not a causal block choice: block_selection leaves it eager as non-causal)" if noncausal
-            else "a top-k or sort over block scores that block_selection left eager")
+            "input, not a causal block choice: select_blocks leaves it eager as non-causal)" if noncausal
+            else "a top-k or sort over block scores that select_blocks left eager")
     layout = ""
     if seq_first:
         layout = (f", laid out [B, S, G, n] with [B, S, G] = [{B}, {S}, {G}] (the sequence before the groups), "
@@ -740,8 +740,8 @@ def document_miss(keep, tokens, expected, chosen, start, t) -> None:
                           "document start t - pos[t])")
 
 
-class SelectionAttention(RewritePass):
-    name = "selection_attention"
+class SelectedAttention(RewritePass):
+    name = "selected_attention"
     summary = "gathered per-query selected-block attention -> nsa.selected_attention, no gathered K/V"
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
@@ -884,11 +884,11 @@ class SelectionAttention(RewritePass):
         try:
             backend = choose_backend(*fakes, block, requested, fake_pos)
         except ValueError as why:  # a backend named in the config that cannot run these tensors
-            raise Refused(f"OptimizeConfig(selection_backend={requested!r}): {why}") from None
+            raise Refused(f"OptimizeConfig(selected_attention_backend={requested!r}): {why}") from None
         return {"q": q, "k": k, "v": v, "layout": layout, "G": G, "h": H // G, "block_idx": ids, "pos": pos, "block": block, "n": n_op, "scale": scale,
                 "backend": backend,
                 "why_not_triton": why_not_triton(*fakes, block, fake_pos) if requested == "auto"
-                else f"selection_backend={requested!r} in OptimizeConfig",
+                else f"selected_attention_backend={requested!r} in OptimizeConfig",
                 "out": out, "rows_zeroed": zeroed is not None,
                 "chain": [out, pv, p4, cast, zeroed, softmax, masked, *chain, qk, q4, kt, *repeats, *k.nodes, *v.nodes],
                 "roots": roots}
@@ -1013,4 +1013,4 @@ def may_leave_rows_empty(plan: dict) -> bool:
                                                                     torch.ops.nsa.select_blocks.default))
 
 
-PASS = SelectionAttention()
+PASS = SelectedAttention()

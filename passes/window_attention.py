@@ -78,7 +78,7 @@ def why_not_faster(requested: str, backend: str, q, k, v, pos) -> str:
     """What `explain` adds after the kernel: why 'auto' passed over the backends before the one it
     took (the op's declared order: triton, then flash), or that the config named reference."""
     if backend == "reference" and requested == "reference":
-        return f"; not triton or flash: window_backend={requested!r} in OptimizeConfig"
+        return f"; not triton or flash: window_attention_backend={requested!r} in OptimizeConfig"
     if requested != "auto":
         return ""
     return "".join(f"; not {name}: {why}" for name, why in WINDOW.passed_over(backend, q, k, v, pos))
@@ -599,7 +599,7 @@ class WindowAttention(RewritePass):
         try:  # from the fake tensors: device, dtype, head dims
             backend = choose_backend(qv, kv, vv, requested, value(pos))
         except ValueError as why:  # a backend named in the config that cannot run these tensors
-            raise Refused(f"OptimizeConfig(window_backend={requested!r}): {why}") from None
+            raise Refused(f"OptimizeConfig(window_attention_backend={requested!r}): {why}") from None
         return {"q": q, "k": k, "v": v, "window": window, "scale": scale, "pv": pv, "backend": backend, "pos": pos,
                 "why_not_faster": why_not_faster(requested, backend, qv, kv, vv, value(pos)),
                 "chain": [pv, cast, softmax, masked, scaled, raw, qk, kt], "mask": mask}

@@ -66,7 +66,7 @@ def test_out_of_range_token_ids_raise_like_eager_with_every_pass(tiny):
         assert "index out of range" in str(optimized_error.value)
     torch.testing.assert_close(optimized(good), expected, rtol=1e-5, atol=1e-5)  # still works
     assert len(state_of(optimized).graphs) == graphs  # the errors did not recompile anything
-    assert counts(optimized)["window_attention"] == counts(optimized)["selection_attention"] == 2
+    assert counts(optimized)["window_attention"] == counts(optimized)["selected_attention"] == 2
 
 
 def poisoned_batch(seq: int = SEQ):
@@ -117,15 +117,15 @@ def test_non_finite_activations_are_never_hidden_nor_invented(value, tiny):
         for m in (eager, optimized):
             m.zero_grad(set_to_none=True)
     rewritten = counts(optimized)
-    assert rewritten["window_attention"] == rewritten["selection_attention"] == 2, rewritten
+    assert rewritten["window_attention"] == rewritten["selected_attention"] == 2, rewritten
 
 
 def test_no_nan_fill_when_the_blocks_come_from_nsa_select_blocks(tiny):
-    """In the NSA model the block ids are block_selection's op output, which forces each query's
+    """In the NSA model the block ids are select_blocks's op output, which forces each query's
     current block: no row can be empty, and the rewrite adds nothing after the op."""
     optimized = tiny.optimized
     optimized(tokens(2, SEQ, seed=3)[:, :-1])
-    (kernel,) = set(row(optimized, "selection_attention")["kernels"])
+    (kernel,) = set(row(optimized, "selected_attention")["kernels"])
     assert "NaN" not in kernel
     code = state_of(optimized).graphs[0].code_after
     assert "nsa.select_blocks" in code and "isneginf" not in code
@@ -203,7 +203,7 @@ def test_out_of_range_block_ids_are_ignored_like_eager():
         expected, got = forward_backward(module, q, k, v, ids), forward_backward(optimized, q, k, v, ids)
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert row(optimized, "selection_attention")["matches"] == 1
+    assert row(optimized, "selected_attention")["matches"] == 1
     assert "torch.gather(" not in state_of(optimized).graphs[0].code_after
 
 
@@ -220,7 +220,7 @@ def test_a_query_left_with_no_valid_block_gets_eager_nan():
     assert expected.isnan().any()
     assert torch.equal(got.isnan(), expected.isnan())
     torch.testing.assert_close(got.nan_to_num(), expected.nan_to_num(), rtol=1e-5, atol=1e-5)
-    assert "rows with no token: NaN as eager" in row(optimized, "selection_attention")["kernels"][0]
+    assert "rows with no token: NaN as eager" in row(optimized, "selected_attention")["kernels"][0]
     assert "torch.isneginf" in state_of(optimized).graphs[0].code_after
 
 
@@ -330,4 +330,4 @@ def test_out_of_memory_while_verifying_the_selection_is_raised_not_refused(monke
     except Exception as error:  # noqa: BLE001 (what is raised is the question)
         assert is_out_of_memory(error), repr(error)
     else:
-        pytest.fail(f"no error; report: {row(optimized, 'selection_attention')}")
+        pytest.fail(f"no error; report: {row(optimized, 'selected_attention')}")

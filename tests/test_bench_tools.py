@@ -92,7 +92,7 @@ def test_e2e_times_variants_side_by_side_and_appends_records(tmp_path, capsys, c
                for r in records)
     optimized = timings[1]
     assert optimized["rewrites"].startswith("optimize ran with:")
-    assert {p["name"]: p["matches"] for p in optimized["passes"]}["selection_attention"] == 2  # one per layer
+    assert {p["name"]: p["matches"] for p in optimized["passes"]}["selected_attention"] == 2  # one per layer
     (parity,) = [r for r in records if r["record"] == "parity"]
     assert parity["ok"] is True and parity["parity_len"] == 40 and parity["selection_exercised"] is False
 

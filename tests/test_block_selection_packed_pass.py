@@ -1,4 +1,4 @@
-"""Graph tests of block_selection on packed documents (pos): the pass fires on every layer of the
+"""Graph tests of select_blocks on packed documents (pos): the pass fires on every layer of the
 packed tiny model (exact count) with the sorts and the [B, H, S, Tc] probabilities gone and
 nsa.select_blocks taking the positions; outputs and gradients match the eager packed model; the
 block ids equal eager's; the near misses (slots counted from the row start, forced or candidate
@@ -24,7 +24,7 @@ from nsa_compile.models import build_model, preset
 from nsa_compile.models.nsa import NSAAttention, upcast
 from nsa_compile.parity import check_parity
 
-CMP, SEL = "compressed_attention", "block_selection"
+CMP, SEL = "compressed_attention", "select_blocks"
 TINY = preset("tiny")
 LAYERS = ["blocks.0.attn", "blocks.1.attn"]
 PACKED_KERNEL = (f"nsa.select_blocks[reference] (l'={TINY.sel_block}, n={TINY.n_selected}, packed documents (pos), "

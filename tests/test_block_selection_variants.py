@@ -1,4 +1,4 @@
-"""Graph tests of block_selection on flash-linear-attention's choice rule (issue 17.3: the rule is the
+"""Graph tests of select_blocks on flash-linear-attention's choice rule (issue 17.3: the rule is the
 op's `rule='fla'`, not a refusal): only the current block favoured (each head's importance of it
 set to 1.0 before the group sum), torch.topk over every block, then the blocks after the current one
 set to -1 *after* the top-k, in rank order (tests/corpus/fla_naive_bthd.py, tiled_gqa_fla.py).
@@ -25,7 +25,7 @@ from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it 
 
 import nsa_compile
 
-SEL = "block_selection"
+SEL = "select_blocks"
 CORPUS = pathlib.Path(__file__).parent / "corpus"
 
 
@@ -346,7 +346,7 @@ class VarlenChoice(nn.Module):
 
 
 def test_a_varlen_key_without_batch_dim_is_refused_with_its_reason():
-    """Issue 17.4: a top-k over 3-D varlen block scores is a near miss of block_selection with
+    """Issue 17.4: a top-k over 3-D varlen block scores is a near miss of select_blocks with
     compressed_attention's reason for 3-D softmaxes (not 'no pass recognized this form'); the
     graph keeps its topk."""
     gen = torch.Generator().manual_seed(0)
@@ -357,7 +357,7 @@ def test_a_varlen_key_without_batch_dim_is_refused_with_its_reason():
     (why,) = r["reasons"]
     assert why.startswith("the ranking key [2, 16, 4] is computed from 3-D scores [2, 16, 4] with no batch dim "
                           "(packed [T, H, D] tokens, as in a varlen layout with cu_seqlens"), why
-    assert why.endswith("block_selection reads a [B, G, S, Ns] key"), why
+    assert why.endswith("select_blocks reads a [B, G, S, Ns] key"), why
     record = only_graph(optimized)
     assert record.code_after.count("topk(") == 1 and "select_blocks" not in record.code_after
     assert torch.equal(got, want)

@@ -363,10 +363,10 @@ def test_selected_sdpa_becomes_the_per_query_form_and_the_selection_pass_fires()
     g = torch.Generator().manual_seed(1)
     blocks = torch.randint(-1, S // SelectedSDPA.block, (B, G, S, 3), generator=g)
     blocks[:, :, :5] = -1  # rows with no block at all: 0 in SDPA, and in the op
-    model = run(SelectedSDPA(), [*qkv(), blocks], only("canonicalize", "selection_attention"))
+    model = run(SelectedSDPA(), [*qkv(), blocks], only("canonicalize", "selected_attention"))
     assert fired(model) == {"sdpa": 1}
     assert "scaled_dot_product_attention" not in code_after_canonicalize(model).split("def forward")[1]
-    r = row(model, "selection_attention")
+    r = row(model, "selected_attention")
     assert (r["matches"], r["refused"]) == (1, 0), r["reasons"]
     assert "NaN as eager" not in r["kernels"][0]  # SDPA's empty rows are 0: no NaN fill
 
@@ -442,11 +442,11 @@ def nsa_input():
 
 def branch_counts(model):
     return {name: row(model, name)["matches"] for name in
-            ("window_attention", "compressed_attention", "block_selection", "selection_attention")}
+            ("window_attention", "compressed_attention", "select_blocks", "selected_attention")}
 
 
-ALL_BRANCHES = {"window_attention": 1, "compressed_attention": 1, "block_selection": 1, "selection_attention": 1}
-BRANCHES = only("canonicalize", "window_attention", "compressed_attention", "block_selection", "selection_attention")
+ALL_BRANCHES = {"window_attention": 1, "compressed_attention": 1, "select_blocks": 1, "selected_attention": 1}
+BRANCHES = only("canonicalize", "window_attention", "compressed_attention", "select_blocks", "selected_attention")
 
 
 @pytest.mark.parametrize("change", ["rank-order", "conv-pooling"])
@@ -459,7 +459,7 @@ def test_variants_the_passes_read_beyond_the_canonical_form(change):
 def test_block_ids_in_rank_order_read_elsewhere_are_refused():
     torch.manual_seed(0)
     model = run(Variant("rank-order-also-returned"), nsa_input(), BRANCHES, tol=1e-4)
-    r = row(model, "block_selection")
+    r = row(model, "select_blocks")
     assert r["matches"] == 0 and any("the chosen blocks are in rank order (not sorted ascending)" in x
                                      for x in r["reasons"]), r["reasons"]
 

@@ -60,14 +60,14 @@ def test_explain_json_has_passes_near_misses_and_breaks(tiny_explained):
     assert tuple(p["name"] for p in data["passes"]) == nsa_compile.pass_names()
     # every NSA structure of both layers is rewritten; no K/V copy is left for the GQA pass
     assert {name: p["matches"] for name, p in by_name.items()} == {
-        "canonicalize": 0, "projections_rope": 2, "window_attention": 2, "compressed_attention": 2, "block_selection": 2,
-        "selection_attention": 2, "gated_combine": 2, "gqa_grouped_matmul": 0}
-    assert by_name["block_selection"]["where"] == ["blocks.0.attn", "blocks.1.attn"]
+        "canonicalize": 0, "projection_rope": 2, "window_attention": 2, "compressed_attention": 2, "select_blocks": 2,
+        "selected_attention": 2, "gated_combine": 2, "gqa_grouped_matmul": 0}
+    assert by_name["select_blocks"]["where"] == ["blocks.0.attn", "blocks.1.attn"]
     # per layer: the compressed, selected and gate softmaxes (window pass); the selected and gate
     # softmaxes (compressed pass); the gate softmax (selection pass)
     misses = [m["pass"] for m in data["near_misses"]]
     assert (misses.count("window_attention"), misses.count("compressed_attention"),
-            misses.count("selection_attention"), len(misses)) == (6, 4, 2, 12)
+            misses.count("selected_attention"), len(misses)) == (6, 4, 2, 12)
     assert {m["where"] for m in data["near_misses"]} == {"blocks.0.attn", "blocks.1.attn"}
     assert data["graph_breaks"] == []
     # the op registry as the default config sees it: every op, 'auto', its backends in auto's order
@@ -81,7 +81,7 @@ def test_explain_dense_twin_has_nothing_to_rewrite():
     data = json.loads(invoke("explain", "--model", "tiny-dense", "--device", "cpu", "--seq-len", "20",
                              "--format", "json").output)
     # no attention rewrite; the dense layer's q, k, v projections do become one GEMM (+ RoPE)
-    assert {p["name"]: p["matches"] for p in data["passes"]} == {name: 2 if name == "projections_rope" else 0
+    assert {p["name"]: p["matches"] for p in data["passes"]} == {name: 2 if name == "projection_rope" else 0
                                                                  for name in nsa_compile.pass_names()}
     assert data["near_misses"] == []
 
@@ -134,7 +134,7 @@ def test_explain_diff_shows_source_gone_and_target_added():
 
 
 def test_explain_exports_dot_and_graphml_with_rewritten_nodes_marked(tmp_path):
-    # the window rewrite alone (projections_rope also fuses this model's K and V projections)
+    # the window rewrite alone (projection_rope also fuses this model's K and V projections)
     dot = invoke("explain", "--model", f"{USER_FILE}:make", "--pass", "window_attention", "--format", "dot").output
     assert dot.startswith('digraph "graph_0"') and 'fillcolor="#ffd27f"' in dot
     result = invoke("explain", "--model", f"{USER_FILE}:make", "--pass", "window_attention", "--out", str(tmp_path))
@@ -175,7 +175,7 @@ def test_packed_documents_explain_and_parity():
     data = json.loads(result.output)
     assert data["documents"] == "13,1,50,6"
     by_name = {p["name"]: p for p in data["passes"]}
-    for name in ("window_attention", "compressed_attention", "block_selection", "selection_attention"):
+    for name in ("window_attention", "compressed_attention", "select_blocks", "selected_attention"):
         assert by_name[name]["matches"] == 2 and all("(pos)" in k for k in by_name[name]["kernels"]), by_name[name]
     result = invoke("parity", *args, "--dtypes", "fp32", "--compiler", "aot_eager")
     assert result.exit_code == 0, result.output
@@ -213,8 +213,8 @@ def test_bench_runs_side_by_side():
     assert "parity (float32, seq-len 40) PASS" in result.output
     assert re.search(r"\| optimize \|\s+[\d,]+ \|.*\|\s+[\d.]+x\s+\|", result.output), result.output
     # the rewrites the timed model ran with (a refused branch would run as eager code)
-    assert ("optimize ran with: canonicalize 0, projections_rope 2, window_attention 2 (refused 6), compressed_attention 2 "
-            "(refused 4), block_selection 2, selection_attention 2 (refused 2), gated_combine 2, "
+    assert ("optimize ran with: canonicalize 0, projection_rope 2, window_attention 2 (refused 6), compressed_attention 2 "
+            "(refused 4), select_blocks 2, selected_attention 2 (refused 2), gated_combine 2, "
             "gqa_grouped_matmul 0") in result.output, result.output
 
 
@@ -233,8 +233,8 @@ def test_demo_runs_end_to_end_on_cpu():
     assert result.exit_code == 0, result.output
     assert "nsa_compile demo: tiny on cpu" in result.output
     assert "PASS" in result.output
-    for name in ("projections_rope", "window_attention", "compressed_attention", "block_selection",
-                 "selection_attention", "gated_combine"):
+    for name in ("projection_rope", "window_attention", "compressed_attention", "select_blocks",
+                 "selected_attention", "gated_combine"):
         assert re.search(rf"\| {name} +\| +2 \|", result.output), (name, result.output)
     assert "| optimize |" in result.output and "| eager    |" in result.output
 

@@ -29,7 +29,7 @@ import nsa_compile
 from nsa_compile.api import state_of
 from nsa_compile.parity import check_parity
 
-COMBINE, PROJECTIONS, CANON = "gated_combine", "projections_rope", "canonicalize"
+COMBINE, PROJECTIONS, CANON = "gated_combine", "projection_rope", "canonicalize"
 
 
 def only(*passes) -> nsa_compile.OptimizeConfig:

@@ -340,10 +340,10 @@ def test_public_surface_and_config():
     assert [a.name for a in schema.arguments][:6] == ["grad_o", "q", "k", "v", "o", "lse"]
     assert schema.arguments[-1].name == "pos" and str(schema.arguments[-1].type) == "Optional[Tensor]"
     assert cmp_mod.COMPRESSED.backend_names() == ("auto", "triton", "reference")
-    assert nsa_compile.OptimizeConfig().compressed_backend == "auto"
-    assert nsa_compile.OptimizeConfig(compressed_backend="reference").compressed_backend == "reference"
-    with pytest.raises(ValueError, match="unknown compressed_backend 'flash'; valid: auto, triton, reference"):
-        nsa_compile.OptimizeConfig(compressed_backend="flash")
+    assert nsa_compile.OptimizeConfig().compressed_attention_backend == "auto"
+    assert nsa_compile.OptimizeConfig(compressed_attention_backend="reference").compressed_attention_backend == "reference"
+    with pytest.raises(ValueError, match="unknown compressed_attention_backend 'flash'; valid: auto, triton, reference"):
+        nsa_compile.OptimizeConfig(compressed_attention_backend="flash")
 
 
 # --- packed documents (pos): the eager packed formula of models/nsa.py ----------------------------

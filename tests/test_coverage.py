@@ -91,7 +91,7 @@ def test_a_switched_off_pass_leaves_its_branch_eager_with_its_source_line(disabl
     assert len(off) == 2  # one per layer: the branch of the switched-off pass
     if disabled == "compressed_attention":
         (sort_reasons,) = {b.reasons for b in eager if b.kind == "block selection"}
-        assert [p for p, _ in sort_reasons] == ["block_selection"]
+        assert [p for p, _ in sort_reasons] == ["select_blocks"]
         assert "compressed_attention did not rewrite these probabilities" in sort_reasons[0][1]
     if disabled == "gated_combine":  # the attention passes' "not mine" refusals of the gate are not its reasons
         assert {p for b in eager for p, _ in b.reasons} == {"gated_combine"}
@@ -183,8 +183,8 @@ def test_reasons_are_the_refusals_at_the_node_and_the_gates_at_its_layer():
     canon.refused(gate, "a cast down")
     combine.refused(gm.graph.find_nodes(op="output")[0], "the gated sum has 2 terms")  # anchored elsewhere in the layer
     logs = [canon, window, combine]
-    found = {b.node: b for b in graph_branches(gm.graph, 0, logs, disabled=("selection_attention",))}
-    assert found[attention.name].reasons == (("selection_attention", "switched off (OptimizeConfig.disabled_passes)"),
+    found = {b.node: b for b in graph_branches(gm.graph, 0, logs, disabled=("selected_attention",))}
+    assert found[attention.name].reasons == (("selected_attention", "switched off (OptimizeConfig.disabled_passes)"),
                                              ("window_attention", "the mask is not a window"))
     assert found[gate.name].reasons == (("canonicalize", "a cast down"), ("gated_combine", "the gated sum has 2 terms"))
 

@@ -30,16 +30,16 @@ WINDOW_TINY = "nsa.window_attention[{}] (w=32, GQA-native, no S x S tensor{})"
 
 def test_deterministic_resolves_the_window_backend_and_undoes_on_replace():
     assert nsa_compile.OptimizeConfig().deterministic is False
-    assert DETERMINISTIC.window_backend == "reference"  # 'auto' could take FA-2
-    assert "deterministic=True" in repr(DETERMINISTIC) and "window_backend='reference'" in repr(DETERMINISTIC)
+    assert DETERMINISTIC.window_attention_backend == "reference"  # 'auto' could take FA-2
+    assert "deterministic=True" in repr(DETERMINISTIC) and "window_attention_backend='reference'" in repr(DETERMINISTIC)
     # replace() starts from what the user asked for: 'auto' comes back with deterministic=False
-    assert DETERMINISTIC.replace(deterministic=False).window_backend == "auto"
-    assert DETERMINISTIC.replace(compiler="eager").window_backend == "reference"
-    named = FAST.replace(window_backend="reference", deterministic=True)
-    assert named.replace(deterministic=False).window_backend == "reference"  # named by the user: kept
+    assert DETERMINISTIC.replace(deterministic=False).window_attention_backend == "auto"
+    assert DETERMINISTIC.replace(compiler="eager").window_attention_backend == "reference"
+    named = FAST.replace(window_attention_backend="reference", deterministic=True)
+    assert named.replace(deterministic=False).window_attention_backend == "reference"  # named by the user: kept
     # the backends that are deterministic anyway stay as asked
-    assert DETERMINISTIC.selection_backend == "auto"
-    assert FAST.replace(deterministic=True, selection_backend="triton").selection_backend == "triton"
+    assert DETERMINISTIC.selected_attention_backend == "auto"
+    assert FAST.replace(deterministic=True, selected_attention_backend="triton").selected_attention_backend == "triton"
 
 
 @pytest.mark.parametrize(
@@ -47,11 +47,11 @@ def test_deterministic_resolves_the_window_backend_and_undoes_on_replace():
     [
         ({"deterministic": "yes"}, TypeError, "deterministic must be a bool, not str"),
         ({"deterministic": 1}, TypeError, "deterministic must be a bool, not int"),
-        ({"deterministic": True, "window_backend": "flash"}, ValueError,
-         "window_backend='flash' with deterministic=True: FA-2's backward accumulates dQ with atomic adds"),
-        ({"deterministic": True, "selection_backend": "varlen"}, ValueError,
-         "selection_backend='varlen' with deterministic=True: FA-2's backward accumulates dQ"),
-        ({"deterministic": True, "window_backend": "flahs"}, ValueError, "unknown window_backend 'flahs'"),
+        ({"deterministic": True, "window_attention_backend": "flash"}, ValueError,
+         "window_attention_backend='flash' with deterministic=True: FA-2's backward accumulates dQ with atomic adds"),
+        ({"deterministic": True, "selected_attention_backend": "varlen"}, ValueError,
+         "selected_attention_backend='varlen' with deterministic=True: FA-2's backward accumulates dQ"),
+        ({"deterministic": True, "window_attention_backend": "flahs"}, ValueError, "unknown window_attention_backend 'flahs'"),
     ],
     ids=["str", "int", "flash", "varlen", "typo-before-determinism"],
 )
@@ -60,13 +60,13 @@ def test_bad_deterministic_configs_raise_at_construction(changes, error, message
         nsa_compile.OptimizeConfig(**changes)
     # the selection's deterministic backends are accepted
     for backend in ("auto", "triton", "reference"):
-        nsa_compile.OptimizeConfig(deterministic=True, selection_backend=backend)
+        nsa_compile.OptimizeConfig(deterministic=True, selected_attention_backend=backend)
 
 
 def test_deterministic_is_in_the_cache_key_and_the_pass_uuid():
     """Compiled code must not be shared between the two settings, even where they pick the same
     backends (a pass reading config.deterministic would rewrite differently)."""
-    plain = FAST.replace(window_backend="reference")
+    plain = FAST.replace(window_attention_backend="reference")
     strict = plain.replace(deterministic=True)
     assert plain.cache_key() != strict.cache_key()
     assert "('deterministic', True)" in strict.cache_key()
@@ -98,7 +98,7 @@ def test_window_pass_takes_reference_where_auto_would_take_flash(monkeypatch):
     loss = strict.loss(batch)
     r = row(strict, "window_attention")
     assert (r["matches"], r["where"]) == (2, ["blocks.0.attn", "blocks.1.attn"])
-    assert r["kernels"] == [WINDOW_TINY.format("reference", "; not triton or flash: window_backend='reference' in OptimizeConfig")]
+    assert r["kernels"] == [WINDOW_TINY.format("reference", "; not triton or flash: window_attention_backend='reference' in OptimizeConfig")]
     assert "torch.ops.nsa.window_attention" in "".join(g.code_after for g in nsa_compile.api.state_of(strict).graphs)
     torch.testing.assert_close(loss, eager.loss(batch), rtol=1e-5, atol=1e-6)
 
@@ -119,7 +119,7 @@ def test_two_backward_runs_are_bitwise_equal_on_the_cpu():
     again, second = grads_of_one_step(model, batch)
     assert torch.equal(loss, again)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-    assert row(model, "selection_attention")["matches"] == 2
+    assert row(model, "selected_attention")["matches"] == 2
 
 
 # --- on the GPU -----------------------------------------------------------------------------------
@@ -159,7 +159,7 @@ def test_seed_shaped_model_gives_bitwise_equal_gradients(torch_deterministic, co
     kernels = [k for r in rows for k in r["kernels"]]
     assert not [k for k in kernels if any(tag in k for tag in NOT_REPEATABLE)], kernels
     assert row(optimized, "window_attention")["matches"] == 2
-    assert row(optimized, "selection_attention")["matches"] == 2
+    assert row(optimized, "selected_attention")["matches"] == 2
 
 
 @pytest.mark.gpu
@@ -167,7 +167,7 @@ def test_window_backend_of_a_deterministic_config_repeats_without_the_global_swi
     """The rewrites alone need no global state: the backend deterministic=True picks for the
     window (reference) gives bitwise the same gradients twice with torch's switch off."""
     assert not torch.are_deterministic_algorithms_enabled()
-    backend = nsa_compile.OptimizeConfig(deterministic=True).window_backend
+    backend = nsa_compile.OptimizeConfig(deterministic=True).window_attention_backend
     g = torch.Generator(device="cuda").manual_seed(0)
     B, G, h, S, D, w = 2, 2, 6, 4096, 64, 512
     q, k, v = (torch.randn(B, n, S, D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)

@@ -111,8 +111,8 @@ def test_losses_match_one_process_on_the_same_global_batch(runs, name):
 def test_one_process_makes_every_rewrite_in_one_graph(runs):
     single = runs["single"]
     assert single["graphs"] == 1 and single["pieces"] == 0
-    assert single["rewrites"]["window_attention"] == single["rewrites"]["selection_attention"] == 2
-    assert single["rewrites"]["projections_rope"] == 2
+    assert single["rewrites"]["window_attention"] == single["rewrites"]["selected_attention"] == 2
+    assert single["rewrites"]["projection_rope"] == 2
     for op in ("nsa::window_attention", "nsa::selected_attention"):
         assert single["calls"][op] == 2
 
@@ -172,7 +172,7 @@ def test_dynamos_split_is_off_only_inside_our_calls(one_rank):
     assert torch._dynamo.config.optimize_ddp == setting  # restored after the call
     (graph,) = state_of(optimized).graphs
     assert pieces_of(graph) > 1  # split by nsa_compile, after the passes
-    assert {row["name"]: row["matches"] for row in nsa_compile.report(optimized)}["projections_rope"] == 2
+    assert {row["name"]: row["matches"] for row in nsa_compile.report(optimized)}["projection_rope"] == 2
 
     # a model the user compiled without nsa_compile, under DDP in the same process: Dynamo splits it
     pieces = []
@@ -202,6 +202,6 @@ def test_inductor_compiles_the_pieces_without_running_the_passes_again(runs, one
     assert pieces_of(graph) > 1
     counts = {row["name"]: row["matches"] for row in nsa_compile.report(optimized)}
     assert counts == runs["single"]["rewrites"]  # one process, aot_eager
-    assert counts["projections_rope"] == 2  # once per layer: neither cut nor counted twice
+    assert counts["projection_rope"] == 2  # once per layer: neither cut nor counted twice
     for (name, got), want in zip(optimized.named_parameters(), eager.parameters(), strict=True):
         assert torch.linalg.vector_norm(got.grad - want.grad) <= 1e-4 * torch.linalg.vector_norm(want.grad), name

@@ -35,7 +35,7 @@ def test_backend_by_name_rewrites_and_matches_eager(fresh_backend_records):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     rows = {r["name"]: r for r in nsa_compile.report()}
     assert rows["window_attention"]["matches"] == 2
-    assert rows["selection_attention"]["matches"] == 2
+    assert rows["selected_attention"]["matches"] == 2
     assert rows["window_attention"]["where"] == ["blocks.0.attn", "blocks.1.attn"]
 
 

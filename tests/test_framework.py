@@ -20,8 +20,8 @@ from nsa_compile.pass_manager import NSAGraphPass, OptimizeState
 
 
 # the built-in passes in the order they run
-ALL_PASSES = ("canonicalize", "projections_rope", "window_attention", "compressed_attention", "block_selection",
-              "selection_attention", "gated_combine", "gqa_grouped_matmul")
+ALL_PASSES = ("canonicalize", "projection_rope", "window_attention", "compressed_attention", "select_blocks",
+              "selected_attention", "gated_combine", "gqa_grouped_matmul")
 
 
 def test_public_surface():
@@ -44,13 +44,13 @@ def test_config_is_frozen_and_validates_names():
     with pytest.raises(TypeError, match="tuple of pass names"):
         OptimizeConfig(disabled_passes="gqa_grouped_matmul")
     assert OptimizeConfig(disabled_passes=["gqa_grouped_matmul"]).disabled_passes == ("gqa_grouped_matmul",)
-    with pytest.raises(ValueError, match="unknown window_backend 'fa3'; valid: auto, triton, flash, reference"):
-        OptimizeConfig(window_backend="fa3")
-    with pytest.raises(ValueError, match="unknown selection_backend 'fa3'; valid: auto, triton, reference, varlen, "
+    with pytest.raises(ValueError, match="unknown window_attention_backend 'fa3'; valid: auto, triton, flash, reference"):
+        OptimizeConfig(window_attention_backend="fa3")
+    with pytest.raises(ValueError, match="unknown selected_attention_backend 'fa3'; valid: auto, triton, reference, varlen, "
                                          "varlen_flash_attn"):
-        OptimizeConfig(selection_backend="fa3")
+        OptimizeConfig(selected_attention_backend="fa3")
     # the backends change the rewritten graph: they are part of the cache key
-    assert OptimizeConfig(window_backend="reference").cache_key() != OptimizeConfig().cache_key()
+    assert OptimizeConfig(window_attention_backend="reference").cache_key() != OptimizeConfig().cache_key()
 
 
 def test_optimize_rejects_bad_arguments():
@@ -291,3 +291,25 @@ def test_tests_import_the_installed_package_only():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             wrong += [f"{f.name}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("passes", "models")]
     assert wrong == []
+
+
+def test_the_earlier_field_and_pass_names_still_work_with_a_deprecation_warning():
+    """One name per concept (issue 21.4): backend fields and pass names are the op's now; the earlier
+    names map to them for one release, with a DeprecationWarning, and naming both differently fails."""
+    from nsa_compile.config import RENAMED_FIELDS, RENAMED_PASSES
+
+    for old, new in RENAMED_FIELDS.items():
+        with pytest.warns(DeprecationWarning, match=f"{old}=.*deprecated.*{new}"):
+            config = nsa_compile.OptimizeConfig(**{old: "reference"})
+        assert getattr(config, new) == "reference"
+        assert config.replace(compiler="aot_eager") == config.replace(compiler="aot_eager")
+        with pytest.raises(ValueError, match="name one field twice"), pytest.warns(DeprecationWarning):
+            nsa_compile.OptimizeConfig(**{old: "reference", new: "triton"})
+    for old, new in RENAMED_PASSES.items():
+        assert new in nsa_compile.pass_names() and old not in nsa_compile.pass_names()
+        with pytest.warns(DeprecationWarning, match=f"{old!r} is {new!r} now"):
+            assert nsa_compile.OptimizeConfig(disabled_passes=(old,)).disabled_passes == (new,)
+    fields = {f.name for f in dataclasses.fields(nsa_compile.OptimizeConfig)}
+    assert {f"{op}_backend" for op in ("window_attention", "selected_attention", "compressed_attention",
+                                       "select_blocks", "gated_combine", "projection_rope")} <= fields
+    assert not set(RENAMED_FIELDS) & fields  # the old names are no fields (asdict, cache_key skip them)

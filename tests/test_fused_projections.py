@@ -1,4 +1,4 @@
-"""projections_rope and nsa::projection_rope: graph tests (fired, exact count; the separate GEMMs
+"""projection_rope and nsa::projection_rope: graph tests (fired, exact count; the separate GEMMs
 and the RoPE arithmetic gone, the op in place), parity of outputs and every gradient in fp32, bf16
 and fp16 and under bf16 autocast with fp32 parameters, the parameters staying the module's own,
 accepted forms, near misses refused with the graph unchanged, opcheck of both ops, and the Triton
@@ -24,11 +24,11 @@ from nsa_compile.models.config import preset
 from nsa_compile.models.nsa import apply_rope, rope_tables
 from nsa_compile.ops import rope as rope_op
 from nsa_compile.parity import FLOORS, check_parity, relative_error
-from nsa_compile.passes.fused_projections import PASS as PASS_OBJECT
+from nsa_compile.passes.projection_rope import PASS as PASS_OBJECT
 from nsa_compile.rewrite import PassContext, PassLog
 from nsa_compile.workload import cast_inputs, loss_of
 
-PASS = "projections_rope"
+PASS = "projection_rope"
 ONLY = nsa_compile.OptimizeConfig(
     compiler="aot_eager", disabled_passes=tuple(p for p in nsa_compile.pass_names() if p != PASS))
 NOT_TRITON = "; not triton: the Triton kernel runs on CUDA (tensors on cpu)"
@@ -270,22 +270,22 @@ def test_near_misses_refused_with_the_graph_unchanged(change, reason):
 
 
 def test_the_backend_named_in_the_config():
-    """OptimizeConfig(projection_backend=...): 'reference' is written into the graph, and explain
+    """OptimizeConfig(projection_rope_backend=...): 'reference' is written into the graph, and explain
     says the config named it; 'triton', which cannot run on the CPU outside Triton's interpreter,
     leaves the projection eager with the reason and the graph unchanged."""
     x, cos, sin = projection_inputs(dim=16, rot=6)
-    expected, got, optimized = run_both(OneRope(), (x, cos, sin), ONLY.replace(projection_backend="reference"))
+    expected, got, optimized = run_both(OneRope(), (x, cos, sin), ONLY.replace(projection_rope_backend="reference"))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     r = row(optimized, PASS)
     assert r["matches"] == 1 and r["kernels"][0].startswith("nsa.projection_rope[reference] (1 projection")
-    assert r["kernels"][0].endswith("; not triton: projection_backend='reference' in OptimizeConfig)")
-    expected, got, optimized = run_both(OneRope(), (x, cos, sin), ONLY.replace(projection_backend="triton"))
+    assert r["kernels"][0].endswith("; not triton: projection_rope_backend='reference' in OptimizeConfig)")
+    expected, got, optimized = run_both(OneRope(), (x, cos, sin), ONLY.replace(projection_rope_backend="triton"))
     torch.testing.assert_close(got, expected, rtol=0, atol=0)  # the same eager code
     record = only_graph(optimized)
     assert record.code_before == record.code_after
     r = row(optimized, PASS)
     assert r["matches"] == 0 and r["reasons"] == [
-        "OptimizeConfig(projection_backend='triton'): projection_rope: backend 'triton' cannot run these inputs: "
+        "OptimizeConfig(projection_rope_backend='triton'): projection_rope: backend 'triton' cannot run these inputs: "
         "device cpu (needs CUDA, or TRITON_INTERPRET=1 for the CPU interpreter)"]
 
 

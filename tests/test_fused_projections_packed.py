@@ -1,4 +1,4 @@
-"""projections_rope on packed documents (pos [B, S], NSA_SEMANTICS.md section 6): the LM gathers its
+"""projection_rope on packed documents (pos [B, S], NSA_SEMANTICS.md section 6): the LM gathers its
 RoPE tables per token, cos[pos] and sin[pos] [B, S, r/2], and the pass takes each gather as a table
 (the op reads [B, S, R/2] tables). Graph tests on the packed tiny model (fired on every layer, exact
 count; the separate GEMMs and the RoPE arithmetic gone; the op reading the gathered tables), parity
@@ -21,7 +21,7 @@ from nsa_compile.models import build_model
 from nsa_compile.models.nsa import apply_rope, rope_tables
 from nsa_compile.parity import check_parity
 
-PASS = "projections_rope"
+PASS = "projection_rope"
 ONLY = nsa_compile.OptimizeConfig(
     compiler="aot_eager", disabled_passes=tuple(p for p in nsa_compile.pass_names() if p != PASS))
 NOT_TRITON = "; not triton: the Triton kernel runs on CUDA (tensors on cpu)"

@@ -30,7 +30,7 @@ from nsa_compile.ops import gated_combine as gc
 from nsa_compile.parity import check_parity
 
 PASS = "gated_combine"
-ATTENTION = ("window_attention", "compressed_attention", "block_selection", "selection_attention")
+ATTENTION = ("window_attention", "compressed_attention", "select_blocks", "selected_attention")
 NOT_TRITON = "; not triton: the Triton kernels run on CUDA (tensors on cpu)"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -276,10 +276,10 @@ def softmaxes_over_three(gm):
             and n.meta["val"].shape[-1] in (3, 3 * 4)]
 
 
-# fused_projections (the pass merging the Linears that read one input into one GEMM) takes the
+# projection_rope (the pass merging the Linears that read one input into one GEMM) takes the
 # head gate's Linear(dim, 3H) into the GEMM of the q/k/v projections of x: the op then reads the
 # logits; without it the op runs the Linear itself. The group gate's Linears read q_bar alone.
-PROJECTIONS = "projections_rope"
+PROJECTIONS = "projection_rope"
 READ = f"branch outputs read once{NOT_TRITON})"
 GROUP_GATE = "mean of 2 vectors -> Linear(16, 8) -> silu -> Linear(8, 3) -> softmax, one triple per 2 heads"
 FIRES = {
@@ -408,7 +408,7 @@ def combine_inputs(B=2, S=5, H=4, Dk=8, Dv=6, dim=12, dtype=torch.float32):
     return [x, q, *branches]
 
 
-# the pass alone on these modules (fused_projections would merge the test's two Linears on q_bar)
+# the pass alone on these modules (projection_rope would merge the test's two Linears on q_bar)
 ONLY = nsa_compile.OptimizeConfig(compiler="aot_eager", disabled_passes=(PROJECTIONS,))
 
 
@@ -643,17 +643,17 @@ def test_a_sum_right_only_at_the_traced_size_is_refused_at_symbolic_sizes():
 
 
 def test_backend_named_in_the_config_is_used_or_the_sum_refused():
-    """OptimizeConfig(combine_backend=...): 'reference' is written into the graph; 'triton', which
+    """OptimizeConfig(gated_combine_backend=...): 'reference' is written into the graph; 'triton', which
     cannot run on the CPU outside the interpreter, leaves the eager lines with the reason."""
-    (_, _), (_, _), ref = run_both(Combine(), combine_inputs(), ONLY.replace(combine_backend="reference"))
+    (_, _), (_, _), ref = run_both(Combine(), combine_inputs(), ONLY.replace(gated_combine_backend="reference"))
     r = row(ref, PASS)
-    assert r["matches"] == 1 and r["kernels"][0].endswith("not triton: combine_backend='reference' in OptimizeConfig)")
+    assert r["matches"] == 1 and r["kernels"][0].endswith("not triton: gated_combine_backend='reference' in OptimizeConfig)")
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
         return
-    (want, _), (got, _), tri = run_both(Combine(), combine_inputs(), ONLY.replace(combine_backend="triton"))
+    (want, _), (got, _), tri = run_both(Combine(), combine_inputs(), ONLY.replace(gated_combine_backend="triton"))
     r = row(tri, PASS)
     assert r["matches"] == 0 and r["reasons"][0].startswith(
-        "OptimizeConfig(combine_backend='triton'): gated_combine: backend 'triton' cannot run these inputs:"), r
+        "OptimizeConfig(gated_combine_backend='triton'): gated_combine: backend 'triton' cannot run these inputs:"), r
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

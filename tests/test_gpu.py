@@ -51,8 +51,8 @@ def test_gqa_rewrite_parity_on_cuda(preset_name, dtype, optimize_fn):
     model.loss(batch).backward()
     # every layer: each branch to its op, the projections fused, the gate with the combine; no
     # K/V copy is left for the GQA pass
-    for name in ("projections_rope", "window_attention", "compressed_attention", "block_selection",
-                 "selection_attention", "gated_combine"):
+    for name in ("projection_rope", "window_attention", "compressed_attention", "select_blocks",
+                 "selected_attention", "gated_combine"):
         assert row(model, name)["matches"] == eager.cfg.n_layers, name
     assert row(model, "gqa_grouped_matmul")["matches"] == 0
 

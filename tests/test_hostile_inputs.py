@@ -29,8 +29,8 @@ from nsa_compile.parity import check_parity
 
 TINY = preset("tiny", n_layers=1)
 # the passes that fire once per layer on the tiny LM
-TINY_REWRITES = ("projections_rope", "window_attention", "compressed_attention", "block_selection",
-                 "selection_attention", "gated_combine")
+TINY_REWRITES = ("projection_rope", "window_attention", "compressed_attention", "select_blocks",
+                 "selected_attention", "gated_combine")
 S = 56  # > n * l' = 48: block selection ranks free candidates; > w = 32: the window slides
 
 

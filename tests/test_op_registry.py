@@ -73,7 +73,7 @@ def test_every_op_is_declared_once_with_its_schema_backends_and_config_field():
     # one config field per op, and no backend field without an op
     fields = {f.name for f in dataclasses.fields(nsa_compile.OptimizeConfig) if f.name.endswith("_backend")}
     assert {op.config_field for op in ops} == fields and len(fields) == len(ops)
-    config = nsa_compile.OptimizeConfig(projection_backend="reference")
+    config = nsa_compile.OptimizeConfig(projection_rope_backend="reference")
     assert [config.backend(op.name) for op in ops] == ["reference"] + ["auto"] * 5
     with pytest.raises(ValueError, match="no op named 'window'; declared: projection_rope, window_attention"):
         config.backend("window")
@@ -129,7 +129,7 @@ def test_an_added_backend_is_chosen_configured_compiled_and_explained(tiny):
         # named, and first in auto's order where it can run
         assert window.choose_backend(q, k, v, "toy") == window.choose_backend(q, k, v) == "toy"
         assert registry.get("window_attention").backend_names() == ("auto", "toy", "triton", "flash", "reference")
-        config = FAST.replace(window_backend="toy")
+        config = FAST.replace(window_attention_backend="toy")
         assert "('window_attention', ['toy', 'triton', 'flash', 'reference'])" in FAST.cache_key()  # auto's order
         (listed,) = [r for r in explain.backend_table(config) if r["op"] == "window_attention"]
         assert (listed["asked"], listed["auto_order"]) == ("toy", ["toy", "triton", "flash", "reference"])
@@ -148,8 +148,8 @@ def test_an_added_backend_is_chosen_configured_compiled_and_explained(tiny):
     finally:
         registry.remove_backend("window_attention", "toy")
     assert "toy" not in registry.get("window_attention").backend_names()
-    with pytest.raises(ValueError, match="unknown window_backend 'toy'; valid: auto, triton, flash, reference"):
-        nsa_compile.OptimizeConfig(window_backend="toy")
+    with pytest.raises(ValueError, match="unknown window_attention_backend 'toy'; valid: auto, triton, flash, reference"):
+        nsa_compile.OptimizeConfig(window_attention_backend="toy")
 
 
 def test_an_added_backend_that_cannot_run_is_refused_by_name_and_passed_over_by_auto(tiny):
@@ -163,10 +163,10 @@ def test_an_added_backend_that_cannot_run_is_refused_by_name_and_passed_over_by_
             window.choose_backend(q, k, v, "toy")
         assert window.choose_backend(q, k, v) == "reference"
         # named: each window left eager, the reason in explain's near misses; the graph keeps no op
-        named = optimize_fresh(copy.deepcopy(eager), FAST.replace(window_backend="toy"))
+        named = optimize_fresh(copy.deepcopy(eager), FAST.replace(window_attention_backend="toy"))
         torch.testing.assert_close(named.loss(batch), eager.loss(batch), rtol=1e-5, atol=1e-6)
         assert row(named, "window_attention")["matches"] == 0
-        reason = "OptimizeConfig(window_backend='toy'): window_attention: backend 'toy' cannot run these inputs: " \
+        reason = "OptimizeConfig(window_attention_backend='toy'): window_attention: backend 'toy' cannot run these inputs: " \
                  "the toy runs nothing"
         assert [m["where"] for m in explain.near_misses(named) if m["reason"] == reason] == \
             ["blocks.0.attn", "blocks.1.attn"]
@@ -186,12 +186,12 @@ def test_an_added_backend_that_is_not_deterministic_follows_the_determinism_rule
     registry.add_backend("compressed_attention", toy_backend("compressed_attention", [], nondeterministic="atomics"))
     try:
         assert registry.get("compressed_attention").backend_names() == ("auto", "triton", "toy", "reference")
-        assert nsa_compile.OptimizeConfig(deterministic=True).compressed_backend == "reference"
-        with pytest.raises(ValueError, match="compressed_backend='toy' with deterministic=True: atomics"):
-            nsa_compile.OptimizeConfig(deterministic=True, compressed_backend="toy")
+        assert nsa_compile.OptimizeConfig(deterministic=True).compressed_attention_backend == "reference"
+        with pytest.raises(ValueError, match="compressed_attention_backend='toy' with deterministic=True: atomics"):
+            nsa_compile.OptimizeConfig(deterministic=True, compressed_attention_backend="toy")
     finally:
         registry.remove_backend("compressed_attention", "toy")
-    assert nsa_compile.OptimizeConfig(deterministic=True).compressed_backend == "auto"
+    assert nsa_compile.OptimizeConfig(deterministic=True).compressed_attention_backend == "auto"
 
 
 def test_the_registry_refuses_clashes():

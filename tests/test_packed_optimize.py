@@ -18,10 +18,10 @@ from nsa_compile.models import build_model
 from nsa_compile.parity import check_parity
 
 # every pass that fires on the unpacked tiny model fires here too, twice (two layers)
-EXPECTED = {"canonicalize": 0, "projections_rope": 2, "window_attention": 2, "compressed_attention": 2, "block_selection": 2,
-            "selection_attention": 2, "gated_combine": 2, "gqa_grouped_matmul": 0}
+EXPECTED = {"canonicalize": 0, "projection_rope": 2, "window_attention": 2, "compressed_attention": 2, "select_blocks": 2,
+            "selected_attention": 2, "gated_combine": 2, "gqa_grouped_matmul": 0}
 # softmaxes that are not the pass's branch (tests/golden/explain_tiny.txt: the same on the unpacked model)
-UNPACKED_REFUSALS = {"window_attention": 6, "compressed_attention": 4, "selection_attention": 2}
+UNPACKED_REFUSALS = {"window_attention": 6, "compressed_attention": 4, "selected_attention": 2}
 
 
 # S = 70: documents shorter than l (8), than l' (16), longer than n * l' (48), off block boundaries
@@ -45,7 +45,7 @@ def test_every_pass_fires_on_the_packed_model_with_parity(dtype):
     assert {name: r["matches"] for name, r in rows.items()} == EXPECTED
     # each attention op was given the positions (its kernel text says so); the refusals are the
     # other softmaxes of the graph, as on the unpacked model, none about the documents
-    for name in ("window_attention", "compressed_attention", "block_selection", "selection_attention"):
+    for name in ("window_attention", "compressed_attention", "select_blocks", "selected_attention"):
         assert all("(pos)" in k for k in rows[name]["kernels"]), rows[name]["kernels"]
     reasons = [why for r in rows.values() for why in r["reasons"]]
     assert not [why for why in reasons if "pos" in why or "document" in why], reasons

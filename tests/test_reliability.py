@@ -187,8 +187,8 @@ def test_training_with_changing_sequence_length_compiles_twice():
 
 
 # the passes that fire once per layer on the tiny LM
-TINY_REWRITES = ("projections_rope", "window_attention", "compressed_attention", "block_selection",
-                 "selection_attention", "gated_combine")
+TINY_REWRITES = ("projection_rope", "window_attention", "compressed_attention", "select_blocks",
+                 "selected_attention", "gated_combine")
 
 
 def windowed_inputs(B, S):

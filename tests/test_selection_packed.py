@@ -1,5 +1,5 @@
 """Packed documents (pos) in selected attention: the op nsa::selected_attention(..., pos) and its
-backward against the eager packed formula (models/nsa.py), and the selection_attention pass on
+backward against the eager packed formula (models/nsa.py), and the selected_attention pass on
 the packed model's graph (fired per layer with the pos node, parity, near misses refused).
 
 Block ids are counted within each query's document: token (t - pos[t]) + j * l' + offset, valid
@@ -29,7 +29,7 @@ from nsa_compile.ops import selected_attention
 from nsa_compile.parity import check_parity
 
 B, G, DK, DV, LS, L_CMP = 2, 2, 16, 24, 16, 16
-PASS = "selection_attention"
+PASS = "selected_attention"
 
 
 def positions(lengths: list[int]) -> torch.Tensor:
@@ -271,9 +271,9 @@ def packed_batch(S: int):
 def assert_fired_with_pos(model, layers):
     r = row(model, PASS)
     assert r["matches"] == layers and r["where"] == [f"blocks.{i}.attn" for i in range(layers)], r
-    # block ids from the eager chain (block_selection off) may, for all the pass knows, leave a row
+    # block ids from the eager chain (select_blocks off) may, for all the pass knows, leave a row
     # empty: eager's NaN is kept there; from nsa.select_blocks they cannot
-    selected_by_op = any(r["name"] == "block_selection" and r["matches"] for r in nsa_compile.report(model))
+    selected_by_op = any(r["name"] == "select_blocks" and r["matches"] for r in nsa_compile.report(model))
     empty = "" if selected_by_op else "rows with no token: NaN as eager; "
     assert r["kernels"] == [
         "nsa.selected_attention[reference] (l'=16, n=3, GQA-native, no gathered K/V, packed documents (pos); "

@@ -1,4 +1,4 @@
-"""Graph tests of selection_attention: fired (exact count), the gathered K/V and the per-query scores
+"""Graph tests of selected_attention: fired (exact count), the gathered K/V and the per-query scores
 gone and the op present, parity of outputs and gradients, the accepted forms, and near misses
 refused with the graph unchanged."""
 
@@ -19,7 +19,7 @@ from nsa_compile.models import build_model, preset
 from nsa_compile.models.nsa import upcast
 from nsa_compile.parity import check_parity
 
-PASS = "selection_attention"
+PASS = "selected_attention"
 TINY = preset("tiny")
 T_TINY = TINY.n_selected * TINY.sel_block  # gathered tokens per query: n * l' = 48
 NOT_TRITON = "; not triton: the Triton kernels run on CUDA (tensors on cpu)"
@@ -323,7 +323,7 @@ def test_varying_length_keeps_the_rewrite_in_one_graph_with_symbolic_sizes():
     for record in graphs:
         (log,) = pass_logs(record)
         assert len(log.matches) == 1, log.refusals
-        # block_selection is off: the eager top-k's ids may leave a row empty, as far as the pass knows
+        # select_blocks is off: the eager top-k's ids may leave a row empty, as far as the pass knows
         assert log.matches[0].kernel == KERNEL.replace(NOT_TRITON, "; rows with no token: NaN as eager" + NOT_TRITON)
         assert record.code_after.count("torch.ops.nsa.selected_attention(") == 1
         assert "torch.gather(" in record.code_before and "torch.gather(" not in record.code_after
@@ -535,24 +535,24 @@ def test_inductor_smoke_selection():
 
 
 def test_backend_named_in_the_config_is_used_or_the_branch_refused():
-    """OptimizeConfig(selection_backend=...): 'reference' is written into the graph; 'triton',
+    """OptimizeConfig(selected_attention_backend=...): 'reference' is written into the graph; 'triton',
     which cannot run on the CPU outside the interpreter, leaves the eager branch with the reason."""
     from nsa_compile.cli import near_misses
 
     batch = tokens(2, 100)
     torch.manual_seed(0)
     ref = optimize_fresh(build_model("tiny"), nsa_compile.OptimizeConfig(compiler="aot_eager",
-                                                                         selection_backend="reference"))
+                                                                         selected_attention_backend="reference"))
     ref.loss(batch).backward()
     r = row(ref, PASS)
-    assert r["matches"] == 2 and r["kernels"][0].endswith("not triton: selection_backend='reference' in OptimizeConfig)")
+    assert r["matches"] == 2 and r["kernels"][0].endswith("not triton: selected_attention_backend='reference' in OptimizeConfig)")
     torch.manual_seed(0)
     tri = optimize_fresh(build_model("tiny"), nsa_compile.OptimizeConfig(compiler="aot_eager",
-                                                                         selection_backend="triton"))
+                                                                         selected_attention_backend="triton"))
     tri.loss(batch).backward()
     assert row(tri, PASS)["matches"] == 0
     reasons = {m["reason"] for m in near_misses(tri) if m["pass"] == PASS}
-    assert any(r.startswith("OptimizeConfig(selection_backend='triton'): selected_attention: backend 'triton' "
+    assert any(r.startswith("OptimizeConfig(selected_attention_backend='triton'): selected_attention: backend 'triton' "
                             "cannot run these inputs:") for r in reasons), reasons
     assert "torch.ops.nsa.selected_attention" not in only_graph(tri).code_after
 
@@ -763,8 +763,8 @@ def test_per_head_near_miss_v_gathered_with_another_heads_ids_is_refused():
 
 def test_selected_branch_of_a_non_causal_choice_says_so():
     """Issue 17.4: tests/corpus/nsa_vibe_noncausal.py's selected branch (line ~151) reads block ids
-    [B, S, G, n] from a top-k whose key hides no later block; selection_attention names that (not
-    'depend on placeholder l_x_'), block_selection names the non-causal choice, and the graph keeps
+    [B, S, G, n] from a top-k whose key hides no later block; selected_attention names that (not
+    'depend on placeholder l_x_'), select_blocks names the non-causal choice, and the graph keeps
     both the topk and the eager attention."""
     import importlib.util
     import pathlib
@@ -776,13 +776,13 @@ def test_selected_branch_of_a_non_causal_choice_says_so():
     model, x = corpus.make()
     optimized = optimize_fresh(copy.deepcopy(model))
     torch.testing.assert_close(optimized(x), model(x), rtol=1e-5, atol=1e-6)
-    r = row(optimized, "selection_attention")
+    r = row(optimized, "selected_attention")
     assert r["matches"] == 0, r
     (why,) = [w for w in r["reasons"] if w.startswith("the block ids come from")]
     assert "no candidate mask hiding the blocks after the current one" in why, why
     assert "laid out [B, S, G, n] with [B, S, G] = [2, 96, 2]" in why, why
     assert not any("depend on placeholder" in w for w in r["reasons"]), r["reasons"]
-    chosen = row(optimized, "block_selection")
+    chosen = row(optimized, "select_blocks")
     assert (chosen["matches"], chosen["refused"]) == (0, 1), chosen
     assert chosen["reasons"][0].startswith("no candidate mask hides the blocks after the current one"), chosen
     record = only_graph(optimized)

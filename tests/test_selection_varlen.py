@@ -319,8 +319,8 @@ def test_backend_choice_on_the_cpu(monkeypatch):
 def test_config_accepts_the_varlen_backends():
     from nsa_compile import OptimizeConfig
 
-    assert OptimizeConfig(selection_backend="varlen").selection_backend == "varlen"
-    assert OptimizeConfig(selection_backend="varlen_flash_attn").cache_key() != OptimizeConfig().cache_key()
+    assert OptimizeConfig(selected_attention_backend="varlen").selected_attention_backend == "varlen"
+    assert OptimizeConfig(selected_attention_backend="varlen_flash_attn").cache_key() != OptimizeConfig().cache_key()
 
 
 # --- the flash-attn package adapter, against a stand-in module ---------------------------------------
@@ -481,7 +481,7 @@ def test_varlen_refusals_on_cuda():
 
 @pytest.mark.gpu
 def test_the_tiny_model_with_selection_backend_varlen():
-    """OptimizeConfig(selection_backend='varlen'): the pass writes the backend into the graph and
+    """OptimizeConfig(selected_attention_backend='varlen'): the pass writes the backend into the graph and
     the rewritten model trains the eager model's numbers in bf16 (check_parity's bar)."""
     import copy
 
@@ -491,7 +491,7 @@ def test_the_tiny_model_with_selection_backend_varlen():
     from nsa_compile.models import build_model
     from nsa_compile.parity import check_parity
 
-    config = nsa_compile.OptimizeConfig(compiler="aot_eager", selection_backend="varlen")
+    config = nsa_compile.OptimizeConfig(compiler="aot_eager", selected_attention_backend="varlen")
 
     def optimize(model):
         torch._dynamo.reset()
@@ -504,12 +504,12 @@ def test_the_tiny_model_with_selection_backend_varlen():
     assert report.ok, [r.as_dict() for r in report.failures()]
     model = optimize(copy.deepcopy(eager).to(torch.bfloat16))
     model.loss(batch).backward()
-    r = row(model, "selection_attention")
+    r = row(model, "selected_attention")
     assert r["matches"] == eager.cfg.n_layers and "[varlen]" in r["kernels"][0], r
 
 
 def test_the_pass_refuses_varlen_on_the_cpu_with_the_reason():
-    """OptimizeConfig(selection_backend='varlen') where FA-2 cannot run (the CPU): the eager branch
+    """OptimizeConfig(selected_attention_backend='varlen') where FA-2 cannot run (the CPU): the eager branch
     stays, and `explain`'s near misses give the reason (no silent fallback to another backend)."""
     from helpers import optimize_fresh, row, tokens
 
@@ -519,10 +519,10 @@ def test_the_pass_refuses_varlen_on_the_cpu_with_the_reason():
 
     torch.manual_seed(0)
     model = optimize_fresh(build_model("tiny"), nsa_compile.OptimizeConfig(compiler="aot_eager",
-                                                                           selection_backend="varlen"))
+                                                                           selected_attention_backend="varlen"))
     model.loss(tokens(2, 40)).backward()
-    assert row(model, "selection_attention")["matches"] == 0
-    reasons = {m["reason"] for m in near_misses(model) if m["pass"] == "selection_attention"}
+    assert row(model, "selected_attention")["matches"] == 0
+    reasons = {m["reason"] for m in near_misses(model) if m["pass"] == "selected_attention"}
     assert any("backend 'varlen' cannot run these inputs: FA-2 runs on CUDA only" in r for r in reasons), reasons
 
 

@@ -219,27 +219,27 @@ def test_half_precision_softmax_is_refused():
 
 
 def test_backend_named_in_the_config_is_used_or_the_window_refused():
-    """OptimizeConfig(window_backend=...): 'reference' is written into the graph; 'flash', which
+    """OptimizeConfig(window_attention_backend=...): 'reference' is written into the graph; 'flash', which
     cannot run on the CPU, leaves the dense window in place with the reason (no fallback)."""
     torch.manual_seed(0)
     batch = tokens(2, S)
     ref = optimize_fresh(build_model("tiny"), nsa_compile.OptimizeConfig(compiler="aot_eager",
-                                                                         window_backend="reference"))
+                                                                         window_attention_backend="reference"))
     ref.loss(batch).backward()
     r = row(ref, PASS)
     assert r["matches"] == 2
     assert r["kernels"] == ["nsa.window_attention[reference] (w=32, GQA-native, no S x S tensor; "
-                            "not triton or flash: window_backend='reference' in OptimizeConfig)"]
+                            "not triton or flash: window_attention_backend='reference' in OptimizeConfig)"]
     calls = [ln for ln in only_graph(ref).code_after.splitlines() if "nsa.window_attention" in ln]
     assert len(calls) == 2 and all("'reference'" in ln for ln in calls)
 
     flash = optimize_fresh(build_model("tiny"), nsa_compile.OptimizeConfig(compiler="aot_eager",
-                                                                             window_backend="flash"))
+                                                                             window_attention_backend="flash"))
     flash.loss(batch).backward()
     r = row(flash, PASS)
     assert r["matches"] == 0
     reasons = {m["reason"] for m in near_misses_of(flash) if m["pass"] == PASS}
-    assert ("OptimizeConfig(window_backend='flash'): window_attention: backend 'flash' cannot run these inputs: "
+    assert ("OptimizeConfig(window_attention_backend='flash'): window_attention: backend 'flash' cannot run these inputs: "
             "FA-2 runs on CUDA only (tensors on cpu)") in reasons
     assert "torch.ops.nsa.window_attention" not in only_graph(flash).code_after
 

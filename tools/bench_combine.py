@@ -7,7 +7,7 @@ and the time over the floor's time, and parity, per variant:
   compile    torch.compile (default mode, Inductor) of the same lines
   op         nsa.gated_combine, backend triton (what the gated_combine pass puts in their place)
   op-logits  head gate only: nsa.gated_combine on logits computed before (the form the pass takes
-             when fused_projections merged the gate's Linear into the projections' GEMM); its
+             when projection_rope merged the gate's Linear into the projections' GEMM); its
              floor reads the logits instead of x
 
 Inputs: the gate input (q [B, S, H, Dk] for the group gate, x [B, S, dim] for the head gate), the

@@ -69,8 +69,8 @@ REFERENCE = "reference"
 SEED = preset("seed")
 # The six NSA rewrites a model's row counts (of nsa_compile.report's passes; canonicalize and
 # gqa_grouped_matmul serve them and are not counted).
-REWRITES = ("projections_rope", "window_attention", "compressed_attention", "block_selection",
-            "selection_attention", "gated_combine")
+REWRITES = ("projection_rope", "window_attention", "compressed_attention", "select_blocks",
+            "selected_attention", "gated_combine")
 TARGET_RATIO = 0.9  # issue 17: each corpus model at >= 0.9x the reference's tok/s
 HEADERS = ["model", "rewritten", "tok/s", "step ms", "first step s", "peak GiB", "/ reference", "parity"]
 

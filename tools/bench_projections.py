@@ -5,7 +5,7 @@ times and parity against a float32 reference, per variant:
               --shared-kv) and apply_rope on q and each k (models/nsa.py)
   compile     torch.compile of those lines (Inductor's own code: one cuBLAS GEMM per Linear,
               the RoPE as pointwise kernels)
-  optimized   nsa_compile.optimize of those lines with projections_rope alone (Inductor): the
+  optimized   nsa_compile.optimize of those lines with projection_rope alone (Inductor): the
               weights concatenated in the graph, one nsa.projection_rope op
   op          nsa.projection_rope[triton] called directly on concatenated weights (no graph)
   cublas      F.linear on the concatenated weights alone: the one GEMM the op replaces the
@@ -99,7 +99,7 @@ def variants(module, cos, sin):
         return reorder(pieces, n_kv)
 
     only = nsa_compile.OptimizeConfig(
-        disabled_passes=tuple(p for p in nsa_compile.pass_names() if p != "projections_rope"))
+        disabled_passes=tuple(p for p in nsa_compile.pass_names() if p != "projection_rope"))
     torch._dynamo.reset()  # a new shape compiles static again (no automatic dynamic shapes)
     compiled = torch.compile(module)
     return {
@@ -175,7 +175,7 @@ def bench(args) -> None:
                 notes.append(f"S {S}, B {B}, {name}: {type(why).__name__}: {str(why)[:300]}")
             torch.cuda.empty_cache()
         if "optimized" in chosen:  # what the optimized variant ran with (a refused rewrite runs eager code)
-            (r,) = [r for r in nsa_compile.report(fns["optimized"].model) if r["name"] == "projections_rope"]
+            (r,) = [r for r in nsa_compile.report(fns["optimized"].model) if r["name"] == "projection_rope"]
             notes.append(f"S {S}, B {B}: optimized: {r['matches']} rewrite(s) {r['kernels']} {r['reasons']}")
         base = {r[2]: r[3:7] for r in rows if r[0] == S and r[1] == B}
         number = lambda t: t.replace(".", "", 1).isdigit()

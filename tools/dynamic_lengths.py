@@ -29,8 +29,8 @@ from nsa_compile.api import state_of
 from nsa_compile.models import build_model, preset
 from nsa_compile.workload import loss_of
 
-BRANCH_PASSES = ("projections_rope", "window_attention", "compressed_attention", "block_selection",
-                 "selection_attention", "gated_combine")
+BRANCH_PASSES = ("projection_rope", "window_attention", "compressed_attention", "select_blocks",
+                 "selected_attention", "gated_combine")
 
 
 def step(model, tokens, autocast):

@@ -308,7 +308,7 @@ BLOCK_SELECT = declare(Op(
     name="select_blocks",
     schema="(Tensor q, Tensor k, Tensor lse, SymInt cmp_block, SymInt cmp_stride, SymInt sel_block, "
            'SymInt n_selected, float scale, str backend="auto", Tensor? pos=None, str rule="nsa") -> Tensor',
-    config_field="block_select_backend",
+    config_field="select_blocks_backend",
     choice_args=("q", "k", "lse", "cmp_block", "cmp_stride", "sel_block", "n_selected", "pos", "rule"),
     backends=(
         Backend("triton", cannot_run=_triton_reason, auto_reason=why_not_triton,

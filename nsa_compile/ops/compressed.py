@@ -291,7 +291,7 @@ COMPRESSED = declare(Op(
     name="compressed_attention",
     schema='(Tensor q, Tensor k, Tensor v, SymInt block, SymInt stride, float scale, str backend="auto", '
            "Tensor? pos=None) -> (Tensor, Tensor)",
-    config_field="compressed_backend",
+    config_field="compressed_attention_backend",
     choice_args=("q", "k", "v", "block", "stride", "pos"),
     backends=(
         Backend("triton", cannot_run=_triton_reason, auto_reason=why_not_triton,

@@ -322,7 +322,7 @@ COMBINE = declare(Op(
     name="gated_combine",
     schema="(Tensor gate_in, Tensor? w1, Tensor? b1, Tensor? w2, Tensor? b2, Tensor o_cmp, Tensor o_sel, "
            'Tensor o_win, str activation, str normalize, str backend="auto") -> (Tensor, Tensor)',
-    config_field="combine_backend",
+    config_field="gated_combine_backend",
     choice_args=("gate_in", "w1", "w2", "o_cmp", "activation"),
     backends=(
         Backend("triton", cannot_run=gated_combine_triton.unsupported_reason, auto_reason=why_not_triton,

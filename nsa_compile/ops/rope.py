@@ -248,7 +248,7 @@ PROJECTION = declare(Op(
     name="projection_rope",
     schema="(Tensor x, Tensor weight, Tensor? bias, Tensor? cos, Tensor? sin, SymInt[] widths, SymInt[] head_dims, "
            'str style, str backend="auto", bool full_tables=False) -> Tensor[]',
-    config_field="projection_backend",
+    config_field="projection_rope_backend",
     choice_args=("x", "weight", "bias", "cos", "sin", "widths", "head_dims"),
     backends=(
         Backend("triton", cannot_run=rope_triton.unsupported_reason, auto_reason=why_not_triton,

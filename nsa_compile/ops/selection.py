@@ -253,7 +253,7 @@ SELECTION = declare(Op(
     name="selected_attention",
     schema="(Tensor q, Tensor k, Tensor v, Tensor block_idx, SymInt block_size, float scale, "
            'str backend="auto", Tensor? pos=None) -> (Tensor, Tensor)',
-    config_field="selection_backend",
+    config_field="selected_attention_backend",
     choice_args=("q", "k", "v", "block_idx", "block_size", "pos"),
     backends=(
         Backend("triton", cannot_run=selection_triton.unsupported_reason, auto_reason=why_not_triton,

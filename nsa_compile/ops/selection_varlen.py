@@ -69,7 +69,7 @@ implementations ship, one per backend name:
   CUDA, fp16/bf16, Dk == Dv (FA-2 has one head dim for q, k and v: Dk != Dv is refused), head
   dim a multiple of 8 and at most 256, and B * ceil(S / l') <= 65535 segments (FA-2's grid).
 - `varlen_flash_attn`: the same algorithm through the flash-attn package's public
-  `flash_attn_varlen_func` (opt-in: `OptimizeConfig(selection_backend="varlen_flash_attn")`).
+  `flash_attn_varlen_func` (opt-in: `OptimizeConfig(selected_attention_backend="varlen_flash_attn")`).
   NOT RUN on this project's machines: the package cannot be installed there (no wheels for the
   GPU image; source builds only). Its call convention is tested against a stand-in module with
   the same signature. The public function returns its log-sum-exp (return_attn_probs=True) but

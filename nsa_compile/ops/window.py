@@ -214,7 +214,7 @@ WINDOW = declare(Op(
     name="window_attention",
     schema='(Tensor q, Tensor k, Tensor v, SymInt window, float scale, str backend="auto", Tensor? pos=None) '
            "-> (Tensor, Tensor)",
-    config_field="window_backend",
+    config_field="window_attention_backend",
     choice_args=("q", "k", "v", "pos"),
     backends=(
         Backend("triton", cannot_run=window_triton.unsupported_reason, auto_reason=why_not_triton,
