@@ -528,10 +528,13 @@ class SelectBlocks(RewritePass):
         # backward from the sort or topk: [pad] <- key <- group sum <- p @ overlap <- p
         padded = first_arg(ranking)
         single(padded, "ranking key")
-        key, pad = padded, 0
+        key, pad, fillers = padded, 0, []
         if op_name(padded) == "pad":
             key, pad = self.read_pad(padded)
             single(key, "ranking key")
+        elif op_name(padded) == "cat":
+            key, pad = self.read_cat_pad(padded)
+            fillers = [padded.args[0][1]]  # erased with the cat, before the key it reads
         Ns = width - pad
         outer_inf = cmp.fill_of(key, INF)
         outer = outer_inf or cmp.fill_of(key, -INF)
@@ -610,7 +613,7 @@ class SelectBlocks(RewritePass):
         return {"probs": probs, "op": op, "final": final, "block": block, "Ns": sizes.int(Ns), "n": n, "l": l, "d": d,
                 "backend": backend, "pos": pos, "rule": "nsa", "q": probs.q, "k": probs.k, "tiled": None, "clamp": clamp,
                 "per_head": per_head,
-                "chain": tail + [ranking] + ([padded] if padded is not key else []) + chain,
+                "chain": tail + [ranking] + ([padded] if padded is not key else []) + fillers + chain,
                 "roots": [overlap, forced_fill[1], cand_fill[1], p],
                 "why_not_triton": why_not_triton(*fakes, value(pos)) if requested == "auto"
                 else f"select_blocks_backend={requested!r} in OptimizeConfig"}
@@ -793,6 +796,31 @@ class SelectBlocks(RewritePass):
         if not cmp.is_const(fill, -INF):
             raise Refused(f"the ranking key is padded with {fill}, not -inf (padded columns could be chosen)")
         return first_arg(padded), end
+
+    @staticmethod
+    def read_cat_pad(padded: fx.Node) -> tuple[fx.Node, int]:
+        """torch.cat([key, filler], dim=-1) with filler = key.new_full(shape, -inf) or torch.full(shape,
+        -inf) of the key's leading dims -> (key, P): F.pad's -inf columns, written another way."""
+        tensors, dim, out = arg(padded, 0, "tensors"), arg(padded, 1, "dim", 0), value(padded)
+        if (not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or out is None
+                or not all(isinstance(t, fx.Node) for t in tensors) or not isinstance(dim, int)
+                or dim % out.dim() != out.dim() - 1):
+            raise Refused("the ranking key is concatenated with other than one block of columns at the end of its "
+                          "last dim")
+        key, filler = tensors
+        name = op_name(filler)
+        fill = arg(filler, 2, "fill_value") if name == "new_full" else arg(filler, 1, "fill_value") if name == "full" else None
+        if name not in ("new_full", "full"):
+            raise Refused(f"the ranking key is padded by {name}, not a constant block (padded columns could be chosen)")
+        if not cmp.is_const(fill, -INF):
+            raise Refused(f"the ranking key is padded with {fill}, not -inf (padded columns could be chosen)")
+        kv, fv = value(key), value(filler)
+        if kv is None or fv is None or kv.dim() != fv.dim() or not all(
+                cmp.same(a, b) for a, b in zip(kv.shape[:-1], fv.shape[:-1])):
+            raise Refused("the -inf columns do not have the ranking key's leading dims")
+        if set(filler.users) != {padded} or any(u is not padded and u is not filler for u in key.users):
+            raise Refused("the ranking key or its -inf columns are used elsewhere: they must stay as they are")
+        return key, size_of(fv.shape[-1])
 
     @staticmethod
     def read_sort(sort: fx.Node) -> tuple[int, list[fx.Node], None]:

@@ -361,3 +361,49 @@ def test_a_varlen_key_without_batch_dim_is_refused_with_its_reason():
     record = only_graph(optimized)
     assert record.code_after.count("topk(") == 1 and "select_blocks" not in record.code_after
     assert torch.equal(got, want)
+
+
+# --- a ranking key padded by torch.cat with -inf columns (where_bias_spellings at S < n l') -------
+
+
+def test_a_key_padded_by_cat_with_minus_inf_columns_is_read_as_f_pad():
+    """where_bias_spellings pads its ranking key to n columns with `torch.cat([key,
+    key.new_full(.., -inf)], -1)` when S < n l' (seed sizes at S 128: 2 blocks, n 16): read as F.pad,
+    every branch is rewritten (6/6), and output and input gradient match eager."""
+    import importlib
+
+    model, x = importlib.import_module("corpus.where_bias_spellings").make_seed(batch=1, seq_len=128)
+    optimized = optimize_fresh(copy.deepcopy(model))
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, want = optimized(x1), model(x2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.square().mean().backward()
+    want.square().mean().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-7)
+    assert row(optimized, "select_blocks")["matches"] == 1
+    assert row(optimized, "selected_attention")["matches"] == 1
+
+
+@pytest.mark.parametrize("fill, refused", [(float("-inf"), None), (0.0, "padded with 0.0, not -inf")])
+def test_the_cat_padding_reader_takes_minus_inf_columns_only(fill, refused):
+    from nsa_compile.attention_match import Refused
+    from nsa_compile.fx import op_name
+    from nsa_compile.passes.select_blocks import SelectBlocks
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda key: torch.cat([key, key.new_full((*key.shape[:-1], 3), fill)], dim=-1),
+                  backend=backend, fullgraph=True)(torch.randn(1, 2, 5, 4))
+    (gm,) = graphs
+    (cat,) = [n for n in gm.graph.nodes if op_name(n) == "cat"]
+    if refused is None:
+        key, pad = SelectBlocks.read_cat_pad(cat)
+        assert key.op == "placeholder" and pad == 3
+    else:
+        with pytest.raises(Refused, match=refused):
+            SelectBlocks.read_cat_pad(cat)
