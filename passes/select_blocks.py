@@ -533,8 +533,8 @@ class SelectBlocks(RewritePass):
             key, pad = self.read_pad(padded)
             single(key, "ranking key")
         elif op_name(padded) == "cat":
-            key, pad = self.read_cat_pad(padded)
-            fillers = [padded.args[0][1]]  # erased with the cat, before the key it reads
+            key, pad, filler = self.read_cat_pad(padded)
+            fillers = [filler]  # erased with the cat, before the key it reads
         Ns = width - pad
         outer_inf = cmp.fill_of(key, INF)
         outer = outer_inf or cmp.fill_of(key, -INF)
@@ -798,9 +798,9 @@ class SelectBlocks(RewritePass):
         return first_arg(padded), end
 
     @staticmethod
-    def read_cat_pad(padded: fx.Node) -> tuple[fx.Node, int]:
+    def read_cat_pad(padded: fx.Node) -> tuple[fx.Node, int, fx.Node]:
         """torch.cat([key, filler], dim=-1) with filler = key.new_full(shape, -inf) or torch.full(shape,
-        -inf) of the key's leading dims -> (key, P): F.pad's -inf columns, written another way."""
+        -inf) of the key's leading dims -> (key, P, filler): F.pad's -inf columns, written another way."""
         tensors, dim, out = arg(padded, 0, "tensors"), arg(padded, 1, "dim", 0), value(padded)
         if (not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or out is None
                 or not all(isinstance(t, fx.Node) for t in tensors) or not isinstance(dim, int)
@@ -820,7 +820,7 @@ class SelectBlocks(RewritePass):
             raise Refused("the -inf columns do not have the ranking key's leading dims")
         if set(filler.users) != {padded} or any(u is not padded and u is not filler for u in key.users):
             raise Refused("the ranking key or its -inf columns are used elsewhere: they must stay as they are")
-        return key, size_of(fv.shape[-1])
+        return key, size_of(fv.shape[-1]), filler
 
     @staticmethod
     def read_sort(sort: fx.Node) -> tuple[int, list[fx.Node], None]:

@@ -402,7 +402,7 @@ def test_the_cat_padding_reader_takes_minus_inf_columns_only(fill, refused):
     (gm,) = graphs
     (cat,) = [n for n in gm.graph.nodes if op_name(n) == "cat"]
     if refused is None:
-        key, pad = SelectBlocks.read_cat_pad(cat)
+        key, pad, _ = SelectBlocks.read_cat_pad(cat)
         assert key.op == "placeholder" and pad == 3
     else:
         with pytest.raises(Refused, match=refused):
