@@ -3,7 +3,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
+
+# tools/gpu_check.sh --parallel runs pytest-xdist workers on a host with several GPUs: worker gwN
+# takes one of the GPUs listed in NSA_TEST_GPUS (N modulo their count), set before CUDA starts.
+if os.environ.get("NSA_TEST_GPUS") and os.environ.get("PYTEST_XDIST_WORKER"):
+    _gpus = os.environ["NSA_TEST_GPUS"].split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = _gpus[int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")) % len(_gpus)]
+
+import torch  # noqa: E402 (after the GPU choice above)
 
 # Without a GPU, one intra-op thread in the test process and in the processes tests start (the
 # CLI, the training tools, the distributed ranks): the tests' tensors are tiny, and on a 2-core

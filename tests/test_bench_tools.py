@@ -348,6 +348,10 @@ def test_corpus_bench_times_a_model_against_the_reference_and_appends_records(tm
             ("ok", 64, 1, True, 64), r
         assert r["rewritten"] == sum(r["matches"][name] > 0 for name in bench_corpus.REWRITES)
         assert r["tok_s"] == pytest.approx(64 * 1000 / r["step_ms"])
+        # every refusal is recorded with its reasons and printed under the model's line
+        assert set(r["reasons"]) == set(r["refused"])
+        for pass_name, reasons in r["reasons"].items():
+            assert f"  {pass_name} refused {r['refused'][pass_name]}x: {reasons[0][:240]}" in text
     assert records[0]["rewritten"] == 6 and records[0]["coverage"].startswith("5/5 NSA branches rewritten")
     # the report of the records alone: the same rows
     assert bench_corpus.main(["--report-only", "--out", str(out)]) == 0

@@ -118,6 +118,7 @@ def rewrites_of(model: nn.Module) -> dict:
     matches = {r["name"]: r["matches"] for r in rows}
     return {"rewritten": sum(matches.get(name, 0) > 0 for name in REWRITES), "matches": matches,
             "refused": {r["name"]: r["refused"] for r in rows if r["refused"]},
+            "reasons": {r["name"]: r["reasons"] for r in rows if r["reasons"]},
             "coverage": coverage(model).summary()}
 
 
@@ -140,7 +141,7 @@ def time_model(name: str, args, device: torch.device) -> dict:
     try:
         record.update(rewrites_of(model))  # where the passes ran (also when a step then ran out of memory)
     except Exception:  # optimize itself failed: no record of the passes
-        record.update(rewritten=None, matches={}, refused={}, coverage=None)
+        record.update(rewritten=None, matches={}, refused={}, reasons={}, coverage=None)
     if timing is not None:
         record.update(tok_s=args.batch * args.seq_len * 1000 / timing.step_ms, step_ms=timing.step_ms,
                       first_step_s=timing.first_step_s, peak_gib=timing.peak_memory_gib)
@@ -215,6 +216,9 @@ def run_model(name: str, args, device: torch.device, env: dict, run: str) -> dic
         print(f"  {record['status']}: {record['detail']}", flush=True)
     if record["coverage"] is not None:
         print(f"  rewritten {record['rewritten']}/{len(REWRITES)}: {record['coverage']}", flush=True)
+    for pass_name, reasons in record["reasons"].items():  # why a branch stayed eager, as explain says it
+        print(f"  {pass_name} refused {record['refused'][pass_name]}x: " + "; ".join(r[:240] for r in reasons[:3]),
+              flush=True)
     print("  parity ...", flush=True)
     record["parity"] = parity_of(name, args, device)
     record["seconds"] = round(time.perf_counter() - started, 1)

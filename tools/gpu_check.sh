@@ -21,12 +21,18 @@
 #   (none)     all three test parts, the parity verdict, then --kernels (over 30 minutes)
 #   --sweep    only the GPU size sweeps (the kernels at the issues' sizes)
 #   --all      the whole suite (the CPU tests on the image's PyTorch too)
+#   --parallel what (none) runs, at once on a host with 2 or more GPUs (nvidia-h100-x4: one call):
+#              the three test parts and --kernels' files as pytest-xdist workers, 3 a GPU, on every
+#              GPU but the last (tests/conftest.py gives each worker its GPU from NSA_TEST_GPUS); the
+#              last GPU runs --parity's checks, then the CLI parity and explain, alone (the parity
+#              verdict measures the oracle's peak memory). Logs in $OUT: pytest.log, triton.log,
+#              parity_verdict.log, oracle_memory.log, parity_tiny.log, explain_seed.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
 case "$mode" in
-  ""|--tests|--tests2|--tests3|--kernels|--parity|--sweep|--all) ;;
-  *) echo "gpu_check.sh: unknown option $mode (valid: --tests, --tests2, --tests3, --parity, --kernels, --sweep, --all)"; exit 2 ;;
+  ""|--tests|--tests2|--tests3|--kernels|--parity|--sweep|--all|--parallel) ;;
+  *) echo "gpu_check.sh: unknown option $mode (valid: --tests, --tests2, --tests3, --parity, --kernels, --sweep, --all, --parallel)"; exit 2 ;;
 esac
 out=${OUT:-/tmp/nsa_gpu_check}
 mkdir -p "$out"
@@ -41,6 +47,39 @@ except ImportError as err:
     print("no varlen_attn:", err)
 PY
 status=0
+kernel_files=(tests/test_selection_triton.py tests/test_compressed_op.py tests/test_window_triton.py
+  tests/test_block_select_op.py tests/test_gated_combine.py tests/test_fused_projections.py)
+if [ "$mode" = "--parallel" ]; then
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  [ "$gpus" -ge 2 ] || { echo "gpu_check.sh --parallel: needs 2 or more GPUs, this host has $gpus"; exit 2; }
+  last=$((gpus - 1))
+  workers=$(seq -s, 0 $((last - 1)))
+  (
+    export CUDA_VISIBLE_DEVICES=$last
+    python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -p no:logging --durations=8 -m gpu tests/test_parity_verdict.py \
+      >"$out/parity_verdict.log" 2>&1 || echo "FAILED: parity verdict" >>"$out/failed"
+    python3 tools/parity_breakdown.py --oracle-memory --model seed --seq-len 2048 --batch 1 >"$out/oracle_memory.log" 2>&1 \
+      || echo "FAILED: oracle memory" >>"$out/failed"
+    python3 -m nsa_compile parity --device cuda --model tiny --dtypes fp32,bf16,fp16 >"$out/parity_tiny.log" 2>&1 \
+      || echo "FAILED: CLI parity" >>"$out/failed"
+    python3 -m nsa_compile explain --device cuda --model seed --seq-len 256 >"$out/explain_seed.log" 2>&1 \
+      || echo "FAILED: explain" >>"$out/failed"
+  ) &
+  # the test parts' selection (the kernel files' GPU tests too), and beside it the kernel files
+  # whole, as --kernels runs them; both spread over the same GPUs
+  tests=($(ls tests/test_*.py | grep -v test_parity_verdict.py))
+  NSA_TEST_GPUS=$workers OMP_NUM_THREADS=4 python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -p no:logging \
+    --durations=25 -n $((2 * last)) -m "(gpu or inductor) and not sweep" "${tests[@]}" \
+    >"$out/pytest.log" 2>&1 || echo "FAILED: the test parts" >>"$out/failed" &
+  NSA_TEST_GPUS=$workers OMP_NUM_THREADS=4 python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -p no:logging \
+    --durations=10 -n $last -m "not sweep" "${kernel_files[@]}" >"$out/triton.log" 2>&1 \
+    || echo "FAILED: the kernel files" >>"$out/failed" &
+  wait
+  for log in pytest triton; do echo "== $log"; tail -8 "$out/$log.log"; done
+  for log in parity_verdict oracle_memory parity_tiny explain_seed; do echo "== $log"; tail -4 "$out/$log.log"; done
+  [ -f "$out/failed" ] && { cat "$out/failed"; status=1; }
+  exit $status
+fi
 if [ "$mode" != "--kernels" ] && [ "$mode" != "--parity" ]; then
   # the seed parity verdict runs on its own below (its own log)
   selection=(-m "(gpu or inductor) and not sweep" --ignore=tests/test_parity_verdict.py)
@@ -65,8 +104,7 @@ if [ -z "$mode" ] || [ "$mode" = "--parity" ]; then
 fi
 if [ -z "$mode" ] || [ "$mode" = "--kernels" ]; then
   # the Triton kernels on CUDA (on the CPU the same files run them interpreted)
-  python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -p no:logging -m "not sweep" tests/test_selection_triton.py tests/test_compressed_op.py \
-    tests/test_window_triton.py tests/test_block_select_op.py tests/test_gated_combine.py tests/test_fused_projections.py 2>&1 \
+  python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -p no:logging -m "not sweep" "${kernel_files[@]}" 2>&1 \
     | tee "$out/triton.log" | tail -5 || status=1
 fi
 if [ -z "$mode" ] || [ "$mode" = "--kernels" ] || [ "$mode" = "--all" ]; then
