@@ -128,6 +128,17 @@ def config_for(compiler: str, only_pass: str | None = None) -> OptimizeConfig:
     return OptimizeConfig(compiler=compiler, disabled_passes=tuple(n for n in pass_names() if n != only_pass))
 
 
+def is_oom(err: BaseException | None) -> bool:
+    """Out of memory, raised directly or wrapped (Dynamo wraps errors of the compile in its own)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, torch.OutOfMemoryError):
+            return True
+        seen.add(id(err))
+        err = getattr(err, "inner_exception", None) or err.__cause__ or err.__context__
+    return False
+
+
 def free_memory() -> None:
     """Forget Dynamo's compiled code and give the memory of dropped models back (between columns)."""
     torch._dynamo.reset()

@@ -85,14 +85,16 @@ import copy
 import functools
 import gc
 import math
-from dataclasses import dataclass
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from .api import optimize
-from .bench import free_memory
+from .bench import free_memory, is_oom
 from .config import OptimizeConfig
 from .workload import Workload, cast_inputs, loss_of
 
@@ -547,3 +549,61 @@ def _choice_report(eager: _Choices, optimized: _Choices, eager_oracle: _Choices,
         return (mine,), (f"not measured for the optimized model (it passed {len(optimized.calls)} block choices "
                          f"to nsa.selected_attention, eager made {len(eager.calls)})")
     return (_agreement("optimized", optimized.calls, optimized_oracle.calls, tolerance), mine), ""
+
+
+# --- parity at the longest length that fits (the bench tools) -------------------------------------
+
+
+@dataclass
+class FittedParity:
+    """check_parity at the longest length that fits (fit_parity): the report, or why there is none."""
+
+    report: ParityReport | None
+    length: int | None  # where it ran, or where it failed with an error other than out of memory
+    oom_at: list[int] = field(default_factory=list)  # where the float64 oracle ran out of memory, longest first
+    detail: str | None = None  # why there is no report: the error, or every length too long or too short
+
+    def record(self) -> dict:
+        """The JSON fields every bench record holds: ok (None: not checked), parity_len, oom_at and,
+        without a report, detail."""
+        if self.report is not None:
+            return {"ok": self.report.ok, "parity_len": self.length, "oom_at": self.oom_at}
+        return {"ok": None if self.length is None else False, "parity_len": self.length, "oom_at": self.oom_at,
+                "detail": self.detail}
+
+
+def fit_parity(run: Callable[[int], ParityReport], length: int, min_length: int) -> FittedParity:
+    """run(length) (a check_parity at that sequence length), halving the length while the float64
+    oracle runs out of memory and the half is at least min_length (the first length always runs).
+    Another error ends the search (its traceback is printed, its first line kept); the memory of
+    each failed try is given back before the next."""
+    oom_at = []
+    while True:
+        try:
+            return FittedParity(run(length), length, oom_at)
+        except Exception as err:
+            free_memory()
+            if not is_oom(err):
+                traceback.print_exc()
+                first = (str(err).strip().splitlines() or [""])[0][:200]
+                return FittedParity(None, length, oom_at, f"{type(err).__name__}: {first}")
+            oom_at.append(length)
+            if length // 2 < min_length:
+                return FittedParity(None, None, oom_at, f"the float64 oracle ran out of memory down to seq-len {length}")
+            length //= 2
+
+
+def parity_sentence(record: dict, checked: str, where: str, note: str = "") -> str:
+    """The verdict line of a bench record (FittedParity.record() and the tool's fields): `checked` is
+    what was compared, `where` the dtype, batch and length, `note` why that length, if it needs saying."""
+    if record["ok"] is None:
+        return f"parity: not checked ({record['detail']})"
+    if "detail" in record:
+        return f"parity at seq-len {record['parity_len']}: FAIL ({record['detail']})"
+    if record["oom_at"]:
+        where += f"; the float64 oracle did not fit at {', '.join(map(str, record['oom_at']))}"
+    elif note:
+        where += f" ({note})"
+    if not record["selection_exercised"]:
+        where += "; every candidate block is selected at this length (top-n choice not exercised)"
+    return f"parity of {checked} ({where}): {'PASS' if record['ok'] else 'FAIL'}"

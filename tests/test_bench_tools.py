@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 
 import nsa_compile
-from nsa_compile.bench import config_for
+from nsa_compile.bench import config_for, is_oom
+from nsa_compile.parity import fit_parity
 from nsa_compile.models import NSAAttention, preset
 from nsa_compile.models.nsa import apply_rope, rope_tables
 from nsa_compile.workload import ModelSpecError, checked_workload
@@ -159,6 +160,31 @@ def test_e2e_an_error_in_one_variant_is_reported_and_the_others_still_run(tmp_pa
         [("compile", "error"), ("eager", "ok")]
 
 
+def test_fit_parity_halves_on_oom_and_stops_at_another_error(capsys):
+    tried = []
+
+    def run(length):  # the oracle fits from 64 on; 48 is an error of another kind
+        tried.append(length)
+        if length > 64:
+            raise torch.OutOfMemoryError("simulated")
+        if length == 48:
+            raise ValueError("simulated failure\nsecond line")
+        return f"report at {length}"
+
+    fit = fit_parity(run, 256, 16)
+    assert (fit.report, fit.length, fit.oom_at, tried) == ("report at 64", 64, [256, 128], [256, 128, 64])
+    tried.clear()
+    fit = fit_parity(run, 96, 16)  # 96 runs out of memory, 48 fails: no report, the error's first line
+    assert (fit.report, fit.length, fit.oom_at, tried) == (None, 48, [96], [96, 48])
+    assert fit.record() == {"ok": False, "parity_len": 48, "oom_at": [96], "detail": "ValueError: simulated failure"}
+    assert "second line" in capsys.readouterr().err  # the traceback
+    fit = fit_parity(run, 512, 200)  # 512 and 256 run out of memory, 128 is below the shortest length
+    assert fit.record() == {"ok": None, "parity_len": None, "oom_at": [512, 256],
+                            "detail": "the float64 oracle ran out of memory down to seq-len 256"}
+    fit = fit_parity(run, 32, 64)  # the first length runs whatever the shortest
+    assert (fit.report, fit.oom_at) == ("report at 32", [])
+
+
 def test_is_oom_sees_through_wrapped_errors():
     try:
         try:
@@ -166,8 +192,8 @@ def test_is_oom_sees_through_wrapped_errors():
         except torch.OutOfMemoryError as inner:
             raise RuntimeError("backend compiler failed") from inner
     except RuntimeError as wrapped:
-        assert bench_e2e.is_oom(wrapped)
-    assert not bench_e2e.is_oom(RuntimeError("shape mismatch"))
+        assert is_oom(wrapped)
+    assert not is_oom(RuntimeError("shape mismatch"))
 
 
 ENV = {"torch": "2.11.0+cu130", "triton": "3.6.0", "command": "python3 tools/bench_e2e.py", "model": "seed"}

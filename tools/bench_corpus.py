@@ -55,15 +55,15 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_e2e beside this file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the corpus
-from bench_e2e import DEFAULT_TOKENS_PER_STEP, append_record, environment, is_oom, load_records, warm_up_compiler
+from bench_e2e import DEFAULT_TOKENS_PER_STEP, append_record, environment, load_records, warm_up_compiler
 from corpus import MODELS
 
 import nsa_compile
-from nsa_compile.bench import config_for, free_memory, time_training
+from nsa_compile.bench import config_for, free_memory, is_oom, time_training
 from nsa_compile.explain import coverage
 from nsa_compile.models import NSAAttention, preset
 from nsa_compile.models.nsa import rope_tables
-from nsa_compile.parity import check_parity, choice_length
+from nsa_compile.parity import check_parity, choice_length, fit_parity, parity_sentence
 
 REFERENCE = "reference"
 SEED = preset("seed")
@@ -162,43 +162,25 @@ def parity_of(name: str, args, device: torch.device) -> dict:
         torch._dynamo.reset()
         return nsa_compile.optimize(module, config)
 
-    length, too_long = min(args.seq_len, args.parity_len), []
-    while length >= args.parity_min_len:
-        try:
-            model, x = build(name, 1, length, device)
-            result = check_parity(model, optimize_fn, (x,), dtype, is_lm=False)
-        except Exception as err:
-            model = x = None
-            free_memory()
-            if not is_oom(err):
-                traceback.print_exc()
-                return {"ok": False, "parity_len": length, "oom_at": too_long, "detail": one_line(err)}
-            too_long.append(length)
-            length //= 2
-            continue
+    def run(length):
+        model, x = build(name, 1, length, device)
+        result = check_parity(model, optimize_fn, (x,), dtype, is_lm=False)
         del model, x
         free_memory()
-        return {"ok": result.ok, "parity_len": length, "oom_at": too_long, "dtype": str(dtype).removeprefix("torch."),
-                "selection_exercised": length > SEED.n_selected * SEED.sel_block, "summary": result.summary(),
-                "worst": [r.as_dict() for r in (result.failures() or result.rows)[:5]]}
-    if not too_long:
-        return {"ok": None, "parity_len": None, "oom_at": [],
-                "detail": f"seq-len {length} is below --parity-min-len {args.parity_min_len}"}
-    return {"ok": None, "parity_len": None, "oom_at": too_long,
-            "detail": f"the float64 oracle ran out of memory down to seq-len {too_long[-1]}"}
+        return result
+
+    fit = fit_parity(run, min(args.seq_len, args.parity_len), args.parity_min_len)
+    if fit.report is None:
+        return fit.record()
+    return {**fit.record(), "dtype": str(dtype).removeprefix("torch."),
+            "selection_exercised": fit.length > SEED.n_selected * SEED.sel_block, "summary": fit.report.summary(),
+            "worst": [r.as_dict() for r in (fit.report.failures() or fit.report.rows)[:5]]}
 
 
-def parity_sentence(p: dict) -> str:
-    if p["ok"] is None:
-        return f"parity: not checked ({p['detail']})"
-    if "detail" in p:
-        return f"parity at seq-len {p['parity_len']}: FAIL ({p['detail']})"
-    where = f"{p['dtype']}, batch 1, seq-len {p['parity_len']}"
-    if p["oom_at"]:
-        where += f"; the float64 oracle did not fit at {', '.join(map(str, p['oom_at']))}"
-    if not p["selection_exercised"]:
-        where += "; every candidate block is selected at this length (top-n choice not exercised)"
-    return f"parity of the first step (output, every gradient vs float64; {where}): {'PASS' if p['ok'] else 'FAIL'}"
+def parity_text(p: dict) -> str:
+    ran = p["ok"] is not None and "detail" not in p
+    where = f"output, every gradient vs float64; {p['dtype']}, batch 1, seq-len {p['parity_len']}" if ran else ""
+    return parity_sentence(p, "the first step", where)
 
 
 def run_model(name: str, args, device: torch.device, env: dict, run: str) -> dict:
@@ -222,7 +204,7 @@ def run_model(name: str, args, device: torch.device, env: dict, run: str) -> dic
     print("  parity ...", flush=True)
     record["parity"] = parity_of(name, args, device)
     record["seconds"] = round(time.perf_counter() - started, 1)
-    print(f"  {parity_sentence(record['parity'])}", flush=True)
+    print(f"  {parity_text(record['parity'])}", flush=True)
     for line in record["parity"].get("summary", []):
         print(f"  {line}")
     if record["parity"]["ok"] is False and record["parity"].get("worst"):
@@ -333,7 +315,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--parity-len", type=int, default=choice_length(SEED),
                     help="the longest parity length to try (default %(default)s: the seed's choice_length; "
                          "at most --seq-len)")
-    ap.add_argument("--parity-min-len", type=int, default=64, help="give up on parity below this length")
+    ap.add_argument("--parity-min-len", type=int, default=64, help="halve the parity length on OOM no further than this (the first length always runs)")
     ap.add_argument("--no-parity", action="store_true", help="skip parity (ratios then print n/a)")
     ap.add_argument("--out", default=None, help="append JSON-line records here")
     ap.add_argument("--report-only", action="store_true", help="run nothing: the table of --out's records")

@@ -54,10 +54,10 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from nsa_compile.bench import VARIANTS, compile_variant, config_for, cuda_time_ms, free_memory, time_training
+from nsa_compile.bench import VARIANTS, compile_variant, config_for, cuda_time_ms, free_memory, is_oom, time_training
 from nsa_compile.explain import pass_table, rewrite_summary
 from nsa_compile.models import preset
-from nsa_compile.parity import choice_length, run_parity
+from nsa_compile.parity import choice_length, fit_parity, parity_sentence, run_parity
 from nsa_compile.workload import checked_workload
 
 DEFAULT_SEQ_LENS = (2048, 8192, 32768, 65536)
@@ -96,17 +96,6 @@ def append_record(path: str | None, record: dict) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
-
-
-def is_oom(err: BaseException | None) -> bool:
-    """Out of memory, raised directly or wrapped (Dynamo wraps errors of the compile in its own)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, torch.OutOfMemoryError):
-            return True
-        seen.add(id(err))
-        err = getattr(err, "inner_exception", None) or err.__cause__ or err.__context__
-    return False
 
 
 def load_records(path: str) -> list[dict]:
@@ -226,45 +215,39 @@ def run_variant(variant: str, args, wl, device, dense_backend: str | None) -> di
 
 class ParityCache:
     """check_parity at batch 1 and the longest length <= min(the run's seq-len, --parity-len or the
-    model's choice_length) that fits, halving on OOM. Results and OOMs are remembered per length,
-    so later seq-lens of the same run reuse them."""
+    model's choice_length) that fits, halving on OOM (nsa_compile.parity.fit_parity). Results and
+    OOMs are remembered per length, so later seq-lens of the same run reuse them."""
 
     def __init__(self, args, device: torch.device):
         self.args, self.device = args, device
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.done: dict[int, dict] = {}
+        self.done: dict = {}
         self.too_long: set[int] = set()
 
     def check(self, seq_len: int) -> dict:
         args = self.args
         length = min(seq_len, args.parity_len or choice_length(preset(args.model)) or seq_len)
-        while True:
-            if length in self.done:  # the lengths that ran out of memory, of those this seq-len tried
-                tried = sorted((n for n in self.too_long if length < n <= seq_len), reverse=True)
-                return {**self.done[length], "oom_at": tried}
-            if length not in self.too_long:
-                try:
-                    result = run_parity(checked_workload(args.model, PARITY_BATCH, length, self.device, seed=1),
-                                        self.dtype, config_for(args.compiler))
-                except Exception as err:
-                    free_memory()
-                    if not is_oom(err):
-                        traceback.print_exc()
-                        return {"ok": False, "parity_len": length, "worst": [],
-                                "detail": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"}
+        fit = fit_parity(self.run, length, args.parity_min_len)
+        if fit.report is None:
+            return {**fit.record(), "worst": []}
+        return {**fit.record(), **self.summary(fit.length, fit.report)}
+
+    def run(self, length: int):
+        if length in self.too_long:  # known from an earlier seq-len of this run
+            raise torch.OutOfMemoryError(f"the float64 oracle ran out of memory at seq-len {length} before")
+        if length not in self.done:
+            try:
+                self.done[length] = run_parity(checked_workload(self.args.model, PARITY_BATCH, length, self.device,
+                                                                seed=1), self.dtype, config_for(self.args.compiler))
+            except Exception as err:
+                if is_oom(err):
                     self.too_long.add(length)
-                else:
-                    self.done[length] = self.summary(length, result)
-                    continue
-            if length // 2 < args.parity_min_len:
-                return {"ok": None, "parity_len": None,
-                        "detail": f"the float64 oracle ran out of memory down to seq-len {length}"}
-            length //= 2
+                raise
+        return self.done[length]
 
     def summary(self, length: int, result) -> dict:
         cfg = preset(self.args.model)
-        return {"ok": result.ok, "parity_len": length, "batch": PARITY_BATCH,
-                "dtype": str(self.dtype).removeprefix("torch."),
+        return {"batch": PARITY_BATCH, "dtype": str(self.dtype).removeprefix("torch."),
                 "selection_exercised": length > cfg.n_selected * cfg.sel_block,
                 "choice_exercised": any(c.rows for c in result.choices),
                 "mean_ratio": result.mean_ratio, "block_choice": [c.as_dict() for c in result.choices],
@@ -272,20 +255,12 @@ class ParityCache:
                 "worst": [row.as_dict() for row in (result.failures() or result.rows)[:5]]}
 
 
-def parity_sentence(seq_len: int, p: dict) -> str:
-    if p["ok"] is None:
-        return f"parity: not checked ({p['detail']})"
-    if "detail" in p:
-        return f"parity at seq-len {p['parity_len']}: FAIL ({p['detail']})"
-    where = f"{p['dtype']}, batch {p['batch']}, seq-len {p['parity_len']}"
-    if p["oom_at"]:
-        where += f"; the float64 oracle did not fit at {', '.join(map(str, p['oom_at']))}"
-    elif p["parity_len"] != seq_len:
-        where += " (--parity-len, or the length where the block choice is exercised)"
-    if not p["selection_exercised"]:
-        where += "; every candidate block is selected at this length (top-n choice not exercised)"
-    return f"parity of the first step (loss, output, every gradient vs float64; {where}): " \
-           f"{'PASS' if p['ok'] else 'FAIL'}"
+def parity_text(seq_len: int, p: dict) -> str:
+    ran = p["ok"] is not None and "detail" not in p
+    where = f"loss, output, every gradient vs float64; {p['dtype']}, batch {p['batch']}, seq-len {p['parity_len']}" \
+        if ran else ""
+    note = "--parity-len, or the length where the block choice is exercised" if ran and p["parity_len"] != seq_len else ""
+    return parity_sentence(p, "the first step", where, note)
 
 
 def run_seq_len(seq_len: int, args, device, env: dict, parity: ParityCache) -> list[dict]:
@@ -319,7 +294,7 @@ def run_seq_len(seq_len: int, args, device, env: dict, parity: ParityCache) -> l
                      **p}
     append_record(args.out, parity_record)
     records.append(parity_record)
-    print(parity_sentence(seq_len, p))
+    print(parity_text(seq_len, p))
     for line in p.get("summary", []):  # the aggregate bar and the block choice
         print(line)
     if p["ok"] is False:
@@ -494,7 +469,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--parity-len", type=int, default=None,
                     help="the longest parity length to try (default: the model's "
                          "nsa_compile.parity.choice_length, 2048 for seed; at most the run's seq-len)")
-    ap.add_argument("--parity-min-len", type=int, default=64, help="give up on parity below this length")
+    ap.add_argument("--parity-min-len", type=int, default=64, help="halve the parity length on OOM no further than this (the first length always runs)")
     ap.add_argument("--no-parity", action="store_true", help="skip parity (ratios then print n/a)")
     ap.add_argument("--warm-cache", action="store_true",
                     help="compile with the shared Inductor cache (default: an empty one per variant)")

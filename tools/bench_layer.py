@@ -52,13 +52,13 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_e2e beside this file
-from bench_e2e import append_record, compile_cache, environment, is_oom, sdpa_context
+from bench_e2e import append_record, compile_cache, environment, sdpa_context
 
 import nsa_compile
-from nsa_compile.bench import cuda_time_ms, free_memory, nsa_op_times, print_kernel_profile, print_nsa_op_times
+from nsa_compile.bench import cuda_time_ms, free_memory, is_oom, nsa_op_times, print_kernel_profile, print_nsa_op_times
 from nsa_compile.explain import pass_table, rewrite_summary
 from nsa_compile.models import NSAAttention, preset
-from nsa_compile.parity import check_parity
+from nsa_compile.parity import check_parity, fit_parity, parity_sentence
 
 VARIANTS = ("nsa", "compile", "eager", "sdpa", "cudnn", "fa2")
 DENSE_BACKENDS = {"sdpa": None, "cudnn": "cudnn", "fa2": "flash"}
@@ -131,43 +131,28 @@ def optimizer_for(config: nsa_compile.OptimizeConfig):
 
 def check_layer_parity(cfg, args, device, dtype, config) -> dict:
     """check_parity at the shortest run length, halving while it runs out of memory."""
-    length = min(args.seq_len)
-    too_long = []
-    while length >= args.parity_min_len:
-        try:
-            torch.manual_seed(0)
-            probe = LayerWithInputs(NSALayer(cfg), layer_inputs(cfg, args.batch, length, "cpu", torch.float32, 1))
-            gain = torch.ones((), device=device)
-            result = check_parity(probe.to(device), optimizer_for(config), (gain,), dtype, is_lm=False)
-        except Exception as err:
-            probe = None
-            free_memory()
-            if not is_oom(err):
-                traceback.print_exc()
-                return {"ok": False, "parity_len": length, "detail": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
-            too_long.append(length)
-            length //= 2
-            continue
+    def run(length):
+        torch.manual_seed(0)
+        probe = LayerWithInputs(NSALayer(cfg), layer_inputs(cfg, args.batch, length, "cpu", torch.float32, 1))
+        gain = torch.ones((), device=device)
+        result = check_parity(probe.to(device), optimizer_for(config), (gain,), dtype, is_lm=False)
+        del probe
         free_memory()
-        return {"ok": result.ok, "parity_len": length, "oom_at": too_long,
-                "selection_exercised": length > cfg.n_selected * cfg.sel_block,
-                "choice_exercised": any(c.rows for c in result.choices), "summary": result.summary(),
-                "rows": [r.as_dict() for r in result.rows], "failures": [r.as_dict() for r in result.failures()]}
-    return {"ok": None, "parity_len": None, "detail": f"the float64 oracle ran out of memory down to {too_long[-1]}"}
+        return result
+
+    fit = fit_parity(run, min(args.seq_len), args.parity_min_len)
+    if fit.report is None:
+        return fit.record()
+    result = fit.report
+    return {**fit.record(), "selection_exercised": fit.length > cfg.n_selected * cfg.sel_block,
+            "choice_exercised": any(c.rows for c in result.choices), "summary": result.summary(),
+            "rows": [r.as_dict() for r in result.rows], "failures": [r.as_dict() for r in result.failures()]}
 
 
-def parity_sentence(p: dict, dtype: torch.dtype) -> str:
-    if p["ok"] is None:
-        return f"parity: not checked ({p['detail']})"
-    if "detail" in p:
-        return f"parity at seq-len {p['parity_len']}: FAIL ({p['detail']})"
-    where = f"{str(dtype).removeprefix('torch.')}, seq-len {p['parity_len']}"
-    if p["oom_at"]:
-        where += f"; the float64 oracle did not fit at {', '.join(map(str, p['oom_at']))}"
-    if not p["selection_exercised"]:
-        where += "; every candidate block is selected at this length (top-n choice not exercised)"
-    return f"parity of the layer (output, input and parameter gradients vs float64; {where}): " \
-           f"{'PASS' if p['ok'] else 'FAIL'}"
+def parity_text(p: dict, dtype: torch.dtype) -> str:
+    where = f"output, input and parameter gradients vs float64; {str(dtype).removeprefix('torch.')}, " \
+            f"seq-len {p['parity_len']}"
+    return parity_sentence(p, "the layer", where)
 
 
 # --- the variants ---------------------------------------------------------------------------------
@@ -366,7 +351,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--variants", default="nsa,cudnn,fa2", help="subset of " + ",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--compiler", default="inductor", help="optimize's compiler (nsa_compile.config.COMPILERS)")
-    ap.add_argument("--parity-min-len", type=int, default=64, help="give up on parity below this length")
+    ap.add_argument("--parity-min-len", type=int, default=64, help="halve the parity length on OOM no further than this (the first length always runs)")
     ap.add_argument("--no-parity", action="store_true")
     ap.add_argument("--profile", action="store_true", help="CUDA: per length, the nsa variant's GPU time by NSA op and kernel")
     ap.add_argument("--out", default=None, help="append JSON-line records here")
@@ -406,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         parity = {"ok": None, "detail": "--no-parity" if args.no_parity else "no nsa variant"}
     else:
         parity = check_layer_parity(cfg, args, device, dtype, config)
-    print(parity_sentence(parity, dtype))
+    print(parity_text(parity, dtype))
     for line in parity.get("summary", []):  # the aggregate bar and the block choice
         print(line)
     if parity["ok"] is False and "rows" in parity:
