@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import bench_corpus
 import bench_e2e
 import bench_layer
+import bench_packed
 import choice_overlap
 import profile_step
 import train_agreement
@@ -631,3 +632,38 @@ def test_the_library_refuses_an_unknown_pass_with_a_value_error():
         config_for("aot_eager", "nope")
     assert config_for("aot_eager", "window_attention").disabled_passes == tuple(
         n for n in nsa_compile.pass_names() if n != "window_attention")
+
+
+# --- bench_packed ---------------------------------------------------------------------------------
+
+
+def test_document_mix_sums_to_the_length_and_is_seeded():
+    for seq_len in (1, 100, 2048, 32768):
+        lengths = bench_packed.document_mix(seq_len, 100, 8192, seed=3)
+        assert sum(lengths) == seq_len and min(lengths) >= 1 and max(lengths) <= 8192
+        assert all(100 <= n for n in lengths[:-1])  # only the last is cut
+        assert lengths == bench_packed.document_mix(seq_len, 100, 8192, seed=3)
+    assert len(bench_packed.document_mix(32768, 100, 8192, seed=0)) > 5
+
+
+def test_packed_bench_times_both_columns_and_records_what_ran(tmp_path, capsys):
+    out = tmp_path / "packed.jsonl"
+    rc = bench_packed.main(["--model", "tiny", "--seq-len", "96", "--batch", "1", "--steps", "1", "--warmup", "0",
+                            "--min-doc", "10", "--max-doc", "60", "--out", str(out), *FAST])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    documents = bench_packed.document_mix(96, 10, 60, seed=0)
+    assert f"tiny, seq-len 96, batch 1: documents {documents}" in text
+    assert "parity of the packed model's first step (loss, output, every gradient vs float64; float32, batch 1, " \
+           "seq-len 96" in text and "): PASS" in text
+    records = read(out)
+    assert [r.get("column", r["record"]) for r in records] == ["unpacked", "packed", "packed_parity"]
+    unpacked, packed, parity = records
+    assert (unpacked["status"], packed["status"], parity["ok"]) == ("ok", "ok", True)
+    assert (unpacked["documents"], packed["documents"]) == (None, len(documents))
+    # every NSA op ran in both columns (the backend each took is recorded)
+    ops = {"window_attention", "compressed_attention", "select_blocks", "selected_attention", "gated_combine"}
+    for r in (unpacked, packed):
+        assert ops <= {b.split(":")[0] for b in r["backends"]}, r["backends"]
+    ratio = packed["tok_s"] / unpacked["tok_s"]
+    assert re.search(rf"packed \({len(documents)} documents\) .*\| {ratio:.2f}x \(target >= 0.9: (met|missed)\)", text)
