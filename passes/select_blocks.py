@@ -31,8 +31,25 @@ Per-head selection (tests/corpus/fused_qkv_per_head.py): no group sum, the key [
 per query head over grouped compressed keys (G < H): the same function as the grouped form with
 every query head a group of one, so the op gets the compressed keys repeated per query head
 (`k.repeat_interleave(H // G, 1)`, a [B, H, Tc, Dk] copy, said in the match text), q and the lse
-as they are, and returns [B, H, S, n]. Casts of p that keep its dtype (fp32 `.to(float32)`,
-`.float()`) are read through; one that rounds (p.to(bf16).float()) is refused.
+as they are, and returns [B, H, S, n].
+
+Casts and autocast (issue 17: the rounding is a parameter of the op, not a refusal). Casts of p
+that keep its dtype (fp32 `.to(float32)`, `.float()`) are read through. Under torch.autocast (bf16
+or fp16) eager's `p @ overlap` runs in the autocast dtype, and canonicalize writes autocast's casts
+as `.to()` nodes:
+    p_slc = p.to(bf16) @ overlap.to(bf16)      # p float32, rounded; the map rounded; the result bf16
+    p_grp = p_slc.view(B, G, h, S, Ns).sum(2)   # bf16 (accumulated in float32, rounded)
+    key = torch.where(forced, inf, torch.where(candidate, p_grp, -inf))   # bf16, then pad, sort
+Where the matmul computes in bf16 or fp16, the casts round the wider p to that dtype and to no
+other narrower one (a rounded p widened and rounded again is exact: `p.to(bf16).float()` under
+autocast, as tests/corpus/fused_qkv_per_head.py's `.to(q.dtype)` then `.float()`), the map the
+matmul reads is exactly overlap / l rounded to it (evaluated), and the group sum, the key, its
+fills and the padding stay in it, the op gets `importance_dtype` = that dtype (the user's own casts
+in those places count the same). The same for the per-head form and for fla's rule
+(`p.to(bf16).masked_fill(.., 1.0)`, its group sum and key in bf16). Any other mixture is refused,
+naming the nodes and dtypes: p rounded and cast back up before a float32 matmul
+(p.to(bf16).float() @ overlap), the matmul's result cast before the group sum or the key, a key in
+another dtype than the rounded importance, a matmul in a lower dtype with no cast in the graph.
 
 Verified, not assumed: p must be exactly compressed_attention's probabilities (the same chain and
 mask checks as that pass, for the pooling's (l, d)), and an `nsa.compressed_attention` node must
@@ -72,20 +89,24 @@ fewer than n columns where S < n l') takes n for the op, whose ids are then cut 
 paper's alike: at most Ns blocks exist to choose), so the cut keeps eager's ids (block ids that a
 selected branch then reads with n = min(n, Ns): selected_attention gives its op all n).
 
-Becomes `torch.ops.nsa.select_blocks(q, k_cmp, lse, l, d, l', n, c, backend[, pos])` (nsa_compile/ops/
-block_select.py), [B, G, S, n] int64. The importance chain, the sorts and then, once nothing
-else reads them, the [B, H, S, Tc] probabilities and scores of the compressed branch are erased.
-The op's importance differs from eager's by float32 rounding only (exp(s - lse) for a softmax):
-blocks within ~1e-6 relative of each other may be ranked the other way; exact ties go to the
-lower block, as the stable sort does. That is also a valid torch.topk result: where keys tie at the
+Becomes `torch.ops.nsa.select_blocks(q, k_cmp, lse, l, d, l', n, c, backend[, pos][, rule='fla']
+[, importance_dtype=torch.bfloat16])` (nsa_compile/ops/block_select.py), [B, G, S, n] int64. The
+importance chain (its casts included), the sorts and then, once nothing else reads them, the
+[B, H, S, Tc] probabilities and scores of the compressed branch are erased. The op's importance
+differs from eager's by float32 rounding only (exp(s - lse) for a softmax): blocks within ~1e-6
+relative of each other may be ranked the other way (with importance_dtype: where that moves one
+rounded importance by one unit, which the op's docstring measures); exact ties go to the lower
+block, as the stable sort does. That is also a valid torch.topk result: where keys tie at the
 n-th place, topk may return any of the tied blocks (its choice is unspecified), and the sets can
 differ only there; `explain` notes this on every topk match.
 
 Refuses (graph unchanged), with the reason shown by `explain`:
 - compressed_attention did not rewrite the branch (disabled, or refused: its reason is repeated);
 - p used by anything else (a third consumer keeps the [B, H, S, Tc] tensor: nothing to gain);
-- a map that is not the overlap / l (weights all 1, another stride), forced or candidate blocks
-  that differ from NSA's (e.g. block 0 not forced), padding that is not -inf;
+- a map that is not the overlap / l (weights all 1, another stride; rounded: not exactly overlap / l
+  rounded to the matmul's dtype), forced or candidate blocks that differ from NSA's (e.g. block 0
+  not forced), padding that is not -inf;
+- a mixture of dtypes in the importance other than one rounding (above), naming nodes and dtypes;
 - a sort that is not stable (it leaves the order of tied keys at the n-th place unspecified);
 - torch.topk with largest=False (the lowest-ranked blocks), over another dim, with a k that is not
   the n kept (topk(key, k)[..., :n] with n < k), or with its values used beyond the > -inf filter
@@ -118,7 +139,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, evaluate_node, only_user
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
-from nsa_compile.ops.block_select import choose_backend, why_not_triton
+from nsa_compile.ops.block_select import ROUNDINGS, choose_backend, why_not_triton
+from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.rewrite import PassContext, RewritePass
 from nsa_compile.sizes import Sizes
 
@@ -135,6 +157,10 @@ CLAMP_NOTE = "; the model's top-k of min({n}, Ns) blocks: the op's ids past Ns a
 # Per-head selection (no group sum): every query head is a group of one for the op.
 PER_HEAD = (", per query head (each head its own group: the compressed keys repeated x{h} per query head, "
             "a [B, H, Tc, Dk] copy)")
+# An importance computed in bf16/fp16 (autocast's matmul): the op rounds as eager does.
+ROUNDED = ", importance rounded to {dtype} as eager computes it"
+# the cast calls read between the compressed probabilities and the importance matmul
+CASTS = ("to", "float", "type", "half", "bfloat16", "double")
 INF = float("inf")
 
 
@@ -516,6 +542,8 @@ class SelectBlocks(RewritePass):
             packed = ", packed documents (pos)" if plan["pos"] is not None else ""
             if plan.get("per_head", 1) > 1:
                 packed += PER_HEAD.format(h=plan["per_head"])
+            if plan.get("importance_dtype") is not None:
+                packed += ROUNDED.format(dtype=str(plan["importance_dtype"]).removeprefix("torch."))
             ctx.matched(node, KERNEL.format(block=block, n=plan["n"], backend=plan["backend"], packed=packed, note=note,
                                             why=why))
 
@@ -568,12 +596,16 @@ class SelectBlocks(RewritePass):
             chain += [p_grp, grouped]
         else:
             p_slc, h = p_grp, 1
+        cast_after_matmul(p_slc)
         if op_name(p_slc) not in MATMULS or not all(isinstance(x, fx.Node) for x in p_slc.args[:2]):
             raise Refused("the importance is not the probabilities times a block map (p @ overlap)")
         single(p_slc, "importance per head")
         chain.append(p_slc)
         p, overlap = p_slc.args
-        p, casts = same_dtype_casts(p)
+        p, casts, rounding = importance_casts(p, p_slc)
+        if rounding is not None:  # rounded by the matmul: it stays in that dtype up to the sort
+            kept_rounding(rounding, [(p_grp, "the group sum"), (outer[0], "the ranking key"), (key, "the ranking key"),
+                                     (padded, "the padded ranking key")])
         chain += casts
         probs, op, sizes, (l, d, pos) = self.compressed_source(p, "(p @ overlap)", ranking, subgraphs, data,
                                                                 cmp_requested)
@@ -596,7 +628,8 @@ class SelectBlocks(RewritePass):
             read_as_sets(final, requested_selection(ranking))
         if pos is None:  # the position-only subgraphs: evaluated, a proof for this shape (or each probe's)
             block = self.key_at_probe_sizes(subgraphs, sizes, (S, Tc, Ns), forced_fill, cand_fill, forced_outside,
-                                            overlap, l, d)
+                                            overlap, l, d, None if rounding is None else
+                                            (upcast_dtype(value(probs.q).dtype), rounding))
         else:  # packed documents: the subgraphs read pos, checked on probe positions
             block = verify_packed_key(probes or PackedProbes(), pos, overlap, forced_fill, cand_fill, forced_outside,
                                       (B, G, H, S, Tc, Ns), l, d, n)
@@ -607,15 +640,15 @@ class SelectBlocks(RewritePass):
         k_fake = value(probs.k) if per_head == 1 else value(probs.k).repeat_interleave(per_head, 1)
         fakes = (value(probs.q), k_fake, lse_fake, l, d, block, n)
         try:
-            backend = choose_backend(*fakes, requested, value(pos))
+            backend = choose_backend(*fakes, requested, value(pos), "nsa", rounding)
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(select_blocks_backend={requested!r}): {why}") from None
         return {"probs": probs, "op": op, "final": final, "block": block, "Ns": sizes.int(Ns), "n": n, "l": l, "d": d,
                 "backend": backend, "pos": pos, "rule": "nsa", "q": probs.q, "k": probs.k, "tiled": None, "clamp": clamp,
-                "per_head": per_head,
+                "per_head": per_head, "importance_dtype": rounding,
                 "chain": tail + [ranking] + ([padded] if padded is not key else []) + fillers + chain,
                 "roots": [overlap, forced_fill[1], cand_fill[1], p],
-                "why_not_triton": why_not_triton(*fakes, value(pos)) if requested == "auto"
+                "why_not_triton": why_not_triton(*fakes, value(pos), "nsa", rounding) if requested == "auto"
                 else f"select_blocks_backend={requested!r} in OptimizeConfig"}
 
     @staticmethod
@@ -655,11 +688,15 @@ class SelectBlocks(RewritePass):
         nsa.select_blocks call with rule='fla', or Refused."""
         favoured, grouped, tiled_groups = favoured_key(first_arg(ranking))
         p, fill_mask, fill_sense = cmp.fill_of(favoured, 1.0)
+        p, casts, rounding = importance_casts(p, favoured)  # p.to(bf16): the 1.0 and the group sum in bf16
         key = first_arg(ranking)
         B, G, S, Ns = value(key).shape
         chain = [key] + ([grouped] if grouped is not None else []) + [favoured]
         for node in chain:
             single(node, "ranking key")
+        if rounding is not None:
+            kept_rounding(rounding, [(key, "the ranking key")])
+        chain += casts
         h = 1 if grouped is None else value(grouped).shape[1 if tiled_groups else 2]
         probs, op, sizes, (l, d, pos) = self.compressed_source(p, "(the current block set to 1.0)", ranking,
                                                                 subgraphs, data, cmp_requested)
@@ -683,7 +720,7 @@ class SelectBlocks(RewritePass):
             k_sel = None  # the first G heads of the tiled keys: made by `rewrite`
         elif Gk != G or probs.h != h:
             raise Refused(f"the importance groups {H} heads as {G} x {h}; the compressed keys have {Gk} groups")
-        if [u for u in p.users if u is not favoured]:
+        if [u for u in p.users if u is not (casts[-1] if casts else favoured)]:
             raise Refused("the compressed probabilities are also used other than by the selection: the [B, H, S, Tc] "
                           "tensor stays")
         n, final, ids, tail, clamp = self.read_fla_choice(ranking, Ns)
@@ -700,14 +737,14 @@ class SelectBlocks(RewritePass):
         lse_fake = op.meta["example_value"][1]
         fakes = (value(probs.q), value(probs.k)[:, :G], lse_fake, l, d, l, n)
         try:
-            backend = choose_backend(*fakes, requested, None, "fla")
+            backend = choose_backend(*fakes, requested, None, "fla", rounding)
         except ValueError as why:
             raise Refused(f"OptimizeConfig(select_blocks_backend={requested!r}): {why}") from None
         return {"probs": probs, "op": op, "final": final, "block": l, "Ns": sizes.int(Ns), "n": n, "l": l, "d": d,
                 "backend": backend, "pos": None, "rule": "fla", "q": q_sel, "k": k_sel, "clamp": clamp,
-                "tiled": (h, G) if tiled_groups and h > 1 else None,
+                "tiled": (h, G) if tiled_groups and h > 1 else None, "importance_dtype": rounding,
                 "chain": tail + [ranking] + chain, "roots": [fill_mask, p],
-                "why_not_triton": why_not_triton(*fakes, None, "fla") if requested == "auto"
+                "why_not_triton": why_not_triton(*fakes, None, "fla", rounding) if requested == "auto"
                 else f"select_blocks_backend={requested!r} in OptimizeConfig"}
 
     @staticmethod
@@ -931,9 +968,11 @@ class SelectBlocks(RewritePass):
 
     @staticmethod
     def verify_key(subgraphs, S: int, Tc: int, Ns: int, forced_fill: tuple, cand_fill: tuple, forced_outside: bool,
-                   overlap: fx.Node, l: int, d: int) -> int:  # fmt: skip
+                   overlap: fx.Node, l: int, d: int, rounded: tuple | None = None) -> int:  # fmt: skip
         """l' of a key whose forced and candidate blocks and block map are NSA's (evaluated at
-        compile time, every element: a proof for these sizes), else Refused."""
+        compile time, every element: a proof for these sizes), else Refused. rounded: (up, dtype)
+        where the matmul reads the map rounded to dtype: it must then be exactly the op's weights,
+        overlap / l in up rounded to dtype."""
         cls = key_classes(SelectBlocks.grid(subgraphs, forced_fill, S, Ns, "forced-block mask"),
                           SelectBlocks.grid(subgraphs, cand_fill, S, Ns, "candidate mask"), forced_outside)  # [S, Ns]
         block = SelectBlocks.selection_block(cls)
@@ -942,6 +981,14 @@ class SelectBlocks(RewritePass):
             raise Refused(classes_reason(cls, want, block))
         got = subgraphs.evaluate(overlap, "block map")
         expected = overlap_matrix(Tc, Ns, l, d, block, got.device)
+        if rounded is not None:
+            up, dtype = rounded
+            if tuple(got.shape) != (Tc, Ns) or got.dtype != dtype or not torch.equal(got, expected.to(up).to(dtype)):
+                name = str(dtype).removeprefix("torch.")
+                raise Refused(f"the block map the {name} matmul reads is not overlap(i, j) / l rounded to {name} (the "
+                              f"tokens compression block i shares with selection block j, over l = {l}; d = {d}, "
+                              f"l' = {block}), as the op rounds it")
+            return block
         if (tuple(got.shape) != (Tc, Ns) or not got.is_floating_point() or not torch.equal(got != 0, expected != 0)
                 or not torch.allclose(got.double(), expected, rtol=1e-6, atol=0)):
             raise Refused(f"the block map is not overlap(i, j) / l (the tokens compression block i shares with "
@@ -950,20 +997,21 @@ class SelectBlocks(RewritePass):
 
     @staticmethod
     def key_at_probe_sizes(subgraphs, sizes: Sizes, dims: tuple, forced_fill: tuple, cand_fill: tuple,
-                           forced_outside: bool, overlap: fx.Node, l: int, d: int) -> int:  # fmt: skip
+                           forced_outside: bool, overlap: fx.Node, l: int, d: int,
+                           rounded: tuple | None = None) -> int:  # fmt: skip
         """`verify_key` once per probe assignment of the graph's sizes (just the one when static):
         the l' shown where a probe has two selection blocks or more must be one number, and every
         probe with one block (where any l' >= S selects the same) must be shorter than it; else
         Refused naming the sizes. dims: (S, Tc, Ns), SymInts under symbolic sizes."""
         if not sizes.symbolic:  # (ints: a size a guard fixed may still be a SymInt of one number)
             return SelectBlocks.verify_key(subgraphs, *(sizes.int(x) for x in dims), forced_fill, cand_fill,
-                                             forced_outside, overlap, l, d)
+                                             forced_outside, overlap, l, d, rounded)
         found = []  # (sizes, S, Ns, l') per probe
         for probe in sizes.probes():
             S, Tc, Ns = (probe.int(x) for x in dims)
             try:
                 block = SelectBlocks.verify_key(subgraphs.at(probe), S, Tc, Ns, forced_fill, cand_fill,
-                                                  forced_outside, overlap, l, d)
+                                                  forced_outside, overlap, l, d, rounded)
             except Refused as why:
                 raise Refused(f"at the probe sizes {probe.describe()} (S = {S}): {why}") from None
             found.append((probe.describe(), S, Ns, block))
@@ -1012,6 +1060,8 @@ class SelectBlocks(RewritePass):
             lse = call(graph, operator.getitem, op, 1, anchor=final)
         packed = () if plan["pos"] is None else (plan["pos"],)
         q, rule = plan["q"], {} if plan["rule"] == "nsa" else {"rule": plan["rule"]}
+        if plan.get("importance_dtype") is not None:
+            rule["importance_dtype"] = plan["importance_dtype"]
         if plan["tiled"] is not None:  # heads of a tiled group made contiguous: head r*G + g -> g*h + r
             h, G = plan["tiled"]
             q, lse = (call(graph, torch.flatten, call(graph, torch.transpose, call(
@@ -1109,27 +1159,80 @@ def descendants(node: fx.Node) -> set[fx.Node]:
 
 
 
-def same_dtype_casts(p: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
-    """p.to(dtype) / p.float() / p.type(dtype) chains that keep p's dtype (fp32 probabilities cast to
-    float32 again: no rounding) -> (p, [the casts, the one nearest the importance first]); Refused
-    for a cast that rounds (bf16 probabilities rounded before the importance: the op ranks them
-    unrounded), or a cast used elsewhere."""
-    casts = []
-    while op_name(p) in ("to", "float", "type") and isinstance(first_arg(p), fx.Node):
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def importance_casts(operand: fx.Node, p_slc: fx.Node) -> tuple[fx.Node, list[fx.Node], torch.dtype | None]:
+    """The casts (.to, .float, .type, ...) between the compressed probabilities and the importance
+    matmul p_slc = operand @ map -> (p, [the casts, the one nearest the matmul first], rounding):
+
+    - rounding None: the matmul computes in p's own dtype and no cast rounds p (fp32
+      probabilities cast to float32 again, or widened and cast back: exact);
+    - rounding bf16 or fp16: the matmul computes in that dtype, p is wider, and the casts round p
+      to that dtype and to no other narrower one (autocast's `p.to(bf16)`, written into the graph
+      by canonicalize, or the user's own; `p.to(bf16).float().to(bf16)` too: the widening between is
+      exact): the op takes importance_dtype=rounding. (fla's rule: p_slc is the 1.0 fill, no matmul.)
+
+    Refused, naming the nodes and dtypes, for any other mixture (p rounded and cast back up: a
+    float32 matmul of rounded probabilities; a matmul in a dtype no cast in the graph gives), a
+    cast that moves p to another device, or a cast used elsewhere."""
+    casts, p = [], operand
+    while op_name(p) in CASTS and isinstance(first_arg(p), fx.Node):
         inner = first_arg(p)
         got, was = value(p), value(inner)
         if got is None or was is None:
             break
-        if got.dtype != was.dtype or got.device != was.device:
-            raise Refused(f"the importance reads the compressed probabilities through a cast that changes their dtype "
-                          f"({was.dtype} -> {got.dtype}): the op ranks them as the softmax gives them, unrounded")
+        if got.device != was.device:
+            raise Refused(f"the importance reads the compressed probabilities through a cast to another device "
+                          f"({was.device} -> {got.device}) at {p.name}")
         if casts:
             single(p, "cast probabilities")
         casts.append(p)
         p = inner
     if casts:
         single(casts[0], "cast probabilities")
-    return p, casts
+    source, computes = value(p).dtype, value(p_slc).dtype
+    changes = [c for c in casts if value(c).dtype != value(first_arg(c)).dtype]  # nearest the matmul first
+    narrowed = {value(c).dtype for c in casts if torch.finfo(value(c).dtype).bits < torch.finfo(source).bits}
+    path = " -> ".join(f"{x.name} ({dtype_name(value(x).dtype)})" for x in [p, *reversed(casts), p_slc])
+    if computes == source and not narrowed:
+        return p, casts, None
+    if computes in ROUNDINGS and torch.finfo(source).bits > torch.finfo(computes).bits and narrowed == {computes}:
+        return p, casts, computes
+    if changes:
+        last = changes[0]
+        raise Refused(f"the importance reads the compressed probabilities through a cast that changes their dtype "
+                      f"({value(first_arg(last)).dtype} -> {value(last).dtype}) at {last.name}: {path}; the op "
+                      "reproduces one rounding of p to the dtype the importance is computed in (bf16 or fp16, as "
+                      "autocast casts it), not this mixture")
+    raise Refused(f"the importance {p_slc.name} ({op_name(p_slc)}) computes in {dtype_name(computes)} from "
+                  f"{dtype_name(source)} probabilities with no cast in the graph ({path}): a rounding the pass cannot "
+                  "read")
+
+
+def kept_rounding(rounding: torch.dtype, nodes: list[tuple[fx.Node, str]]) -> None:
+    """Refused unless every node (the group sum, the key and its fills, the padding) is in the
+    dtype the importance was rounded to: the op's importance stays in it up to the sort."""
+    for node, what in nodes:
+        got = value(node)
+        if got is not None and got.dtype != rounding:
+            raise Refused(f"the importance is rounded to {dtype_name(rounding)}, but {what} {node.name} is "
+                          f"{dtype_name(got.dtype)}: the op reproduces an importance kept in {dtype_name(rounding)} "
+                          "up to the sort, not this mixture")
+
+
+def cast_after_matmul(node: fx.Node) -> None:
+    """Refused, naming the dtypes, where the importance is cast after its matmul (before the group
+    sum or the key): a rounding, or a widening, of p @ map that the op does not reproduce."""
+    inner = first_arg(node) if op_name(node) in CASTS else None
+    if (not isinstance(inner, fx.Node) or op_name(inner) not in (*MATMULS, "sum") or value(node) is None
+            or value(inner) is None):
+        return
+    was, got = value(inner).dtype, value(node).dtype
+    if was != got:
+        raise Refused(f"the importance is cast from {dtype_name(was)} to {dtype_name(got)} at {node.name} after "
+                      f"{inner.name} ({op_name(inner)}): the op keeps the dtype of p @ map up to the sort")
 
 
 PASS = SelectBlocks()

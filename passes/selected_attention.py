@@ -82,7 +82,7 @@ above where rows may be empty) on the un-gathered,
 un-repeated q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv] (nsa_compile/ops/selection.py), with
 the pos node as a last argument for packed documents: no gathered or repeated K/V, no
 [B, H, S, n*l'] scores in the graph. The backend is chosen here from the fake tensors and written
-into the graph (`triton` on CUDA, else `reference`; with pos only `reference` runs); `explain`
+into the graph (`triton` on CUDA, packed documents too, else `reference`); `explain`
 shows which and, for reference, why not triton.
 
 Refuses (graph unchanged), with the reason shown by `explain`:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 
+import helpers
 import pytest
 import torch
 from oracles import LargestTensor, assert_raises_eager_and_fake, triton_interpreter, upcast
@@ -26,6 +28,7 @@ from nsa_compile.models.config import ModelConfig
 from nsa_compile.models.nsa import NSAAttention
 from nsa_compile.ops import block_select as bs_mod
 from nsa_compile.ops import block_select_triton as bst
+from nsa_compile.ops import compressed_triton as ct
 from nsa_compile.ops import select_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -275,6 +278,233 @@ def test_reference_rounds_the_scores_to_the_input_dtype_first(dtype):
     assert torch.equal(select_blocks(q, k, lse, L, D, LS, 4, scale, "reference"), want)
 
 
+# --- a rounded importance (importance_dtype: the importance matmul under autocast, issue 17) -------------
+
+ROUNDINGS = (torch.bfloat16, torch.float16)
+
+
+def eager_rounded(p_cmp, S, G, n, dtype, l=L, d=D, ls=LS, pos=None):
+    """(block ids, importance [B, G, S, Ns] in dtype) of models/nsa.py `select_blocks` with its
+    importance computed in `dtype`, written out as autocast runs it: p and the block map rounded to
+    dtype, their matmul in dtype (float32 accumulation, the result rounded), the group sum in dtype,
+    the key in dtype, a stable descending sort. pos: packed documents (a block map per batch row,
+    forced and candidate blocks by document position)."""
+    B, H, _, Tc = p_cmp.shape
+    Ns = -(-S // ls)
+    i = torch.arange(Tc)[:, None]
+    j = torch.arange(Ns)[None, :]
+    start = i * d if pos is None else pos[:, :Tc, None]  # [Tc, 1] or [B, Tc, 1]
+    overlap = (torch.minimum(start + l, (j + 1) * ls) - torch.maximum(start, j * ls)).clamp(min=0).to(p_cmp.dtype) / l
+    p_slc = p_cmp.to(dtype) @ (overlap if pos is None else overlap[:, None]).to(dtype)  # [B, H, S, Ns]
+    p_grp = p_slc.view(B, G, H // G, S, Ns).sum(2)
+    assert p_slc.dtype == p_grp.dtype == dtype
+    t = torch.arange(S)[:, None] if pos is None else pos[:, None, :, None]
+    forced = (j == 0) | (j == t // ls) | (j == t // ls - 1)
+    key = torch.where(forced, float("inf"), torch.where(j * ls <= t, p_grp, float("-inf")))
+    key = torch.nn.functional.pad(key, (0, max(0, n - Ns)), value=float("-inf"))
+    values, order = torch.sort(key, dim=-1, descending=True, stable=True)
+    past_end = key.shape[-1]
+    chosen = torch.where(values[..., :n] > float("-inf"), order[..., :n], past_end)
+    chosen = torch.sort(chosen, dim=-1).values
+    return torch.where(chosen == past_end, -1, chosen), p_grp
+
+
+@pytest.mark.parametrize("dtype", ROUNDINGS)
+def test_rounded_formula_is_the_model_under_autocast(dtype):
+    """eager_rounded == NSAAttention.select_blocks run under CPU autocast in that dtype."""
+    for S, h, n in ((100, 3, 5), (77, 1, 3)):
+        q, k, scale = make_case(2, 2, h, S, 16, torch.float32, seed=S, grid=False)
+        p, _ = eager_p_cmp(q, k, L, D, scale)
+        with torch.autocast("cpu", dtype=dtype):
+            want = eager_module(2 * h, 2, 16, L, D, LS, n).select_blocks(p, S)
+        assert torch.equal(eager_rounded(p, S, 2, n, dtype)[0], want), S
+
+
+@pytest.mark.parametrize("dtype", ROUNDINGS)
+def test_reference_with_a_rounded_importance_matches_eager(dtype):
+    """importance_dtype: eager's block ids of the rounded importance, equal on random inputs at odd
+    shapes (q in bf16 as autocast's projections give it, and in float32), where the unrounded op's
+    differ in some rows (the rounding decides there)."""
+    unrounded = 0
+    for S, h, n, q_scale in itertools.product((37, 100, 131), (1, 3, 6), (3, 5), (0.3, 1.0)):
+        for q_dtype in (torch.bfloat16, torch.float32):
+            q, k, scale = make_case(2, 2, h, S, 16, q_dtype, seed=S * 7 + h + n, grid=False)
+            q = (q.float() * q_scale).to(q_dtype)
+            p, lse = eager_p_cmp(q, k, L, D, scale)
+            want, _ = eager_rounded(p, S, 2, n, dtype)
+            got = select_blocks(q, k, lse, L, D, LS, n, scale, "reference", importance_dtype=dtype)
+            assert got.shape == (2, 2, S, n) and got.dtype == torch.int64 and got.is_contiguous()
+            assert torch.equal(got, want), (S, h, n, q_scale, q_dtype)
+            unrounded += int((select_blocks(q, k, lse, L, D, LS, n, scale, "reference") != want).any(-1).sum())
+    assert unrounded >= {torch.bfloat16: 40, torch.float16: 5}[dtype], unrounded  # of 2,736 rows: 53, 7
+
+
+def bf16_tie_case(dtype):
+    """q, k, lse (S 100, one head) where the free blocks 1..4 of rows t >= 96 get importances that
+    differ in float32 (compression block 8, in block 4 only, scores 2^-16 above the others) but
+    round to one value in dtype: rounded, the tie goes to block 1; unrounded, block 4 wins."""
+    S, Tc = 100, (100 - L) // D + 1
+    q = torch.zeros(1, S, 1, 16)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, Tc, 16)
+    k[0, 0, 8, 0] = 2.0**-16
+    q, k = q.to(dtype).transpose(1, 2), k.to(dtype)
+    p, lse = eager_p_cmp(q, k, L, D, 1.0)
+    return q, k, lse, p
+
+
+@pytest.mark.parametrize("dtype", ROUNDINGS)
+def test_rounded_importance_breaks_its_exact_ties_to_the_lower_block(dtype):
+    q, k, lse, p = bf16_tie_case(dtype)
+    want, p_grp = eager_rounded(p, 100, 1, 4, dtype)
+    assert (p_grp[0, 0, 99, 1:5] == p_grp[0, 0, 99, 1]).all()  # an exact tie in dtype...
+    unrounded = eager_p_grp(p, 100, 1, L, D, LS)[0, 0, 99, 1:5]
+    assert unrounded.argmax() == 3 and (unrounded[:3] < unrounded[3]).all()  # ...of unequal float32 importances
+    assert want[0, 0, 96:].tolist() == [[0, 1, 5, 6]] * 4
+    got = select_blocks(q, k, lse, L, D, LS, 4, 1.0, "reference", importance_dtype=dtype)
+    assert torch.equal(got, want)
+    plain = select_blocks(q, k, lse, L, D, LS, 4, 1.0, "reference")
+    assert plain[0, 0, 96:].tolist() == [[0, 4, 5, 6]] * 4  # the float32 ranking: block 4
+    for name, q, k, scale in tie_cases(torch.bfloat16):  # ties exact in float32 stay ties when rounded
+        for n in (3, 5):
+            p, lse = eager_p_cmp(q, k, L, D, scale)
+            got = select_blocks(q, k, lse, L, D, LS, n, scale, "reference", importance_dtype=dtype)
+            assert torch.equal(got, eager_rounded(p, 100, 2, n, dtype)[0]), (name, n)
+
+
+def test_rounded_importance_chunking_is_exact(monkeypatch):
+    q, k, scale = make_case(2, 2, 3, 100, 16, torch.bfloat16, seed=7, grid=False)
+    p, lse = eager_p_cmp(q, k, L, D, scale)
+    want, _ = eager_rounded(p, 100, 2, 5, torch.bfloat16)
+    for budget in (1, 2 * 6 * 11 * 3):  # 1 and 3 rows per chunk
+        monkeypatch.setattr(bs_mod, "REFERENCE_BUDGET", budget)
+        got = select_blocks(q, k, lse, L, D, LS, 5, scale, "reference", importance_dtype=torch.bfloat16)
+        assert torch.equal(got, want), budget
+
+
+@pytest.mark.parametrize("dtype", ROUNDINGS)
+def test_rounded_importance_with_packed_documents(dtype):
+    """pos and importance_dtype: the packed block map per batch row rounded the same way."""
+    pos = helpers.packed_positions([[9, 1, 30, 13, 70, 77], [5, 1, 47, 47, 100]])  # documents up to 7 blocks
+    B, S = pos.shape
+    G, h, Dk = 2, 3, 16
+    gen = torch.Generator().manual_seed(1)
+    q = (0.1 * torch.randn(B, S, G * h, Dk, generator=gen)).to(torch.bfloat16).transpose(1, 2)  # flat: ties
+    k = torch.randn(B, G, S - L + 1, Dk, generator=gen).to(torch.bfloat16)
+    scores = upcast(q @ k.repeat_interleave(h, dim=1).transpose(-1, -2)) * Dk**-0.5  # [B, H, S, Tc]
+    visible = helpers.packed_slot_visibility(S, k.shape[2], pos, L, D)  # [B, 1, S, Tc]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(scores.masked_fill(~visible.any(-1, keepdim=True), 0.0), dim=-1) * visible
+    lse = torch.logsumexp(scores, dim=-1)
+    want, _ = eager_rounded(p, S, G, 5, dtype, pos=pos)
+    with torch.autocast("cpu", dtype=dtype):  # the model's packed selection under autocast: the same
+        assert torch.equal(eager_module(G * h, G, Dk, L, D, LS, 5).select_blocks(p, S, pos), want)
+    got = select_blocks(q, k, lse, L, D, LS, 5, Dk**-0.5, "reference", pos=pos, importance_dtype=dtype)
+    assert torch.equal(got, want)
+    assert not torch.equal(select_blocks(q, k, lse, L, D, LS, 5, Dk**-0.5, "reference", pos=pos), want)
+
+
+def test_rounded_importance_with_the_fla_rule():
+    """Rule 'fla' with importance_dtype: p rounded, the current block set to 1.0 and the group sum in
+    bf16, ranked by a stable sort (the eager formula written with p.to(bf16))."""
+    B, G, h, S, block, n = 2, 2, 3, 37, 4, 3
+    gen = torch.Generator().manual_seed(1)
+    q = (0.3 * torch.randn(B, S, G * h, 8, generator=gen)).transpose(1, 2)
+    k = torch.randn(B, G, -(-S // block), 8, generator=gen)
+    p, lse = eager_p_cmp(q, k, block, block, 8**-0.5)
+    current = torch.arange(S)[:, None] // block
+    key = p.to(torch.bfloat16).masked_fill(current == torch.arange(k.shape[2]), 1.0).view(B, G, h, S, -1).sum(2)
+    idx = key.sort(dim=-1, descending=True, stable=True).indices[..., :n]
+    want = idx.masked_fill(idx > current, -1)
+    got = select_blocks(q, k, lse, block, block, block, n, 8**-0.5, "reference", rule="fla",
+                        importance_dtype=torch.bfloat16)
+    assert torch.equal(got, want)
+    assert not torch.equal(select_blocks(q, k, lse, block, block, block, n, 8**-0.5, "reference", rule="fla"), want)
+
+
+def test_rounded_importance_argument_backends_and_schema():
+    """importance_dtype takes None, bf16 or fp16 (ValueError otherwise, eager and fake); the triton
+    backend takes it where one chunk of heads holds the group (its reason otherwise), so 'auto'
+    chooses as without it; opcheck passes."""
+    args = bad_args(importance_dtype=torch.float32)
+    assert_raises_eager_and_fake(select_blocks, args, "importance_dtype must be None, torch.bfloat16 or "
+                                                      "torch.float16, got torch.float32")
+    q, k, scale = make_case(2, 2, 2, 40, 16, torch.bfloat16, seed=0)
+    _, lse = eager_p_cmp(q, k, L, D, scale)
+    choice = (q, k, lse, L, D, LS, 5)
+    assert bs_mod.why_not_triton(*choice, None, "nsa", torch.bfloat16) == bs_mod.why_not_triton(*choice)
+    assert bs_mod._triton_reason(*choice, None, "nsa", torch.float16) is None
+    assert bs_mod.choose_backend(*choice, "auto", None, "nsa", torch.bfloat16) == \
+        bs_mod.choose_backend(*choice, "auto")
+    q17, k17, _ = make_case(1, 1, 17, 40, 16, torch.bfloat16, seed=0)  # 17 heads: two chunks of 16
+    lse17 = torch.zeros(1, 17, 40)
+    reason = ("importance rounded to bfloat16 with 17 heads a group in chunks of 16 (the rounded importance is kept "
+              "per head for one chunk only)")
+    assert bs_mod._triton_reason(q17, k17, lse17, L, D, LS, 5, None, "nsa", torch.bfloat16) == reason
+    assert bs_mod._triton_reason(q17, k17, lse17, L, D, LS, 5) is None
+    torch.library.opcheck(torch.ops.nsa.select_blocks.default, (q, k, lse, L, D, LS, 5, scale, "reference"),
+                          {"importance_dtype": torch.bfloat16})
+
+
+@pytest.mark.parametrize("dtype", ROUNDINGS)
+def test_triton_with_a_rounded_importance_matches_eager(dtype):
+    """The triton backend with importance_dtype: eager's block ids of the rounded importance at odd
+    shapes, with and without packed documents, and its exact ties to the lower block. q and k in
+    fp16: the kernel rounds its scores to the input dtype, which Triton's CPU interpreter does by
+    truncation in bf16 (the GPU test runs bf16 inputs)."""
+    for S, h, n, q_scale in ((100, 2, 5, 1.0), (150, 3, 4, 3.0), (200, 4, 5, 1.0), (77, 1, 6, 0.3)):
+        q, k, scale = make_case(2, 2, h, S, 16, torch.float16, seed=S + h, grid=False)
+        q = (q.float() * q_scale).to(torch.float16)
+        p, lse = eager_p_cmp(q, k, L, D, scale)
+        want, _ = eager_rounded(p, S, 2, n, dtype)
+        got = select_blocks(q, k, lse, L, D, LS, n, scale, "triton", importance_dtype=dtype)
+        assert torch.equal(got, want), (S, h, n)
+    q, k, lse, p = bf16_tie_case(dtype)
+    got = select_blocks(q, k, lse, L, D, LS, 4, 1.0, "triton", importance_dtype=dtype)
+    assert got[0, 0, 96:].tolist() == [[0, 1, 5, 6]] * 4  # the rounded tie: block 1 (unrounded: block 4)
+    assert torch.equal(got, eager_rounded(p, 100, 1, 4, dtype)[0])
+    pos = helpers.packed_positions([[9, 1, 30, 13, 70, 77]])
+    S = pos.shape[1]
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, S, 4, 16, generator=gen).to(torch.float16).transpose(1, 2)
+    k = torch.randn(1, 2, S - L + 1, 16, generator=gen).to(torch.float16)
+    want = select_blocks(q, k, packed_lse(q, k, pos), L, D, LS, 5, 0.25, "reference", pos=pos, importance_dtype=dtype)
+    got = select_blocks(q, k, packed_lse(q, k, pos), L, D, LS, 5, 0.25, "triton", pos=pos, importance_dtype=dtype)
+    assert torch.equal(got, want)
+
+
+def packed_lse(q, k, pos):
+    """The compressed lse [B, H, S] of packed q and per-token slots k (scale 0.25), -inf where no slot is visible."""
+    h = q.shape[1] // k.shape[1]
+    scores = upcast(q @ k.repeat_interleave(h, dim=1).transpose(-1, -2)) * 0.25
+    visible = helpers.packed_slot_visibility(q.shape[2], k.shape[2], pos, L, D)
+    return torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1)
+
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ROUNDINGS)
+def test_rounded_importance_on_cuda_at_the_seed_shape(dtype):
+    """The seed's geometry (h 6, G 2, Dk 64, l 32, d 16, l' 64, n 16) at S 2048 on CUDA, bf16 q and
+    k: the triton backend ('auto' takes it) and the reference backend with importance_dtype against
+    the model's select_blocks under CUDA autocast (cuBLAS's bf16/fp16 matmul): the same block ids
+    but in a few rows (CPU: 2 in 10^6); without importance_dtype many more rows differ."""
+    S, G, h, Dk = 2048, 2, 6, 64
+    q, k, scale = make_case(2, G, h, S, Dk, torch.bfloat16, seed=3, l=32, d=16, grid=False, device="cuda")
+    p, lse = eager_p_cmp(q, k, 32, 16, scale)
+    with torch.autocast("cuda", dtype=dtype):
+        want = eager_module(G * h, G, Dk, 32, 16, 64, 16).select_blocks(p, S)
+    assert bs_mod.choose_backend(q, k, lse, 32, 16, 64, 16, "auto", None, "nsa", dtype) == "triton"
+    rows = 2 * G * S
+    for backend in ("triton", "reference"):
+        got = select_blocks(q, k, lse, 32, 16, 64, 16, scale, backend, importance_dtype=dtype)
+        differ = int((got != want).any(-1).sum())
+        assert differ <= rows // 500, f"{backend}: {differ} of {rows} rows differ"
+    plain = int((select_blocks(q, k, lse, 32, 16, 64, 16, scale) != want).any(-1).sum())
+    print(f"{dtype}: rows that differ from eager under autocast without importance_dtype: {plain} of {rows}")
+
+
 # --- the Triton kernel ----------------------------------------------------------------------------------
 
 # B, G, h, S, Dk, n, dtype, (l, d, l') (CPU: the interpreter runs each program in Python, seconds)
@@ -360,6 +590,179 @@ def test_reference_runs_what_triton_refuses():
         want = NSAAttention(cfg).select_blocks(p, 90)
         got = select_blocks(q, k, lse, l, d, ls, 4, scale, "reference")
         near_ties(got, want, eager_p_grp(p, 90, 2, l, d, ls))
+
+
+# --- the Triton kernel with packed documents (pos) ------------------------------------------------------
+
+
+def packed_case(lengths, G, h, Dk, dtype, seed, l=L, keys="grid", device=DEVICE):
+    """pos [B, S] for batch rows packed with documents of these lengths, q [B, H, S, Dk] (a view of
+    [B, S, H, Dk] memory), slot keys k [B, G, S - l + 1, Dk] (a slot per token) and scale. keys:
+    'grid' (q and k on make_case's grid: exact scores), 'gaussian', or 'zero' (uniform
+    probabilities: exact ties)."""
+    pos = helpers.packed_positions(lengths)
+    B, S = pos.shape
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((B, S, G * h, Dk), (B, G, max(0, S - l + 1), Dk))
+    if keys == "gaussian":
+        q, k = (torch.randn(*shape, generator=gen) for shape in shapes)
+    else:
+        q, k = (torch.randint(-32, 33, shape, generator=gen) / 32 for shape in shapes)
+    if keys == "zero":
+        k = torch.zeros_like(k)
+    return pos.to(device), q.to(dtype).to(device).transpose(1, 2), k.to(dtype).to(device), Dk**-0.5
+
+
+def eager_packed(q, k, scale, n, pos, l=L, d=D, ls=LS):
+    """(eager block_idx, eager p_grp, lse) with packed documents: the packed p_cmp of models/nsa.py
+    `compressed_attention` (slot keys k), its log-sum-exp (-inf where no slot is visible), and
+    `select_blocks(p_cmp, S, pos)` with its importance (its first lines)."""
+    B, H, S, Dk = q.shape
+    G, Tc = k.shape[1], k.shape[2]
+    scores = upcast(q @ k.repeat_interleave(H // G, dim=1).transpose(-1, -2)) * scale  # [B, H, S, Tc]
+    visible = helpers.packed_slot_visibility(S, Tc, pos, l, d)  # [B, 1, S, Tc]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(scores.masked_fill(~visible.any(-1, keepdim=True), 0.0), dim=-1) * visible
+    idx = eager_module(H, G, Dk, l, d, ls, n).select_blocks(p, S, pos)
+    j = torch.arange(-(-S // ls), device=q.device)[None, :]
+    start = pos[:, :Tc, None]  # [B, Tc, 1]: each slot's document position
+    overlap = (torch.minimum(start + l, (j + 1) * ls) - torch.maximum(start, j * ls)).clamp(min=0).to(p.dtype) / l
+    p_grp = (p @ overlap[:, None]).view(B, G, H // G, S, -1).sum(2)
+    return idx, p_grp, torch.logsumexp(scores, dim=-1).float()
+
+
+# per-row document lengths (B = 2: documents of 1 token and shorter than l), G, h, Dk, n, dtype,
+# (l, d, l'), tiles (None: the defaults). Together they take every packed path of the kernel
+# (test_packed_cases_take_every_kernel_path).
+PACKED_CASES = [
+    (([9, 1, 30, 13], [5, 1, 47]), 2, 2, 16, 4, torch.float32, (8, 4, 8), None),
+    (([20, 1, 3, 46], [70]), 1, 3, 16, 4, torch.bfloat16, (16, 4, 8), None),  # l > l': visibility matters
+    (([1, 40, 4, 22], [33, 2, 32]), 2, 5, 16, 4, torch.float32, (4, 2, 8), {"HC": 2, "TC": 16, "BLOCK_M": 16}),
+    (([6, 1, 31], [38]), 1, 4, 24, 3, torch.float16, (16, 8, 32), {"TC": 16, "BLOCK_M": 16}),  # n > Ns
+]
+
+
+def packed_kernel_paths(pos, h, Dk, n, dtype, geometry, tiles) -> set:
+    """The packed paths of the kernel that these positions take with these tiles: 'groups' (a
+    query tile holds rows of several documents with blocks: one pass over the blocks each),
+    'blockless' (a document without blocks starts inside a tile: a pass that finds no rows),
+    'key_tiles' (a group's pass spans several tiles of compression blocks, the previous one
+    reaching into the next), 'head_chunks' (the heads in several chunks), 'free_choice' (rows with
+    more candidates than n: the importance decides), 'padding' (rows with fewer: -1 padded)."""
+    l, d, ls = geometry
+    T = bst._tiles(h, Dk, d, ls, n, dtype == torch.float32, tiles)
+    S = pos.shape[1]
+    _, lo, _, _, _ = ct.document_slots(pos, S - l + 1, l, d)
+    found = {"head_chunks"} if -(-h // T["HC"]) > 1 else set()
+    candidates = pos // ls + 1  # [B, S]
+    found |= {"free_choice"} if (candidates > n).any() else set()
+    found |= {"padding"} if (candidates < n).any() else set()
+    for rows in torch.arange(S).split(T["BLOCK_M"]):
+        for b in range(pos.shape[0]):
+            groups = lo[b, rows].unique()
+            starts = int((pos[b, rows[1:]] == 0).sum())  # documents starting after the tile's first query
+            if len(groups) > 1:
+                found.add("groups")
+            if starts + 1 > len(groups):
+                found.add("blockless")
+            for group in groups:
+                last = int(pos[b, rows][lo[b, rows] == group].max())
+                if (last // ls) // (T["TC"] * d // ls) > 0:
+                    found.add("key_tiles")
+    return found
+
+
+def test_packed_cases_take_every_kernel_path():
+    found = set()
+    for lengths, _, h, Dk, n, dtype, geometry, tiles in PACKED_CASES:
+        found |= packed_kernel_paths(helpers.packed_positions(lengths), h, Dk, n, dtype, geometry, tiles)
+    assert found == {"groups", "blockless", "key_tiles", "head_chunks", "free_choice", "padding"}
+
+
+@needs_triton
+@pytest.mark.parametrize("lengths,G,h,Dk,n,dtype,geometry,tiles", PACKED_CASES,
+                         ids=[str(c) for c in range(len(PACKED_CASES))])  # fmt: skip
+def test_triton_with_pos_matches_eager(lengths, G, h, Dk, n, dtype, geometry, tiles):
+    """pos in the kernel: eager's packed choice (document-relative block ids, forced and candidate
+    blocks by document position, rows that see no slot: importance 0), exact on grid inputs."""
+    l, d, ls = geometry
+    pos, q, k, scale = packed_case(lengths, G, h, Dk, dtype, seed=sum(lengths[0]) + h + n, l=l)
+    want, p_grp, lse = eager_packed(q, k, scale, n, pos, l, d, ls)
+    assert (lse.isneginf().any() and (want == -1).any() and (want.amax(-1) == (pos // ls)[:, None]).all()
+            and not torch.equal(want, eager(q, k[:, :, ::d], scale, n, l, d, ls)[0]))  # the packing matters
+    got = bst.select_blocks_forward(q, k, lse, l, d, ls, n, scale, pos, tiles=tiles)
+    assert got.shape == (pos.shape[0], G, pos.shape[1], n) and got.dtype == torch.int64 and got.is_contiguous()
+    assert near_ties(got, want, p_grp) == 0
+
+
+@needs_triton
+def test_triton_with_pos_breaks_exact_ties_like_eager():
+    """Zero keys (uniform probabilities over each row's visible slots): many exactly equal free
+    candidates per row; the kernel breaks the ties as eager (to the lower block), for the op
+    named 'triton' too."""
+    pos, q, k, scale = packed_case(([5, 95], [100]), 2, 3, 16, torch.bfloat16, seed=2, keys="zero")
+    for n in (4, 5):
+        want, p_grp, lse = eager_packed(q, k, scale, n, pos)
+        j = torch.arange(p_grp.shape[-1], device=DEVICE)
+        free = (j >= 1) & (j <= (pos // LS)[..., None] - 2)  # [B, S, Ns]: candidates not forced
+        assert any(bool((p_grp[b, 0, t][free[b, t]] == p_grp[b, 0, t][free[b, t]].max()).sum() > n - 3)
+                   for b, t in (free.sum(-1) > n - 3).nonzero().tolist())  # the stable order decides
+        assert torch.equal(select_blocks(q, k, lse, L, D, LS, n, scale, "triton", pos=pos), want), n
+
+
+@needs_triton
+def test_triton_with_pos_on_short_sequences_and_documents():
+    """S < l (no slot), documents all shorter than l (no row sees a slot: the forced blocks, then
+    the candidates ascending), S < l'."""
+    for lengths, n in ((([10], [3, 7]), 3), (([7, 7, 7, 1, 7, 7, 7, 7], [1, 15, 15, 15, 4]), 4), (([20], [19, 1]), 3)):
+        pos, q, k, scale = packed_case(lengths, 2, 3, 16, torch.float32, seed=len(lengths[0]))
+        want, _, lse = eager_packed(q, k, scale, n, pos)
+        assert torch.equal(select_blocks(q, k, lse, L, D, LS, n, scale, "triton", pos=pos), want), lengths
+
+
+@needs_triton
+def test_unsupported_reason_with_pos(monkeypatch):
+    """A valid pos: the kernel takes it (auto takes it on CUDA: gpu tests); on the CPU auto takes
+    reference with pos for the reason it does without; an invalid pos has a reason."""
+    pos, q, k, scale = packed_case(([13, 27], [40]), 2, 2, 16, torch.float32, seed=0)
+    lse = torch.zeros(2, 4, 40, device=DEVICE)
+    args = (q, k, lse, L, D, LS, 5)
+    assert bst.unsupported_reason(*args, pos) is None
+    assert bs_mod._triton_reason(*args, pos) is None
+    assert "pos must be int64 [B, S] = [2, 40], got torch.int32" in bst.unsupported_reason(*args, pos.int())
+    assert "Tc must be S - block + 1 = 25, got 24" in bst.unsupported_reason(q, k[:, :, 1:], *args[2:], pos)
+    if DEVICE == "cpu":
+        assert bs_mod.choose_backend(*args, "auto", pos) == "reference"
+        assert bs_mod.why_not_triton(*args, pos) == bs_mod.why_not_triton(*args) == (
+            "the Triton kernel runs on CUDA (tensors on cpu)")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="backend 'triton' cannot run these inputs: device cpu"):
+            select_blocks(q, k, lse, L, D, LS, 5, scale, "triton", pos=pos)
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the kernel tests launch the compiled kernel")
+def test_the_packed_kernel_compiles_for_sm90_without_a_gpu(monkeypatch):
+    """The compiled path of the kernel with pos (HAS_POS: a loop over the tile's document groups),
+    which the interpreted tests never take: built as on the GPU (TRITON_INTERPRET off) and
+    compiled to PTX for an H100 by the Triton installed here (bf16, the seed's h 6, Dk 64, l 32,
+    d 16, l' 64, n 16)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    T = bst._tiles(6, 64, 16, 64, 16, False)
+    fn = bst.select_kernel.built()
+    pointers = {"Q": "*bf16", "KC": "*bf16", "LSE": "*fp32", "W": "*fp32", "OUT": "*i64", "POS": "*i64", "LO": "*i32",
+                "SLOT": "*i32"}  # fmt: skip
+    signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name) or ("fp32" if p.name == "scale" else "i32")
+                 for p in fn.params}  # fmt: skip
+    given = {"HPG": 6, "HC": T["HC"], "NHC": 1, "DK": 64, "DK_P": T["DK_P"], "BLOCK_M": T["BLOCK_M"], "TC": T["TC"],
+             "NS": T["TC"] // 4, "KS": T["KS"], "LOG_KS": T["KS"].bit_length() - 1, "PREC": "tf32", "ROUND": True,
+             "UPCAST": False, "HAS_POS": True}  # fmt: skip
+    compiled = bst.triton.compile(ASTSource(fn, signature, given), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": T["num_warps"]})
+    assert ".entry select_kernel(" in compiled.asm["ptx"]
 
 
 # --- the op's plumbing ------------------------------------------------------------------------------------
@@ -511,6 +914,34 @@ def test_triton_at_the_issue_sizes(S, shape):
     got, ref, want, p_grp = _gpu_case(S, H // G, torch.bfloat16, grid=True, G=G, Dk=Dk, seed=S)
     assert near_ties(got, want, p_grp) <= G * S // 1000
     assert near_ties(ref, want, p_grp) <= G * S // 1000
+
+
+def random_lengths(S: int, shortest: int, longest: int, seed: int) -> list[int]:
+    """Document lengths drawn uniformly from [shortest, longest] until they fill S tokens (the last
+    one cut at S)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < S:
+        lengths.append(min(S - sum(lengths), int(torch.randint(shortest, longest + 1, (1,), generator=gen))))
+    return lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keys", ["grid", "gaussian"])
+def test_triton_with_pos_on_cuda_at_the_seed_shape(keys):
+    """The seed's geometry (h 6, G 2, Dk 64, l 32, d 16, l' 64, n 16) at S 2048, bf16, a realistic
+    mix of documents (100 to 800 tokens) per row: auto takes triton with pos, and triton and the
+    reference backend give eager's packed choice but for near ties (on the grid 1e-6; off it the
+    bf16 rounding of scores summed in another order, OFF_GRID_TIE)."""
+    S, rows = 2048, [random_lengths(2048, 100, 800, seed) for seed in range(2)]
+    pos, q, k, scale = packed_case(rows, 2, 6, 64, torch.bfloat16, seed=5, l=32, keys=keys, device="cuda")
+    want, p_grp, lse = eager_packed(q, k, scale, 16, pos, 32, 16, 64)
+    assert bs_mod.choose_backend(q, k, lse, 32, 16, 64, 16, "auto", pos) == "triton"
+    tie = NEAR_TIE if keys == "grid" else OFF_GRID_TIE[torch.bfloat16]
+    allowed = 2 * 2 * S // (1000 if keys == "grid" else 100)
+    for backend in ("triton", "reference"):
+        got = select_blocks(q, k, lse, 32, 16, 64, 16, scale, backend, pos=pos)
+        assert near_ties(got, want, p_grp, tie) <= allowed, backend
 
 
 # --- rule 'fla': flash-linear-attention's choice (issue 17.3: a variant is a parameter) ---------------

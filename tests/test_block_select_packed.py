@@ -24,7 +24,6 @@ from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it 
 from nsa_compile.models.config import ModelConfig
 from nsa_compile.models.nsa import NSAAttention
 from nsa_compile.ops import block_select as bs_mod
-from nsa_compile.ops import block_select_triton as bst
 from nsa_compile.ops import select_blocks
 
 L, D, LS = 16, 8, 16  # l, d, l' (as tests/test_block_select_op.py)
@@ -239,17 +238,15 @@ def test_reference_breaks_exact_ties_like_eager(dtype, keys):
 # --- backends and plumbing -------------------------------------------------------------------------------
 
 
-def test_triton_refuses_packed_documents_with_a_reason():
+def test_auto_takes_reference_with_pos_on_the_cpu_as_without():
+    """The kernel takes pos (tests/test_block_select_op.py runs it); on the CPU auto takes
+    reference with pos for the reason it does without."""
     pos = packed_positions()
     q, k, scale = make_case(pos, 2, 2, 16, torch.float32, seed=0)
     lse = torch.zeros(pos.shape[0], 4, S)
     args = (q, k, lse, L, D, LS, 5)
-    assert bst.unsupported_reason(*args, pos) == bst.PACKED_REASON
-    assert "packed documents (pos): the Triton kernel has no document mask" == bst.PACKED_REASON
     assert bs_mod.choose_backend(*args, "auto", pos) == "reference"
-    assert bs_mod.why_not_triton(*args, pos) == bst.PACKED_REASON
-    with pytest.raises(ValueError, match=r"backend 'triton' cannot run these inputs: packed documents \(pos\)"):
-        select_blocks(q, k, lse, L, D, LS, 5, scale, "triton", pos=pos)
+    assert bs_mod.why_not_triton(*args, pos) == "the Triton kernel runs on CUDA (tensors on cpu)"
 
 
 def test_opcheck():
@@ -326,7 +323,7 @@ def test_argument_validation(change, match):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_reference_on_cuda_matches_eager(dtype):
     """The paper's geometry (l = 32, d = 16, l' = 64, n = 16) at S = 4096, random packings per row:
-    eager's choice but for near ties, and auto takes reference with the packed reason."""
+    eager's choice but for near ties (auto takes triton there)."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for _ in range(2):
@@ -340,4 +337,4 @@ def test_packed_reference_on_cuda_matches_eager(dtype):
     want, p_grp, lse = eager(q, k, scale, 16, pos, 32, 16, 64)
     got = select_blocks(q, k, lse, 32, 16, 64, 16, scale, "auto", pos=pos)
     assert near_ties(got, want, p_grp, 1e-5) <= 2 * 2 * 4096 // 1000
-    assert bs_mod.why_not_triton(q, k, lse, 32, 16, 64, 16, pos) == bst.PACKED_REASON
+    assert bs_mod.why_not_triton(q, k, lse, 32, 16, 64, 16, pos) is None  # auto takes triton

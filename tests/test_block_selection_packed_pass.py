@@ -28,8 +28,8 @@ CMP, SEL = "compressed_attention", "select_blocks"
 TINY = preset("tiny")
 LAYERS = ["blocks.0.attn", "blocks.1.attn"]
 PACKED_KERNEL = (f"nsa.select_blocks[reference] (l'={TINY.sel_block}, n={TINY.n_selected}, packed documents (pos), "
-                 "from the compressed lse, no [B, H, S, Tc] probabilities; not triton: packed documents (pos): the "
-                 "Triton kernel has no document mask)")
+                 "from the compressed lse, no [B, H, S, Tc] probabilities; not triton: the Triton kernel runs on "
+                 "CUDA (tensors on cpu))")
 
 
 positions = document_positions
@@ -215,6 +215,39 @@ def test_the_models_own_functions_give_eager_block_ids():
     assert row(optimized, CMP)["matches"] == row(optimized, SEL)["matches"] == 1
     assert torch.equal(got[1], expected[1]) and (got[1] >= 0).sum(-1).max() == TINY.n_selected
     torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+
+
+def test_under_autocast_the_rounded_importance_gives_eager_block_ids():
+    """The model's packed functions under CPU bf16 autocast (bf16 q, k, v as projections give them,
+    n = 5: two free slots): select_blocks fires with pos and importance_dtype=torch.bfloat16, and
+    the block ids equal eager's under autocast, where the float32 ranking of the same p differs."""
+    cfg = preset("tiny", n_selected=5)
+
+    class ModelBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = NSAAttention(cfg)
+
+        def forward(self, q, k, v, pos):
+            o, p = self.attn.compressed_attention(q, k, v, pos)
+            return o, self.attn.select_blocks(p, q.shape[1], pos)
+
+    g = torch.Generator().manual_seed(2)
+    B, S, H, G, Dh = 2, 150, cfg.n_heads, cfg.n_kv_groups, cfg.head_dim
+    q, k, v = (torch.randn(B, S, heads, Dh, generator=g) for heads in (H, G, G))
+    q, k, v = (0.1 * q).to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)  # flat scores: near ties
+    pos = torch.stack([positions([13, 100, 1, 6, 30]), positions([150])])
+    module = ModelBranch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (expected, _), (got, _), optimized = run_both(module, (q, k, v, pos))
+        _, p = module.attn.compressed_attention(q, k, v, pos)
+    assert not torch.equal(module.attn.select_blocks(p, S, pos), expected[1])  # unrounded: another choice
+    r = row(optimized, SEL)
+    assert (r["matches"], r["refused"]) == (1, 0) and "importance rounded to bfloat16" in r["kernels"][0], r
+    calls = [line for line in only_graph(optimized).code_after.splitlines() if "torch.ops.nsa.select_blocks(" in line]
+    assert len(calls) == 1 and "importance_dtype = torch.bfloat16" in calls[0], calls
+    assert torch.equal(got[1], expected[1]) and (got[1] >= 0).sum(-1).max() == 5
+    torch.testing.assert_close(got[0], expected[0], rtol=2e-2, atol=2e-2)
 
 
 NEAR_MISSES = [

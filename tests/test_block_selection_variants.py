@@ -67,6 +67,8 @@ class FlaSelection(nn.Module):
         attn = torch.einsum("bqhd,bkhd->bhqk", q * D**-0.5, k_cmp).masked_fill(hidden, float("-inf"))
         attn = torch.nan_to_num(attn.softmax(-1), nan=0.0)
         o_cmp = torch.einsum("bhqk,bkhd->bqhd", attn, v_cmp)
+        if self.change == "bf16-importance":  # the probabilities rounded: the 1.0 and the group sum in bf16
+            attn = attn.to(torch.bfloat16)
         score = attn.masked_fill(local, 1.0)
         score = score.view(B, G, H, T, C).sum(1) if self.tiled else score.view(B, H, G, T, C).sum(2)
         idx = score.topk(min(self.n, C), -1)[1]
@@ -120,6 +122,36 @@ def test_fla_rule_fires_with_eager_ids_outputs_and_gradients(tiled, T):
     grads = torch.autograd.grad(o_got.square().sum(), args)
     for a, b in zip(grads, torch.autograd.grad(o_want.square().sum(), args)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def stable_topk(key, k, dim=-1):
+    """torch.topk's result with ties broken to the lower index (a stable descending sort): one of the
+    results topk may give, the one the op documents."""
+    values, indices = key.sort(dim=dim, descending=True, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+def test_fla_rule_of_rounded_probabilities_takes_the_rounded_importance(monkeypatch):
+    """p.to(bf16) before fla's 1.0 fill (the key, its group sum and the topk in bf16, with many exact
+    ties): the op runs rule 'fla' with importance_dtype=torch.bfloat16 and gives eager's ids with
+    topk's ties broken to the lower block; eager's own topk differs only at ties of its bf16 key."""
+    module = FlaSelection(change="bf16-importance")
+    args = inputs(T=37)
+    (o_want, ids_topk), (o_got, ids_got), optimized = run_both(module, args)
+    r = row(optimized, SEL)
+    assert (r["matches"], r["refused"]) == (1, 0), r
+    assert "importance rounded to bfloat16 as eager computes it" in r["kernels"][0], r
+    calls = [line for line in only_graph(optimized).code_after.splitlines() if "torch.ops.nsa.select_blocks(" in line]
+    assert len(calls) == 1 and "rule = 'fla', importance_dtype = torch.bfloat16" in calls[0], calls
+    keys = []
+    monkeypatch.setattr(torch.Tensor, "topk", lambda key, k, dim=-1: keys.append(key) or stable_topk(key, k, dim))
+    ids_want = module(*args)[1]
+    assert keys[0].dtype == torch.bfloat16 and torch.equal(ids_got, ids_want)
+    key = keys[0].transpose(1, 2)  # [B, T, H, C], as the ids
+    differ = (ids_topk.sort(-1).values != ids_want.sort(-1).values).any(-1)
+    kth = key.sort(-1, descending=True).values[..., 2:3]  # the 3rd best key of each row
+    assert differ.any() and ((key == kth).sum(-1) > 1)[differ].all()  # topk's ties: sets differ only there
+    torch.testing.assert_close(o_got, o_want, rtol=1e-5, atol=1e-6)
 
 
 NEAR_MISSES = [
@@ -177,7 +209,9 @@ class PerHeadSelection(nn.Module):
     """tests/corpus/fused_qkv_per_head.py's compressed branch and per-head choice (no group sum:
     block ids [B, H, S, n], one set per query head) on q [B, S, H, D], k, v [B, S, G, D]; returns
     (o_cmp [B, H, S, D], block ids). `change`: "bf16-rounded" rounds the probabilities to bf16
-    before the importance (a near miss: the op ranks them unrounded)."""
+    before the importance (a near miss: the op ranks them unrounded); "upcast-scores" takes q @ k^T
+    to float32 before the scale (under CPU autocast p is then float32 and the importance matmul
+    rounds it to bf16, as under CUDA autocast)."""
 
     def __init__(self, cmp_len=8, cmp_stride=4, sel_len=8, n=3, change=None):
         super().__init__()
@@ -198,7 +232,10 @@ class PerHeadSelection(nn.Module):
         kc, vc = compress(k).repeat_interleave(H // G, dim=1), compress(v).repeat_interleave(H // G, dim=1)
         blk = torch.arange(kc.shape[2])
         visible = blk[None, :] * self.d + self.l - 1 <= pos[:, None]
-        p = torch.softmax((q @ kc.transpose(2, 3) * D**-0.5).masked_fill(~visible, float("-inf")), dim=-1)
+        scores = q @ kc.transpose(2, 3) * D**-0.5
+        if self.change == "upcast-scores":  # float32 scores before the scale, as the reference model
+            scores = (q @ kc.transpose(2, 3)).float() * D**-0.5
+        p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         p = torch.nan_to_num(p, nan=0.0)  # rows with no visible block
         o_cmp = p @ vc
         if self.change == "bf16-rounded":
@@ -261,6 +298,25 @@ def test_per_head_selection_of_rounded_probabilities_is_refused():
     assert record.code_after.count(".sort(") == 2 and "select_blocks" not in record.code_after
     assert torch.equal(ids_got, ids_want)
     torch.testing.assert_close(o_got, o_want, rtol=1e-5, atol=1e-6)
+
+
+def test_per_head_selection_under_autocast_takes_the_rounded_importance():
+    """Under CPU bf16 autocast (bf16 inputs, float32 scores and softmax) the per-head importance
+    matmul runs in bf16 (p and the map rounded): select_blocks fires per query head with
+    importance_dtype=torch.bfloat16, and the ids [B, H, S, n] and the compressed output equal
+    eager's under autocast."""
+    module = PerHeadSelection(n=5, change="upcast-scores")
+    args = [x.detach().to(torch.bfloat16).requires_grad_() for x in per_head_inputs(S=70)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (o_want, ids_want), (o_got, ids_got), optimized = run_both(module, args)
+    r = row(optimized, SEL)
+    assert (r["matches"], r["refused"]) == (1, 0), r
+    assert "per query head" in r["kernels"][0], r
+    assert "importance rounded to bfloat16 as eager computes it" in r["kernels"][0], r
+    calls = [line for line in only_graph(optimized).code_after.splitlines() if "torch.ops.nsa.select_blocks(" in line]
+    assert len(calls) == 1 and "importance_dtype = torch.bfloat16" in calls[0], calls
+    assert torch.equal(ids_got, ids_want) and (ids_want >= 0).sum(-1).max() == 5
+    torch.testing.assert_close(o_got, o_want, rtol=2e-2, atol=2e-2)
 
 
 def test_per_head_selection_at_varying_length_with_symbolic_sizes():

@@ -539,8 +539,6 @@ PACKED_BAD = [
     (dict(pos=torch.zeros(1, 20, dtype=torch.int64)), r"pos must have shape \[B, S\] = \[2, 20\], got \[1, 20\]"),
     (dict(pos=torch.zeros(B, 20, dtype=torch.int64, device="meta")), "pos must be on q's device cpu, got meta"),
     (dict(k=torch.randn(B, G, 4, DK), v=torch.randn(B, G, 4, DV)), r"Tc must be S - block \+ 1 = 13, got 4"),
-    (dict(backend="triton"), (r"backend 'triton' cannot run these inputs: packed documents \(pos\): the Triton "
-                              "kernel has no document mask")),
 ]
 
 
@@ -549,18 +547,20 @@ def test_packed_argument_validation(change, match):
     assert_raises_eager_and_fake(compressed_attention, packed_bad_args(**change), match)
 
 
-def test_packed_backend_choice_and_backward_validation():
+def test_packed_backend_choice_and_backward_validation(monkeypatch):
+    """On the CPU auto takes reference with pos as without it, for the same reason (the kernels
+    run on CUDA; they take pos: TestTriton); the backward op validates pos."""
     args = packed_bad_args()
     q, k, v, pos = args["q"], args["k"], args["v"], args["pos"]
     assert cmp_mod.choose_backend(q, k, v, 8, 4, "auto", pos) == "reference"
-    assert cmp_mod.why_not_triton(q, k, v, 8, 4, pos) == ("packed documents (pos): the Triton kernel has no "
-                                                          "document mask")
+    assert cmp_mod.why_not_triton(q, k, v, 8, 4, pos) == "the Triton kernels run on CUDA (tensors on cpu)"
     o, lse = torch.ops.nsa.compressed_attention(q, k, v, 8, 4, 0.5, "auto", pos)
     grad_o = torch.randn_like(o)
     compressed_attention_backward(grad_o, q, k, v, o, lse, 8, 4, 0.5, "auto", pos)
     with pytest.raises(ValueError, match=r"pos must have shape"):
         compressed_attention_backward(grad_o, q, k, v, o, lse, 8, 4, 0.5, "auto", pos[:, :7])
-    with pytest.raises(ValueError, match="the Triton kernel has no document mask"):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend 'triton' cannot run these inputs: device cpu"):
         compressed_attention_backward(grad_o, q, k, v, o, lse, 8, 4, 0.5, "triton", pos)
 
 
@@ -613,16 +613,16 @@ def triton_device():
         yield DEVICE
 
 
-def reference(q, k, v, grad_o, l, d, scale):
+def reference(q, k, v, grad_o, l, d, scale, pos=None):
     """o, lse, dq, dk, dv of the reference backend in float32 at the same inputs."""
     f = lambda x: x.float()
-    o, lse = cmp_mod._reference_forward(f(q), f(k), f(v), l, d, scale)
-    return (o, lse, *cmp_mod._reference_backward(f(grad_o), f(q), f(k), f(v), l, d, scale))
+    o, lse = cmp_mod._reference_forward(f(q), f(k), f(v), l, d, scale, pos=pos)
+    return (o, lse, *cmp_mod._reference_backward(f(grad_o), f(q), f(k), f(v), l, d, scale, pos=pos))
 
 
-def run_triton(q, k, v, grad_o, l, d, scale, tiles=None):
-    o, lse = ct.compressed_forward(q, k, v, l, d, scale, tiles=tiles)
-    return (o, lse, *ct.compressed_backward(grad_o, q, k, v, o, lse, l, d, scale, tiles=tiles))
+def run_triton(q, k, v, grad_o, l, d, scale, tiles=None, pos=None):
+    o, lse = ct.compressed_forward(q, k, v, l, d, scale, pos, tiles=tiles)
+    return (o, lse, *ct.compressed_backward(grad_o, q, k, v, o, lse, l, d, scale, pos, tiles=tiles))
 
 
 def check_triton(ours, ref, dtype, what):
@@ -659,6 +659,90 @@ TRITON_CASES = [
     (50, 4, 2, 8, 8, 8, torch.bfloat16, None),
     (40, 2, 1, 4, 2, 24, torch.float16, {"dkdv": {"SEGMENT": 32}}),
 ]
+
+
+# Packed documents in the kernels: S, the document lengths of the two batch rows (each row with a
+# document shorter than l, most with one of a single token), h, G, l, d, dtype, tiles. Together
+# they take every packed path of the kernels (test_packed_cases_take_every_kernel_path): forward
+# and dq tiles of rows in one document that see whole tiles of slots unmasked, and tiles of rows
+# from several documents; dk/dv key tiles inside one document (with unmasked query tiles) and
+# over several; dk/dv split into several work items per key tile (summed by the reduce kernel).
+SMALL_TILES = {"fwd": {"ROWS": 16, "BLOCK_N": 16}, "dq": {"ROWS": 16, "BLOCK_N": 16},
+               "dkdv": {"ROWS": 16, "BLOCK_N": 16, "SEGMENT": 16}}
+PACKED_TRITON_CASES = [
+    (70, ([1, 12, 7, 50], [23, 3, 44]), 2, 2, 4, 2, torch.float32, None),
+    (60, ([9, 1, 40, 10], [2, 1, 57]), 3, 2, 4, 2, torch.bfloat16, SMALL_TILES),
+    (37, ([20, 1, 16], [2, 1, 34]), 1, 2, 6, 3, torch.float16, None),
+    (61, ([3, 40, 1, 17], [61]), 2, 1, 3, 4, torch.float32, {"dkdv": {"SEGMENT": 32}}),  # l < d
+    # l < d, documents of l tokens: blocks l apart, closer than d (the dk/dv work plan's bound)
+    (70, ([3] * 23 + [1], [1] + [3] * 13 + [30]), 2, 1, 3, 4, torch.float32, {"dkdv": {"SEGMENT": 16}}),
+]
+
+
+def packed_kernel_paths(pos, h, l, d, tiles) -> set:
+    """The packed paths of the kernels that these positions take with these tiles (`_tiles`'
+    result), from `document_slots` as the kernels read it: 'whole' (a forward tile of rows in one
+    document sees whole BLOCK_N tiles of slots), 'mixed' (a forward tile of rows from several
+    documents), 'dkdv_whole' (a dk/dv key tile in one document, seen whole by later queries),
+    'dkdv_mixed' (a key tile over several documents), 'split' (several dk/dv work items a tile)."""
+    S = pos.shape[1]
+    slot, lo, hi, count, end = ct.document_slots(pos, S - l + 1, l, d, ends=True)
+    found = set()
+    for rows in (torch.arange(S * h) // h).split(tiles["fwd"]["ROWS"]):  # the queries of each tile
+        lo_t, hi_t = lo[:, rows], hi[:, rows]
+        one_doc = lo_t.amin(1) == lo_t.amax(1)
+        if (one_doc & (hi_t.amin(1) - lo_t.amin(1) >= tiles["fwd"]["BLOCK_N"])).any():
+            found.add("whole")
+        if (~one_doc).any():
+            found.add("mixed")
+    block_n = tiles["dkdv"]["BLOCK_N"]
+    for b in range(pos.shape[0]):
+        for c0 in range(0, int(count[b]), block_n):
+            c_last = min(c0 + block_n, int(count[b])) - 1
+            if end[b, c0] != end[b, c_last]:
+                found.add("dkdv_mixed")
+            elif slot[b, c_last] + l - 1 < end[b, c0]:
+                found.add("dkdv_whole")
+    capacity = ct.slot_capacity(S, S - l + 1, l, d)
+    segment = ct._segment(S, h, capacity, l, min(l, d), pos.shape[0], tiles["dkdv"], pos.device)
+    if ct._work_items(S, h, capacity, l, min(l, d), block_n, segment, pos.device)[5] > 1:
+        found.add("split")
+    return found
+
+
+def test_packed_cases_take_every_kernel_path():
+    found = set()
+    for S, lengths, h, _, l, d, dtype, tiles in PACKED_TRITON_CASES:
+        found |= packed_kernel_paths(positions(lengths, S), h, l, d, ct._tiles(DK, DV, dtype == torch.float32, tiles))
+    assert found == {"whole", "mixed", "dkdv_whole", "dkdv_mixed", "split"}
+
+
+def test_document_slots_are_the_visible_slots():
+    """document_slots (no host sync) against the packed visibility of the eager formula: query t
+    sees exactly the slots slot[lo[t]:hi[t]], the slots are the blocks in token order, each seen
+    by the queries [slot + l - 1, end), a row holds at most slot_capacity of them, and compact slot
+    c starts at token >= c * min(l, d) (what the dk/dv work plan assumes; l < d too)."""
+    cases = [(S, l, d, odd_packing(S, l, d, seed=S, rows=3)) for S, l, d in ((70, 8, 4), (53, 4, 4), (61, 3, 4),
+                                                                                (40, 6, 3))]
+    cases.append((60, 3, 4, positions([[3] * 20, [3] * 19 + [1, 2]], 60)))  # S // l blocks: the capacity
+    for S, l, d, pos in cases:
+        Tc = S - l + 1
+        slot, lo, hi, count, end = ct.document_slots(pos, Tc, l, d, ends=True)
+        assert slot.dtype == lo.dtype == hi.dtype == count.dtype == end.dtype == torch.int32
+        visible = packed_visible(pos, Tc, l, d)  # [B, S, Tc]
+        for b in range(pos.shape[0]):
+            n = int(count[b])
+            blocks = visible[b].any(0).nonzero().flatten()  # every block is seen by its last token
+            assert torch.equal(slot[b, :n].long(), blocks) and n <= ct.slot_capacity(S, Tc, l, d)
+            assert (slot[b, :n] >= torch.arange(n) * min(l, d)).all()
+            for t in range(S):
+                seen = slot[b, int(lo[b, t]) : max(int(lo[b, t]), int(hi[b, t]))].long()
+                assert torch.equal(seen, visible[b, t].nonzero().flatten()), (S, l, d, b, t)
+            for c in range(n):
+                assert torch.equal(visible[b, :, slot[b, c]].nonzero().flatten(),
+                                   torch.arange(int(slot[b, c]) + l - 1, int(end[b, c]))), (S, l, d, b, c)
+        assert ct.slot_capacity(S, Tc, l, d) == S // min(l, d)
+    assert int(count[0]) == ct.slot_capacity(S, Tc, l, d)  # the last case fills it
 
 
 @pytest.mark.usefixtures("triton_device")
@@ -741,6 +825,92 @@ class TestTriton:
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         assert_backend_matches_reference(torch.ops.nsa.compressed_attention, "triton", q, k, v, grad_o, l, d, 0.4,
                                          rtol=tol, atol=tol)
+
+    @pytest.mark.parametrize(
+        "S,lengths,h,g,l,d,dtype,tiles", PACKED_TRITON_CASES, ids=[str(c[:1] + c[2:7]).replace(" ", "")
+                                                                  for c in PACKED_TRITON_CASES]
+    )  # fmt: skip
+    def test_packed_matches_reference(self, S, lengths, h, g, l, d, dtype, tiles):
+        """pos in the kernels: o, lse, dq, dk, dv against the reference backend with the same pos;
+        rows that see no slot get o = 0, lse = -inf, dq = 0, the slots no query sees dk = dv = 0
+        (exactly, no NaN); a rerun is bit for bit the same."""
+        inputs = packed_inputs(S, h, dtype, l, d, seed=S + h, g=g)
+        q, k, v, grad_o = (x.to(DEVICE) for x in inputs)
+        pos = positions(lengths, S).to(DEVICE)
+        ours = run_triton(q, k, v, grad_o, l, d, DK**-0.5, tiles, pos)
+        check_triton(ours, reference(q, k, v, grad_o, l, d, DK**-0.5, pos), dtype, f"S={S} h={h} l={l} d={d}")
+        visible = packed_visible(pos.cpu(), S - l + 1, l, d)  # [B, S, Tc]
+        empty, unseen = ~visible.any(-1), ~visible.any(1)  # [B, S] rows, [B, Tc] slots
+        assert empty.any() and (~empty).any() and unseen.any()
+        o, lse, dq, dk, dv = (x.cpu() for x in ours)
+        assert torch.equal(lse.isneginf(), empty[:, None].expand_as(lse))
+        assert not o.transpose(1, 2)[empty].any() and not dq.transpose(1, 2)[empty].any()
+        assert not dk.transpose(1, 2)[unseen].any() and not dv.transpose(1, 2)[unseen].any()
+        again = run_triton(q, k, v, grad_o, l, d, DK**-0.5, tiles, pos)
+        assert all(torch.equal(a, b) for a, b in zip(ours, again))
+
+    def test_packed_rows_without_a_slot_and_sequences_shorter_than_a_block(self):
+        """Only documents shorter than l (no row sees a slot): zeros, lse -inf, zero gradients, no
+        NaN; and S < l (Tc = 0: no launch)."""
+        for S, lengths in ((30, ([7, 1, 7, 7, 7, 1], [1, 6, 7, 7, 7, 2])), (5, ([5], [2, 3]))):
+            q, k, v, grad_o = (x.to(DEVICE) for x in packed_inputs(S, 2, torch.bfloat16, 8, 4, seed=S))
+            pos = positions(lengths, S).to(DEVICE)
+            o, lse, dq, dk, dv = run_triton(q, k, v, grad_o, 8, 4, 0.5, None, pos)
+            assert lse.isneginf().all() and not any(x.isnan().any() or x.any() for x in (o, dq, dk, dv))
+            assert dk.shape == k.shape and dv.shape == v.shape
+
+    def test_packed_unsupported_reason(self):
+        """With a valid pos the kernels take the inputs (auto takes them on CUDA: gpu tests); an
+        invalid one has a reason."""
+        q, k, v, _ = (x.to(DEVICE) for x in packed_inputs(20, 2, torch.float32))  # Tc = 13
+        pos = odd_packing(20, 8, 4, seed=0).to(DEVICE)
+        assert ct.unsupported_reason(q, k, v, 8, 4, pos) is None
+        assert cmp_mod._triton_reason(q, k, v, 8, 4, pos) is None
+        assert "pos must be int64 [B, S] = [2, 20], got torch.int32" in ct.unsupported_reason(q, k, v, 8, 4, pos.int())
+        assert "pos must be int64" in ct.unsupported_reason(q, k, v, 8, 4, pos[:1])
+        assert "Tc must be S - block + 1 = 13, got 12" in ct.unsupported_reason(q, k[:, :, 1:], v[:, :, 1:], 8, 4, pos)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_the_packed_op_with_backend_triton_matches_backend_reference_through_autograd(self, dtype):
+        S, h, l, d = 45, 3, 8, 4
+        q, k, v, grad_o = (x.to(DEVICE) for x in packed_inputs(S, h, dtype, l, d, seed=13, dv=8))
+        pos = odd_packing(S, l, d, seed=2).to(DEVICE)
+
+        def op(q, k, v, l, d, scale, pos, backend):
+            return torch.ops.nsa.compressed_attention(q, k, v, l, d, scale, backend, pos)
+
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        assert_backend_matches_reference(op, "triton", q, k, v, grad_o, l, d, 0.4, pos, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the kernel tests launch the compiled kernels")
+def test_the_packed_kernels_compile_for_sm90_without_a_gpu(monkeypatch):
+    """The compiled path of the kernels with pos (HAS_POS), which the interpreted tests here never
+    take: built as on the GPU (TRITON_INTERPRET off) and compiled to PTX for an H100 by the Triton
+    installed here (bf16, h 6, D 64: the seed's tiles)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    tiles = ct._tiles(64, 64, False)
+    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16", "LSE": "*fp32",
+                "DELTA": "*fp32", "PK": "*fp32", "PV": "*fp32", "ITEM_TILE": "*i32", "ITEM_SEG": "*i32",
+                "TILE_NSEG": "*i32", "TILE_FIRST": "*i32", "SLOT": "*i32", "LO": "*i32", "HI": "*i32", "COUNT": "*i32",
+                "END": "*i32"}  # fmt: skip
+    for kernel, cfg in ((ct.fwd_kernel, tiles["fwd"]), (ct.dq_kernel, tiles["dq"]), (ct.dkdv_kernel, tiles["dkdv"]),
+                        (ct.reduce_kernel, tiles["reduce"])):  # fmt: skip
+        fn = kernel.built()
+        # DK, DV: the head dims of the forward and dq, the gradients' pointers of the dk/dv and reduce kernels
+        grads = {"DK": "*bf16", "DV": "*bf16"} if kernel in (ct.dkdv_kernel, ct.reduce_kernel) else {}
+        signature = {p.name: "constexpr" if p.is_constexpr else (pointers | grads).get(p.name)
+                     or ("fp32" if p.name == "scale" else "i32") for p in fn.params}  # fmt: skip
+        given = {"HPG": 6, "DK": 64, "DV": 64, "DK_": 64, "DV_": 64, "DK_P": 64, "DV_P": 64, "PREC": "tf32",
+                 "UPCAST": False, "HAS_POS": True, "TILE_N": tiles["dkdv"]["BLOCK_N"]} | cfg  # fmt: skip
+        compiled = triton.compile(ASTSource(fn, signature, {n: v for n, v in given.items() if signature.get(n) == "constexpr"}),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={n: v for n, v in cfg.items() if n.startswith("num_")})
+        assert f".entry {kernel.__name__}(" in compiled.asm["ptx"]
 
 
 def test_triton_module_imports_without_triton():
@@ -840,22 +1010,60 @@ def test_triton_at_the_issue_sizes(S, h):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_packed_on_cuda_matches_the_eager_formula(dtype):
+@pytest.mark.parametrize("dtype, backend", [(torch.bfloat16, "auto"), (torch.float16, "auto"), (torch.float32, "auto"),
+                                            (torch.bfloat16, "reference")])  # fmt: skip
+def test_packed_on_cuda_matches_the_eager_formula(dtype, backend):
     """Packed documents at S 2048 (odd lengths, documents shorter than l = 32, random packings),
-    h 6, Dk 64 != Dv 32: auto takes reference (no Triton document mask) and is within 2x eager's
-    own error of the float64 oracle (or the floor), lse -inf exactly on the rows without a slot."""
+    h 6, Dk 64 != Dv 32: auto takes triton, and it and reference are within 2x eager's own error
+    of the float64 oracle (or the floor), lse -inf exactly on the rows without a slot."""
     S, h, l, d = 2048, 6, 32, 16
     q, k, v, grad_o = (x.cuda() for x in packed_inputs(S, h, dtype, l, d, seed=3, dk=64, dv=32))
     pos = odd_packing(S, l, d, seed=3).cuda()
-    assert cmp_mod.choose_backend(q, k, v, l, d, "auto", pos) == "reference"
+    assert cmp_mod.choose_backend(q, k, v, l, d, "auto", pos) == "triton"
     oracle = run(eager_packed, *(x.double() for x in (q, k, v, grad_o)), l, d, 0.125, pos)
-    ours = run(compressed_attention, q, k, v, grad_o, l, d, 0.125, "auto", pos)
+    ours = run(compressed_attention, q, k, v, grad_o, l, d, 0.125, backend, pos)
     eager = run(eager_packed, q, k, v, grad_o, l, d, 0.125, pos)
     for name, a, e, r in zip(NAMES, ours, eager, oracle):
         assert a.dtype == e.dtype == dtype, name
         assert rel_rms(a, r) <= max(2 * rel_rms(e, r), FLOORS[dtype]), (name, rel_rms(a, r), rel_rms(e, r))
-    _, lse = torch.ops.nsa.compressed_attention(q, k, v, l, d, 0.125, "auto", pos)
+    _, lse = torch.ops.nsa.compressed_attention(q, k, v, l, d, 0.125, backend, pos)
     empty = ~packed_visible(pos, S - l + 1, l, d).any(-1)  # [B, S]
     assert torch.equal(lse.isneginf(), empty[:, None].expand_as(lse)) and bool(empty.any())
+
+
+def random_lengths(S: int, shortest: int, longest: int, seed: int) -> list[int]:
+    """Document lengths drawn uniformly from [shortest, longest] until they fill S tokens (the last
+    one cut at S)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < S:
+        lengths.append(min(S - sum(lengths), int(torch.randint(shortest, longest + 1, (1,), generator=gen))))
+    return lengths
+
+
+@pytest.mark.gpu
+def test_packed_triton_on_cuda_at_the_seed_shape():
+    """The seed's heads (h 6, G 2, D 64, l 32, d 16) at S 2048, bf16, a realistic mix of documents
+    (100 to 800 tokens) per row: auto takes triton with pos; it and the reference backend are
+    within 2x the reference's own error of the float64 reference (or the floor); lse -inf on
+    exactly the rows without a slot; the kernels deterministic; the default CUDA work split."""
+    S, h, l, d, scale = 2048, 6, 32, 16, 0.125
+    q, k, v, grad_o = (x.cuda() for x in packed_inputs(S, h, torch.bfloat16, l, d, seed=4, dk=64, dv=64))
+    pos = positions([random_lengths(S, 100, 800, seed=b) for b in range(B)], S).cuda()
+    assert cmp_mod.choose_backend(q, k, v, l, d, "auto", pos) == "triton"
+
+    def op(backend):
+        return lambda q, k, v, l, d, scale: torch.ops.nsa.compressed_attention(q, k, v, l, d, scale, backend, pos)[0]
+
+    oracle = run(op("reference"), *(x.double() for x in (q, k, v, grad_o)), l, d, scale)
+    ours = run(op("triton"), q, k, v, grad_o, l, d, scale)
+    ref = run(op("reference"), q, k, v, grad_o, l, d, scale)
+    for name, a, e, r in zip(NAMES, ours, ref, oracle):
+        assert a.dtype == e.dtype == torch.bfloat16, name
+        assert rel_rms(a, r) <= max(2 * rel_rms(e, r), FLOORS[torch.bfloat16]), (name, rel_rms(a, r), rel_rms(e, r))
+    _, lse = torch.ops.nsa.compressed_attention(q, k, v, l, d, scale, "triton", pos)
+    empty = ~packed_visible(pos, S - l + 1, l, d).any(-1)  # [B, S]
+    assert torch.equal(lse.isneginf(), empty[:, None].expand_as(lse)) and bool(empty.any())
+    again = run(op("triton"), q, k, v, grad_o, l, d, scale)
+    assert all(torch.equal(a, b) for a, b in zip(ours, again))
 

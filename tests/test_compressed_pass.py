@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from helpers import optimize_fresh, only_graph, row, tokens
 
 from nsa_compile.api import state_of
+from nsa_compile.coverage import coverage_of
 
 import nsa_compile
 from nsa_compile.models import build_model, preset
@@ -235,7 +236,16 @@ class Branch(nn.Module):
         overlap = overlap.clamp(min=0).to(p.dtype) / l  # [Tc, Ns]
         if change == "weights-all-one":
             overlap = (overlap > 0).to(p.dtype)
-        p_grp = (p @ overlap).view(B, G, H // G, S, Ns).sum(2)  # [B, G, S, Ns]
+        bf16 = torch.bfloat16
+        if change in ("bf16-importance", "bf16-cat-fp32-pad"):  # the user's own rounding, where autocast puts it
+            p_slc = p.to(bf16) @ overlap.to(bf16)
+        elif change == "bf16-p-only":  # p rounded, the matmul in float32
+            p_slc = p.to(bf16).float() @ overlap
+        elif change == "bf16-sum-in-fp32":  # the matmul rounded, the group sum in float32
+            p_slc = (p.to(bf16) @ overlap.to(bf16)).float()
+        else:
+            p_slc = p @ overlap
+        p_grp = p_slc.view(B, G, H // G, S, Ns).sum(2)  # [B, G, S, Ns]
         t = torch.arange(S, device=p.device)[:, None]
         current = t // ls
         forced = (j == current) | (j == current - 1)
@@ -248,6 +258,9 @@ class Branch(nn.Module):
             key = p_grp.masked_fill(~candidate, float("-inf")).masked_fill(forced, float("inf"))
         else:
             key = torch.where(forced, float("inf"), torch.where(candidate, p_grp, float("-inf")))
+        if change == "bf16-cat-fp32-pad":  # float32 -inf columns: the key promoted to float32
+            filler = key.new_full((*key.shape[:-1], max(0, n - Ns)), float("-inf"), dtype=torch.float32)
+            return torch.cat([key, filler], dim=-1)
         return F.pad(key, (0, max(0, n - Ns)), value=float("-inf"))
 
 
@@ -276,10 +289,11 @@ def run_both(module, args, config=nsa_compile.OptimizeConfig(compiler="aot_eager
      (None, 2, torch.float32, True), ("where", 2, torch.float32, False), ("expand-gqa", 2, torch.float32, False),
      ("masked-fill-key", 2, torch.float32, False), ("as-strided", 2, torch.float32, False),
      ("view-blocks", 2, torch.float32, False), ("topk", 2, torch.float32, False), ("topk", 1, torch.float32, False),
-     ("topk-cut-unsorted", 3, torch.bfloat16, False), ("topk-named-results", 2, torch.float32, False)],
+     ("topk-cut-unsorted", 3, torch.bfloat16, False), ("topk-named-results", 2, torch.float32, False),
+     ("bf16-importance", 3, torch.float32, False)],
     ids=["model", "h1", "bf16-h3", "zero-keys-exact-ties", "where-mask", "expand-reshape-gqa", "masked-fill-key",
          "as-strided-pooling", "view-pooling-l-eq-d", "topk", "topk-h1", "bf16-h3-topk-method-cut-unsorted",
-         "topk-named-results"],
+         "topk-named-results", "user-bf16-importance"],
 )
 def test_accepted_forms_give_eager_block_ids_and_gradients(change, h, dtype, zero_keys):
     args = branch_inputs(h=h, dtype=dtype, zero_keys=zero_keys)
@@ -394,6 +408,14 @@ def test_compressed_near_misses_are_refused_with_the_graph_unchanged(change, dty
         ("topk-over-queries", "torch.topk runs over dim 2, not over the blocks (the ranking key's last dim)"),
         ("topk-values-kept", "the torch.topk values tensor is used by 2 nodes (gt, output); the op returns the "
                              "block ids, not the keys"),
+        ("bf16-p-only", "the importance reads the compressed probabilities through a cast that changes their dtype "
+                        "(torch.bfloat16 -> torch.float32) at float_1: p_1 (float32) -> to_2 (bfloat16) -> float_1 "
+                        "(float32) -> p_slc (float32); the op reproduces one rounding of p to the dtype the "
+                        "importance is computed in (bf16 or fp16, as autocast casts it), not this mixture"),
+        ("bf16-sum-in-fp32", "the importance is cast from bfloat16 to float32 at p_slc after matmul_2 (matmul): the "
+                             "op keeps the dtype of p @ map up to the sort"),
+        ("bf16-cat-fp32-pad", "the importance is rounded to bfloat16, but the padded ranking key key_1 is float32: the "
+                              "op reproduces an importance kept in bfloat16 up to the sort, not this mixture"),
     ],
 )
 def test_selection_near_misses_are_refused_and_the_compressed_pass_still_fires(change, reason):
@@ -410,6 +432,82 @@ def test_selection_near_misses_are_refused_and_the_compressed_pass_still_fires(c
     if change.startswith("topk"):
         assert record.code_after.count("torch.topk(") == 1
     assert "select_blocks" not in record.code_after and "torch.softmax(" in record.code_after
+
+
+# --- autocast (issue 17): the importance rounded to bf16 is recognized and reproduced ----------------------
+
+AUTOCAST_TINY = preset("tiny", n_selected=5)  # two free slots beside the three forced blocks: the ranking decides
+ROUNDED = ", importance rounded to bfloat16 as eager computes it"
+
+
+class ModelSelection(nn.Module):
+    """NSAAttention.compressed_attention and select_blocks themselves: (o_cmp, block_idx)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.attn = NSAAttention(cfg)
+
+    def forward(self, q, k, v):
+        o, p = self.attn.compressed_attention(q, k, v)
+        return o, self.attn.select_blocks(p, q.shape[1])
+
+
+def test_under_autocast_the_rounded_importance_becomes_an_op_argument_with_eager_block_ids():
+    """bf16 q, k, v under CPU bf16 autocast: eager's p @ overlap runs in bf16 (p and the map
+    rounded, the group sum and the key in bf16), canonicalize writes autocast's casts, and
+    select_blocks fires with importance_dtype=torch.bfloat16: the sort gone, the block ids eager's at
+    S 100 > n * l' = 80, where the rounding decides (the float32 ranking of the same p differs); the
+    compressed output and the gradients of q, k, v match."""
+    cfg = AUTOCAST_TINY
+    module = ModelSelection(cfg)
+    args = branch_inputs(S=100, Dk=cfg.head_dim, Dv=cfg.head_dim, dtype=torch.bfloat16)  # as projections give them
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (expected, eager_args), (got, opt_args), optimized = run_both(module, args)
+        _, p = module.attn.compressed_attention(*args)
+    assert not torch.equal(module.attn.select_blocks(p, 100), expected[1])  # unrounded: another choice
+    r = row(optimized, SEL)
+    assert (r["matches"], r["refused"]) == (1, 0), r
+    assert r["kernels"] == [f"nsa.select_blocks[reference] (l'=16, n=5{ROUNDED}, from the compressed lse, no [B, H, S, "
+                            "Tc] probabilities; not triton: the Triton kernel runs on CUDA (tensors on cpu))"]
+    record = only_graph(optimized)
+    assert record.code_before.count("torch.sort(") == 2 and "torch.sort(" not in record.code_after
+    calls = [line for line in record.code_after.splitlines() if "torch.ops.nsa.select_blocks(" in line]
+    assert len(calls) == 1 and "importance_dtype = torch.bfloat16)" in calls[0], calls
+    assert torch.equal(got[1], expected[1]) and (got[1] >= 0).sum(-1).max() == cfg.n_selected
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-2, atol=1e-2)
+    grads = torch.autograd.grad(expected[0].float().square().sum(), eager_args)
+    for a, b in zip(torch.autograd.grad(got[0].float().square().sum(), opt_args), grads):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_tiny_model_under_autocast_is_fully_rewritten_with_parity_and_without_it_unchanged():
+    """The tiny preset (n = 5) trained under CPU bf16 autocast: both layers' block selection
+    rewritten with importance_dtype=bf16, every NSA branch rewritten, loss and every gradient
+    within bf16 tolerances of eager under autocast. Without autocast the op gets no
+    importance_dtype (the graph as before)."""
+    torch.manual_seed(1)
+    eager = build_model("tiny", n_selected=5)
+    batch = tokens(2, 100, seed=4)
+    model = optimize_fresh(copy.deepcopy(eager))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = eager.loss(batch), model.loss(batch)
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=5e-2, atol=5e-3, msg=lambda m, name=name: f"{name}: {m}")
+    r = row(model, SEL)
+    assert (r["matches"], r["where"], r["refused"]) == (2, LAYERS, 0), r
+    assert all(ROUNDED in kernel for kernel in r["kernels"]), r["kernels"]
+    cov = coverage_of(state_of(model))
+    assert cov.eager == [] and cov.rewritten == len(cov.branches) == 10, cov.summary()
+    record = only_graph(model)
+    assert record.code_after.count("importance_dtype = torch.bfloat16") == 2 and "torch.sort(" not in record.code_after
+    plain = optimize_fresh(copy.deepcopy(eager))
+    plain.loss(batch).backward()
+    r = row(plain, SEL)
+    assert (r["matches"], r["refused"]) == (2, 0) and not any(ROUNDED in kernel for kernel in r["kernels"]), r
+    assert "importance_dtype" not in only_graph(plain).code_after
 
 
 def test_disabled_compressed_pass_leaves_the_selection_with_a_reason():

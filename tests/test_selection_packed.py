@@ -231,16 +231,16 @@ def test_pos_argument_validation(change, match):
     assert_raises_eager_and_fake(selected_attention, bad_args(**change), match)
 
 
-def test_backends_other_than_reference_refuse_pos_with_the_reason():
+def test_varlen_backends_refuse_pos_with_the_reason():
+    """The varlen backends refuse pos; triton takes it (on the CPU its reason is the device, as
+    without pos: tests/test_selection_triton.py runs its document mask)."""
     args = bad_args()
     q, k, v, idx, pos = args["q"], args["k"], args["v"], args["block_idx"], args["pos"]
     assert sel_mod.choose_backend(q, k, v, idx, 4, "auto", pos) == "reference"
-    assert sel_mod.why_not_triton(q, k, v, idx, 4, pos) == \
-        "packed documents (pos): the Triton kernels have no document mask"
-    for backend, kernel in (("triton", "the Triton kernels"), ("varlen", "the varlen segments"),
-                            ("varlen_flash_attn", "the varlen segments")):
+    assert sel_mod.why_not_triton(q, k, v, idx, 4, pos) == sel_mod.why_not_triton(q, k, v, idx, 4)
+    for backend in ("varlen", "varlen_flash_attn"):
         with pytest.raises(ValueError, match=rf"backend '{backend}' cannot run these inputs: packed documents "
-                                             rf"\(pos\): {kernel} have no document mask"):
+                                             r"\(pos\): the varlen segments have no document mask"):
             selected_attention(**bad_args(backend=backend))
     # without pos the reasons are what they were
     assert "run on CUDA" in sel_mod.why_not_triton(q, k, v, idx, 4)
@@ -253,7 +253,7 @@ def test_packed_op_on_cuda_matches_the_eager_formula(dtype):
     q, k, v, grad_o = (x.cuda() for x in attention_inputs(B, S, h, G, DK, DV, dtype, seed=11))
     pos = packed_positions(S).cuda()
     idx = packed_block_idx(S, h, n, pos.cpu(), seed=11).cuda()
-    assert sel_mod.choose_backend(q, k, v, idx, LS, "auto", pos) == "reference"
+    assert sel_mod.choose_backend(q, k, v, idx, LS, "auto", pos) == "triton"
     ours = run(selected_attention, q, k, v, grad_o, idx, 0.3, pos)
     eager = run(eager_packed, q, k, v, grad_o, idx, 0.3, pos)
     oracle = run(eager_packed, *(x.double() for x in (q, k, v, grad_o)), idx, 0.3, pos)
@@ -277,7 +277,7 @@ def assert_fired_with_pos(model, layers):
     empty = "" if selected_by_op else "rows with no token: NaN as eager; "
     assert r["kernels"] == [
         "nsa.selected_attention[reference] (l'=16, n=3, GQA-native, no gathered K/V, packed documents (pos); "
-        f"{empty}not triton: packed documents (pos): the Triton kernels have no document mask)"], r["kernels"]
+        f"{empty}not triton: the Triton kernels run on CUDA (tensors on cpu))"], r["kernels"]
     record = only_graph(model)
     calls = [line for line in record.code_after.splitlines() if "torch.ops.nsa.selected_attention(" in line]
     assert len(calls) == layers and all(", 'reference', l_pos_);" in line for line in calls), calls
@@ -460,8 +460,8 @@ def test_position_probes_cover_the_packings():
 @pytest.mark.gpu
 @pytest.mark.inductor
 def test_inductor_smoke_packed_on_cuda():
-    """The packed form through Inductor on CUDA: the pass fires with pos (reference backend, the
-    only one with documents) and the compiled module gives the eager outputs and gradients."""
+    """The packed form through Inductor on CUDA: the pass fires with pos (the triton backend, its
+    document mask) and the compiled module gives the eager outputs and gradients."""
     args = [x.cuda() for x in packed_inputs(h=3)]
     (expected, eager_args), (got, opt_args), optimized = run_both(
         PackedSelected(), args, nsa_compile.OptimizeConfig(disabled_passes=("gqa_grouped_matmul",)))

@@ -3,8 +3,11 @@ reference backend of nsa::selected_attention, on CUDA when there is one, else on
 Triton's interpreter (TRITON_INTERPRET=1, set by a module fixture for this module only and
 restored after it; the kernels are built lazily, so they are built interpreted here).
 
-Tiny odd sizes: the interpreter runs every program instance in Python.
+Tiny odd sizes: the interpreter runs every program instance in Python. Packed documents (pos)
+are run against the reference backend with the same pos.
 """
+
+import itertools
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from oracles import random_block_idx as _random_block_idx
 
 pytest.importorskip("triton")
 
+from nsa_compile.models import positions_from_cu_seqlens
 from nsa_compile.ops import selection as sel_ref
 from nsa_compile.ops import selection_triton as st
 
@@ -182,6 +186,7 @@ def test_unsupported_reason(monkeypatch):
     q, k, v, _ = make_inputs(4, 2, 1, 8, torch.float32, seed=0)
     idx = random_block_idx(B, 1, 4, 2, 4, seed=0)
     assert st.unsupported_reason(q, k, v, idx, 4) is None
+    assert st.unsupported_reason(q, k, v, idx, 4, positions([1, 3], [4])) is None  # packed documents run
     assert "dtype" in st.unsupported_reason(q.double(), k.double(), v.double(), idx, 4)
     assert "dtype" in st.unsupported_reason(q, k, v.half(), idx, 4)
     assert "head dim" in st.unsupported_reason(q.new_zeros(B, 2, 4, 300), k.new_zeros(B, 1, 4, 300), v, idx, 4)
@@ -190,6 +195,7 @@ def test_unsupported_reason(monkeypatch):
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         assert "device cpu" in st.unsupported_reason(q, k, v, idx, 4)
+        assert "device cpu" in st.unsupported_reason(q, k, v, idx, 4, positions([1, 3], [4]))
         with pytest.raises(ValueError, match="device cpu"):
             st.selected_forward(q, k, v, idx, 4, 0.5)
 
@@ -244,3 +250,266 @@ def test_jit_builds_each_mode_with_that_modes_helpers_and_reductions(monkeypatch
             assert update.fn.__globals__["reduce_max"] is not tl.max
     assert isinstance(built["0"], JITFunction) and isinstance(built["1"], InterpretedFunction)
     assert st.softmax_update is attention_tiles.softmax_update and attention_tiles.reduce_max is reduce_max
+
+
+# --- packed documents (pos) ---------------------------------------------------------------------
+
+
+def positions(*rows):
+    """pos [len(rows), S] on DEVICE: each row packed with documents of the given lengths (each
+    row's lengths sum to S)."""
+    return torch.stack([positions_from_cu_seqlens(torch.tensor([0, *itertools.accumulate(r)]), sum(r))
+                        for r in rows]).to(DEVICE)
+
+
+def packed_block_idx(pos, g, n, block_size, seed):
+    """A valid selection [B, g, S, n] with packed documents, as select_blocks makes it: blocks
+    counted within each query's document, its current block pos[t] // l' forced, the rest distinct
+    random earlier blocks of its document, ascending, -1 padded."""
+    b, S = pos.shape
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-S // block_size), n)
+    j = torch.arange(width)
+    cur = (pos.cpu() // block_size)[:, None, :, None]  # [b, 1, S, 1]
+    key = torch.rand(b, g, S, width, generator=gen)
+    key = torch.where(j == cur, 2.0, key).masked_fill(j > cur, float("-inf"))
+    val, idx = key.topk(n, dim=-1)
+    idx = torch.where(val > float("-inf"), idx, width).sort(dim=-1).values
+    return torch.where(idx == width, -1, idx).to(DEVICE)
+
+
+def packed_reference(q, k, v, grad_o, block_idx, block_size, scale, pos):
+    """o, dq, dk, dv and lse of the reference backend with pos, in float32 at the same inputs."""
+    f = lambda x: x.float()
+    o, lse = sel_ref._reference_forward(f(q), f(k), f(v), block_idx, block_size, scale, pos=pos)
+    grads = sel_ref._reference_backward(f(grad_o), f(q), f(k), f(v), block_idx, block_size, scale, pos=pos)
+    return (o, *grads), lse
+
+
+def run_packed(q, k, v, grad_o, block_idx, block_size, scale, pos, tiles=None, segment=None):
+    o, lse = st.selected_forward(q, k, v, block_idx, block_size, scale, pos, tiles=tiles)
+    grads = st.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos, tiles=tiles,
+                                 segment=segment)
+    return (o, *grads), lse
+
+
+def check_packed(ours, lse, ref, ref_lse, dtype, what):
+    assert_kernel_matches_reference(ours, ref, dtype, what)
+    assert_lse_close(lse, ref_lse, 1e-4 if dtype == torch.float32 else 2e-2, what)
+
+
+# S 37..70, two rows: documents of 1 token, shorter than a block, not multiples of l' (blocks cut
+# by the l' grid), a row of one document; l' not a power of two, and one above a K/V chunk
+PACKED_CASES = [  # rows of document lengths, h, G, block_size, n, Dv, dtype
+    (([1, 20, 7, 25], [40, 3, 1, 9]), 3, 2, 4, 3, 8, torch.float32),
+    (([16, 1, 32, 4], [53]), 1, 1, 6, 2, 24, torch.float32),
+    (([5, 1, 31], [12, 12, 13]), 4, 1, 8, 4, 8, torch.float32),
+    (([2, 29, 1, 15, 23], [70]), 3, 2, 8, 3, 24, torch.bfloat16),
+    (([33, 1, 7], [1, 1, 39]), 2, 2, 5, 3, 16, torch.float16),
+]
+
+
+@pytest.mark.parametrize("rows,h,G,block_size,n,dv,dtype", PACKED_CASES,
+                         ids=[str(c).replace(" ", "") for c in PACKED_CASES])
+def test_packed_documents_match_the_reference(rows, h, G, block_size, n, dv, dtype):
+    """Forward and backward with pos against the reference backend with the same pos: the
+    default query tiles (a union of many queries' blocks, named by their first tokens) and one
+    query per program (its own list, one document start)."""
+    pos = positions(*rows)
+    S = pos.shape[1]
+    seed = S * 31 + h * 7 + G + n
+    q, k, v, grad_o = make_inputs(S, h, G, dv, dtype, seed)
+    idx = packed_block_idx(pos, G, n, block_size, seed).clone()
+    idx[1, G - 1, S - 2, :2] = idx[1, G - 1, S - 2, 1].item()  # a duplicated block: counts twice
+    scale = DK**-0.5
+    ref, ref_lse = packed_reference(q, k, v, grad_o, idx, block_size, scale, pos)
+    one_query = {kernel: {"TQ": 1, "ROWS": 16} for kernel in ("fwd", "dq")}
+    for tiles in (None, one_query):
+        ours, lse = run_packed(q, k, v, grad_o, idx, block_size, scale, pos, tiles=tiles)
+        check_packed(ours, lse, ref, ref_lse, dtype, f"rows={rows} l'={block_size} tiles={tiles}")
+    # the document mask is live: without pos the same block ids give other results
+    unpacked = st.selected_forward(q, k, v, idx, block_size, scale)[0]
+    assert not torch.allclose(unpacked.float(), ref[0], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("tq,rows", [(3, 16), (5, 32)])
+def test_packed_query_tiles_across_documents(tq, rows):
+    """Query tiles that span document starts (TQ 3 and 5 over documents of 1, 2, 4 and 6 tokens):
+    rows of one tile name the same ids for different blocks and different ids for the same
+    block; lists in any order with repeats that are not adjacent."""
+    pos = positions([1, 2, 6, 4, 1, 15], [4, 1, 24])
+    S, h, G, block_size, n, dv = 29, 3, 2, 2, 4, 8
+    q, k, v, grad_o = make_inputs(S, h, G, dv, torch.float32, seed=tq)
+    idx = packed_block_idx(pos, G, n, block_size, seed=tq)
+    idx = idx.gather(-1, torch.rand(idx.shape, generator=torch.Generator().manual_seed(tq)).argsort(-1).to(DEVICE))
+    idx[0, 0, S - 3, 2] = idx[0, 0, S - 3, 0].item()  # a repeat, not next to its first copy
+    idx[1, 1, 12] = torch.tensor([2, -1, 2, 0])  # another, with padding between (t 12: pos 7)
+    tiles = {kernel: {"TQ": tq, "ROWS": rows} for kernel in ("fwd", "dq")}
+    ours, lse = run_packed(q, k, v, grad_o, idx, block_size, 0.4, pos, tiles=tiles)
+    ref, ref_lse = packed_reference(q, k, v, grad_o, idx, block_size, 0.4, pos)
+    check_packed(ours, lse, ref, ref_lse, torch.float32, f"TQ={tq}")
+
+
+def test_packed_rows_without_a_token_give_zeros():
+    """Rows whose choices hold no token of their document up to them (all -1; only a block after
+    the query, counted from its document start) get o 0, lse -inf, zero dq, and no NaN anywhere;
+    the rest is the reference backend's."""
+    pos = positions([10, 1, 22], [33])
+    S, h, G, block_size = 33, 2, 2, 4
+    q, k, v, grad_o = make_inputs(S, h, G, 8, torch.float32, seed=5)
+    idx = packed_block_idx(pos, G, 3, block_size, seed=5).clone()
+    empty = [(0, 1, 5), (1, 0, 10), (0, 0, 10), (0, 1, 20)]  # (b, g, t)
+    idx[0, 1, 5] = -1  # no block
+    idx[1, 0, 10] = torch.tensor([3, -1, -1])  # block 3 of its document starts at token 12 > 10
+    idx[0, 0, 10] = torch.tensor([1, -1, -1])  # t 10: position 0 of a one-token document; block 1 is past it
+    idx[0, 1, 20] = torch.tensor([3, 3, -1])  # t 20: position 9; block 3 starts at 23
+    ours, lse = run_packed(q, k, v, grad_o, idx, block_size, 0.3, pos)
+    ref, ref_lse = packed_reference(q, k, v, grad_o, idx, block_size, 0.3, pos)
+    check_packed(ours, lse, ref, ref_lse, torch.float32, "empty rows")
+    for x in (*ours, lse):
+        assert not x.isnan().any()
+    o, dq = ours[0], ours[1]
+    for b, g, t in empty:
+        heads = slice(g * h, (g + 1) * h)
+        assert torch.equal(o[b, heads, t], torch.zeros_like(o[b, heads, t]))
+        assert torch.equal(dq[b, heads, t], torch.zeros_like(dq[b, heads, t]))
+        assert lse[b, heads, t].isneginf().all()
+
+
+@pytest.mark.parametrize("tq", [1, 4])
+def test_packed_all_padding_and_no_blocks_give_zeros(tq):
+    pos = positions([3, 2, 4], [9])
+    q, k, v, grad_o = make_inputs(9, 3, 1, 8, torch.float32, seed=2)
+    tiles = {kernel: {"TQ": tq, "ROWS": 16} for kernel in ("fwd", "dq")}
+    for n in (0, 2):
+        idx = torch.full((B, 1, 9, n), -1, dtype=torch.int64, device=DEVICE)
+        ours, lse = run_packed(q, k, v, grad_o, idx, 4, 0.5, pos, tiles=tiles)
+        assert lse.isneginf().all()
+        for x in ours:
+            assert torch.equal(x, torch.zeros_like(x))
+
+
+def test_packed_dkdv_split_into_segments_is_exact_and_deterministic(monkeypatch):
+    """With pos and blocks chosen by more entries than a segment (split over several items whose
+    fp32 partials are summed in a fixed order): the reference's result, bit for bit on a rerun."""
+    pos = positions([9, 1, 3, 20], [17, 16])
+    S, h, G, block_size, n = 33, 3, 2, 8, 3
+    q, k, v, grad_o = make_inputs(S, h, G, 24, torch.float32, seed=8)
+    idx = packed_block_idx(pos, G, n, block_size, seed=8)
+    first, lse = run_packed(q, k, v, grad_o, idx, block_size, 0.25, pos, segment=3)
+    ref, ref_lse = packed_reference(q, k, v, grad_o, idx, block_size, 0.25, pos)
+    check_packed(first, lse, ref, ref_lse, torch.float32, "segments")
+    again, _ = run_packed(q, k, v, grad_o, idx, block_size, 0.25, pos, segment=3)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    default, _ = run_packed(q, k, v, grad_o, idx, block_size, 0.25, pos)  # one segment a block
+    assert_kernel_matches_reference(default, ref, torch.float32, "one segment")
+
+
+def test_packed_inverted_selection_lists_a_cut_block_under_both_grid_blocks():
+    """The inversion with pos: a choice whose block the l' grid cuts is listed under both grid
+    blocks it reaches (with its first token), one on the grid once, one whose second part lies
+    after the query not at all."""
+    pos = positions([3, 13])  # the second document starts at token 3
+    idx = torch.full((1, 1, 16, 1), -1, dtype=torch.int64, device=DEVICE)
+    idx[0, 0, 15, 0] = 2  # t 15 (position 12): block 2 of its document = tokens 11..14: grid blocks 2, 3
+    idx[0, 0, 2, 0] = 0  # t 2 (position 2): tokens 0..3 = grid block 0
+    idx[0, 0, 8, 0] = 1  # t 8 (position 5): tokens 7..10: grid block 1 (7) and 2 (8..10, all <= 8? 8 only)
+    idx[0, 0, 5, 0] = 0  # t 5 (position 2): tokens 3..6: grid block 0 (3) and 1 (4..5 <= 5)
+    idx[0, 0, 4, 0] = 0  # t 4 (position 1): tokens 3..6: grid block 0 (3) and 1 (4)
+    qtok, qoff, _, _, _, _, _, NB, qstart = st._inverted_selection(idx, 4, 16, 1024, pos)
+    listed = {blk: list(zip(qtok[qoff[blk]:qoff[blk + 1]].tolist(), qstart[qoff[blk]:qoff[blk + 1]].tolist()))
+              for blk in range(NB)}
+    assert listed == {0: [(2, 0), (4, 3), (5, 3)], 1: [(4, 3), (5, 3), (8, 7)], 2: [(8, 7), (15, 11)],
+                      3: [(15, 11)]}
+
+
+def test_packed_op_with_backend_triton_matches_backend_reference_through_autograd():
+    """The op with pos, backend triton named, against backend reference (pos reaches the kernels
+    through the op's forward and backward)."""
+    pos = positions([4, 1, 18], [23])
+    S, h, g, n, ls = 23, 3, 2, 3, 4
+    q, k, v, grad_o = make_inputs(S, h, g, 8, torch.float32, seed=11)
+    idx = packed_block_idx(pos, g, n, ls, seed=11)
+
+    def op(q, k, v, block_idx, block_size, scale, pos, backend):  # the helper passes backend last
+        return torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend, pos)
+
+    assert_backend_matches_reference(op, "triton", q, k, v, grad_o, idx, ls, 0.4, pos, rtol=1e-4, atol=1e-4)
+
+
+def test_auto_takes_triton_with_packed_documents():
+    """auto with pos on (fake) CUDA tensors: triton, as without pos; on the CPU the kernels' own
+    reason is None for valid pos, auto's the device, and triton named runs (interpreted)."""
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        def cuda(shape, dtype):
+            return torch.empty(shape, dtype=dtype, device="cuda")
+
+        q, k, v = cuda((1, 4, 8, 16), torch.bfloat16), cuda((1, 2, 8, 16), torch.bfloat16), cuda((1, 2, 8, 8),
+                                                                                              torch.bfloat16)
+        idx, pos = cuda((1, 2, 8, 2), torch.int64), cuda((1, 8), torch.int64)
+        assert sel_ref.why_not_triton(q, k, v, idx, 4, pos) is None
+        assert sel_ref.choose_backend(q, k, v, idx, 4, "auto", pos) == "triton"
+    pos = positions([3, 5], [8])
+    q, k, v, _ = make_inputs(8, 2, 2, 8, torch.bfloat16, seed=0)
+    idx = packed_block_idx(pos, 2, 2, 4, seed=0)
+    assert st.unsupported_reason(q, k, v, idx, 4, pos) is None
+    if DEVICE == "cpu":
+        assert "on CUDA (tensors on cpu)" in sel_ref.why_not_triton(q, k, v, idx, 4, pos)
+        assert sel_ref.choose_backend(q, k, v, idx, 4, "triton", pos) == "triton"
+    else:
+        assert sel_ref.choose_backend(q, k, v, idx, 4, "auto", pos) == "triton"
+
+
+@pytest.mark.gpu
+def test_packed_seed_shape_on_cuda_matches_the_reference():
+    """The seed's shape on the GPU: S 2048, documents of 100..800 tokens, bf16, h 6, G 2, D 64,
+    l' 64, n 16 (the default tiles: 10 queries a program); auto takes triton with pos; output,
+    lse and gradients against the reference backend with the same pos (in fp32 on the same bf16
+    inputs), and the backward repeats bit for bit."""
+    gen = torch.Generator().manual_seed(2048)
+    rows = []
+    for _ in range(B):
+        lengths = []
+        while sum(lengths) < 2048:
+            lengths.append(int(torch.randint(100, 801, (), generator=gen)))
+        lengths[-1] -= sum(lengths) - 2048  # the last document ends the row (may be < 100)
+        rows.append([n for n in lengths if n > 0])
+    pos = positions(*rows)
+    q, k, v, grad_o = make_inputs(2048, 6, 2, 64, torch.bfloat16, seed=20, dk=64)
+    idx = packed_block_idx(pos, 2, 16, 64, seed=20)
+    assert sel_ref.choose_backend(q, k, v, idx, 64, "auto", pos) == "triton"
+    ours, lse = run_packed(q, k, v, grad_o, idx, 64, 0.125, pos)
+    ref, ref_lse = packed_reference(q, k, v, grad_o, idx, 64, 0.125, pos)
+    check_packed(ours, lse, ref, ref_lse, torch.bfloat16, f"seed packed {rows}")
+    again, _ = run_packed(q, k, v, grad_o, idx, 64, 0.125, pos)
+    assert all(torch.equal(a, b) for a, b in zip(ours, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S,block_size,n", [(300, 64, 16), (2048, 16, 4)])  # 10 queries a program, and one
+def test_packed_kernels_sync_nothing_and_capture_in_a_cuda_graph(S, block_size, n):
+    """With pos, forward and backward (kernels and the torch ops that build the union and the
+    inverted selection) read no value back to the host (torch's sync debug mode set to raise)
+    and replay from a CUDA graph with the eager call's bits."""
+    pos = positions([1, 120, 33, S - 154], [S])
+    q, k, v, grad_o = make_inputs(S, 6, 2, 64, torch.bfloat16, seed=31, dk=64)
+    idx = packed_block_idx(pos, 2, n, block_size, seed=31)
+    assert st._tiles(6, 64, 64, block_size, seq_len=S, n_selected=n)["fwd"]["TQ"] == (10 if S == 300 else 1)
+
+    def step():
+        return run_packed(q, k, v, grad_o, idx, block_size, 0.125, pos)
+
+    (eager, eager_lse) = step()  # the first call builds the kernels
+    torch.cuda.synchronize()
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, captured_lse = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip((*captured, captured_lse), (*eager, eager_lse)))

@@ -392,9 +392,9 @@ def test_pos_validation(change, match):
         window_attention_backward(grad_o, q, k, v, o, lse, 4, 0.5, "auto", change["pos"])
 
 
-def test_auto_takes_triton_on_cuda_in_half_precision_without_pos(monkeypatch):
-    """auto on (fake) CUDA tensors: triton in fp16/bf16, flash with packed documents (the Triton
-    kernels have no document mask), reference in fp32; every choice says why where it passes on."""
+def test_auto_takes_triton_on_cuda_in_half_precision_with_or_without_pos(monkeypatch):
+    """auto on (fake) CUDA tensors: triton in fp16/bf16, with packed documents too (before flash,
+    which needs a host sync for them), reference in fp32; every choice says why where it passes on."""
     half = (torch.float16, torch.bfloat16)  # flash as on a GPU (no GPU needed)
     monkeypatch.setattr(nsa_compile.ops.flash, "unsupported_reason", lambda q, k, v: None if q.dtype in half else "fp32")
     with torch._subclasses.fake_tensor.FakeTensorMode():
@@ -406,8 +406,8 @@ def test_auto_takes_triton_on_cuda_in_half_precision_without_pos(monkeypatch):
             assert window_mod.choose_backend(q, k, v) == "triton"
             assert window_mod.why_not_triton(q, k, v) is None
             pos = cuda((1, 8), torch.int64)
-            assert window_mod.choose_backend(q, k, v, "auto", pos) == "flash"
-            assert "packed documents" in window_mod.why_not_triton(q, k, v, pos)
+            assert window_mod.choose_backend(q, k, v, "auto", pos) == "triton"
+            assert window_mod.why_not_triton(q, k, v, pos) is None
         q, k, v = (x.float() for x in (q, k, v))
         assert window_mod.choose_backend(q, k, v) == "reference"
         assert "fp16/bf16 only (float32: reference)" in window_mod.why_not_triton(q, k, v)
@@ -416,13 +416,13 @@ def test_auto_takes_triton_on_cuda_in_half_precision_without_pos(monkeypatch):
 
 
 def test_packed_backend_choice():
-    """pos does not take flash off the table: on the CPU the reason stays the device."""
+    """pos takes neither triton nor flash off the table: on the CPU the reason stays the device."""
     q, k, v, _ = make_inputs(8, 2, torch.bfloat16)
     pos = positions([3, 5], [8])
     assert window_mod.choose_backend(q, k, v, "auto", pos) == "reference"
     with pytest.raises(ValueError, match="backend 'flash' cannot run these inputs: FA-2 runs on CUDA only"):
         window_attention(q, k, v, 4, 0.5, "flash", pos=pos)
-    with pytest.raises(ValueError, match="backend 'triton' cannot run these inputs: packed documents"):
+    with pytest.raises(ValueError, match="backend 'triton' cannot run these inputs: device cpu"):
         window_attention(q, k, v, 4, 0.5, "triton", pos=pos)
 
 
@@ -499,7 +499,7 @@ def test_flash_with_pos_matches_the_reference_on_cuda(dtype, h):
     # (not w = 1: there dq and dk are exactly 0 in the oracle, so their relative error means nothing)
     for window in (2, 33, 512, S):
         q, k, v, grad_o = (x.cuda() for x in attention_inputs(Bt, S, h, g, D, D, dtype, seed=window + h))
-        assert window_mod.choose_backend(q, k, v, "auto", pos) == "flash"
+        assert window_mod.choose_backend(q, k, v, "auto", pos) == "triton"  # flash only where named
         flash_run = _backend_run("flash", q, k, v, grad_o, window, pos)
         oracle = _backend_run("reference", *(x.double() for x in (q, k, v, grad_o)), window, pos)
         in_dtype = _backend_run("reference", q, k, v, grad_o, window, pos)

@@ -60,7 +60,7 @@ def test_packed_model_fires_on_every_layer_with_pos_and_matches_eager():
     r = row(model, PASS)
     assert (r["matches"], r["where"]) == (2, ["blocks.0.attn", "blocks.1.attn"])
     assert r["kernels"] == ["nsa.window_attention[reference] (w=32, per document (pos), GQA-native, no S x S "
-                            "tensor; not triton: packed documents (pos): the Triton window kernels have no document mask; "
+                            "tensor; not triton: the Triton kernels run on CUDA (tensors on cpu); "
                             "not flash: FA-2 runs on CUDA only (tensors on cpu))"]
     record = only_graph(model)
     calls = [ln for ln in record.code_after.splitlines() if "torch.ops.nsa.window_attention(" in ln]
@@ -272,8 +272,9 @@ def test_probes_are_valid_positions_that_differ_per_row():
 
 
 @pytest.mark.gpu
-def test_packed_model_on_cuda_takes_flash():
-    """bf16 on the GPU: the pass writes flash with pos (FA-2 varlen by document); parity holds."""
+def test_packed_model_on_cuda_takes_triton():
+    """bf16 on the GPU: the pass writes triton with pos (the document mask in the kernels, no
+    host sync; before flash's FA-2 varlen by document); parity holds."""
     torch.manual_seed(0)
     eager = build_model("tiny").cuda()
     tokens = torch.randint(0, 256, (3, 200), generator=torch.Generator().manual_seed(1)).cuda()
@@ -285,6 +286,5 @@ def test_packed_model_on_cuda_takes_flash():
     model(tokens, pos).float().square().mean().backward()
     r = row(model, PASS)
     assert r["matches"] == 2
-    # auto's choice names why the Triton kernels were passed over (they have no document mask)
-    assert r["kernels"] == ["nsa.window_attention[flash] (w=32, per document (pos), GQA-native, no S x S tensor; "
-                            "not triton: packed documents (pos): the Triton window kernels have no document mask)"]
+    # auto takes the Triton kernels first, with pos as without
+    assert r["kernels"] == ["nsa.window_attention[triton] (w=32, per document (pos), GQA-native, no S x S tensor)"]

@@ -15,9 +15,8 @@ graph: window `triton` | `flash` | `reference`; compressed, block selection, gat
 projection `triton` | `reference`; selection `triton` | `reference` | `varlen` |
 `varlen_flash_attn` (see each module, or `registry.ops()`). `pos` [B, S] int64 (packed
 documents: each token's position in its document, models/nsa.py) makes the four attention ops
-work per document; with it the compressed, block-selection and selection ops run `reference`
-(their Triton kernels have no document mask) and the compressed ops take S - l + 1 stride-1
-slots.
+work per document (their Triton kernels read each query's document start; no host sync) and
+the compressed ops take S - l + 1 stride-1 slots.
 """
 
 # in the order the passes put the ops into a layer: the order of registry.ops() (and explain's table)

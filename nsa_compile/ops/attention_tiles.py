@@ -12,6 +12,7 @@ here is a change to every kernel that calls it: time them.
     store_tile(ptr, rows, cols, stride_r, stride_c, x, row_ok, col_ok)
     lse2, delta = row_stats(LSE, DELTA, row_lin, row_ok)                           # [R] each
     delta = row_delta(do, o)                                                       # [R]
+    start = document_start(POS, b, t, row_ok, S)                                   # [R] t - pos[t]
     m_i, l_i, acc = softmax_state(ROWS, DV_P)
     m_new, alpha, p, l_i = softmax_update(m_i, l_i, s2, times)
     acc = softmax_accumulate(acc, alpha, p, v, DTYPE, PREC, UPCAST)
@@ -34,8 +35,8 @@ except ImportError:  # the kernel modules say why their kernels cannot run
 
 from .triton_support import jit, reduce_max, reduce_sum
 
-__all__ = ["delta_kernel", "dim_ranges", "load_tile", "row_delta", "row_stats", "softmax_accumulate", "softmax_finish",
-           "softmax_state", "softmax_update", "store_tile"]
+__all__ = ["delta_kernel", "dim_ranges", "document_start", "load_tile", "row_delta", "row_stats", "softmax_accumulate",
+           "softmax_finish", "softmax_state", "softmax_update", "store_tile"]
 
 
 @jit
@@ -134,6 +135,17 @@ def softmax_finish(acc, m_i, l_i):
     o = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # log2 -> ln
     return o, lse
+
+
+@jit
+def document_start(POS, b, t, row_ok, S):
+    """Packed documents: the first token of each query's document, t - pos[t] [R] int32, from
+    POS, the [B, S] int64 positions in their documents (contiguous), at batch b (int64) and
+    query tokens t [R] (int64). Clamped to [-1, S] before the cast (no int32 wrap-around for
+    positions that are not positions: pos[t] > t reads as -1, every key of the row before it is
+    in its document; pos[t] < 0 as at least t + 1, none is); rows outside row_ok read pos 0."""
+    pos = tl.load(POS + b * S + t, mask=row_ok, other=0)
+    return tl.minimum(tl.maximum(t - pos, -1), S).to(tl.int32)
 
 
 @jit

@@ -2,9 +2,9 @@
 branch's log-sum-exp, so the [B, H, S, Tc] probabilities are never stored.
 
     block_idx = torch.ops.nsa.select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend,
-                                            pos=None, rule="nsa")
+                                            pos=None, rule="nsa", importance_dtype=None)
     block_idx = select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None,
-                              rule="nsa")
+                              rule="nsa", importance_dtype=None)
 
 q [B, H, S, Dk] (normally a view of [B, S, H, Dk] memory), k [B, G, Tc, Dk]: the pooled compressed
 keys K~ (never repeated: query head j reads KV head j // (H // G)), lse [B, H, S] float32: the
@@ -53,6 +53,10 @@ document start, as eager `NSAAttention.select_blocks(p_cmp, S, pos)`:
 so block ids are numbered within the query's document (block j = its tokens [j*l', (j+1)*l')),
 Ns = ceil(S / l') still, and a row that sees no slot (a document shorter than l, the first l - 1
 tokens of each) has importance 0 everywhere: its forced blocks, then its candidates ascending.
+pos must count up by one inside each document from 0 at its start (models.check_positions, which
+the model runs once per forward): the triton backend relies on it (the i-th block of a document
+is then its slot at document position i*d), the reference computes the formulas above for any
+int64 pos.
 
 Eager computes p as a softmax and this op as exp(s - lse): the importance differs from eager's by
 float32 rounding only, so blocks whose p_grp are within about 1e-6 (relative) of each other may be
@@ -60,12 +64,35 @@ ranked the other way; everything else, exact ties included (ties go to the lower
 eager's choice.
 Importance is float32 (float64 for float64 inputs). The op is not differentiable (an int64 result).
 
+`importance_dtype` (None, torch.bfloat16 or torch.float16; issue 17: a semantic variant is a
+parameter): the importance as eager computes it in that dtype, as under torch.autocast, where
+`p_cmp @ overlap` runs in the autocast dtype (models/nsa.py `select_blocks` under bf16 autocast):
+p rounded to it, the overlap weights (overlap / l, float32) rounded to it, each p_slc entry
+the sum of their products accumulated in float32 (ascending compression block) and rounded to
+it, the group sum of those accumulated in float32 and rounded to it (torch's sum of that dtype),
+the key in that dtype; the ranking as above (a stable descending sort: the many exact ties of
+the rounded importance go to the lower block). Rule 'fla' rounds the same way (p, then its
+favoured 1.0 and the group sum in that dtype); with pos the same. Where the result can still
+differ from eager's: p itself (exp(s - lse) against a softmax, about 1e-6 relative) may sit on
+the other side of a rounding boundary, and eager's matmul may add its float32 products in
+another order (a different last bit, again near a boundary); either moves one rounded importance
+by one unit, which turns a tie into an order or an order into a tie. Measured on the CPU (random
+gaussian q and pooled keys, the seed preset's h 6, G 2, Dk 64, l 32, d 16, l' 64, n 16,
+S 2048, 40 seeds at each of the q scales 0.3, 1 and 3: 491,520 rows): bf16 1 row differs from
+eager under autocast (fp16: 4 rows); without importance_dtype 17,857 rows (3.6%; fp16 2,364)
+do. At S 1024 (Ns = n) every candidate is chosen and none differs. The triton backend takes it
+(one chunk of heads: h <= 16 in fp16/bf16), rounding at the same places; its sums run in another
+order than the reference's, with the same caveat.
+
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error; only
 the reference backend runs rule "fla"):
 - `triton` (CUDA): nsa_compile/ops/block_select_triton.py, one program per (batch, group, query
   tile): the scores are recomputed tile by tile over the compression blocks, mapped onto the
   selection blocks and merged into a running top-n in registers. No [.., S, Tc] or [.., S, Ns]
-  tensor; extra memory is the output.
+  tensor; extra memory is the output. With pos each query is the unpacked query pos[t] of its
+  document, whose blocks it reads from the compact list of the row's blocks
+  (compressed_triton.document_slots, built on the device: no host sync); a query tile takes one
+  pass over the blocks per document in it.
 - `reference` (every device and dtype): PyTorch, chunked over query rows: a chunk's
   probabilities [B, H, c, Tc] and keys [B, G, c, max(Ns, n)], never all S rows at once (c is set
   so a chunk's largest tensor stays under REFERENCE_BUDGET elements). The overlap map is a sum
@@ -75,7 +102,7 @@ the reference backend runs rule "fla"):
   are a band of l + l' - 1 document positions [j*l' - l + 1, (j + 1)*l') counted from the query's
   document start (t - pos[t]); the chunk's probabilities are gathered at those slots in ascending
   order (only every d-th when d divides l': the others are never blocks), so no [B, Tc, Ns] overlap
-  matrix is built. The triton backend refuses pos (no document mask).
+  matrix is built.
 """
 
 from __future__ import annotations
@@ -91,6 +118,8 @@ __all__ = ["BLOCK_SELECT", "REFERENCE_BUDGET", "choose_backend", "select_blocks"
 RULES = ("nsa", "fla")
 FLA_REASON = ("rule 'fla' (the current block favoured, -1 after the top-n, rank order): the Triton kernel "
               "computes the paper's rule only")
+# the importance dtypes the op rounds to (autocast's lower precisions)
+ROUNDINGS = (torch.bfloat16, torch.float16)
 
 # Elements of the reference backend's largest per-chunk tensor (a module constant so tests can
 # shrink it): 2^24 fp32 elements are 64 MiB; a chunk holds a few such tensors at once.
@@ -100,32 +129,36 @@ _OP = "select_blocks"
 
 
 def choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, backend: str = "auto",
-                   pos=None, rule: str = "nsa") -> str:  # fmt: skip
+                   pos=None, rule: str = "nsa", importance_dtype: torch.dtype | None = None) -> str:  # fmt: skip
     """`BLOCK_SELECT.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it
-    cannot run these inputs), or for 'auto' triton where it can run on CUDA and reference
-    elsewhere (always reference with pos: packed documents, and with rule 'fla')."""
-    return BLOCK_SELECT.choose(backend, q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos, rule)
+    cannot run these inputs), or for 'auto' triton where it can run on CUDA (with pos or without)
+    and reference elsewhere (always reference with rule 'fla')."""
+    return BLOCK_SELECT.choose(backend, q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos, rule,
+                               importance_dtype)
 
 
-def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule: str = "nsa") -> str | None:
+def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule: str = "nsa",
+                   importance_dtype: torch.dtype | None = None) -> str | None:  # fmt: skip
     """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
     if rule != "nsa":  # the reasons on every device, not only on CUDA
         return FLA_REASON
-    if pos is not None:
-        return block_select_triton.PACKED_REASON
     return why_not_triton_on(
         q.device,
-        lambda: block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected),
+        lambda: block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos,
+                                                       importance_dtype),
         kernels="the Triton kernel runs",
     )
 
 
 def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None,
-           rule="nsa") -> str:  # fmt: skip
+           rule="nsa", importance_dtype=None) -> str:  # fmt: skip
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
-    dtypes, block sizes, positions, rule and backend are valid."""
+    dtypes, block sizes, positions, rule, importance dtype and backend are valid."""
     if rule not in RULES:
         raise ValueError(f"{_OP}: unknown rule {rule!r}; valid: {', '.join(RULES)}")
+    if importance_dtype is not None and importance_dtype not in ROUNDINGS:
+        raise ValueError(f"{_OP}: importance_dtype must be None, torch.bfloat16 or torch.float16, got "
+                         f"{importance_dtype}")
     if rule != "nsa" and pos is not None:
         raise ValueError(f"{_OP}: rule {rule!r} with pos (packed documents) is not implemented")
     check_gqa(_OP, q, k, rows="Tc", lse=lse, **({} if pos is None else {"pos": pos}))
@@ -147,7 +180,8 @@ def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backe
         if k.shape[2] != slots:
             raise ValueError(f"{_OP}: with pos, k must hold a slot per token, Tc = max(0, S - cmp_block + 1) = "
                              f"{slots}, got {k.shape[2]}")
-    return choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, backend, pos, rule)
+    return choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, backend, pos, rule,
+                          importance_dtype)
 
 
 def overlap_band(Tc: int, Ns: int, cmp_block: int, cmp_stride: int, sel_block: int, device, dtype):
@@ -191,8 +225,21 @@ def rank_and_choose(p_grp: torch.Tensor, t: torch.Tensor, sel_block: int, n_sele
     return torch.where(chosen == past_end, -1, chosen)
 
 
+def rounded(x: torch.Tensor, importance_dtype: torch.dtype | None) -> torch.Tensor:
+    """x rounded to importance_dtype, as float32 again: the operand values a bf16/fp16 matmul
+    multiplies (their products exact in its float32 accumulator); x itself for None."""
+    return x if importance_dtype is None else x.to(importance_dtype).float()
+
+
+def accumulator(up: torch.dtype, importance_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the overlap sums accumulate in: the probabilities' own, float32 for a rounded
+    importance (a bf16/fp16 matmul accumulates in float32; its result is then rounded)."""
+    return up if importance_dtype is None else torch.float32
+
+
 def _reference(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int, scale: float,
-               budget: int | None = None, rule: str = "nsa") -> torch.Tensor:  # fmt: skip
+               budget: int | None = None, rule: str = "nsa", importance_dtype: torch.dtype | None = None,
+               ) -> torch.Tensor:  # fmt: skip
     B, H, S, _ = q.shape
     G, Tc = k.shape[1], k.shape[2]
     h = H // G
@@ -202,6 +249,7 @@ def _reference(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_sel
     if out.numel() == 0:
         return out
     index, weight = overlap_band(Tc, Ns, cmp_block, cmp_stride, sel_block, q.device, up)  # [W, Ns]
+    weight, acc = rounded(weight, importance_dtype), accumulator(up, importance_dtype)
     width = max(Ns, n_selected)
     budget = budget or REFERENCE_BUDGET
     chunk = max(1, min(S, budget // max(1, B * H * max(Tc, width))))
@@ -215,13 +263,15 @@ def _reference(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_sel
         visible = i * cmp_stride + cmp_block - 1 <= t  # [c, Tc]: the whole block is in the past
         s = (qg[:, :, :, t0:t1] @ kT).to(up) * scale  # [B, G, h, c, Tc]
         # where, not multiply: a row without a visible block has lse = -inf and exp(s - lse) = inf
-        p = torch.where(visible, torch.exp(s - lse_g[:, :, :, t0:t1, None].to(up)), 0.0)
+        p = rounded(torch.where(visible, torch.exp(s - lse_g[:, :, :, t0:t1, None].to(up)), 0.0), importance_dtype)
         del s
-        p_slc = torch.zeros((*p.shape[:-1], Ns), dtype=up, device=q.device)  # [B, G, h, c, Ns]
+        p_slc = torch.zeros((*p.shape[:-1], Ns), dtype=acc, device=q.device)  # [B, G, h, c, Ns]
         if Tc:
             for w in range(index.shape[0]):  # ascending compression block: a matmul's order
                 p_slc += p[..., index[w]] * weight[w]
         del p
+        if importance_dtype is not None:  # the matmul's result, rounded; the head sum then in that dtype
+            p_slc = p_slc.to(importance_dtype)
         t = torch.arange(t0, t1, device=q.device)[:, None]
         if rule == "fla":  # each head's importance of the current block set to 1.0 before the group sum
             p_slc = torch.where(torch.arange(Ns, device=q.device) == t // sel_block, 1.0, p_slc)
@@ -245,7 +295,8 @@ def document_band(cmp_block: int, cmp_stride: int, sel_block: int, device, dtype
 
 
 def _reference_packed(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int, scale: float,
-                      pos: torch.Tensor, budget: int | None = None) -> torch.Tensor:  # fmt: skip
+                      pos: torch.Tensor, budget: int | None = None, importance_dtype: torch.dtype | None = None,
+                      ) -> torch.Tensor:  # fmt: skip
     B, H, S, _ = q.shape
     G, Tc = k.shape[1], k.shape[2]
     h = H // G
@@ -256,6 +307,7 @@ def _reference_packed(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int
     if out.numel() == 0:
         return out
     offset, weight = document_band(l, d, ls, q.device, up)  # [W']
+    weight, acc = rounded(weight, importance_dtype), accumulator(up, importance_dtype)
     band = list(zip(offset.tolist(), weight))  # read once (a device sync), not per chunk
     slot_pos = pos[:, :Tc]  # [B, Tc]: document position of each slot's first token
     is_block = (slot_pos % d == 0) & (pos[:, l - 1 :] == slot_pos + l - 1)  # [B, Tc]: l tokens in one document
@@ -278,42 +330,52 @@ def _reference_packed(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int
         s = (qg[:, :, :, t0:t1].flatten(2, 3) @ kT).unflatten(2, (h, t1 - t0)).to(up) * scale  # [B, G, h, c, Tc]
         # where, not multiply: a row without a visible slot has lse = -inf and exp(s - lse) = inf
         p = torch.where(visible[:, None, None], torch.exp(s - lse_g[:, :, :, t0:t1, None].to(up)), 0.0)
+        p = rounded(p, importance_dtype)
         del s
-        p_slc = torch.zeros((*p.shape[:-1], Ns), dtype=up, device=q.device)  # [B, G, h, c, Ns]
+        p_slc = torch.zeros((*p.shape[:-1], Ns), dtype=acc, device=q.device)  # [B, G, h, c, Ns]
         for o, w in band if Tc else ():  # ascending slot: a matmul's order
             slot = start + j_first + o  # [B, c, Ns]
             inside = (slot >= 0) & (slot < Tc)  # slots past either end of the row do not exist
             taken = torch.gather(p, 4, slot.clamp(0, max(Tc - 1, 0))[:, None, None].expand(p_slc.shape))
             p_slc += torch.where(inside[:, None, None], taken, 0.0) * w
         del p
+        if importance_dtype is not None:  # the matmul's result, rounded; the head sum then in that dtype
+            p_slc = p_slc.to(importance_dtype)
         t_doc = pos[:, None, t0:t1, None]  # [B, 1, c, 1]: forced and candidate blocks by document position
         out[:, :, t0:t1] = rank_and_choose(p_slc.sum(2), t_doc, ls, n_selected)  # heads summed: [B, G, c, Ns]
     return out
 
 
-def _reference_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos=None, rule="nsa"):
+def _reference_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos=None, rule="nsa",
+                       importance_dtype=None):  # fmt: skip
     if pos is not None:
-        return _reference_packed(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos)
-    return _reference(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, rule=rule)
+        return _reference_packed(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos,
+                                 importance_dtype=importance_dtype)
+    return _reference(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, rule=rule,
+                      importance_dtype=importance_dtype)
 
 
-def _triton_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule="nsa") -> str | None:
+def _triton_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule="nsa",
+                   importance_dtype=None) -> str | None:  # fmt: skip
     if rule != "nsa":
         return FLA_REASON
-    return block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos)
+    return block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos,
+                                                  importance_dtype)
 
 
 # The block ids are integers: no gradient, no backward op.
 BLOCK_SELECT = declare(Op(
     name="select_blocks",
     schema="(Tensor q, Tensor k, Tensor lse, SymInt cmp_block, SymInt cmp_stride, SymInt sel_block, "
-           'SymInt n_selected, float scale, str backend="auto", Tensor? pos=None, str rule="nsa") -> Tensor',
+           'SymInt n_selected, float scale, str backend="auto", Tensor? pos=None, str rule="nsa", '
+           "ScalarType? importance_dtype=None) -> Tensor",
     config_field="select_blocks_backend",
-    choice_args=("q", "k", "lse", "cmp_block", "cmp_stride", "sel_block", "n_selected", "pos", "rule"),
+    choice_args=("q", "k", "lse", "cmp_block", "cmp_stride", "sel_block", "n_selected", "pos", "rule",
+                 "importance_dtype"),
     backends=(
         Backend("triton", cannot_run=_triton_reason, auto_reason=why_not_triton,
-                forward=lambda q, k, lse, l, d, ls, n, scale, pos, rule: block_select_triton.select_blocks_forward(
-                    q, k, lse, l, d, ls, n, scale)),
+                forward=lambda q, k, lse, l, d, ls, n, scale, pos, rule, importance_dtype:
+                    block_select_triton.select_blocks_forward(q, k, lse, l, d, ls, n, scale, pos, importance_dtype)),
         Backend("reference", forward=_reference_forward),
     ),
     check=_check,
@@ -325,7 +387,8 @@ BLOCK_SELECT = declare(Op(
 def select_blocks(
     q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, cmp_block: int, cmp_stride: int, sel_block: int,
     n_selected: int, scale: float, backend: str = "auto", pos: torch.Tensor | None = None, rule: str = "nsa",
+    importance_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`torch.ops.nsa.select_blocks` (see the module docstring)."""
     return torch.ops.nsa.select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend,
-                                       pos=pos, rule=rule)
+                                       pos=pos, rule=rule, importance_dtype=importance_dtype)

@@ -2,8 +2,8 @@
 branch's log-sum-exp, mapped onto selection blocks and ranked, in one pass, without storing
 the [B, H, S, Tc] probabilities or the [B, G, S, Ns] scores.
 
-    block_idx = select_blocks_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale)
-    why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected)   # None: it can run
+    block_idx = select_blocks_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos=None)
+    why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None)   # None: it can run
 
 Same contract as the `reference` backend of `nsa::select_blocks` (nsa_compile/ops/block_select.py):
 q [B, H, S, Dk], pooled keys k [B, G, Tc, Dk] (H = G * h), lse [B, H, S] float32, any strides;
@@ -40,6 +40,26 @@ pipeliner leaves this loop alone):
 At the end the first n of each query's list that are > -1 (forced or candidates) are decoded,
 sorted ascending by the same network, and written with -1 padding.
 
+Packed documents (pos [B, S] int64; k holds a slot per token, Tc = S - l + 1): query t is the
+unpacked query pos[t] of its document, and that document's i-th compression block (at document
+position i*d: the overlap matrix is the unpacked one) is compact slot lo[t] + i of
+compressed_triton.document_slots (the row's blocks in token order, built on the device: no host
+sync). So the kernel above runs with pos[t] in place of t (visibility i*d + l - 1 <= pos[t],
+forced blocks from pos[t] // l', candidates j*l' <= pos[t]) and keys read at the tokens where
+compact slots lo + i start. A query tile may hold several documents: its rows are taken in
+groups of one lo, one pass over the blocks each (up to the group's latest current block), the
+other groups' queries getting no keys in that pass; a document without blocks shares the next
+document's lo (its rows see no block either way). The passes are at most one more than the
+documents starting inside the tile after its first query. A HAS_POS constexpr (None pointers
+without pos) compiles the code without pos exactly as before. This relies on pos counting up
+by one inside each document (models.check_positions), as the op's docstring says.
+
+Importance rounded as under autocast (importance_dtype bf16/fp16, the op's docstring): p rounded
+per (query, head) row, each head's rows mapped by the rounded overlap matrix in one [ROWS, 2 TC]
+x [2 TC, KS] fp32 dot, rounded, summed over the group's heads in fp32 and rounded, then ranked as
+above (the heads are not summed first: eager rounds each head's map). One chunk of heads only
+(NHC == 1: h <= 16 in fp16/bf16), since each head's previous tile is kept.
+
 KS = max(16, next power of two of n) >= n: the list keeps at least n, so its first n are eager's.
 Summation order: the heads are summed before the overlap map (eager maps each head, then sums),
 and on the GPU s * scale - lse is one fused multiply-add: both are exact formulas rounded in fp32
@@ -54,7 +74,7 @@ functions that Triton's CPU interpreter cannot call from a kernel built after tr
 Supported (`unsupported_reason` says why not): CUDA tensors, or any device under TRITON_INTERPRET=1;
 q and k both fp16, bf16 or fp32; Dk <= 256; d divides l and l', m = l' / d a power of two <= 128
 (a tile of compression blocks must hold whole selection blocks), l <= (TC + 1) * d (the previous
-tile covers the first block's reach); n <= 128; S < 2^31.
+tile covers the first block's reach); n <= 128; S < 2^31; pos int64 [B, S] with Tc = S - l + 1.
 
 CPU interpreter: the kernel and its helpers are module-level `triton_support.jit` functions, as in
 selection_triton.py (built for the mode Triton is in when launched); interpreted, bf16 dot operands
@@ -74,6 +94,7 @@ try:
 except ImportError:  # the module still imports; unsupported_reason says why the kernel cannot run
     triton = tl = None
 
+from .compressed_triton import document_slots, packed_reason
 from .triton_support import (
     KERNEL_DTYPES, cdiv as _cdiv, device_reason, jit, next_pow2 as _next_pow2, reduce_max, reduce_min, reduce_sum,
     upcast_dots,
@@ -83,6 +104,7 @@ __all__ = ["select_blocks_forward", "unsupported_reason"]
 
 MAX_HEAD_DIM = 256
 MAX_SELECTED = 128
+_TL_DTYPES = {} if tl is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _tiles(h: int, Dk: int, cmp_stride: int, sel_block: int, n_selected: int, fp32: bool,
@@ -120,16 +142,11 @@ def _tiles(h: int, Dk: int, cmp_stride: int, sel_block: int, n_selected: int, fp
     return tiles
 
 
-# Packed documents need per-document slots and block numbering the kernel does not have.
-PACKED_REASON = "packed documents (pos): the Triton kernel has no document mask"
-
-
-def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None) -> str | None:
+def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None,
+                       importance_dtype=None) -> str | None:  # fmt: skip
     """Why the Triton kernel cannot run these inputs, or None when it can (pos: packed documents,
-    which it refuses)."""
-    if pos is not None:
-        return PACKED_REASON
-    if why := device_reason(q, k, lse):
+    [B, S] int64, with k holding a slot per token; importance_dtype: None, bf16 or fp16)."""
+    if why := device_reason(q, k, lse, pos):
         return why
     if q.dtype != k.dtype or q.dtype not in KERNEL_DTYPES:
         return f"dtypes q {q.dtype}, k {k.dtype} (needs one of fp16, bf16, fp32 for both)"
@@ -157,6 +174,15 @@ def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, 
         return f"l={l} > (TC + 1) * d = {(tc + 1) * d} (a selection block's reach back past one tile)"
     if q.shape[2] >= 2**31 or k.shape[2] >= 2**31:
         return f"S={q.shape[2]}, Tc={k.shape[2]} (block ids are packed into 31 bits)"
+    if importance_dtype is not None:
+        if importance_dtype not in (torch.bfloat16, torch.float16):
+            return f"importance_dtype {importance_dtype} (None, torch.bfloat16 or torch.float16)"
+        hc = _tiles(h, q.shape[3], d, ls, n_selected, q.dtype == torch.float32)["HC"]
+        if h > hc:
+            return (f"importance rounded to {str(importance_dtype).removeprefix('torch.')} with {h} heads a group in "
+                    f"chunks of {hc} (the rounded importance is kept per head for one chunk only)")
+    if pos is not None:
+        return packed_reason(q.shape[0], q.shape[2], k.shape[2], l, pos)
     return None
 
 
@@ -203,12 +229,13 @@ def _merge_top(run, new, M: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
 
 @jit
 def select_kernel(
-    Q, KC, LSE, W, OUT,
+    Q, KC, LSE, W, OUT, POS, LO, SLOT,
     sqb, sqh, sqs, sqd, skb, skg, skt, skd, slb, slh, sls, sob, sog, sos,
     S, G, Tc, N_SEL, L, D, LS, scale,
     HPG: tl.constexpr, HC: tl.constexpr, NHC: tl.constexpr, DK: tl.constexpr, DK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, TC: tl.constexpr, NS: tl.constexpr, KS: tl.constexpr, LOG_KS: tl.constexpr,
-    PREC: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr, HAS_POS: tl.constexpr,
+    IMP_DTYPE: tl.constexpr,
 ):  # fmt: skip
     # heaviest (latest) query tiles first: a short tail for the causal imbalance
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -231,91 +258,169 @@ def select_kernel(
         if UPCAST:
             q0 = q0.to(tl.float32)
         lse0 = tl.load(LSE + b * slb + hd * slh + t_row.to(tl.int64) * sls, mask=row_ok, other=0.0)
-    cur = t_q // LS  # [BLOCK_M] the current selection block
-    t_last = tl.minimum(tile * BLOCK_M + BLOCK_M, S) - 1
-    n_tiles = (t_last // LS) // NS + 1  # up to the latest query's current block
+    if HAS_POS:
+        # packed documents: query t is the unpacked query pos[t] of its document, whose i-th
+        # compression block is compact slot lo[t] + i (document_slots). The rows are taken in
+        # groups of one lo, a group per pass over the blocks (a document without blocks shares
+        # the next one's lo: its rows see no block either way); a tile holds at most one group
+        # more than documents starting in it after its first query
+        q_ok = t_q < S
+        p_q = tl.load(POS + b * S + t_q, mask=q_ok, other=0).to(tl.int32)  # [BLOCK_M] document positions
+        lo_q = tl.load(LO + b * S + t_q, mask=q_ok, other=0)
+        p_row = tl.load(POS + b * S + t_row, mask=t_row < S, other=0).to(tl.int32)  # [ROWS]
+        cur = p_q // LS  # [BLOCK_M] the current selection block (of the document)
+        n_groups = 1 + reduce_sum(((p_q == 0) & q_ok & (t_q > tile * BLOCK_M)).to(tl.int32), 0)
+        first = -1  # the group's lo; past the last group Tc + 1 (no rows, no keys loaded)
+    else:
+        cur = t_q // LS  # [BLOCK_M] the current selection block
+        t_last = tl.minimum(tile * BLOCK_M + BLOCK_M, S) - 1
+        n_tiles = (t_last // LS) // NS + 1  # up to the latest query's current block
+        n_groups = 1
     kk = tl.arange(0, 2 * TC)
     jj = tl.arange(0, KS)
     w = tl.load(W + kk[:, None] * KS + jj[None, :])  # [2 TC, KS] overlap / l: previous | this tile
     ic = tl.arange(0, TC)
-    prev = tl.full([BLOCK_M, TC], 0.0, tl.float32)  # the previous tile's head sums (none before 0)
     run = tl.full([BLOCK_M, KS], -1, tl.int64)  # running top KS keys, descending (-1: none)
-    kt = tl.load(k_base + ic.to(tl.int64)[:, None] * skt + dk[None, :] * skd,
-                 mask=(ic < Tc)[:, None] & dk_ok[None, :], other=0.0)  # [TC, DK_P] the first tile
-    for c in range(n_tiles):
-        i = c * TC + ic  # [TC] compression blocks of this tile
-        # the next tile's keys requested now, used next iteration: the load overlaps this work
-        i_next = i + TC
-        kt_next = tl.load(k_base + i_next.to(tl.int64)[:, None] * skt + dk[None, :] * skd,
-                          mask=(i_next < Tc)[:, None] & dk_ok[None, :], other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        psum = tl.full([BLOCK_M, TC], 0.0, tl.float32)
-        for hc in tl.static_range(NHC):
-            if NHC == 1:
-                q = q0
-                lse = lse0
-                ok = row_ok
+    for _ in range(n_groups):
+        prev = tl.full([BLOCK_M, TC], 0.0, tl.float32)  # the previous tile's head sums (none before 0)
+        if IMP_DTYPE is not None:  # the previous tile's rounded p per (query, head) row
+            prev_r = tl.full([ROWS, TC], 0.0, tl.float32)
+        if HAS_POS:
+            first = reduce_min(tl.where(q_ok & (lo_q > first), lo_q, Tc + 1), 0)
+            in_q = q_ok & (lo_q == first)  # [BLOCK_M] the group's queries
+            p_last = reduce_max(tl.where(in_q, p_q, -1), 0)
+            n_tiles = tl.where(p_last >= 0, (p_last // LS) // NS + 1, 0)  # up to its latest query's current block
+            kt = _document_keys(k_base, SLOT + b * Tc, first + ic, Tc, skt, skd, dk, dk_ok)
+        else:
+            kt = tl.load(k_base + ic.to(tl.int64)[:, None] * skt + dk[None, :] * skd,
+                         mask=(ic < Tc)[:, None] & dk_ok[None, :], other=0.0)  # [TC, DK_P] the first tile
+        for c in range(n_tiles):
+            i = c * TC + ic  # [TC] compression blocks of this tile
+            # the next tile's keys requested now, used next iteration: the load overlaps this work
+            i_next = i + TC
+            if HAS_POS:
+                kt_next = _document_keys(k_base, SLOT + b * Tc, first + i_next, Tc, skt, skd, dk, dk_ok)
             else:
-                head = hc * HC + row % HC
-                ok = (head < HPG) & (t_row < S)
-                hd = (g * HPG + head).to(tl.int64)
-                q = tl.load(Q + b * sqb + hd[:, None] * sqh + t_row.to(tl.int64)[:, None] * sqs + dk[None, :] * sqd,
-                            mask=ok[:, None] & dk_ok[None, :], other=0.0)
-                if UPCAST:
-                    q = q.to(tl.float32)
-                lse = tl.load(LSE + b * slb + hd * slh + t_row.to(tl.int64) * sls, mask=ok, other=0.0)
-            s = tl.dot(q, tl.trans(kt), input_precision=PREC)  # [ROWS, TC] fp32
-            if ROUND:  # eager's q @ k^T is rounded to the input dtype before the upcast
-                s = s.to(Q.dtype.element_ty).to(tl.float32)
-            vis = ok[:, None] & (i < Tc)[None, :] & (i[None, :] * D + L - 1 <= t_row[:, None])
-            # where, not multiply: a row without a visible block has lse = -inf (exp = inf)
-            p = tl.where(vis, tl.exp(s * scale - lse[:, None]), 0.0)
-            psum += reduce_sum(tl.reshape(p, [BLOCK_M, HC, TC]), 1)  # the group's heads summed
-        # [previous | this tile] in ascending compression block, then the overlap map
-        both = tl.reshape(tl.permute(tl.join(prev, psum), (0, 2, 1)), [BLOCK_M, 2 * TC])
-        p_grp = tl.dot(both, w, input_precision="ieee")  # [BLOCK_M, KS]
-        prev = psum
-        j = c * NS + jj  # [KS] selection blocks (columns >= NS: none)
-        real = (jj < NS)[None, :]
-        forced = real & ((j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1))
-        candidate = real & (j[None, :] * LS <= t_q[:, None])
-        bits = tl.where(forced, 0x7F800000, tl.where(candidate, p_grp.to(tl.int32, bitcast=True), -1))
-        key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)[None, :]  # [BLOCK_M, KS]
-        # merge only when some key beats some query's running minimum (the list's last entry)
-        beats = reduce_max(key, 1) > reduce_min(run, 1)  # [BLOCK_M]
-        if reduce_max(beats.to(tl.int32), 0) > 0:
-            run = _merge_top(run, key, BLOCK_M, KS, LOG_KS)
-        kt = kt_next
+                kt_next = tl.load(k_base + i_next.to(tl.int64)[:, None] * skt + dk[None, :] * skd,
+                                  mask=(i_next < Tc)[:, None] & dk_ok[None, :], other=0.0)
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            psum = tl.full([BLOCK_M, TC], 0.0, tl.float32)
+            for hc in tl.static_range(NHC):
+                if NHC == 1:
+                    q = q0
+                    lse = lse0
+                    ok = row_ok
+                else:
+                    head = hc * HC + row % HC
+                    ok = (head < HPG) & (t_row < S)
+                    hd = (g * HPG + head).to(tl.int64)
+                    q = tl.load(Q + b * sqb + hd[:, None] * sqh + t_row.to(tl.int64)[:, None] * sqs + dk[None, :] * sqd,
+                                mask=ok[:, None] & dk_ok[None, :], other=0.0)
+                    if UPCAST:
+                        q = q.to(tl.float32)
+                    lse = tl.load(LSE + b * slb + hd * slh + t_row.to(tl.int64) * sls, mask=ok, other=0.0)
+                s = tl.dot(q, tl.trans(kt), input_precision=PREC)  # [ROWS, TC] fp32
+                if ROUND:  # eager's q @ k^T is rounded to the input dtype before the upcast
+                    s = s.to(Q.dtype.element_ty).to(tl.float32)
+                if HAS_POS:  # block i (of the group's documents) where i*d + l - 1 <= pos[t]: it exists
+                    # then; the other groups' rows only add to their own queries' sums, whose keys
+                    # this pass drops
+                    vis = ok[:, None] & (i[None, :] * D + L - 1 <= p_row[:, None])
+                else:
+                    vis = ok[:, None] & (i < Tc)[None, :] & (i[None, :] * D + L - 1 <= t_row[:, None])
+                # where, not multiply: a row without a visible block has lse = -inf (exp = inf)
+                p = tl.where(vis, tl.exp(s * scale - lse[:, None]), 0.0)
+                if IMP_DTYPE is not None:  # one chunk (NHC == 1): p rounded per head, summed after the map
+                    p_r = _rounded(p, IMP_DTYPE)
+                else:
+                    psum += reduce_sum(tl.reshape(p, [BLOCK_M, HC, TC]), 1)  # the group's heads summed
+            if IMP_DTYPE is not None:
+                # eager under autocast: each head's p (rounded) mapped by the rounded overlap weights,
+                # accumulated in fp32 and rounded; the group sum of those in fp32, rounded
+                both = tl.reshape(tl.permute(tl.join(prev_r, p_r), (0, 2, 1)), [ROWS, 2 * TC])
+                p_head = _rounded(tl.dot(both, w, input_precision="ieee"), IMP_DTYPE)  # [ROWS, KS]
+                p_grp = _rounded(reduce_sum(tl.reshape(p_head, [BLOCK_M, HC, KS]), 1), IMP_DTYPE)
+                prev_r = p_r
+            else:
+                # [previous | this tile] in ascending compression block, then the overlap map
+                both = tl.reshape(tl.permute(tl.join(prev, psum), (0, 2, 1)), [BLOCK_M, 2 * TC])
+                p_grp = tl.dot(both, w, input_precision="ieee")  # [BLOCK_M, KS]
+                prev = psum
+            j = c * NS + jj  # [KS] selection blocks (columns >= NS: none)
+            real = (jj < NS)[None, :]
+            if HAS_POS:  # the other groups' queries get no key here (-1 bits)
+                real = real & in_q[:, None]
+            forced = real & ((j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1))
+            if HAS_POS:  # counted in the document
+                candidate = real & (j[None, :] * LS <= p_q[:, None])
+            else:
+                candidate = real & (j[None, :] * LS <= t_q[:, None])
+            bits = tl.where(forced, 0x7F800000, tl.where(candidate, p_grp.to(tl.int32, bitcast=True), -1))
+            key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)[None, :]  # [BLOCK_M, KS]
+            # merge only when some key beats some query's running minimum (the list's last entry)
+            beats = reduce_max(key, 1) > reduce_min(run, 1)  # [BLOCK_M]
+            if reduce_max(beats.to(tl.int32), 0) > 0:
+                run = _merge_top(run, key, BLOCK_M, KS, LOG_KS)
+            kt = kt_next
 
     # the first n keys of each query that are forced or candidates, as ascending block ids
-    pos = tl.arange(0, KS)[None, :]
+    col = tl.arange(0, KS)[None, :]
     none: tl.constexpr = 0x7FFFFFFF
-    ids = tl.where((pos < N_SEL) & (run >= 0), 0x7FFFFFFF - (run & 0x7FFFFFFF), none)
+    ids = tl.where((col < N_SEL) & (run >= 0), 0x7FFFFFFF - (run & 0x7FFFFFFF), none)
     ids = _sort_rows(ids, BLOCK_M, KS, LOG_KS, False)
-    out_ptrs = OUT + b * sob + g.to(tl.int64) * sog + t_q.to(tl.int64)[:, None] * sos + pos
-    tl.store(out_ptrs, tl.where(ids == none, -1, ids), mask=(t_q < S)[:, None] & (pos < N_SEL))
+    out_ptrs = OUT + b * sob + g.to(tl.int64) * sog + t_q.to(tl.int64)[:, None] * sos + col
+    tl.store(out_ptrs, tl.where(ids == none, -1, ids), mask=(t_q < S)[:, None] & (col < N_SEL))
+
+
+@jit
+def _rounded(x, DTYPE: tl.constexpr):
+    """x (fp32, finite) rounded to DTYPE (bf16 or fp16) to nearest, ties to even, as fp32 again. bf16
+    by its bits: Triton's CPU interpreter truncates a cast to bf16 (the GPU rounds), so the tests
+    and the GPU compute the same bits."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+@jit
+def _document_keys(k_base, SLOT_ROW, c, Tc, skt, skd, dk, dk_ok):
+    """Packed documents: the keys [TC, DK_P] of compact slots c [TC] (0 where c >= Tc), read
+    at the tokens where they start (SLOT_ROW: the batch row's `document_slots` slot)."""
+    ok = c < Tc
+    token = tl.load(SLOT_ROW + c, mask=ok, other=0).to(tl.int64)
+    return tl.load(k_base + token[:, None] * skt + dk[None, :] * skd, mask=ok[:, None] & dk_ok[None, :], other=0.0)
 
 
 @functools.lru_cache(maxsize=64)
-def _overlap_matrix(TC: int, NS: int, KS: int, cmp_block: int, cmp_stride: int, sel_block: int, device):
+def _overlap_matrix(TC: int, NS: int, KS: int, cmp_block: int, cmp_stride: int, sel_block: int, device,
+                    importance_dtype=None):  # fmt: skip
     """Made once per geometry and device (a constant the kernel only reads: no small kernels per
     call). [2*TC, KS] float32: row r is compression block r - TC relative to a tile's first one (the
     previous tile, then this one), column j < NS the tile's selection block j, the entry
-    overlap / l with eager's arithmetic (int overlap -> float32, / l); columns >= NS zero."""
+    overlap / l with eager's arithmetic (int overlap -> float32, / l), rounded to importance_dtype
+    where given (the matmul's operand under autocast); columns >= NS zero."""
     l, d, ls = cmp_block, cmp_stride, sel_block
     i = torch.arange(-TC, TC, device=device)[:, None]
     j = torch.arange(KS, device=device)[None, :]
     overlap = (torch.minimum(i * d + l, (j + 1) * ls) - torch.maximum(i * d, j * ls)).clamp(min=0)
     overlap = torch.where(j < NS, overlap, 0)
-    return (overlap.to(torch.float32) / l).contiguous()
+    weight = overlap.to(torch.float32) / l
+    if importance_dtype is not None:
+        weight = weight.to(importance_dtype).float()
+    return weight.contiguous()
 
 
 def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int,
-                          scale: float, *, tiles: dict | None = None) -> torch.Tensor:  # fmt: skip
-    """block_idx [B, G, S, n_selected] int64 (see the module docstring). `tiles`: an override of
-    `_tiles` (tools/bench_block_select.py); None, the default tiles."""
-    why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected)
+                          scale: float, pos=None, importance_dtype=None, *, tiles: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """block_idx [B, G, S, n_selected] int64 (see the module docstring). pos: packed documents
+    ([B, S] int64; k then holds a slot per token). importance_dtype: None, or bf16/fp16 for the
+    importance rounded as eager computes it under autocast (the op's docstring). `tiles`: an
+    override of `_tiles` (tools/bench_block_select.py); None, the default tiles."""
+    why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos, importance_dtype)
     if why is not None:
         raise ValueError(f"select_blocks (triton): cannot run these inputs: {why}")
     B, H, S, Dk = q.shape
@@ -329,16 +434,23 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
         raise ValueError(f"select_blocks (triton): tiles {T}: l={cmp_block} reaches back past one tile of TC blocks")
     m = sel_block // cmp_stride
     NS = T["TC"] // m
-    w = _overlap_matrix(T["TC"], NS, T["KS"], cmp_block, cmp_stride, sel_block, q.device)
+    w = _overlap_matrix(T["TC"], NS, T["KS"], cmp_block, cmp_stride, sel_block, q.device, importance_dtype)
     launch = {"num_warps": T["num_warps"]} | ({"num_stages": T["num_stages"]} if "num_stages" in T else {})
     grid = (_cdiv(S, T["BLOCK_M"]), B * G)
+    doc_pos = lo = slot = None
+    if pos is not None:
+        doc_pos = pos.contiguous()
+        slot, lo, _, _, _ = document_slots(pos, Tc, cmp_block, cmp_stride)
+        if Tc == 0:  # S < l: no slot to read (the kernel's loads are all masked), a valid pointer still
+            slot = lo
     select_kernel[grid](
-        q, k, lse, w, out,
+        q, k, lse, w, out, doc_pos, lo, slot,
         *q.stride(), *k.stride(), *lse.stride(), *out.stride()[:3],
         S, G, Tc, n_selected, cmp_block, cmp_stride, sel_block, scale,
         HPG=h, HC=T["HC"], NHC=_cdiv(h, T["HC"]), DK=Dk, DK_P=T["DK_P"], BLOCK_M=T["BLOCK_M"], TC=T["TC"], NS=NS,
         KS=T["KS"], LOG_KS=T["KS"].bit_length() - 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        ROUND=q.dtype != torch.float32, UPCAST=upcast_dots(q.dtype), **launch,
+        ROUND=q.dtype != torch.float32, UPCAST=upcast_dots(q.dtype), HAS_POS=pos is not None,
+        IMP_DTYPE=None if importance_dtype is None else _TL_DTYPES[importance_dtype], **launch,
     )  # fmt: skip
     return out

@@ -32,6 +32,10 @@ t sees slot s iff
     pos[s + block - 1] == pos[s] + block - 1             (its tokens lie in one document)
 Any row may then lack a visible slot (a document shorter than block, the first block - 1 tokens
 of each): o = 0, lse = -inf and zero gradients there, as above. Without pos nothing changes.
+pos must count up by one inside each document from 0 at its start (what models.check_positions
+accepts, and the model checks once per forward): the triton backend relies on it (a document's
+start is t - pos[t], and its blocks are at least min(block, stride) tokens apart); the reference
+computes the formula above for any int64 pos.
 
 Backward is a second op, `nsa::compressed_attention_backward(grad_o, q, k, v, o, lse, block,
 stride, scale, backend, pos=None) -> (dq, dk, dv)`: dq in q's dtype ([B, S, H, Dk] memory), dk and
@@ -41,8 +45,10 @@ gradient.
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
 - `triton` (CUDA): the flash-style kernels of nsa_compile/ops/compressed_triton.py (online
   softmax over tiles of compression tokens, the staircase mask only on the diagonal tiles,
-  deterministic backward without atomics). It has no document mask: with pos it cannot run
-  (`auto` takes reference and says why; naming triton raises).
+  deterministic backward without atomics). With pos the same kernels read the blocks of each row
+  in compact form, built on the device (no host sync): query t sees one contiguous range of them,
+  so a query reads its document's blocks only (not Tc ~ S slots), the mask compares the range's
+  bounds, and dk, dv are written back to the blocks' slots (0 at every other slot).
 - `reference` (every device and dtype): PyTorch, chunked over query rows. A chunk of C queries
   [t0, t1) reads only the blocks the last of them can see, so memory is O(B * H * C * Tc) and
   the [B, H, S, Tc] scores are never built at once; C is as large as REFERENCE_BUDGET allows
@@ -79,29 +85,20 @@ REFERENCE_BUDGET = 2**25
 REFERENCE_CHUNK: int | None = None
 
 
-# Why the Triton kernels cannot run packed documents (what `explain` shows for them).
-NO_DOCUMENT_MASK = "packed documents (pos): the Triton kernel has no document mask"
-
-
 def choose_backend(q, k, v, block, stride, backend: str = "auto", pos=None) -> str:
     """`COMPRESSED.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it
-    cannot run these inputs), or for 'auto' triton where it can run on CUDA and reference
-    elsewhere (always reference with pos: the kernels have no document mask)."""
+    cannot run these inputs), or for 'auto' triton where it can run on CUDA (with pos or without)
+    and reference elsewhere."""
     return COMPRESSED.choose(backend, q, k, v, block, stride, pos)
 
 
 def _triton_reason(q, k, v, block, stride, pos=None) -> str | None:
-    if pos is not None:
-        return NO_DOCUMENT_MASK
-    return compressed_triton.unsupported_reason(q, k, v, block, stride)
+    return compressed_triton.unsupported_reason(q, k, v, block, stride, pos)
 
 
 def why_not_triton(q, k, v, block, stride, pos=None) -> str | None:
-    """Why 'auto' does not take the triton backend for these inputs (None: it does). Packed
-    documents come first: they hold on every device."""
-    if pos is not None:
-        return NO_DOCUMENT_MASK
-    return why_not_triton_on(q.device, lambda: compressed_triton.unsupported_reason(q, k, v, block, stride))
+    """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
+    return why_not_triton_on(q.device, lambda: compressed_triton.unsupported_reason(q, k, v, block, stride, pos))
 
 
 def _check(q, k, v, block, stride, scale, backend="auto", pos=None) -> str:
@@ -295,10 +292,8 @@ COMPRESSED = declare(Op(
     choice_args=("q", "k", "v", "block", "stride", "pos"),
     backends=(
         Backend("triton", cannot_run=_triton_reason, auto_reason=why_not_triton,
-                forward=lambda q, k, v, block, stride, scale, pos: compressed_triton.compressed_forward(
-                    q, k, v, block, stride, scale),
-                backward=lambda grad_o, q, k, v, o, lse, block, stride, scale, pos:
-                    compressed_triton.compressed_backward(grad_o, q, k, v, o, lse, block, stride, scale)),
+                forward=compressed_triton.compressed_forward,
+                backward=compressed_triton.compressed_backward),
         Backend("reference",
                 forward=lambda q, k, v, block, stride, scale, pos: _reference_forward(
                     q, k, v, block, stride, scale, pos=pos),

@@ -1,8 +1,9 @@
 """Triton kernels for NSA compressed attention (section 2), flash-style, forward and backward.
 
-    o, lse = compressed_forward(q, k, v, block, stride, scale)
-    dq, dk, dv = compressed_backward(grad_o, q, k, v, o, lse, block, stride, scale)
-    why = unsupported_reason(q, k, v, block, stride)        # None when the kernels can run
+    o, lse = compressed_forward(q, k, v, block, stride, scale, pos=None)
+    dq, dk, dv = compressed_backward(grad_o, q, k, v, o, lse, block, stride, scale, pos=None)
+    why = unsupported_reason(q, k, v, block, stride, pos=None)        # None when the kernels can run
+    slot, lo, hi, count, end = document_slots(pos, Tc, block, stride, ends=False)   # packed: compact blocks
 
 Same semantics as the `reference` backend of `nsa::compressed_attention` (nsa_compile/ops/compressed.py):
 q [B, H, S, Dk], k [B, G, Tc, Dk], v [B, G, Tc, Dv], H = G * h; query t of head j sees the
@@ -28,6 +29,26 @@ h = 6 except at the sequence's end). The queries of a tile span [t_min, t_max]: 
 tokens < n_full (visible to t_min) need no mask, tokens in [n_full, n_vis) (n_vis visible to
 t_max) are the diagonal, masked, and tokens >= n_vis are never loaded.
 
+Packed documents (pos [B, S] int64, each token's position in its document; k and v hold a slot
+per token, Tc = S - block + 1; the visibility is compressed.py's): `document_slots` lists each
+row's blocks (the slots that start a block of their document, in token order) as compact slots
+0 .. count - 1, on the device with torch ops (a cumsum, searchsorted and gathers: no host sync, no
+data-dependent shape). Query t sees exactly the compact slots [lo[t], hi[t]): those from its
+document's first block to the last block that ends by t. The kernels then run on compact slots
+in place of compression tokens, reading k, v (and writing dk, dv) at the tokens where the slots
+start; a HAS_POS constexpr (None pointers without pos) compiles the code without pos exactly as
+before. The forward's and dq's tiles read the slots [min lo, max hi) of their rows: unmasked
+where all rows are in one document and see whole BLOCK_N tiles, else masked by each row's
+[lo, hi); so a query reads only its document's blocks (about S / stride per row, as unpacked),
+not Tc ~ S slots. dk/dv: a program holds BLOCK_N compact slots, seen by the queries
+[slot + block - 1, end of its document); the queries after its last slot see all of it when
+it lies in one document (unmasked), the others are masked. Its work items are planned on the
+host from shapes alone, for at most S // min(block, stride) compact slots a row (a document of
+n >= block tokens holds (n - block) // stride + 1 blocks) with compact slot c starting at token
+>= c * min(block, stride); the segments of a tile past its real pairs find none. dk and dv
+start at 0: the kernels write the blocks' slots only. This relies on pos counting up by one
+inside each document (models.check_positions), as the op's docstring says.
+
 Kernels (tile sizes from `_tiles`, overridable for tools/bench_compressed.py --tiles):
 - forward, grid (ceil(S*h / ROWS), B*G): online softmax over tiles of BLOCK_N compression
   tokens; first the unmasked tiles, then the diagonal ones. Programs run in reverse sequence
@@ -44,7 +65,8 @@ Kernels (tile sizes from `_tiles`, overridable for tools/bench_compressed.py --t
 
 Supported (`unsupported_reason` says why not): CUDA tensors, or any device with TRITON_INTERPRET=1;
 q, k, v all fp16, bf16 or fp32; head dims up to 256 (padded to a power of two >= 16 by
-masking); any h >= 1, block >= 1, stride >= 1, Tc >= 0 (Tc = 0: zeros and -inf without a launch).
+masking); any h >= 1, block >= 1, stride >= 1, Tc >= 0 (Tc = 0: zeros and -inf without a launch);
+pos int64 [B, S] with Tc = S - block + 1 (any block and stride: block < stride too).
 
 The tile loads, the online-softmax step and the backward's row statistics are attention_tiles'
 helpers; the forward's and dq's two passes over the tokens (whole tiles, then the diagonal) and
@@ -80,7 +102,7 @@ from .attention_tiles import (
 )
 from .triton_support import (
     cdiv as _cdiv, device_reason, dot_precision as _dot_precision, jit, next_pow2 as _next_pow2, qkv_reason,
-    upcast_dots,
+    reduce_max, reduce_min, upcast_dots,
 )
 
 __all__ = ["compressed_backward", "compressed_forward", "unsupported_reason"]
@@ -91,9 +113,10 @@ ITEMS_PER_SM = 4
 LOG2E = 1.4426950408889634
 
 
-def unsupported_reason(q, k, v, block, stride) -> str | None:
-    """Why the Triton kernels cannot run these inputs, or None when they can."""
-    if why := device_reason(q, k, v) or qkv_reason(q, k, v, MAX_HEAD_DIM):
+def unsupported_reason(q, k, v, block, stride, pos=None) -> str | None:
+    """Why the Triton kernels cannot run these inputs, or None when they can (pos: packed
+    documents, [B, S] int64, with k and v holding a slot per token)."""
+    if why := device_reason(q, k, v, pos) or qkv_reason(q, k, v, MAX_HEAD_DIM):
         return why
     for name, value in (("block", block), ("stride", stride)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -101,7 +124,61 @@ def unsupported_reason(q, k, v, block, stride) -> str | None:
     G = k.shape[1]
     if G >= 1 and q.shape[2] * (q.shape[1] // G) >= 2**31 - 2**20:
         return f"{q.shape[2]} queries x {q.shape[1] // G} heads per group (pair ids are int32)"
+    if pos is not None:
+        return packed_reason(q.shape[0], q.shape[2], k.shape[2], block, pos)
     return None
+
+
+def packed_reason(B: int, S: int, Tc: int, block: int, pos) -> str | None:
+    """Why `document_slots` cannot take this pos (None: it can): it must be int64 [B, S], and the
+    keys must hold a slot per token (Tc = S - block + 1, 0 when S < block)."""
+    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or tuple(pos.shape) != (B, S):
+        got = f"{pos.dtype} {list(pos.shape)}" if isinstance(pos, torch.Tensor) else type(pos).__name__
+        return f"pos must be int64 [B, S] = [{B}, {S}], got {got}"
+    if Tc != max(0, S - block + 1):
+        return f"with pos the keys hold a slot per token: Tc must be S - block + 1 = {max(0, S - block + 1)}, got {Tc}"
+    return None
+
+
+def slot_capacity(S: int, Tc: int, block: int, stride: int) -> int:
+    """The most compact slots (`document_slots`) a row of S tokens can hold: a document of n >= l
+    tokens has (n - l) // d + 1 <= n / min(l, d) blocks (l = block, d = stride), so a row has at
+    most S // min(l, d) (and at most Tc). No assumption l >= d: min(l, d) covers both."""
+    return min(Tc, S // min(block, stride))
+
+
+def document_slots(pos: torch.Tensor, Tc: int, block: int, stride: int, ends: bool = False):
+    """The packed compression slots in compact form, built on pos's device with no host sync.
+
+    pos [B, S] int64 counts up by one inside each document from 0 at its start (what
+    models.check_positions accepts; the model checks it once per forward). Slot s pools tokens
+    [s, s + block); it is a block of its document when pos[s] % stride == 0 and its tokens lie in
+    that document. A row's blocks, in token order, are its compact slots 0, 1, ..., count - 1:
+    the i-th block of a document is compact slot (its first block's) + i, at document position
+    i * stride. Returns
+        slot   [B, Tc] int32   the token where compact slot c starts (c < count; Tc - 1 past it)
+        lo, hi [B, S] int32    query t sees exactly the compact slots [lo[t], hi[t]): those that
+                               start in its document (>= t - pos[t]) and end by t (start + block
+                               - 1 <= t), the op's visibility; none where hi <= lo. lo[t] is its
+                               document's first block.
+        count  [B] int32       blocks per row (<= slot_capacity)
+        end    [B, Tc] int32   with `ends`: the token after compact slot c's document, so c is
+                               seen by the queries [slot[c] + block - 1, end[c]) (else None)
+    """
+    B, S = pos.shape
+    dev = pos.device
+    first = pos[:, :Tc]  # [B, Tc]: each slot's first token's document position
+    is_block = (first % stride == 0) & (pos[:, block - 1 : block - 1 + Tc] == first + block - 1)
+    upto = is_block.cumsum(1, dtype=torch.int32)  # [B, Tc]: blocks starting at or before s
+    before = torch.nn.functional.pad(upto, (1, 0))  # [B, Tc + 1]: blocks starting before token u
+    rank = torch.arange(1, Tc + 1, device=dev, dtype=torch.int32).expand(B, Tc).contiguous()
+    slot = torch.searchsorted(upto, rank, out_int32=True).clamp_(max=max(Tc - 1, 0))  # the rank-th block
+    t = torch.arange(S, device=dev)
+    doc_start = t - pos  # [B, S]
+    lo = before.gather(1, doc_start.clamp(0, Tc))
+    hi = before.gather(1, (t - block + 2).clamp(0, Tc).expand(B, S))
+    end = torch.searchsorted(doc_start, slot.long(), right=True, out_int32=True) if ends else None
+    return slot, lo, hi, before[:, Tc].contiguous(), end
 
 
 def _tiles(Dk: int, Dv: int, fp32: bool = False, override: dict | None = None) -> dict:
@@ -207,12 +284,39 @@ def _pair_tile(N_TILES, G, S, TC, BLK, STRIDE, HPG: tl.constexpr, ROWS: tl.const
 
 
 @jit
+def _document_range(LO, HI, b, S, tq, row_ok, BLOCK_N: tl.constexpr):
+    """Packed documents: the forward's and dq's tile of rows (queries tq [ROWS], b int64) sees
+    compact slots (`document_slots`). Returns each row's range lo, hi [ROWS] (nothing past the
+    sequence's end: lo = hi = 0) and the tile's loop bounds: it reads the slots [c_start, n_vis),
+    those in [c_start, full_end) (whole BLOCK_N tiles) visible to every row: only where all its
+    rows are in one document (one lo), else full_end = c_start and every tile is masked."""
+    lo = tl.load(LO + b * S + tq, mask=row_ok, other=0)
+    hi = tl.load(HI + b * S + tq, mask=row_ok, other=0)
+    c_start = reduce_min(tl.where(row_ok, lo, 2147483647), 0)
+    one_doc = c_start == reduce_max(lo, 0)
+    whole = tl.maximum(reduce_min(tl.where(row_ok, hi, 2147483647), 0) - c_start, 0) // BLOCK_N
+    full_end = c_start + tl.where(one_doc, whole, 0) * BLOCK_N
+    return lo, hi, c_start, full_end, reduce_max(hi, 0)
+
+
+@jit
+def _slot_rows(SLOT, b, TC, c, c_ok):
+    """Packed documents: the rows of k and v (int64 [BLOCK_N]) that compact slots c read, the
+    tokens where they start (`document_slots`' slot; c_ok None: every c is below the count)."""
+    if c_ok is None:
+        token = tl.load(SLOT + b * TC + c)
+    else:
+        token = tl.load(SLOT + b * TC + c, mask=c_ok, other=0)
+    return token.to(tl.int64)
+
+
+@jit
 def fwd_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, SLOT, LO, HI,
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sob, soh, sos, sod,
     S, G, TC, BLK, STRIDE, scale, N_TILES,
     HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_POS: tl.constexpr,
 ):  # fmt: skip
     b, g, row_ok, tq, head, n_full, n_vis = _pair_tile(N_TILES, G, S, TC, BLK, STRIDE, HPG, ROWS)
     dk = tl.arange(0, DK_P)
@@ -226,19 +330,29 @@ def fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
 
     m_i, l_i, acc = softmax_state(ROWS, DV_P)
-    full_end = (n_full // BLOCK_N) * BLOCK_N
-    # two passes over the tokens: first the tiles every row sees whole, [0, full_end), then the
-    # diagonal, [full_end, n_vis), with the staircase mask
+    if HAS_POS:  # compact slots [c_start, n_vis), row t's [lo, hi)
+        lo, hi, c_start, full_end, n_vis = _document_range(LO, HI, b, S, tq, row_ok, BLOCK_N)
+    else:
+        c_start = 0
+        full_end = (n_full // BLOCK_N) * BLOCK_N
+    # two passes over the tokens: first the tiles every row sees whole, [c_start, full_end), then
+    # the diagonal, [full_end, n_vis), with the staircase mask (with pos, each row's range)
     for diagonal in tl.static_range(2):
-        for c0 in range(full_end if diagonal else 0, n_vis if diagonal else full_end, BLOCK_N):
+        for c0 in range(full_end if diagonal else c_start, n_vis if diagonal else full_end, BLOCK_N):
             c = c0 + cols
             c_ok = c < n_vis
-            c64 = c.to(tl.int64)
+            if HAS_POS:
+                c64 = _slot_rows(SLOT, b, TC, c, c_ok if diagonal else None)
+            else:
+                c64 = c.to(tl.int64)
             k = load_tile(k_base, c64, dk, sks, skd, c_ok if diagonal else None, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
             v = load_tile(v_base, c64, dv, svs, svd, c_ok if diagonal else None, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
             s = _score(q, k, scale, Q.dtype.element_ty, PREC)
             if diagonal:
-                visible = c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
+                if HAS_POS:
+                    visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
+                else:
+                    visible = c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
                 s2 = tl.where(visible, s * 1.4426950408889634, float("-inf"))
             else:
                 s2 = s * 1.4426950408889634  # [ROWS, BLOCK_N], log2 units
@@ -254,12 +368,12 @@ def fwd_kernel(
 
 @jit
 def dq_kernel(
-    Q, K, V, DO, O, LSE, DELTA, DQ,
+    Q, K, V, DO, O, LSE, DELTA, DQ, SLOT, LO, HI,
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
     sdob, sdoh, sdos, sdod, sob, soh, sos, sod, sdqb, sdqh, sdqs, sdqd,
     S, G, TC, BLK, STRIDE, scale, N_TILES,
     HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_POS: tl.constexpr,
 ):  # fmt: skip
     b, g, row_ok, tq, head, n_full, n_vis = _pair_tile(N_TILES, G, S, TC, BLK, STRIDE, HPG, ROWS)
     dk = tl.arange(0, DK_P)
@@ -279,19 +393,29 @@ def dq_kernel(
     v_base = V + b * svb + g.to(tl.int64) * svg
     cols = tl.arange(0, BLOCK_N)
     acc = tl.full([ROWS, DK_P], 0.0, tl.float32)
-    full_end = (n_full // BLOCK_N) * BLOCK_N
+    if HAS_POS:
+        lo, hi, c_start, full_end, n_vis = _document_range(LO, HI, b, S, tq, row_ok, BLOCK_N)
+    else:
+        c_start = 0
+        full_end = (n_full // BLOCK_N) * BLOCK_N
     # the forward's two passes; rows without a visible token never reach the first (their lse
     # is -inf) and get p = 0 in the second
     for diagonal in tl.static_range(2):
-        for c0 in range(full_end if diagonal else 0, n_vis if diagonal else full_end, BLOCK_N):
+        for c0 in range(full_end if diagonal else c_start, n_vis if diagonal else full_end, BLOCK_N):
             c = c0 + cols
             c_ok = c < n_vis
-            c64 = c.to(tl.int64)
+            if HAS_POS:
+                c64 = _slot_rows(SLOT, b, TC, c, c_ok if diagonal else None)
+            else:
+                c64 = c.to(tl.int64)
             k = load_tile(k_base, c64, dk, sks, skd, c_ok if diagonal else None, dk_ok, UPCAST)
             v = load_tile(v_base, c64, dv, svs, svd, c_ok if diagonal else None, dv_ok, UPCAST)
             s = _score(q, k, scale, Q.dtype.element_ty, PREC)
             if diagonal:
-                visible = row_ok[:, None] & c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
+                if HAS_POS:  # rows past the sequence's end have lo = hi = 0
+                    visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
+                else:
+                    visible = row_ok[:, None] & c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
                 p = tl.where(visible, tl.exp2(s * 1.4426950408889634 - lse2[:, None]), 0.0)
             else:
                 p = tl.exp2(s * 1.4426950408889634 - lse2[:, None])  # [ROWS, BLOCK_N]
@@ -322,12 +446,12 @@ def _pair_gradients(acc_k, acc_v, s, visible, lse2, delta, q, do, v, scale, QDT:
 
 @jit
 def dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, PK, PV, ITEM_TILE, ITEM_SEG, TILE_NSEG,
+    Q, K, V, DO, LSE, DELTA, DK, DV, PK, PV, ITEM_TILE, ITEM_SEG, TILE_NSEG, SLOT, LO, HI, COUNT, END,
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
     sdob, sdoh, sdos, sdod, sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
     S, G, TC, BLK, STRIDE, scale, SEG, N_ITEMS,
     HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_POS: tl.constexpr,
 ):  # fmt: skip
     item = tl.program_id(0)
     bg = tl.program_id(1)
@@ -338,31 +462,47 @@ def dkdv_kernel(
     nseg = tl.load(TILE_NSEG + tile)
     n_pairs = S * HPG
     c0 = tile * BLOCK_N
-    c = c0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] compression tokens
-    c_ok = c < TC
-    c_last = tl.minimum(c0 + BLOCK_N, TC) - 1
-    # pairs [p_lo, n_pairs) see some token of the tile, pairs >= p_full see all of them; the
-    # masked tiles end at p_mid, a whole number of ROWS after p_lo (as the segments are)
-    p_lo = tl.minimum(c0 * STRIDE + BLK - 1, S) * HPG
-    p_full = tl.minimum(c_last * STRIDE + BLK - 1, S) * HPG
+    c = c0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] compression tokens (with pos: compact slots)
+    if HAS_POS:
+        # the tile's slots start at tokens s_first .. s_last; slot c is seen by the queries
+        # [slot + BLK - 1, end of its document): pairs [p_lo, p_end) see some slot of the tile,
+        # pairs >= p_full all of them where the tile lies in one document (else none does)
+        n_cols = tl.load(COUNT + b)
+        c_ok = c < n_cols
+        c_last = tl.minimum(c0 + BLOCK_N, n_cols) - 1
+        tile_ok = c0 < n_cols
+        s_first = tl.load(SLOT + b * TC + c0, mask=tile_ok, other=0)
+        s_last = tl.load(SLOT + b * TC + c_last, mask=tile_ok, other=0)
+        end_first = tl.load(END + b * TC + c0, mask=tile_ok, other=0)
+        end_last = tl.load(END + b * TC + c_last, mask=tile_ok, other=0)
+        p_lo = (s_first + BLK - 1) * HPG
+        p_end = end_last * HPG
+        p_full = tl.where(end_first == end_last, tl.minimum(s_last + BLK - 1, end_last), end_last) * HPG
+    else:
+        n_cols = TC
+        c_ok = c < TC
+        c_last = tl.minimum(c0 + BLOCK_N, TC) - 1
+        # pairs [p_lo, n_pairs) see some token of the tile, pairs >= p_full see all of them
+        p_lo = tl.minimum(c0 * STRIDE + BLK - 1, S) * HPG
+        p_end = n_pairs
+        p_full = tl.minimum(c_last * STRIDE + BLK - 1, S) * HPG
+    # the masked tiles end at p_mid, a whole number of ROWS after p_lo (as the segments are)
     p_mid = p_lo + (p_full - p_lo + ROWS - 1) // ROWS * ROWS
     a = p_lo + seg * SEG
-    e = tl.minimum(a + SEG, n_pairs)
+    e = tl.minimum(a + SEG, p_end)
 
     dk = tl.arange(0, DK_P)
     dv = tl.arange(0, DV_P)
     dk_ok = dk < DK_
     dv_ok = dv < DV_
-    c64 = c.to(tl.int64)
+    if HAS_POS:  # the slots' rows of k, v, dk, dv
+        c64 = tl.load(SLOT + b * TC + c, mask=c_ok, other=0).to(tl.int64)
+    else:
+        c64 = c.to(tl.int64)
     kmask = c_ok[:, None] & dk_ok[None, :]
     vmask = c_ok[:, None] & dv_ok[None, :]
-    k = tl.load(K + b * skb + g.to(tl.int64) * skg + c64[:, None] * sks + dk[None, :] * skd,
-                mask=kmask, other=0.0)  # [BLOCK_N, DK_P]
-    v = tl.load(V + b * svb + g.to(tl.int64) * svg + c64[:, None] * svs + dv[None, :] * svd,
-                mask=vmask, other=0.0)  # [BLOCK_N, DV_P]
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k = load_tile(K + b * skb + g.to(tl.int64) * skg, c64, dk, sks, skd, c_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
+    v = load_tile(V + b * svb + g.to(tl.int64) * svg, c64, dv, svs, svd, c_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
     acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
     acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
     rows = tl.arange(0, ROWS)
@@ -381,14 +521,21 @@ def dkdv_kernel(
             do = load_tile(DO + b * sdob + head[:, None] * sdoh, tq64, dv, sdos, sdod, row_ok, dv_ok, UPCAST)
             lse2, delta = row_stats(LSE, DELTA, (b * G * HPG + head) * S + tq64, row_ok)
             s = _score(q, k, scale, Q.dtype.element_ty, PREC)
-            visible = None if full else row_ok[:, None] & c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
+            if full:
+                visible = None
+            elif HAS_POS:  # row t sees the compact slots [lo, hi) (rows past the end: none)
+                lo = tl.load(LO + b * S + tq64, mask=row_ok, other=0)
+                hi = tl.load(HI + b * S + tq64, mask=row_ok, other=0)
+                visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
+            else:
+                visible = row_ok[:, None] & c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
             acc_k, acc_v = _pair_gradients(acc_k, acc_v, s, visible, lse2, delta, q, do, v, scale, Q.dtype.element_ty,
                                            DO.dtype.element_ty, PREC, UPCAST)
 
     # one segment: the final value; several: an fp32 partial per item, summed by reduce_kernel
     # (the scalar conditions become column limits: block masks only)
-    direct = (c < tl.where(nseg == 1, TC, 0))[:, None]
-    split = (c < tl.where(nseg > 1, TC, 0))[:, None]
+    direct = (c < tl.where(nseg == 1, n_cols, 0))[:, None]
+    split = (c < tl.where(nseg > 1, n_cols, 0))[:, None]
     tl.store(DK + b * sdkb + g.to(tl.int64) * sdkg + c64[:, None] * sdks + dk[None, :] * sdkd,
              acc_k.to(DK.dtype.element_ty), mask=kmask & direct)
     tl.store(DV + b * sdvb + g.to(tl.int64) * sdvg + c64[:, None] * sdvs + dv[None, :] * sdvd,
@@ -401,11 +548,11 @@ def dkdv_kernel(
 
 @jit
 def reduce_kernel(
-    PK, PV, DK, DV, TILE_NSEG, TILE_FIRST,
+    PK, PV, DK, DV, TILE_NSEG, TILE_FIRST, SLOT, COUNT,
     sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
     G, TC, N_ITEMS,
     DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
-    TILE_N: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILE_N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_POS: tl.constexpr,
 ):  # fmt: skip
     # program (tile, chunk of BLOCK_N of its TILE_N tokens, batch*group)
     tile = tl.program_id(0)
@@ -417,8 +564,12 @@ def reduce_kernel(
     first = tl.load(TILE_FIRST + tile).to(tl.int64)
     j = chunk * BLOCK_N + tl.arange(0, BLOCK_N)  # offset in the tile
     c = tile * TILE_N + j
-    c_ok = (j < TILE_N) & (c < TC)
-    c64 = c.to(tl.int64)
+    if HAS_POS:  # compact slots below the row's count, stored at the tokens where they start
+        c_ok = (j < TILE_N) & (c < tl.load(COUNT + b))
+        c64 = tl.load(SLOT + b * TC + c, mask=c_ok, other=0).to(tl.int64)
+    else:
+        c_ok = (j < TILE_N) & (c < TC)
+        c64 = c.to(tl.int64)
     dk = tl.arange(0, DK_P)
     dv = tl.arange(0, DV_P)
     kmask = c_ok[:, None] & (dk < DK_)[None, :]
@@ -438,16 +589,17 @@ def reduce_kernel(
              acc_v.to(DV.dtype.element_ty), mask=vmask & split)
 
 
-def _require(q, k, v, block, stride) -> None:
-    why = unsupported_reason(q, k, v, block, stride)
+def _require(q, k, v, block, stride, pos=None) -> None:
+    why = unsupported_reason(q, k, v, block, stride, pos)
     if why is not None:
         raise ValueError(f"compressed_attention (triton): cannot run these inputs: {why}")
 
 
-def compressed_forward(q, k, v, block: int, stride: int, scale: float, *, tiles: dict | None = None):
+def compressed_forward(q, k, v, block: int, stride: int, scale: float, pos=None, *, tiles: dict | None = None):
     """o [B, H, S, Dv] (v's dtype) and lse [B, H, S] float32 (natural log, -inf on empty rows).
-    `tiles`: an override of `_tiles` (tools/bench_compressed.py); None, the default tiles."""
-    _require(q, k, v, block, stride)
+    pos: packed documents ([B, S] int64; k and v then hold a slot per token). `tiles`: an
+    override of `_tiles` (tools/bench_compressed.py); None, the default tiles."""
+    _require(q, k, v, block, stride, pos)
     B, H, S, Dk = q.shape
     G, Tc, Dv = k.shape[1], k.shape[2], v.shape[3]
     h = H // G
@@ -456,15 +608,17 @@ def compressed_forward(q, k, v, block: int, stride: int, scale: float, *, tiles:
         return o, lse
     if Tc == 0:  # no query sees a block (S < block)
         return o.zero_(), lse.fill_(float("-inf"))
+    # with pos: the compact slots and each query's range of them (None: the no-pos kernel)
+    slot, lo, hi, _, _ = (None,) * 5 if pos is None else document_slots(pos, Tc, block, stride)
     T = _tiles(Dk, Dv, q.dtype == torch.float32, tiles)
     cfg = T["fwd"]
     n_tiles = _cdiv(S * h, cfg["ROWS"])
     fwd_kernel[(n_tiles, B * G)](
-        q, k, v, o, lse,
+        q, k, v, o, lse, slot, lo, hi,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         S, G, Tc, block, stride, scale, n_tiles,
         HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=_dot_precision(q.dtype),
-        UPCAST=upcast_dots(q.dtype), **_launch_options(cfg),
+        UPCAST=upcast_dots(q.dtype), HAS_POS=pos is not None, **_launch_options(cfg),
     )  # fmt: skip
     return o, lse
 
@@ -506,11 +660,13 @@ def _work_items(S: int, h: int, Tc: int, block: int, stride: int, block_n: int, 
     return i32(item_tile), i32(item_seg), i32(nseg), i32(first), len(item_tile), max(nseg)
 
 
-def compressed_backward(grad_o, q, k, v, o, lse, block: int, stride: int, scale: float, *, tiles: dict | None = None):
+def compressed_backward(grad_o, q, k, v, o, lse, block: int, stride: int, scale: float, pos=None, *,
+                        tiles: dict | None = None):  # fmt: skip
     """dq (like q, [B, S, H, Dk] memory), dk (like k), dv (like v): gradients of
-    `compressed_forward`'s o, given its o and lse. dk/dv are summed over the group's heads in
-    fp32 without atomics (deterministic). `tiles`: an override of `_tiles`."""
-    _require(q, k, v, block, stride)
+    `compressed_forward`'s o, given its o and lse (pos: as there; dk and dv are 0 at the slots no
+    query sees). dk/dv are summed over the group's heads in fp32 without atomics
+    (deterministic). `tiles`: an override of `_tiles`."""
+    _require(q, k, v, block, stride, pos)
     B, H, S, Dk = q.shape
     G, Tc, Dv = k.shape[1], k.shape[2], v.shape[3]
     h = H // G
@@ -522,37 +678,51 @@ def compressed_backward(grad_o, q, k, v, o, lse, block: int, stride: int, scale:
     lse = lse.contiguous()
     T = _tiles(Dk, Dv, q.dtype == torch.float32, tiles)
     prec, upcast = _dot_precision(q.dtype), upcast_dots(q.dtype)
+    if pos is None:
+        slot = lo = hi = count = end = None
+        key_tiles, key_stride = Tc, stride
+    else:  # the kernels write the blocks' dk, dv; every other slot's stays 0
+        slot, lo, hi, count, end = document_slots(pos, Tc, block, stride, ends=True)
+        dk.zero_()
+        dv.zero_()
+        # the dk/dv key tiles hold compact slots: at most slot_capacity of them, and compact slot
+        # c starts at token >= c * min(l, d) (blocks of a document are d apart, the next
+        # document's first block is l after its last one), so the work items planned for that
+        # stride cover every tile's pairs
+        key_tiles, key_stride = slot_capacity(S, Tc, block, stride), min(block, stride)
 
     delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     n_tiles = _cdiv(S * h, T["dq"]["ROWS"])
     dq_kernel[(n_tiles, B * G)](
-        q, k, v, grad_o, o, lse, delta, dq,
+        q, k, v, grad_o, o, lse, delta, dq, slot, lo, hi,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *o.stride(), *dq.stride(),
         S, G, Tc, block, stride, scale, n_tiles,
-        HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=prec, UPCAST=upcast, **_launch_options(T["dq"]),
+        HPG=h, DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=prec, UPCAST=upcast, HAS_POS=pos is not None,
+        **_launch_options(T["dq"]),
     )  # fmt: skip
 
     cfg = T["dkdv"]
-    segment = _segment(S, h, Tc, block, stride, B * G, cfg, q.device)
+    segment = _segment(S, h, key_tiles, block, key_stride, B * G, cfg, q.device)
     item_tile, item_seg, tile_nseg, tile_first, n_items, max_seg = _work_items(
-        S, h, Tc, block, stride, cfg["BLOCK_N"], segment, q.device
+        S, h, key_tiles, block, key_stride, cfg["BLOCK_N"], segment, q.device
     )
     # fp32 partials only when some tile has several items
     part_rows = B * G * n_items * cfg["BLOCK_N"] if max_seg > 1 else 0
     pk = torch.empty(part_rows, Dk, dtype=torch.float32, device=q.device)
     pv = torch.empty(part_rows, Dv, dtype=torch.float32, device=q.device)
     dkdv_kernel[(n_items, B * G)](
-        q, k, v, grad_o, lse, delta, dk, dv, pk, pv, item_tile, item_seg, tile_nseg,
+        q, k, v, grad_o, lse, delta, dk, dv, pk, pv, item_tile, item_seg, tile_nseg, slot, lo, hi, count, end,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
         S, G, Tc, block, stride, scale, segment, n_items,
-        HPG=h, DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=prec, UPCAST=upcast, **_launch_options(cfg),
+        HPG=h, DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=prec, UPCAST=upcast, HAS_POS=pos is not None,
+        **_launch_options(cfg),
     )  # fmt: skip
     if max_seg > 1:
         rcfg = T["reduce"]
-        reduce_kernel[(_cdiv(Tc, cfg["BLOCK_N"]), _cdiv(cfg["BLOCK_N"], rcfg["BLOCK_N"]), B * G)](
-            pk, pv, dk, dv, tile_nseg, tile_first,
+        reduce_kernel[(_cdiv(key_tiles, cfg["BLOCK_N"]), _cdiv(cfg["BLOCK_N"], rcfg["BLOCK_N"]), B * G)](
+            pk, pv, dk, dv, tile_nseg, tile_first, slot, count,
             *dk.stride(), *dv.stride(),
             G, Tc, n_items,
-            DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], TILE_N=cfg["BLOCK_N"], **rcfg,
+            DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], TILE_N=cfg["BLOCK_N"], HAS_POS=pos is not None, **rcfg,
         )  # fmt: skip
     return dq, dk, dv

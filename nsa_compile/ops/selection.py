@@ -35,11 +35,18 @@ block_size, scale, backend, pos) -> (dq, dk, dv)`, with dk and dv summed over ea
 query heads (shapes of k and v); block_idx and pos get no gradient.
 
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error;
-only `reference` takes pos, the others give the packed documents as their reason):
+`triton` and `reference` take pos, the varlen backends give the packed documents as their reason):
 - `triton` (CUDA): the group-centric kernels of nsa_compile/ops/selection_triton.py: one
   program per token and KV group loads the group's h heads and streams the chosen K/V blocks
   by index (no gathered copy); dq on the same grid; dk/dv from the inverted selection, without
   atomics (deterministic). Scores accumulate in fp32 (eager rounds q @ k^T to fp16/bf16 first).
+  Packed documents: the kernels read pos on the device (no host sync, capturable in a CUDA
+  graph, one compiled kernel for every packing) and name each chosen block by its first token
+  t - pos[t] + j * l'; the inverted selection lists a block that the l' grid cuts under both
+  grid blocks it touches (see selection_triton.py). Valid positions give the reference's
+  attention; where pos[t] > t (not a position) the two differ, each in bounds: the reference
+  clamps token ids into [0, S) for its gather, the kernels take the document start as
+  max(t - pos[t], -1) and drop a block that would start before token 0.
 - `reference` (every device and dtype): PyTorch, chunked over query rows. A chunk of C queries
 gathers its own selected tokens, K and V [B, G, C, n*l', D] (never for all S at once), so
 memory is O(B * G * C * n * l' * (D + h)). The group's h heads are folded into the rows of one
@@ -77,17 +84,16 @@ REFERENCE_CHUNK = 64
 
 def choose_backend(q, k, v, block_idx, block_size, backend: str = "auto", pos=None) -> str:
     """`SELECTION.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it
-    cannot run these inputs), or for 'auto' triton where it can run on CUDA and reference
-    elsewhere ('auto' never takes a varlen backend; with pos, only reference runs)."""
+    cannot run these inputs), or for 'auto' triton where it can run on CUDA (with or without
+    pos) and reference elsewhere ('auto' never takes a varlen backend)."""
     return SELECTION.choose(backend, q, k, v, block_idx, block_size, pos)
 
 
 def why_not_triton(q, k, v, block_idx, block_size, pos=None) -> str | None:
-    """Why 'auto' does not take the triton backend for these inputs (None: it does). Packed
-    documents come first: with pos the kernels would not run on CUDA either."""
-    if pos is not None:
-        return selection_triton.unsupported_reason(q, k, v, block_idx, block_size, pos=pos)
-    return why_not_triton_on(q.device, lambda: selection_triton.unsupported_reason(q, k, v, block_idx, block_size))
+    """Why 'auto' does not take the triton backend for these inputs (None: it does): off CUDA,
+    or what the kernels cannot run. Packed documents (pos) change nothing: the kernels take them."""
+    return why_not_triton_on(q.device, lambda: selection_triton.unsupported_reason(q, k, v, block_idx, block_size,
+                                                                                   pos))
 
 
 def _check(q, k, v, block_idx, block_size, scale, backend="auto", pos=None) -> str:
@@ -258,9 +264,9 @@ SELECTION = declare(Op(
     backends=(
         Backend("triton", cannot_run=selection_triton.unsupported_reason, auto_reason=why_not_triton,
                 forward=lambda q, k, v, block_idx, block_size, scale, pos: selection_triton.selected_forward(
-                    q, k, v, block_idx, block_size, scale),
+                    q, k, v, block_idx, block_size, scale, pos),
                 backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos:
-                    selection_triton.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale)),
+                    selection_triton.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos)),
         _varlen("varlen"),
         _varlen("varlen_flash_attn"),
         # its backward scatter-adds dK/dV: on CUDA repeatable under torch.use_deterministic_algorithms(True),

@@ -1,15 +1,18 @@
 """Triton kernels for NSA selected attention (section 3), group-centric, forward and backward.
 
-    o, lse = selected_forward(q, k, v, block_idx, block_size, scale)
-    dq, dk, dv = selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale)
-    why = unsupported_reason(q, k, v, block_idx, block_size)        # None when the kernels can run
+    o, lse = selected_forward(q, k, v, block_idx, block_size, scale, pos=None)
+    dq, dk, dv = selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos=None)
+    why = unsupported_reason(q, k, v, block_idx, block_size, pos)   # None when the kernels can run
 
 Same semantics as the `reference` backend of `nsa::selected_attention` (nsa_compile/ops/selection.py):
 q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv], H = G * h, block_idx [B, G, S, n] int64
 (ascending, -1 padded, shared by the group's h heads). Query t of head j attends to the tokens
 s <= t of the blocks block_idx[:, j // h, t] (entries < 0 ignored, blocks past the end hold no
-token <= t); duplicated block ids count twice. o [B, H, S, Dv] in v's dtype, lse [B, H, S]
-float32 (natural log; -inf on a row without a valid token, whose output and gradients are 0).
+token <= t); duplicated block ids count twice. With packed documents, pos [B, S] int64 (each
+token's position in its document), block j of query t is the tokens [start, start + l') with
+start = t - pos[t] + j * l' (counted from its document's first token, so not on the l' grid in
+general). o [B, H, S, Dv] in v's dtype, lse [B, H, S] float32 (natural log; -inf on a row
+without a valid token, whose output and gradients are 0).
 Strides are passed to the kernels: q, k, v, grad_o may be any strided views (the model passes
 [B, S, heads, D] memory transposed to [B, heads, S, D]). o, dq, dk, dv are allocated in that
 layout too ([B, S, heads, D] memory), the layout the op's fakes promise.
@@ -22,6 +25,19 @@ flash-attention backward with delta = rowsum(dO * O) in fp32. fp32 inputs use
 anywhere: every kernel is deterministic, and so are the torch ops that build the inverted
 selection (a stable sort, searchsorted, cumsum).
 
+Packed documents without a host sync: pos is read by the kernels and by torch ops on the device
+(never on the host, no data-dependent shape). The kernels take it as an optional pointer (POS;
+QSTART for dk/dv) with the HAS_POS constexpr: without pos those are None (a constexpr to Triton)
+and False, every `if HAS_POS` block is left out, and the kernels compile to the PTX they had
+before pos existed (compared for sm_90a, fp16/bf16, the seed's and the paper's tiles). A block
+is then named by its first token instead of its id: the forward and dq compare a row's chosen
+blocks as first tokens t - pos[t] + j * l' (one scalar document start per program when TQ = 1,
+one per row otherwise), their union holds first tokens (`_document_union`), and the dk/dv
+kernel masks each entry to its block's tokens. The document start is clamped into [-1, S]
+(attention_tiles.document_start) and a block that would start before token 0 holds no token:
+where pos[t] > t (not a position) the kernels and the reference (which clamps token ids for its
+gather) differ; both stay in bounds. Valid positions give the reference's attention.
+
 Kernels (tile sizes from `_tiles`):
 - forward, grid (ceil(S / TQ), B*G, ceil(TQ * h / ROWS)): one program per tile of TQ consecutive
   query tokens of one (batch, group). Its rows are the tile's (query, head) pairs, query-major
@@ -33,7 +49,11 @@ Kernels (tile sizes from `_tiles`):
   blocks its query did not choose (tested against the query's own list, held in registers; a
   block listed twice counts twice, as weight 2) and tokens after its query. The union comes
   from `_tile_union` (torch ops, no sort, no host sync); with TQ = 1 the query's own list is
-  read directly, slot by slot, with no membership test (a repeated id is met twice). One flat loop runs over the (union block, chunk) pairs with no
+  read directly, slot by slot, with no membership test (a repeated id is met twice). With pos
+  the union is of first tokens (rows of one tile in two documents name one block with two ids,
+  or two blocks with one id): a sort of each tile's TQ * n starts, deduplicated (cumsum,
+  scatter), and each row compares its chosen blocks' first tokens with the union entry. One
+  flat loop runs over the (union block, chunk) pairs with no
   data-dependent `if` around the K/V loads, so Triton's pipeliner prefetches the next pair
   during this one's compute (num_stages). The running max starts at a finite floor (-1e30), so
   a chunk fully masked for a row leaves its state unchanged (alpha = 1, p = 0) instead of
@@ -59,16 +79,25 @@ Kernels (tile sizes from `_tiles`):
   (cast once); a block of several writes fp32 partials ([items, l', D], at most
   (B*G*NB + B*G*S*n / DKV_SEGMENT) * l' * (Dk + Dv) * 4 bytes) that a second kernel sums in
   segment order. Every token belongs to exactly one (block, chunk), so every element of dk and
-  dv is written (unchosen tokens get 0).
+  dv is written (unchosen tokens get 0). With pos a chosen block [start, start + l') is cut by
+  the l' grid unless its document starts on it, and touches up to two grid blocks: the inversion
+  lists each choice under the grid block of its first token and, where it reaches a token <= t
+  in the next one, under that one too (2 * B*G*S*n keys, half of them unused where blocks sit on
+  the grid; still a stable sort, so still ascending t), with the entry's start beside its query
+  (qstart); the kernel masks each (query, token) pair to s in [start, start + l') and s <= t.
+  The grid, the work items, the partials and their reduction stay those without pos, and so
+  does the determinism (no atomics; a query listed twice under one grid block, for its blocks
+  j and j + 1, is two entries with disjoint tokens).
 
-Supported (`unsupported_reason` says why not): CUDA tensors, or any device with TRITON_INTERPRET=1;
-q, k, v all fp16, bf16 or fp32; head dims up to 256 (padded to a power of two >= 16 by masking);
+Supported (`unsupported_reason` says why not): CUDA tensors, or any device with TRITON_INTERPRET=1
+(pos, where given, on the same device); with or without packed documents; q, k, v all fp16, bf16
+or fp32; head dims up to 256 (padded to a power of two >= 16 by masking);
 any h >= 1 (several row tiles when TQ * h > ROWS); any block size l' >= 1: a K/V chunk is the next
 power of two of l' between 16 and 64 (32 in the dk/dv kernel), masked, so l' < 16 or not a power
 of two wastes columns but is correct. fp32 (no tensor cores) is correct but slow.
 
-The tile loads, the online-softmax step and the backward's row statistics are attention_tiles'
-helpers.
+The tile loads, the online-softmax step, the backward's row statistics and the document start
+are attention_tiles' helpers.
 
 CPU interpreter: the kernels are module-level `triton_support.jit` functions, made by triton.jit
 when launched, once per mode (compiled or interpreted: TRITON_INTERPRET as Triton reads it at the
@@ -94,8 +123,8 @@ except ImportError:  # the module still imports; unsupported_reason says why the
     triton = tl = None
 
 from .attention_tiles import (
-    dim_ranges, load_tile, row_delta, row_stats, softmax_accumulate, softmax_finish, softmax_state, softmax_update,
-    store_tile,
+    dim_ranges, document_start, load_tile, row_delta, row_stats, softmax_accumulate, softmax_finish, softmax_state,
+    softmax_update, store_tile,
 )
 from .triton_support import (
     cdiv as _cdiv, device_reason, dot_precision as _dot_precision, jit, next_pow2 as _next_pow2, qkv_reason,
@@ -110,17 +139,17 @@ MAX_HEAD_DIM = 256
 
 
 def unsupported_reason(q, k, v, block_idx, block_size, pos=None) -> str | None:
-    """Why the Triton kernels cannot run these inputs, or None when they can."""
-    if pos is not None:
-        return "packed documents (pos): the Triton kernels have no document mask"
-    if why := device_reason(q, k, v, block_idx) or qkv_reason(q, k, v, MAX_HEAD_DIM):
+    """Why the Triton kernels cannot run these inputs, or None when they can (packed documents
+    included: pos [B, S] int64, which the op has checked, on q's device)."""
+    if why := device_reason(q, k, v, block_idx, pos) or qkv_reason(q, k, v, MAX_HEAD_DIM):
         return why
     if block_idx.dtype != torch.int64:
         return f"block_idx dtype {block_idx.dtype} (needs int64)"
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         return f"block_size {block_size!r} (needs an int >= 1)"
-    if block_idx.numel() >= 2**31 or q.shape[2] >= 2**31:
-        return f"{block_idx.numel()} block ids (the inverted selection indexes them in int32)"
+    entries = block_idx.numel() * (1 if pos is None else 2)  # with pos a block touches up to two of the l' grid
+    if entries >= 2**31 or q.shape[2] >= 2**31:
+        return f"{entries} inverted-selection entries (the inverted selection indexes them in int32)"
     return None
 
 
@@ -243,20 +272,58 @@ def _union_chunk(u_base, it, cols, sin_, S, BS, TQ: tl.constexpr, CPB: tl.conste
 
 
 @jit
+def _document_chunk(u_base, it, cols, sin_, S, BS, doc, TQ: tl.constexpr, CPB: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """`_union_chunk` with packed documents: a block is named by its first token `start` (the
+    union of `_tile_union(..., pos)` holds those, all >= 0; for TQ = 1 the query's own list gives
+    start = doc + id * l', doc its document start, a scalar). Returns start, the chunk's token
+    ids s and col_ok [BLOCK_N] (the block's tokens in [0, S); none for padding or start < 0)."""
+    u = it // CPB
+    if TQ == 1:
+        blk = tl.load(u_base + u * sin_).to(tl.int32)
+        start = tl.where(blk >= 0, doc + blk * BS, -1)
+    else:
+        start = tl.load(u_base + u)
+    s = start + (it - u * CPB) * BLOCK_N + cols  # [BLOCK_N] token ids
+    lo = tl.where(start >= 0, start, S)  # padding, or a block before token 0 (pos[t] > t): no token
+    col_ok = (s >= lo) & (s < start + BS) & (s < S)
+    return start, s, col_ok
+
+
+@jit
+def _document_rows(POS, chosen, b, tile, t64, row_ok, S, BS, TQ: tl.constexpr):
+    """Packed documents, the forward's and dq's program: the document start doc = t - pos[t] of
+    its query for TQ = 1 (a scalar; `_document_chunk` adds it to the list's ids), and for TQ > 1
+    each row's chosen blocks [ROWS, N_P] as their first tokens doc + id * l' per row, -1 for
+    padding and for a block that would start before token 0 (pos[t] > t): what the entries of
+    `_tile_union(..., pos)` are compared with. Returns (doc, chosen) (doc 0 for TQ > 1, unused)."""
+    if TQ == 1:
+        doc = document_start(POS, b, tile.to(tl.int64), tile < S, S)
+    else:
+        doc = 0
+        start = document_start(POS, b, t64, row_ok, S)[:, None] + chosen * BS
+        chosen = tl.where((chosen >= 0) & (start >= 0), start, -1)
+    return doc, chosen
+
+
+@jit
 def fwd_kernel(
-    Q, K, V, IDX, UNION, UCNT, O, LSE,
+    Q, K, V, IDX, UNION, UCNT, O, LSE, POS,  # POS: [B, S] int64 positions in the documents (None without HAS_POS)
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
     sib, sig, sis, sin_, sob, soh, sos, sod,
     S, G, N_SEL, BS, NT, qk_scale,  # qk_scale = scale * log2(e)
     HPG: tl.constexpr, TQ: tl.constexpr, ROWS: tl.constexpr, N_P: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
     CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
+    HAS_POS: tl.constexpr,
 ):  # fmt: skip
     tile, bg, b, g, t, row_ok, head = _query_rows(G, S, HPG, TQ, ROWS)
     dk, dv, dk_ok, dv_ok = dim_ranges(DK, DV, DK_P, DV_P)
     t64 = t.to(tl.int64)
     q = load_tile(Q + b * sqb + head[:, None] * sqh, t64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)  # [ROWS, DK_P]
     chosen = _row_choices(IDX, b, g, t64, row_ok, sib, sig, sis, sin_, N_SEL, N_P)  # [ROWS, N_P]
+    if HAS_POS:  # blocks named by their first token: one document start per query
+        doc, chosen = _document_rows(POS, chosen, b, tile, t64, row_ok, S, BS, TQ)
     k_base = K + b * skb + g.to(tl.int64) * skg
     v_base = V + b * svb + g.to(tl.int64) * svg
     u_base, n_union = _union_blocks(IDX, UNION, UCNT, b, g, bg, tile, sib, sig, sis, NT, N_SEL, TQ)
@@ -267,7 +334,10 @@ def fwd_kernel(
     # it did not choose and the tokens after it (no data-dependent branch around the loads, so
     # Triton's pipeliner prefetches the next pair during this one's compute)
     for it in range(0, n_union * CPB):
-        blk, s, col_ok = _union_chunk(u_base, it, cols, sin_, S, BS, TQ, CPB, BLOCK_N)
+        if HAS_POS:
+            blk, s, col_ok = _document_chunk(u_base, it, cols, sin_, S, BS, doc, TQ, CPB, BLOCK_N)
+        else:
+            blk, s, col_ok = _union_chunk(u_base, it, cols, sin_, S, BS, TQ, CPB, BLOCK_N)
         s64 = s.to(tl.int64)
         k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
         v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
@@ -290,13 +360,14 @@ def fwd_kernel(
 
 @jit
 def dq_kernel(
-    Q, K, V, IDX, UNION, UCNT, DO, O, LSE, DELTA, DQ,
+    Q, K, V, IDX, UNION, UCNT, DO, O, LSE, DELTA, DQ, POS,
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
     sib, sig, sis, sin_, sdob, sdoh, sdos, sdod, sob, soh, sos, sod, sdqb, sdqh, sdqs, sdqd,
     S, G, N_SEL, BS, NT, scale, qk_scale,
     HPG: tl.constexpr, TQ: tl.constexpr, ROWS: tl.constexpr, N_P: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
     CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
+    HAS_POS: tl.constexpr,
 ):  # fmt: skip
     tile, bg, b, g, t, row_ok, head = _query_rows(G, S, HPG, TQ, ROWS)
     dk, dv, dk_ok, dv_ok = dim_ranges(DK, DV, DK_P, DV_P)
@@ -309,6 +380,8 @@ def dq_kernel(
     tl.store(DELTA + row_lin, delta, mask=row_ok)
     lse2 = tl.load(LSE + row_lin, mask=row_ok, other=0.0) * 1.4426950408889634
     chosen = _row_choices(IDX, b, g, t64, row_ok, sib, sig, sis, sin_, N_SEL, N_P)  # [ROWS, N_P]
+    if HAS_POS:
+        doc, chosen = _document_rows(POS, chosen, b, tile, t64, row_ok, S, BS, TQ)
     k_base = K + b * skb + g.to(tl.int64) * skg
     v_base = V + b * svb + g.to(tl.int64) * svg
     u_base, n_union = _union_blocks(IDX, UNION, UCNT, b, g, bg, tile, sib, sig, sis, NT, N_SEL, TQ)
@@ -317,7 +390,10 @@ def dq_kernel(
     # the forward's flat (union block, chunk) loop, each row masking what it did not choose
     # (p = 0 there; an empty row's lse is -inf, but it has no valid column)
     for it in range(0, n_union * CPB):
-        blk, s, col_ok = _union_chunk(u_base, it, cols, sin_, S, BS, TQ, CPB, BLOCK_N)
+        if HAS_POS:
+            blk, s, col_ok = _document_chunk(u_base, it, cols, sin_, S, BS, doc, TQ, CPB, BLOCK_N)
+        else:
+            blk, s, col_ok = _union_chunk(u_base, it, cols, sin_, S, BS, TQ, CPB, BLOCK_N)
         s64 = s.to(tl.int64)
         k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
         v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
@@ -341,13 +417,14 @@ def dq_kernel(
 @jit
 def dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, PK, PV,
-    ITEM_KEY, ITEM_SEG, QOFF, NSEG, QTOK,
+    ITEM_KEY, ITEM_SEG, QOFF, NSEG, QTOK, QSTART,  # QSTART: each entry's block start (None without HAS_POS)
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
     sdob, sdoh, sdos, sdod, sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
     S, G, NB, BS, SEG, scale, qk_scale,
     HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr,
     DK_P: tl.constexpr, DV_P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
+    HAS_POS: tl.constexpr,
 ):  # fmt: skip
     # a 1-D grid of U * CPB programs, the chunk fastest: the CPB programs of an item run
     # together and share its q / dO rows in L2 (1-D: U can pass CUDA's 65535 limit on grid y)
@@ -373,13 +450,8 @@ def dkdv_kernel(
     dk, dv, dk_ok, dv_ok = dim_ranges(DK_, DV_, DK_P, DV_P)
     kmask = col_ok[:, None] & dk_ok[None, :]
     vmask = col_ok[:, None] & dv_ok[None, :]
-    k = tl.load(K + b * skb + g.to(tl.int64) * skg + s64[:, None] * sks + dk[None, :] * skd,
-                mask=kmask, other=0.0)  # [BLOCK_N, DK_P]
-    v = tl.load(V + b * svb + g.to(tl.int64) * svg + s64[:, None] * svs + dv[None, :] * svd,
-                mask=vmask, other=0.0)  # [BLOCK_N, DV_P]
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k = load_tile(K + b * skb + g.to(tl.int64) * skg, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
+    v = load_tile(V + b * svb + g.to(tl.int64) * svg, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
 
     acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
     acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
@@ -395,6 +467,9 @@ def dkdv_kernel(
         lse2, delta = row_stats(LSE, DELTA, (b * G * HPG + head) * S + tq64, row_ok)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [ROWS, BLOCK_N]
         valid = row_ok[:, None] & col_ok[None, :] & (s[None, :] <= tq[:, None])
+        if HAS_POS:  # the entry's own block [start, start + l'), which this grid block cuts
+            start = tl.load(QSTART + q_lo + pr // HPG, mask=row_ok, other=0)[:, None]
+            valid = valid & (s[None, :] >= start) & (s[None, :] < start + BS)
         p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)
         pv = p.to(DO.dtype.element_ty)
         if UPCAST:
@@ -459,42 +534,58 @@ def reduce_kernel(
              acc_v.to(DV.dtype.element_ty), mask=vmask & split)
 
 
-def _require(q, k, v, block_idx, block_size) -> None:
-    why = unsupported_reason(q, k, v, block_idx, block_size)
+def _require(q, k, v, block_idx, block_size, pos) -> None:
+    why = unsupported_reason(q, k, v, block_idx, block_size, pos)
     if why is not None:
         raise ValueError(f"selected_attention (triton): cannot run these inputs: {why}")
 
 
-def selected_forward(q, k, v, block_idx, block_size: int, scale: float, *, tiles: dict | None = None):
+def selected_forward(q, k, v, block_idx, block_size: int, scale: float, pos=None, *, tiles: dict | None = None):
     """o [B, H, S, Dv] (v's dtype) and lse [B, H, S] float32 (natural log, -inf on empty rows).
-    `tiles`: an override of `_tiles` (tools/profile_selection.py); None, the default tiles."""
-    _require(q, k, v, block_idx, block_size)
+    pos: [B, S] int64 positions in the documents (packed documents), or None. `tiles`: an
+    override of `_tiles` (tools/profile_selection.py); None, the default tiles."""
+    _require(q, k, v, block_idx, block_size, pos)
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
     h = H // G
     o, lse = empty_attention_outputs(q, v)  # the op's output layout: [B, S, H, Dv] memory
     if B * H * S == 0:
         return o, lse
+    pos = None if pos is None else pos.contiguous()
     T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=S, n_selected=block_idx.shape[3])
-    union = _tile_union(block_idx, block_size, S, T["fwd"]["TQ"])
-    _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse)
+    union = _tile_union(block_idx, block_size, S, T["fwd"]["TQ"], pos)
+    _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse, pos)
     return o, lse
 
 
-def _tile_union(block_idx: torch.Tensor, block_size: int, S: int, TQ: int):
+def _document_starts(block_idx: torch.Tensor, pos: torch.Tensor, block_size: int, S: int):
+    """Packed documents: the first token of every choice, start = doc + id * l' [B, G, S, n]
+    int64 (doc = t - pos[t] clamped into [-1, S], as the kernels' attention_tiles.document_start),
+    and `chosen` [B, G, S, n]: the entry names a block (id >= 0) that does not start before token
+    0 (start < 0 only where pos[t] > t, not a position)."""
+    t = torch.arange(S, device=block_idx.device)
+    doc = (t - pos).clamp(-1, S)  # [B, S]
+    start = doc[:, None, :, None] + block_idx * block_size
+    return start, (block_idx >= 0) & (start >= 0)
+
+
+def _tile_union(block_idx: torch.Tensor, block_size: int, S: int, TQ: int, pos: torch.Tensor | None = None):
     """The blocks each tile of TQ consecutive queries reads: per (batch, group, tile), the
     distinct block ids its queries chose that hold tokens (0 <= id < NB = ceil(S / l')),
     ascending, in `union` [B*G, NT, TQ*n] int32 (entries past `count` unused), and `count`
     [B*G, NT] int32; NT = ceil(S / TQ). Torch ops, no sort and no host sync: a [B*G, NT, NB]
     membership map (scatter), its running count along the blocks (cumsum) gives each member
     its slot, and a second scatter writes the ids there. Returns (union, count, NT); for TQ = 1
-    no tensors (placeholders): the kernels read the query's own list slot by slot."""
+    no tensors (placeholders): the kernels read the query's own list slot by slot. With pos
+    (packed documents), `_document_union`: the blocks as their first tokens."""
     B, G, _, n = block_idx.shape
     NT, NB = _cdiv(S, TQ), _cdiv(S, block_size)
     device = block_idx.device
     if TQ == 1:  # the kernels read each query's own list (placeholders, never read)
         none = torch.zeros(1, dtype=torch.int32, device=device)
         return none, none, NT
+    if pos is not None:
+        return _document_union(block_idx, pos, block_size, S, TQ)
     idx = block_idx
     if NT * TQ != S:  # the last tile's missing queries choose nothing
         idx = torch.nn.functional.pad(idx, (0, 0, 0, NT * TQ - S), value=-1)
@@ -512,10 +603,35 @@ def _tile_union(block_idx: torch.Tensor, block_size: int, S: int, TQ: int):
     return union, count, NT
 
 
-def _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse):
+def _document_union(block_idx: torch.Tensor, pos: torch.Tensor, block_size: int, S: int, TQ: int):
+    """`_tile_union` with packed documents: a query's block j is the tokens [start, start + l'),
+    start = t - pos[t] + j * l', which queries of other documents in the same tile name with
+    other ids, and which need not sit on the l' grid; so the union holds the distinct starts in
+    [0, S) (a block is the same block for every row that names the same first token), ascending.
+    Per tile the TQ * n starts are sorted (a sort along the last dim: values only, deterministic),
+    each first of a run of equal values is a member, its slot the running count (cumsum), and
+    a scatter writes it there. No host sync. Returns (union, count, NT) as `_tile_union`."""
+    B, G, _, n = block_idx.shape
+    NT = _cdiv(S, TQ)
+    start, chosen = _document_starts(block_idx, pos, block_size, S)
+    ids = torch.where(chosen & (start < S), start, S)  # no token: S, sorted last
+    if NT * TQ != S:  # the last tile's missing queries choose nothing
+        ids = torch.nn.functional.pad(ids, (0, 0, 0, NT * TQ - S), value=S)
+    ids = ids.reshape(B * G, NT, TQ * n).sort(dim=-1).values
+    previous = torch.nn.functional.pad(ids[..., :-1], (1, 0), value=-1)
+    first = (ids < S) & (ids != previous)  # [B*G, NT, TQ*n]
+    rank = torch.cumsum(first, 2, dtype=torch.int32)
+    count = rank[..., -1].contiguous() if TQ * n else torch.zeros(B * G, NT, dtype=torch.int32, device=ids.device)
+    slot = torch.where(first, rank - 1, TQ * n)  # the rest: a spare slot past the end
+    union = torch.empty(B * G, NT, TQ * n + 1, dtype=torch.int32, device=ids.device)
+    union.scatter_(2, slot.long(), ids.to(torch.int32))
+    return union, count, NT
+
+
+def _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse, pos=None):
     """The forward kernel into o and lse (allocated by the caller), over `_tile_union`'s tiles
-    (made with T["fwd"]["TQ"]). Returns what the launch returns (the compiled kernel, whose
-    registers and spills tools/profile_selection.py shows)."""
+    (made with T["fwd"]["TQ"] and the same pos: contiguous, or None). Returns what the launch
+    returns (the compiled kernel, whose registers and spills tools/profile_selection.py shows)."""
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
     h, n = H // G, block_idx.shape[3]
@@ -523,15 +639,17 @@ def _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse):
     u, count, NT = union
     grid = (NT, B * G, _cdiv(cfg["TQ"] * h, cfg["ROWS"]))
     return fwd_kernel[grid](
-        q, k, v, block_idx, u, count, o, lse,
+        q, k, v, block_idx, u, count, o, lse, pos,
         *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *o.stride(),
         S, G, n, block_size, NT, scale * math.log2(math.e),
         HPG=h, N_P=max(2, _next_pow2(n)), DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"],
-        CPB=_cdiv(block_size, cfg["BLOCK_N"]), PREC=_dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype), **cfg,
+        CPB=_cdiv(block_size, cfg["BLOCK_N"]), PREC=_dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype),
+        HAS_POS=pos is not None, **cfg,
     )  # fmt: skip
 
 
-def _inverted_selection(block_idx: torch.Tensor, block_size: int, S: int, segment: int):
+def _inverted_selection(block_idx: torch.Tensor, block_size: int, S: int, segment: int,
+                        pos: torch.Tensor | None = None):
     """The selection inverted, per (batch, group, KV block) key = (b*G + g)*NB + block, with
     NB = ceil(S / l'), as work items of at most `segment` query entries (torch ops, no host sync):
 
@@ -540,19 +658,35 @@ def _inverted_selection(block_idx: torch.Tensor, block_size: int, S: int, segmen
         nseg [NK] int32       its number of items (at least 1, so every block is written)
         item_start [NK] int32 its first item
         item_key, item_seg [U] int32   per item: its key (-1 past the last item) and segment
-    U = NK + E_max // segment bounds the number of items statically (E_max = B*G*S*n).
-    Entry (b, g, t, i) is valid when 0 <= block_idx <= t // l' (the block holds a token <= t).
+        qstart [E] int32      with pos: the first token of the entry's chosen block (None without)
+    U = NK + E_max // segment bounds the number of items statically (E_max = B*G*S*n, and twice
+    that with pos). Entry (b, g, t, i) is valid when 0 <= block_idx <= t // l' (the block holds a
+    token <= t). With pos (packed documents) a choice's block [start, start + l') (start =
+    t - pos[t] + id * l') need not sit on the l' grid: it is listed under the grid block of its
+    first token and, when it is cut by the grid and reaches a token <= t in the next grid block,
+    under that one too (two entries per choice, the second invalid where unused); the dk/dv
+    kernel masks each entry's tokens to [start, start + l').
     """
     B, G, _, n = block_idx.shape
     device = block_idx.device
     NB = _cdiv(S, block_size)
     NK = B * G * NB
     t = torch.arange(S, device=device)[:, None]  # [S, 1]
-    valid = (block_idx >= 0) & (block_idx * block_size <= t)  # [B, G, S, n]
     bg = torch.arange(B * G, device=device).view(B, G, 1, 1)
-    key = torch.where(valid, bg * NB + block_idx, NK).flatten()  # invalid entries sort last
+    if pos is None:
+        valid = (block_idx >= 0) & (block_idx * block_size <= t)  # [B, G, S, n]
+        key = torch.where(valid, bg * NB + block_idx, NK).flatten()  # invalid entries sort last
+        per_choice = 1
+    else:
+        start, chosen = _document_starts(block_idx, pos, block_size, S)  # [B, G, S, n]
+        first = chosen & (start <= t)  # holds a token <= t (start in [0, t])
+        grid = start.clamp(min=0) // block_size  # the grid block of its first token
+        second = first & (start % block_size != 0) & ((grid + 1) * block_size <= t)
+        key = torch.stack((torch.where(first, bg * NB + grid, NK), torch.where(second, bg * NB + grid + 1, NK)),
+                          dim=-1).flatten()  # [B*G*S*n*2]
+        per_choice = 2
     sorted_key, order = torch.sort(key, stable=True)
-    qtok = (order // n % S).to(torch.int32)
+    qtok = (order // (n * per_choice) % S).to(torch.int32)
     qoff = torch.searchsorted(sorted_key, torch.arange(NK + 1, device=device))  # [NK + 1]
     counts = qoff[1:] - qoff[:-1]
     nseg = ((counts + segment - 1) // segment).clamp_min(1)
@@ -565,19 +699,20 @@ def _inverted_selection(block_idx: torch.Tensor, block_size: int, S: int, segmen
     item_seg = items - item_start[item_key.clamp(max=NK - 1)]
     item_key = torch.where(used, item_key, -1)
     i32 = lambda x: x.to(torch.int32).contiguous()
-    return i32(qtok), i32(qoff), i32(nseg), i32(item_start), i32(item_key), i32(item_seg), U, NB
+    qstart = None if pos is None else i32(start.flatten()[order // 2])
+    return i32(qtok), i32(qoff), i32(nseg), i32(item_start), i32(item_key), i32(item_seg), U, NB, qstart
 
 
 def selected_backward(
-    grad_o, q, k, v, o, lse, block_idx, block_size: int, scale: float, *, tiles: dict | None = None,
+    grad_o, q, k, v, o, lse, block_idx, block_size: int, scale: float, pos=None, *, tiles: dict | None = None,
     segment: int | None = None,
 ):  # fmt: skip
     """dq (like q), dk (like k), dv (like v): gradients of `selected_forward`'s o, given its o
-    and lse. dk/dv are summed over the group's heads in fp32 without atomics (deterministic).
-    `tiles` (an override of `_tiles`) and `segment` (None: DKV_SEGMENT) are for
+    and lse (and the same pos). dk/dv are summed over the group's heads in fp32 without atomics
+    (deterministic). `tiles` (an override of `_tiles`) and `segment` (None: DKV_SEGMENT) are for
     tools/profile_selection.py; the stages are `_dq_stage`, `_inverted_selection`, `_dkdv_stage`
     and `_reduce_stage`."""
-    _require(q, k, v, block_idx, block_size)
+    _require(q, k, v, block_idx, block_size, pos)
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
     h = H // G
@@ -587,53 +722,57 @@ def selected_backward(
     if B * H * S == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
+    pos = None if pos is None else pos.contiguous()
     T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=S, n_selected=block_idx.shape[3])
     delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    union = _tile_union(block_idx, block_size, S, T["dq"]["TQ"])
-    _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, dq, delta)
+    union = _tile_union(block_idx, block_size, S, T["dq"]["TQ"], pos)
+    _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, dq, delta, pos)
     segment = DKV_SEGMENT if segment is None else segment
-    inv = _inverted_selection(block_idx, block_size, S, segment)
+    inv = _inverted_selection(block_idx, block_size, S, segment, pos)
     pk, pv, _ = _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T, dk, dv)
     _reduce_stage(pk, pv, inv, block_size, T, dk, dv)
     return dq, dk, dv
 
 
-def _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, dq, delta):
+def _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, dq, delta, pos=None):
     """The dq kernel into dq and delta (allocated by the caller; lse contiguous), over
-    `_tile_union`'s tiles made with T["dq"]["TQ"]. Returns the launch's result, like `_fwd_stage`."""
+    `_tile_union`'s tiles made with T["dq"]["TQ"] and the same pos (contiguous, or None).
+    Returns the launch's result, like `_fwd_stage`."""
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
     h, n = H // G, block_idx.shape[3]
     cfg = T["dq"]
     u, count, NT = union
     return dq_kernel[(NT, B * G, _cdiv(cfg["TQ"] * h, cfg["ROWS"]))](
-        q, k, v, block_idx, u, count, grad_o, o, lse, delta, dq,
+        q, k, v, block_idx, u, count, grad_o, o, lse, delta, dq, pos,
         *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *grad_o.stride(), *o.stride(), *dq.stride(),
         S, G, n, block_size, NT, scale, scale * math.log2(math.e),
         HPG=h, N_P=max(2, _next_pow2(n)), DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"],
-        CPB=_cdiv(block_size, cfg["BLOCK_N"]), PREC=_dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype), **cfg,
+        CPB=_cdiv(block_size, cfg["BLOCK_N"]), PREC=_dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype),
+        HAS_POS=pos is not None, **cfg,
     )  # fmt: skip
 
 
 def _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T, dk, dv):
     """The dk/dv kernel over the work items of `inv` (`_inverted_selection`'s result at this
     `segment`): writes dk/dv of single-item blocks, returns the fp32 partials (pk, pv) of the
-    others (no rows when no block can need two items), and the launch's result."""
+    others (no rows when no block can need two items), and the launch's result. Packed documents
+    come with `inv` (its qstart; None without pos)."""
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
     h = H // G
-    qtok, qoff, nseg, _, item_key, item_seg, U, NB = inv
+    qtok, qoff, nseg, _, item_key, item_seg, U, NB, qstart = inv
     pk_rows = U if U > B * G * NB else 0  # fp32 partials [U, l', D], only when a block can need two items
     pk = torch.empty(pk_rows, block_size, Dk, dtype=torch.float32, device=q.device)
     pv = torch.empty(pk_rows, block_size, Dv, dtype=torch.float32, device=q.device)
     cpb = _cdiv(block_size, T["dkdv"]["BLOCK_N"])
     launched = dkdv_kernel[(U * cpb,)](
         q, k, v, grad_o, lse, delta, dk, dv, pk, pv,
-        item_key, item_seg, qoff, nseg, qtok,
+        item_key, item_seg, qoff, nseg, qtok, qstart,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
         S, G, NB, block_size, segment, scale, scale * math.log2(math.e),
         HPG=h, DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], CPB=cpb, PREC=_dot_precision(q.dtype),
-        UPCAST=upcast_dots(q.dtype), **T["dkdv"],
+        UPCAST=upcast_dots(q.dtype), HAS_POS=qstart is not None, **T["dkdv"],
     )  # fmt: skip
     return pk, pv, launched
 

@@ -23,11 +23,16 @@ scale, backend, pos) -> (dq, dk, dv)`, with dk and dv summed over each group's h
 pos gets no gradient.
 
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
-- `triton` (auto takes it on CUDA in fp16/bf16 without pos): this project's kernels
+- `triton` (auto takes it on CUDA in fp16/bf16, with or without pos): this project's kernels
   (nsa_compile/ops/window_triton.py), GQA-native, any head dims <= 256, the flash backend's
   numerics (fp32 scores, fp32 softmax), and no atomics (its backward is bitwise repeatable).
   Measured faster than FA-2 with a window on an H100 at the seed and the paper shapes
-  (BENCHMARKS.md, "Window branch"). No packed documents: with pos, auto goes on to flash.
+  (BENCHMARKS.md, "Window branch"). Packed documents: each kernel reads pos on the device and
+  masks s >= t - pos[t] per query (no host sync, capturable in a CUDA graph, one compiled
+  kernel for every packing), so with pos auto takes it before flash, whose varlen form reads
+  the documents back to the host on every call. Where pos is not a position it applies the same
+  mask: pos[t] > t keeps every key of the window, and a row left with no key (pos[t] < 0) gets
+  o 0, lse -inf and zero gradients (where the eager formula and reference give NaN).
 - `flash`: FlashAttention-2 with a window (left w - 1, right 0), GQA-native, through PyTorch's
   own kernels (nsa_compile/ops/flash.py): CUDA, fp16/bf16, Dk == Dv <= 256. Scores are
   accumulated in fp32 (eager rounds q @ k^T to fp16/bf16 first): closer to the exact result.
@@ -86,11 +91,10 @@ def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: s
 
 
 def why_not_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None) -> str | None:
-    """Why 'auto' does not take the triton backend (None: it does): off CUDA, packed documents,
-    what the kernels cannot run, or fp32 (where auto keeps the eager arithmetic: reference)."""
-    if pos is not None:
-        return window_triton.unsupported_reason(q, k, v, pos)
-    why = why_not_triton_on(q.device, lambda: window_triton.unsupported_reason(q, k, v))
+    """Why 'auto' does not take the triton backend (None: it does): off CUDA, what the kernels
+    cannot run, or fp32 (where auto keeps the eager arithmetic: reference). Packed documents
+    (pos) change nothing: the kernels take them with no host sync, where flash needs one."""
+    why = why_not_triton_on(q.device, lambda: window_triton.unsupported_reason(q, k, v, pos))
     if why is None and q.dtype not in (torch.float16, torch.bfloat16):
         why = f"auto takes the Triton window kernels in fp16/bf16 only ({str(q.dtype).removeprefix('torch.')}: reference)"
     return why
@@ -218,9 +222,9 @@ WINDOW = declare(Op(
     choice_args=("q", "k", "v", "pos"),
     backends=(
         Backend("triton", cannot_run=window_triton.unsupported_reason, auto_reason=why_not_triton,
-                forward=lambda q, k, v, window, scale, pos: window_triton.window_forward(q, k, v, window, scale),
+                forward=lambda q, k, v, window, scale, pos: window_triton.window_forward(q, k, v, window, scale, pos),
                 backward=lambda grad_o, q, k, v, o, lse, window, scale, pos: window_triton.window_backward(
-                    grad_o, q, k, v, o, lse, window, scale)),
+                    grad_o, q, k, v, o, lse, window, scale, pos)),
         # packed documents never rule flash out: it takes them as its varlen sequences
         Backend("flash", cannot_run=lambda q, k, v, pos: flash.unsupported_reason(q, k, v),
                 forward=lambda q, k, v, window, scale, pos: flash.flash_forward(

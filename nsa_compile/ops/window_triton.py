@@ -1,15 +1,28 @@
 """Triton kernels for sliding-window causal GQA attention: the `triton` backend of
 `nsa::window_attention` (nsa_compile/ops/window.py), forward and backward.
 
-    o, lse = window_forward(q, k, v, window, scale)
-    dq, dk, dv = window_backward(grad_o, q, k, v, o, lse, window, scale)
+    o, lse = window_forward(q, k, v, window, scale, pos=None)
+    dq, dk, dv = window_backward(grad_o, q, k, v, o, lse, window, scale, pos=None)
     why = unsupported_reason(q, k, v, pos)        # None when the kernels can run
 
-Semantics of the op without packed documents: q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv],
-H = G * h; query t of head j attends to the keys s of KV head j // h with s <= t and
-t - s < window. o [B, H, S, Dv] in v's dtype, lse [B, H, S] float32 (natural log). q, k, v and
-grad_o may be any strided views (the model passes [B, S, heads, D] memory transposed); o, dq, dk,
-dv come back as [B, heads, S, D] views of [B, S, heads, D] memory, the op's layout.
+Semantics of the op: q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv], H = G * h; query t of
+head j attends to the keys s of KV head j // h with s <= t and t - s < window. With packed
+documents, pos [B, S] int64 (each token's position in its document), also s >= t - pos[t]: the
+keys of its own document (t - pos[t] is its document's first token). o [B, H, S, Dv] in v's
+dtype, lse [B, H, S] float32 (natural log). q, k, v and grad_o may be any strided views (the
+model passes [B, S, heads, D] memory transposed); o, dq, dk, dv come back as [B, heads, S, D]
+views of [B, S, heads, D] memory, the op's layout.
+
+Packed documents without a host sync: pos is read only by the kernels (never on the host, no
+data-dependent shape), as an optional POS pointer with the HAS_POS constexpr. Without pos,
+POS is None (a constexpr to Triton) and HAS_POS False, so every `if HAS_POS` block is left out
+and the kernels compile to the PTX they had before pos existed (compared for sm_90a, fp16/bf16,
+D 64 and 128). With pos, each query row loads its document start t - pos[t] once
+(attention_tiles.document_start, clamped into [-1, S]: positions that are not positions cannot
+wrap around) and masks its keys with it; the forward and dq also start their key loop at the
+tile's earliest document start (rounded down to BLOCK_N) when that is past the window's first
+key. The dk/dv kernel masks each (query, key) pair with the query's start, loaded per query
+tile; it walks the same query tiles as without pos.
 
 Numerics (those of the op's `flash` backend, FA-2): scores q @ k^T accumulate in fp32 and stay
 fp32, softmax in fp32 with an online max (exp2, log2(e) folded into the scale), p cast to v's
@@ -21,7 +34,8 @@ Kernels (tile sizes from `_tiles`):
   tiles from the first key any of them sees (t0 - window + 1, rounded down to BLOCK_N) to the
   last query, about (window + BLOCK_M) / BLOCK_N tiles whatever S; an online softmax in fp32.
   The running max starts at a finite floor (-1e30), so a tile masked for a row leaves its state
-  unchanged instead of making NaN.
+  unchanged instead of making NaN; a row that sees no key at all (only with pos[t] < 0) gets
+  o 0 and lse -inf, and zero gradients in the backward.
 - delta (attention_tiles.delta_kernel), the same grid: rowsum(dO * O) in fp32 per row, for both
   backward kernels (no [B, H, S, Dv] fp32 temporary).
 - dk/dv, grid (ceil(S / BLOCK_N), B * G): BLOCK_N keys of one KV head walk, for each of the
@@ -31,14 +45,14 @@ Kernels (tile sizes from `_tiles`):
 - dq, grid as the forward: recomputes p from the saved lse over the forward's key tiles and
   accumulates dq = scale * ds @ k in fp32.
 
-Supported (`unsupported_reason` says why not): no packed documents (pos: the window op's flash
-backend takes them), CUDA tensors or any device under TRITON_INTERPRET=1, q, k, v all fp16, bf16
-or fp32, head dims up to 256 (padded to a power of two >= 16 by masking).
+Supported (`unsupported_reason` says why not): CUDA tensors or any device under
+TRITON_INTERPRET=1 (pos, where given, on the same device), q, k, v all fp16, bf16 or fp32, head
+dims up to 256 (padded to a power of two >= 16 by masking), with or without packed documents.
 
-The tile loads, the online-softmax step, the backward's row statistics and the delta kernel are
-attention_tiles'. CPU interpreter: module-level `triton_support.jit` kernels, as in
-selection_triton.py, with the same two interpreter workarounds (bf16 dot operands cast to fp32
-first; the reductions of `triton_support`).
+The tile loads, the online-softmax step, the backward's row statistics, the delta kernel and the
+document start are attention_tiles'. CPU interpreter: module-level `triton_support.jit` kernels,
+as in selection_triton.py, with the same two interpreter workarounds (bf16 dot operands cast to
+fp32 first; the reductions of `triton_support`).
 """
 
 from __future__ import annotations
@@ -56,12 +70,12 @@ except ImportError:  # the module still imports; unsupported_reason says why the
     triton = tl = None
 
 from .attention_tiles import (
-    delta_kernel, dim_ranges, load_tile, row_stats, softmax_accumulate, softmax_finish, softmax_state, softmax_update,
-    store_tile,
+    delta_kernel, dim_ranges, document_start, load_tile, row_stats, softmax_accumulate, softmax_finish, softmax_state,
+    softmax_update, store_tile,
 )
 from .triton_support import (
     cdiv as _cdiv, device_reason, dot_precision as _dot_precision, jit, next_pow2 as _next_pow2, qkv_reason,
-    upcast_dots,
+    reduce_min, upcast_dots,
 )
 
 __all__ = ["unsupported_reason", "window_backward", "window_forward"]
@@ -70,10 +84,9 @@ MAX_HEAD_DIM = 256
 
 
 def unsupported_reason(q, k, v, pos=None) -> str | None:
-    """Why the Triton window kernels cannot run these inputs, or None when they can."""
-    if pos is not None:
-        return "packed documents (pos): the Triton window kernels have no document mask"
-    return device_reason(q, k, v) or qkv_reason(q, k, v, MAX_HEAD_DIM)
+    """Why the Triton window kernels cannot run these inputs, or None when they can (packed
+    documents included: pos [B, S] int64, which the op has checked, on q's device)."""
+    return device_reason(q, k, v, pos) or qkv_reason(q, k, v, MAX_HEAD_DIM)
 
 
 def _tiles(Dk: int, Dv: int, fp32: bool, override: dict | None = None) -> dict:
@@ -128,12 +141,23 @@ def _key_range(tile, S, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @jit
+def _document_keys(POS, b, t64, row_ok, S, lo, BLOCK_N: tl.constexpr):
+    """Packed documents, for a query tile: each row's document start doc [BLOCK_M] int32 (its
+    keys are s >= doc) and the tile's first key tile `lo` raised past the keys no row's document
+    holds (the earliest start, rounded down to BLOCK_N)."""
+    doc = document_start(POS, b, t64, row_ok, S)
+    first = reduce_min(tl.where(row_ok, doc, S), 0)
+    return doc, tl.maximum(lo, tl.maximum(first, 0) // BLOCK_N * BLOCK_N)
+
+
+@jit
 def fwd_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, POS,  # POS: [B, S] int64 positions in the documents (None without HAS_POS)
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sob, soh, sos, sod,
     S, G, W, qk_scale,  # qk_scale = scale * log2(e)
     HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_POS: tl.constexpr,
 ):  # fmt: skip
     tile, b, head, g, t, row_ok = _query_tile(S, G, HPG, BLOCK_M)
     dk, dv, dk_ok, dv_ok = dim_ranges(DK, DV, DK_P, DV_P)
@@ -144,6 +168,8 @@ def fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     m_i, l_i, acc = softmax_state(BLOCK_M, DV_P)
     lo, hi = _key_range(tile, S, W, BLOCK_M, BLOCK_N)
+    if HAS_POS:
+        doc, lo = _document_keys(POS, b, t64, row_ok, S, lo, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         s = start + cols
         col_ok = s < S
@@ -151,24 +177,29 @@ def fwd_kernel(
         k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
         v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
         valid = col_ok[None, :] & (s[None, :] <= t[:, None]) & (t[:, None] - s[None, :] < W)
+        if HAS_POS:
+            valid = valid & (s[None, :] >= doc[:, None])
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         qk = tl.where(valid, qk, float("-inf"))
         m_new, alpha, p, l_i = softmax_update(m_i, l_i, qk, None)
         acc = softmax_accumulate(acc, alpha, p, v, V.dtype.element_ty, PREC, UPCAST)
         m_i = m_new
-    o, lse = softmax_finish(acc, m_i, l_i)  # every query sees itself: only rows past S are empty
+    # every query sees itself (with valid positions): only rows past S are empty; a row that
+    # sees no key (pos[t] < 0) gets o 0 and lse -inf
+    o, lse = softmax_finish(acc, m_i, l_i)
     store_tile(O + b * sob + head * soh, t64, dv, sos, sod, o, row_ok, dv_ok)
     tl.store(LSE + (b * G * HPG + head) * S + t64, lse, mask=row_ok)
 
 
 @jit
 def dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, POS,
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sdob, sdoh, sdos, sdod,
     sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
     S, G, W, scale, qk_scale,
     HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_POS: tl.constexpr,
 ):  # fmt: skip
     ktile = tl.program_id(0)
     bg = tl.program_id(1)
@@ -204,6 +235,8 @@ def dkdv_kernel(
         lse2, delta = row_stats(LSE, DELTA, (b * G * HPG + head) * S + t64, row_ok)
         qk_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
         valid = row_ok[None, :] & col_ok[:, None] & (s[:, None] <= t[None, :]) & (t[None, :] - s[:, None] < W)
+        if HAS_POS:  # each query's own document: keys from its start on
+            valid = valid & (s[:, None] >= document_start(POS, b, t64, row_ok, S)[None, :])
         p_t = tl.where(valid, tl.exp2(qk_t - lse2[None, :]), 0.0)
         pv = p_t.to(DO.dtype.element_ty)
         if UPCAST:
@@ -223,12 +256,13 @@ def dkdv_kernel(
 
 @jit
 def dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, POS,
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sdob, sdoh, sdos, sdod,
     sdqb, sdqh, sdqs, sdqd,
     S, G, W, scale, qk_scale,
     HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_POS: tl.constexpr,
 ):  # fmt: skip
     tile, b, head, g, t, row_ok = _query_tile(S, G, HPG, BLOCK_M)
     t64 = t.to(tl.int64)
@@ -241,6 +275,8 @@ def dq_kernel(
     cols = tl.arange(0, BLOCK_N)
     acc = tl.full([BLOCK_M, DK_P], 0.0, tl.float32)
     lo, hi = _key_range(tile, S, W, BLOCK_M, BLOCK_N)
+    if HAS_POS:
+        doc, lo = _document_keys(POS, b, t64, row_ok, S, lo, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         s = start + cols
         col_ok = s < S
@@ -248,6 +284,8 @@ def dq_kernel(
         k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)
         v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)
         valid = row_ok[:, None] & col_ok[None, :] & (s[None, :] <= t[:, None]) & (t[:, None] - s[None, :] < W)
+        if HAS_POS:
+            valid = valid & (s[None, :] >= doc[:, None])
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
@@ -259,41 +297,45 @@ def dq_kernel(
              (acc * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok[None, :])
 
 
-def _require(q, k, v) -> None:
-    why = unsupported_reason(q, k, v)
+def _require(q, k, v, pos) -> None:
+    why = unsupported_reason(q, k, v, pos)
     if why is not None:
         raise ValueError(f"window_attention (triton): cannot run these inputs: {why}")
 
 
-def _launch_config(q, k, v, tiles):
-    """`_tiles` for these inputs, and the constexprs every kernel but delta takes."""
+def _launch_config(q, k, v, tiles, pos):
+    """`_tiles` for these inputs, the constexprs every kernel but delta takes, and the kernels'
+    POS argument: pos made contiguous (a [B, S] view with other strides is copied), None without
+    packed documents (a None argument is a constexpr: the kernels compile as they did before pos)."""
     T = _tiles(q.shape[3], v.shape[3], q.dtype == torch.float32, tiles)
-    consts = {"HPG": q.shape[1] // k.shape[1], "DK_P": T["DK_P"], "DV_P": T["DV_P"], "PREC": _dot_precision(q.dtype)}
-    return T, consts
+    consts = {"HPG": q.shape[1] // k.shape[1], "DK_P": T["DK_P"], "DV_P": T["DV_P"], "PREC": _dot_precision(q.dtype),
+              "HAS_POS": pos is not None}
+    return T, consts, None if pos is None else pos.contiguous()
 
 
-def window_forward(q, k, v, window: int, scale: float, *, tiles: dict | None = None):
+def window_forward(q, k, v, window: int, scale: float, pos=None, *, tiles: dict | None = None):
     """o [B, H, S, Dv] (v's dtype, [B, S, H, Dv] memory) and lse [B, H, S] float32 (natural log).
-    `tiles`: an override of `_tiles` (tools/bench_window.py); None, the defaults."""
-    _require(q, k, v)
+    pos: [B, S] int64 positions in the documents (packed documents), or None. `tiles`: an
+    override of `_tiles` (tools/bench_window.py); None, the defaults."""
+    _require(q, k, v, pos)
     B, H, S, Dk = q.shape
     o, lse = empty_attention_outputs(q, v)
     if B * H * S == 0:
         return o, lse
-    T, consts = _launch_config(q, k, v, tiles)
+    T, consts, pos = _launch_config(q, k, v, tiles, pos)
     cfg = T["fwd"]
     fwd_kernel[(_cdiv(S, cfg["BLOCK_M"]), B * H)](
-        q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        q, k, v, o, lse, pos, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         S, k.shape[1], min(window, S), scale * math.log2(math.e),  # a window past S is S: int32-safe bounds
         DK=Dk, DV=v.shape[3], UPCAST=upcast_dots(q.dtype), **consts, **cfg,
     )  # fmt: skip
     return o, lse
 
 
-def window_backward(grad_o, q, k, v, o, lse, window: int, scale: float, *, tiles: dict | None = None):
+def window_backward(grad_o, q, k, v, o, lse, window: int, scale: float, pos=None, *, tiles: dict | None = None):
     """dq (like q), dk (like k), dv (like v), each in [B, S, heads, D] memory; dk and dv summed
-    over the group's heads in fp32 inside the dk/dv kernel."""
-    _require(q, k, v)
+    over the group's heads in fp32 inside the dk/dv kernel. pos as for `window_forward`."""
+    _require(q, k, v, pos)
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
     dq, dk, dv = empty_attention_grads(q, k, v)
@@ -302,7 +344,7 @@ def window_backward(grad_o, q, k, v, o, lse, window: int, scale: float, *, tiles
     if grad_o.dtype != v.dtype:
         grad_o = grad_o.to(v.dtype)
     lse = lse.contiguous()
-    T, consts = _launch_config(q, k, v, tiles)
+    T, consts, pos = _launch_config(q, k, v, tiles, pos)
     W = min(window, S)  # a window past S is S: int32-safe bounds in the kernels
     delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     bm = T["delta"]["BLOCK_M"]
@@ -313,13 +355,13 @@ def window_backward(grad_o, q, k, v, o, lse, window: int, scale: float, *, tiles
     qk_scale = scale * math.log2(math.e)
     cfg = T["dkdv"]
     dkdv_kernel[(_cdiv(S, cfg["BLOCK_N"]), B * G)](
-        q, k, v, grad_o, lse, delta, dk, dv,
+        q, k, v, grad_o, lse, delta, dk, dv, pos,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
         S, G, W, scale, qk_scale, DK_=Dk, DV_=Dv, UPCAST=upcast, **consts, **cfg,
     )  # fmt: skip
     cfg = T["dq"]
     dq_kernel[(_cdiv(S, cfg["BLOCK_M"]), B * H)](
-        q, k, v, grad_o, lse, delta, dq,
+        q, k, v, grad_o, lse, delta, dq, pos,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq.stride(),
         S, G, W, scale, qk_scale, DK=Dk, DV=Dv, UPCAST=upcast, **consts, **cfg,
     )  # fmt: skip
