@@ -14,10 +14,15 @@ probe dtype, float64 by default (complex: complex128), so
   is probed once.
 
 The values are dropped after their last use: a probe runs at the graph's real shapes (float32
-halves its memory where codes stay exact).
+halves its memory where codes stay exact). A probe runs with autocast off: the passes run while
+the user's `torch.autocast` is on (Dynamo compiles inside the call), where a float32 matmul of the
+probe would compute in bf16 and round its index codes; the casts autocast makes in the model are
+in the graph already, as `.to` nodes (passes/autocast_casts.py).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import fx
@@ -85,8 +90,23 @@ def _reference_backend(node: fx.Node, args: tuple, kwargs: dict) -> tuple[tuple,
     return args, {**kwargs, "backend": "reference"}
 
 
+def _autocast_off() -> contextlib.ExitStack:
+    """A context in which autocast is off on every device type where it is on now."""
+    stack = contextlib.ExitStack()
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
+
+
 def _run(nodes: list[fx.Node], env: dict, keep: fx.Node | None, what: str, dtype: torch.dtype,
          device: str | None = None) -> dict:
+    with _autocast_off():
+        return _run_nodes(nodes, env, keep, what, dtype, device)
+
+
+def _run_nodes(nodes: list[fx.Node], env: dict, keep: fx.Node | None, what: str, dtype: torch.dtype,
+               device: str | None) -> dict:
     last = {i: n for n, node in enumerate(nodes) for i in node.all_input_nodes} if keep is not None else {}
     wide = _widen(dtype, device)
     for step, node in enumerate(nodes):

@@ -59,6 +59,14 @@ replaced by its piece of the op: one GEMM instead of n, no eager RoPE arithmetic
 written straight into its own contiguous tensor. The backend is chosen from the fake tensors and
 written into the graph (`triton` on CUDA in fp16/bf16, else `reference`; explain says why).
 
+The projection read before its RoPE too (lucidrains compresses k, and scores the compressed
+branch with q, before RoPE): the values of the RoPE subgraph computed from the projection alone
+(the piece, its views, halves and casts: `unrotated`) may have readers outside the rotation.
+The op then also returns that piece unrotated (`plain`: the same GEMM, its result stored before
+and after the rotation), the piece's node is replaced by that output, and those readers, with
+the views between, keep computing from it. A value that reads the tables (x1 * cos) used
+elsewhere is a partial result of the rotation, which the op does not return: refused.
+
 Symbolic sizes (dynamic shapes: Dynamo's graph after a length changes, B and S as symbols,
 nsa_compile/sizes.py): the views of a split projection and the RoPE probe run with numbers for
 the symbols, at every probe size (the sizes Dynamo saw, then each symbol +1 and +19: another
@@ -81,11 +89,11 @@ reason shown by `explain`:
   scale, one table used twice), that reads other than two real tables or one complex one,
   tables that require grad or have another shape (another length than S, or [B, 1, R/2]: one
   angle per row), a rotary dim over the head dim, a result in another dtype than the projection (a bf16 projection times float32
-  tables is float32 by type promotion, the op's pieces are in the projection's dtype), values
-  used elsewhere (the unrotated projection too, e.g. keys compressed before RoPE: the op returns
-  the rotated piece only), tables computed after the first projection that cannot be moved
-  before it (an autocast boundary or an impure op on the way), a second RoPE convention or table
-  pair in the same group;
+  tables is float32 by type promotion, the op's pieces are in the projection's dtype), a partial
+  result of the rotation (a value that reads the tables, x * cos) used elsewhere (the reason
+  names its reader and the reader's source line), tables computed after the first projection
+  that cannot be moved before it (an autocast boundary or an impure op on the way), a second
+  RoPE convention or table pair in the same group;
 - at symbolic sizes (below): RoPE arithmetic that is not the same rotation at every probe size
   (the reason names the size where it fails), or whose output or tables carry other sizes than
   the projection's B and S;
@@ -106,6 +114,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile import probe
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced
+from nsa_compile.coverage import user_line
 from nsa_compile.fx import arg, call, contiguous_if_read_by_layout, module_path, op_name, size, value
 from nsa_compile.ops import rope_triton
 from nsa_compile.ops.rope import choose_backend, rotate, why_not_triton
@@ -584,9 +593,10 @@ class ProjectionsRope(RewritePass):
         if rope is None:
             return "no rotation"
         negate = ", by the opposite angle" if rope["negate"] else ""
+        plain = ", the unrotated projection read too" if rope["plain"] else ""
         return (f"a {rope['style']} rotation r={rope['rotary']} of heads of {rope['head_dim']} with {rope['width']} "
                 f"tables {rope['cos'].name}, {rope['sin'].name}{negate} at {rope['out'].name} "
-                f"({rope['out_layout']}, table dims {rope['table_dims']})")
+                f"({rope['out_layout']}, table dims {rope['table_dims']}){plain}")
 
     def find_rope_at(self, m: Member, region: list[fx.Node], order: dict, verified: dict, keys: dict,
                      sizes: Sizes) -> dict | None:
@@ -603,22 +613,46 @@ class ProjectionsRope(RewritePass):
                 continue
             sub = self.ancestors_in(out, region)
             leaks = [(n, u) for n in sub if n is not out for u in n.users if u not in sub]
-            if leaks:
+            # values computed from the projection alone keep being computed, from the op's plain
+            # output; partial results of the rotation (they read the tables) are not returned
+            unrotated = self.unrotated(sub)
+            partial = [(n, u) for n, u in leaks if n not in unrotated]
+            if partial:
                 if first_reason is None and any(op_name(n) == "mul" for n in sub):
-                    n, u = leaks[0]
-                    first_reason = Refused(f"values inside the RoPE arithmetic (or the projection) are used "
-                                           f"elsewhere: {n.name} by {u.name}")
+                    first_reason = Refused(self.partial_use(*partial[0]))
                 continue
             if not any(op_name(n) in ("mul", "view_as_complex") for n in sub):
                 continue
             for layout in layouts:
                 try:
-                    return self.verify(m, out, layout, sub, order, verified, keys, B, S, sizes)
+                    return self.verify(m, out, layout, sub, order, verified, keys, B, S, sizes) | {"plain": bool(leaks)}
                 except Refused as why:
                     first_reason = first_reason or why
         if first_reason is not None:
             raise first_reason
         return None
+
+    @classmethod
+    def unrotated(cls, sub: list[fx.Node]) -> set[fx.Node]:
+        """The nodes of the RoPE subgraph `sub` (the piece first, graph order) computed from the
+        projection alone: the piece and whatever reads nothing else besides sizes and
+        dtype/shape-only inputs (q.transpose(1, 2), its halves, a cast), not the tables."""
+        alone = {sub[0]}
+        for node in sub[1:]:
+            reads = [i for i in node.all_input_nodes if not is_size(i) and i not in cls.like_only(node)]
+            if reads and all(i in alone for i in reads):
+                alone.add(node)
+        return alone
+
+    @staticmethod
+    def partial_use(node: fx.Node, reader: fx.Node) -> str:
+        """Why a RoPE whose partial result `node` is read by `reader` outside it stays eager, with
+        the reader's source line."""
+        where, code = user_line(reader)
+        line = f" ({where}: {code})" if where else ""
+        return (f"values inside the RoPE arithmetic are used elsewhere: {node.name} ({op_name(node)}, a partial "
+                f"result of the rotation: it reads the tables) by {reader.name}{line}; the op returns the projection "
+                "and its rotation, not values between them")
 
     @staticmethod
     def ancestors_in(out: fx.Node, region: list[fx.Node]) -> list[fx.Node]:
@@ -865,6 +899,7 @@ class ProjectionsRope(RewritePass):
             x = call(graph, torch.unsqueeze, x, 0, anchor=anchor)
         widths = [m.width for m in group]
         head_dims = [m.rope["head_dim"] if m.rope else 0 for m in group]
+        plain = [i for i, m in enumerate(group) if m.rope and m.rope["plain"]]  # also returned unrotated
         # consecutive pieces of one weight as one range; each cast before the cat, as autocast
         # casts each weight (the cat then mixes no dtypes)
         spans = []
@@ -890,7 +925,7 @@ class ProjectionsRope(RewritePass):
         fakes = [value(n) if n is not None else None for n in (x, weight, bias, cos, sin)]
         requested = ctx.config.backend("projection_rope")
         try:
-            backend = choose_backend(*fakes, widths, head_dims, requested)
+            backend = choose_backend(*fakes, widths, head_dims, requested, plain)
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             # the nodes made above feed only each other: erased, the graph is as it was
             for node in reversed([n for n in graph.nodes if n not in before]):
@@ -900,18 +935,23 @@ class ProjectionsRope(RewritePass):
             return
         full = bool(rope) and rope["width"] == "full"
         outs = call(graph, torch.ops.nsa.projection_rope, x, weight, bias, cos, sin, widths, head_dims, style,
-                    backend, full, anchor=anchor)
+                    backend, full, plain, anchor=anchor)
         # every new node goes in before the anchor (the first projection) is erased
         news = [self.laid_out(graph, call(graph, operator.getitem, outs, i, anchor=anchor), m, anchor)
                 for i, m in enumerate(group)]
+        unrotated = {i: self.laid_out(graph, call(graph, operator.getitem, outs, len(group) + j, anchor=anchor),
+                                      group[i], anchor, rotated=False) for j, i in enumerate(plain)}
         paths = [module_path(m.linear).split(".") for m in group]
         order = {node: i for i, node in enumerate(graph.nodes)}
-        for m, new in zip(group, news):
+        for i, (m, new) in enumerate(zip(group, news)):
             if m.rope:
                 m.rope["out"].replace_all_uses_with(new)
-                # the arithmetic, then the table views only it used (users before producers)
-                erase_replaced(graph, sorted(m.rope["sub"], key=order.__getitem__, reverse=True),
-                               m.rope["externals"])
+                if i in unrotated:  # what reads the projection before its rotation reads the plain output
+                    m.node.replace_all_uses_with(unrotated[i])
+                # the arithmetic, then the table views only it used (users before producers); what
+                # other code reads (computed from the plain output now) stays
+                self.erase_unread(graph, sorted(m.rope["sub"], key=order.__getitem__, reverse=True),
+                                  m.rope["externals"])
             else:
                 m.node.replace_all_uses_with(new)
                 erase_replaced(graph, [m.node], [])
@@ -921,12 +961,14 @@ class ProjectionsRope(RewritePass):
                 break
             common.append(parts[0])
         where = ".".join(common) if len(group) > 1 else ".".join(paths[0][:-1])
-        why = "" if backend == "triton" else (f"; not triton: {why_not_triton(*fakes, widths, head_dims)}"
+        why = "" if backend == "triton" else (f"; not triton: {why_not_triton(*fakes, widths, head_dims, plain)}"
                                               if requested == "auto" else
                                               f"; not triton: projection_rope_backend={requested!r} in OptimizeConfig")
         rope_text = (f"RoPE {rope['style']} r={rope['rotary']} on {len(ropes)} of them" if rope else "no RoPE")
         if rope and rope["width"] != "half":
             rope_text += " (complex tables)" if rope["width"] == "complex" else " (full-width tables)"
+        if plain:
+            rope_text += f"; {len(plain)} also returned unrotated (read before RoPE)"
         cast_text = f" in {dtype} (autocast: the inputs cast to it)" if casts else ""
         n_linears = len({m.linear for m in group})
         of = f" of {n_linears} Linear{'s' if n_linears > 1 else ''}" if n_linears != len(group) else ""
@@ -947,11 +989,23 @@ class ProjectionsRope(RewritePass):
         return node
 
     @staticmethod
-    def laid_out(graph: fx.Graph, piece: fx.Node, m: Member, anchor: fx.Node) -> fx.Node:
+    def erase_unread(graph: fx.Graph, nodes: list[fx.Node], roots: list[fx.Node]) -> None:
+        """Erase each of `nodes` (users before producers) that nothing reads any more, then what
+        only they and `roots` read (erase_replaced)."""
+        inputs = []
+        for node in nodes:
+            if not node.users:
+                inputs += node.all_input_nodes
+                graph.erase_node(node)
+        erase_replaced(graph, [], [*roots, *inputs])
+
+    @staticmethod
+    def laid_out(graph: fx.Graph, piece: fx.Node, m: Member, anchor: fx.Node, rotated: bool = True) -> fx.Node:
         """The op's piece [*lead, width] laid out as what it replaces: the rotated output
-        [B, S, heads, D] or [B, heads, S, D], or the projection (piece) in its layout. Symbolic
-        sizes are read from the piece (shape_from), never written as numbers."""
-        layout, shape = (m.rope["out_layout"], tuple(value(m.rope["out"]).shape)) if m.rope else \
+        [B, S, heads, D] or [B, heads, S, D], or the projection (piece) in its layout (an
+        unrotated piece, or `rotated` False: the plain output of a rotated one). Symbolic sizes are
+        read from the piece (shape_from), never written as numbers."""
+        layout, shape = (m.rope["out_layout"], tuple(value(m.rope["out"]).shape)) if m.rope and rotated else \
             (m.layout, tuple(value(m.node).shape))
         if layout == "heads-first":  # [B, S, *heads, D] with the token dim moved after the heads
             B, S = tokens(shape, layout)
@@ -961,7 +1015,7 @@ class ProjectionsRope(RewritePass):
         elif len(value(piece).shape) != len(shape) or \
                 not all(statically_known_true(a == b) for a, b in zip(value(piece).shape, shape)):
             piece = call(graph, torch.reshape, piece, shape_from(graph, shape, piece, anchor), anchor=anchor)
-        return contiguous_if_read_by_layout(graph, piece, m.rope["out"] if m.rope else m.node, anchor)
+        return contiguous_if_read_by_layout(graph, piece, m.rope["out"] if m.rope and rotated else m.node, anchor)
 
 
 PASS = ProjectionsRope()

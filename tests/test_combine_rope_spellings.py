@@ -12,7 +12,9 @@ RoPE: full-width cached cos/sin buffers on heads-first q/k (HF, the paper), a fu
 split into branches with interleaved tables built inside forward after the projection (lucidrains'
 rotary-embedding; K/V shared by the branches), complex RoPE by view_as_complex (Meta's llama),
 tables computed in forward once per call (fla), a k/v Linear viewed [B, S, 2, G, D] and permuted,
-partial rotary with a pass-through, packed tokens [N, H, D] with per-token tables.
+partial rotary with a pass-through, packed tokens [N, H, D] with per-token tables; the projection
+also read before its RoPE (lucidrains: the op returns it unrotated too, its readers read that);
+the einsum combine under bf16 autocast.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from helpers import only_graph, optimize_fresh, row
 
 import nsa_compile
 from nsa_compile.api import state_of
-from nsa_compile.parity import check_parity
+from nsa_compile.parity import FLOORS, check_parity, relative_error
+from nsa_compile.passes.projection_rope import PASS as PROJECTION_PASS
+from nsa_compile.rewrite import PassContext, PassLog
 
 COMBINE, PROJECTIONS, CANON = "gated_combine", "projection_rope", "canonicalize"
 
@@ -212,6 +216,45 @@ def test_combine_near_misses_refused_with_the_graph_unchanged(spelling, reason):
     refused_unchanged(Combine(spelling), combine_inputs(spelling), only(COMBINE), COMBINE, reason)
 
 
+class EinsumCombine(nn.Module):
+    """lucidrains' combine at any shape: a sigmoid gate per head and branch, an einsum over the
+    stacked branch outputs [B, H, S, Dv]."""
+
+    def __init__(self, dim=DIM, heads=H):
+        super().__init__()
+        self.heads = heads
+        self.to_gate = nn.Linear(dim, 3 * heads)
+
+    def forward(self, x, o_cmp, o_sel, o_win):
+        Bx, Sx, _ = x.shape
+        g = torch.sigmoid(self.to_gate(x)).view(Bx, Sx, self.heads, 3).permute(0, 2, 1, 3)
+        return torch.einsum("bhns,sbhnd->bhnd", g, torch.stack([o_cmp, o_sel, o_win]))
+
+
+def test_the_einsum_combine_under_bf16_autocast_fires():
+    """Dynamo compiles inside the caller's autocast, so the passes ran their probes under it: the
+    combine's float32 matmul of the gate's index codes (B * S * 3H = 1536 of them) computed in
+    bf16, which rounds integers above 256, and the lucidrains combine was refused ('branch ... is
+    not weighed by one gate entry per head and token'). The probes run with autocast off."""
+    gen = torch.Generator().manual_seed(0)
+    # the branch outputs in bf16, as the attention under autocast returns them; x and the gate in float32
+    inputs = (torch.randn(2, 64, DIM, generator=gen),
+              *(torch.randn(2, H, 64, DV, generator=gen).bfloat16() for _ in range(3)))
+    module = EinsumCombine()
+    optimized = optimize_fresh(copy.deepcopy(module), only(CANON, COMBINE))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (want, want_grads), (got, got_grads) = (with_grads(m, inputs) for m in (module, optimized))
+    r = row(optimized, COMBINE)
+    assert (r["matches"], r["refused"]) == (1, 0), r
+    assert only_graph(optimized).code_after.count("torch.ops.nsa.gated_combine(") == 1
+    # against float64: eager rounds the gate and the sum to bf16 (autocast's einsum), the op less often
+    oracle, oracle_grads = with_grads(copy.deepcopy(module).double(), tuple(t.double() for t in inputs))
+    assert want_grads.keys() == got_grads.keys() == oracle_grads.keys()
+    pairs = [("output", got, want, oracle)] + [(n, got_grads[n], want_grads[n], oracle_grads[n]) for n in want_grads]
+    for name, a, e, ref in pairs:
+        assert relative_error(a, ref) <= max(2 * relative_error(e, ref), FLOORS[torch.bfloat16]), name
+
+
 # --- the projections and their RoPE ---------------------------------------------------------------
 
 D, HQ, HK, DIMP, SP = 8, 4, 2, 32, 7
@@ -279,11 +322,25 @@ class Rope(nn.Module):
             q = self.partial(self.q(x).view(Bx, Sx, HQ, D).transpose(1, 2))
             k, v = self.kv(x).view(Bx, Sx, 2, HK, D).permute(2, 0, 3, 1, 4)
             k = self.partial(k)
-        # near misses (one projection alone: refused means the graph stays as it was)
-        elif sp == "raw-key-also-used":  # keys compressed before RoPE: the unrotated projection is read too
+        # the projection also read before its RoPE (the op returns it beside the rotated one)
+        elif sp == "before-rope":  # lucidrains: the compressed branch scores unrotated q against pooled unrotated k
+            q, k, v = self.qkv(x).split([HQ * D, HK * D, HK * D], dim=-1)
+            q, k, v = (t.view(Bx, Sx, -1, D).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+            pooled = k.mean(2)  # [B, HK, D]
+            compressed = (q.unflatten(1, (HK, -1)) * pooled[:, :, None, None]).sum(-1)  # [B, HK, HQ / HK, S]
+            q, k = self.lazy_interleaved(q), self.lazy_interleaved(k)
+            return torch.cat([q.transpose(1, 2).flatten(2), k.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2),
+                              compressed.flatten(1, 2).transpose(1, 2)], -1)
+        elif sp == "raw-key-also-used":  # keys of a kv Linear compressed before RoPE
             k = self.kv(x)[..., : HK * D].view(Bx, Sx, HK, D).transpose(1, 2)
             k_rot = k * self.cos_cached[:Sx] + rotate_half(k) * self.sin_cached[:Sx]
-            return k_rot, k.mean(2)
+            return k_rot + k.mean(2, keepdim=True)
+        # near misses (one projection alone: refused means the graph stays as it was)
+        elif sp == "partial-product-also-used":  # a product with the table is read outside the rotation
+            k = self.kv(x)[..., : HK * D].view(Bx, Sx, HK, D).transpose(1, 2)
+            k_cos = k * self.cos_cached[:Sx]
+            k_rot = k_cos + rotate_half(k) * self.sin_cached[:Sx]
+            return k_rot + k_cos.mean(2, keepdim=True)
         elif sp == "complex-scaled":  # the complex product scaled: not a rotation
             q = self.q(x).view(Bx, Sx, HQ, D)
             angles = torch.outer(torch.arange(Sx, device=x.device).float(), self.inv_freq.float())
@@ -333,6 +390,15 @@ ROPE_SPELLINGS = {
     "packed": ("1 projection", "RoPE half r=8 on 1 of them (full-width tables)"),
 }
 
+# spelling -> (kernel text, the nodes of the Dynamo graph that read the projection before its RoPE)
+BEFORE_ROPE = {
+    "before-rope": ("nsa.projection_rope[reference] (3 projections of 1 Linear -> 1 GEMM of 64 columns; RoPE "
+                    "interleaved r=8 on 2 of them (full-width tables); 2 also returned unrotated (read before RoPE); ",
+                    ("unflatten", "mean")),
+    "raw-key-also-used": ("nsa.projection_rope[reference] (1 projection -> 1 GEMM of 16 columns; RoPE half r=8 on 1 "
+                          "of them (full-width tables); 1 also returned unrotated (read before RoPE); ", ("mean",)),
+}
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("spelling", list(ROPE_SPELLINGS))
@@ -355,7 +421,7 @@ def test_rope_spellings_fire_with_parity(spelling, dtype):
     assert after.count(" * ") < before.count(" * ")
 
 
-@pytest.mark.parametrize("spelling", list(ROPE_SPELLINGS))
+@pytest.mark.parametrize("spelling", [*ROPE_SPELLINGS, *BEFORE_ROPE])
 def test_rope_spellings_fire_at_symbolic_sizes(spelling):
     """Each spelling at four lengths: the first compiles static, the others share one graph with
     the length a symbol, where the pass fires with the same kernel (the views, tables and RoPE
@@ -374,19 +440,83 @@ def test_rope_spellings_fire_at_symbolic_sizes(spelling):
     static, symbolic = state_of(optimized).graphs
     assert "torch.SymInt" not in static.code_before and "torch.SymInt" in symbolic.code_before
     (log,) = [log for log in symbolic.logs if log.pass_name == PROJECTIONS]
-    projections, rope = ROPE_SPELLINGS[spelling]
     assert len(log.matches) == 1 and log.refusals == [], (log.matches, log.refusals)
     kernel = log.matches[0].kernel
-    assert kernel.startswith(f"nsa.projection_rope[reference] ({projections} -> 1 GEMM of ") and f"; {rope};" in kernel
+    if spelling in BEFORE_ROPE:
+        assert kernel.startswith(BEFORE_ROPE[spelling][0]), kernel
+    else:
+        projections, rope = ROPE_SPELLINGS[spelling]
+        assert kernel.startswith(f"nsa.projection_rope[reference] ({projections} -> 1 GEMM of ") and \
+            f"; {rope};" in kernel
     after = symbolic.code_after
     assert after.count("torch.ops.nsa.projection_rope(") == 1 and "torch._C._nn.linear(" not in after
+
+
+def rewritten(module, inputs) -> tuple[torch.fx.GraphModule, PassLog]:
+    """module's Dynamo graph after the projection_rope pass alone, and the pass's log."""
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(module, backend=keep, fullgraph=True)(*inputs)
+    (gm,) = graphs
+    log = PassLog(PROJECTIONS, 0)
+    PROJECTION_PASS.apply(gm.graph, PassContext(only(PROJECTIONS), log))
+    gm.graph.lint()
+    gm.recompile()
+    return gm, log
+
+
+def readers_of_the_op(gm: torch.fx.GraphModule) -> tuple[list[str], list[str]]:
+    """(what reads the op's pieces, what reads its plain outputs): the ops reached from its
+    outputs through the getitems and the layout views the pass adds."""
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.nsa.projection_rope]
+    n_pieces, views = len(op.args[5]), {"getitem", "reshape", "movedim", "contiguous"}
+    reached = ([], [])
+    for out in op.users:
+        side, stack = reached[out.args[1] >= n_pieces], list(out.users)
+        while stack:
+            node = stack.pop()
+            name = node.target if isinstance(node.target, str) else node.target.__name__
+            if name in views:
+                stack.extend(node.users)
+            else:
+                side.append(name)
+    return sorted(set(reached[0])), sorted(set(reached[1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("spelling", list(BEFORE_ROPE))
+def test_rope_with_the_projection_also_read_before_it(spelling, dtype):
+    """lucidrains scores the compressed branch with q and pools k before RoPE: the op returns each
+    rotated piece and, beside it, its plain projection (one GEMM); the readers of the unrotated
+    values read the plain outputs, the attention the rotated ones; outputs and every gradient
+    match (fp32: eager; bf16, fp16: the float64 oracle)."""
+    module = Rope(spelling)
+    model = parity_and_model(module, rope_inputs(spelling), dtype, only(PROJECTIONS))
+    r = row(model, PROJECTIONS)
+    kernel, readers = BEFORE_ROPE[spelling]
+    assert (r["matches"], r["refused"]) == (1, 0) and r["kernels"][0].startswith(kernel), r
+    record = only_graph(model)
+    before, after = record.code_before, record.code_after
+    assert after.count("torch.ops.nsa.projection_rope(") == 1 and "torch._C._nn.linear(" not in after
+    rotation = re.compile(r"= -[a-z_]|\w - \w")
+    assert rotation.search(before) and not rotation.search(after)
+    # the readers of the unrotated projection read the op's plain outputs, and only they do
+    gm, log = rewritten(module, rope_inputs(spelling))
+    assert len(log.matches) == 1 and not log.refusals
+    pieces_read_by, plain_read_by = readers_of_the_op(gm)
+    assert plain_read_by == sorted(readers) and not set(readers) & set(pieces_read_by), (pieces_read_by, plain_read_by)
 
 
 @pytest.mark.parametrize(
     "spelling, reason",
     [
-        ("raw-key-also-used", "RoPE left eager: values inside the RoPE arithmetic (or the projection) are used "
-                              "elsewhere: k by mean"),
+        ("partial-product-also-used", "RoPE left eager: values inside the RoPE arithmetic are used elsewhere: k_cos "
+                                      "(mul, a partial result of the rotation: it reads the tables) by mean"),
         ("complex-scaled", "RoPE left eager: the arithmetic on the projection is not a RoPE rotation"),
         ("tables-in-another-autocast-region", "RoPE left eager: its tables are computed after the group's first "
                                               "projection linear and cannot be moved before it: an autocast region "
@@ -395,3 +525,12 @@ def test_rope_spellings_fire_at_symbolic_sizes(spelling):
 )
 def test_rope_near_misses_refused_with_the_graph_unchanged(spelling, reason):
     refused_unchanged(Rope(spelling), rope_inputs(spelling), only(PROJECTIONS), PROJECTIONS, reason)
+
+
+def test_a_partial_result_read_elsewhere_is_refused_naming_the_readers_line():
+    optimized = optimize_fresh(copy.deepcopy(Rope("partial-product-also-used")), only(PROJECTIONS))
+    optimized(*rope_inputs("partial-product-also-used"))
+    (reason,) = row(optimized, PROJECTIONS)["reasons"]
+    assert re.fullmatch(r"RoPE left eager: .* by mean \(\S*test_combine_rope_spellings\.py:\d+: return k_rot \+ "
+                        r"k_cos\.mean\(2, keepdim=True\)\); the op returns the projection and its rotation, not "
+                        r"values between them", reason), reason

@@ -1,9 +1,10 @@
 """projection_rope and nsa::projection_rope: graph tests (fired, exact count; the separate GEMMs
 and the RoPE arithmetic gone, the op in place), parity of outputs and every gradient in fp32, bf16
 and fp16 and under bf16 autocast with fp32 parameters, the parameters staying the module's own,
-accepted forms, near misses refused with the graph unchanged, opcheck of both ops, and the Triton
-kernels (on CUDA when there is one, else on the CPU through Triton's interpreter, TRITON_INTERPRET=1
-set by a fixture for those tests only)."""
+accepted forms, near misses refused with the graph unchanged, opcheck of both ops (also with plain
+outputs: rotated pieces returned unrotated too), and the Triton kernels (on CUDA when there is
+one, else on the CPU through Triton's interpreter, TRITON_INTERPRET=1 set by a fixture for those
+tests only)."""
 
 from __future__ import annotations
 
@@ -219,13 +220,18 @@ class OneRope(nn.Module):
             out = x_rot * cc - rotated * ss
         elif change == "sin-as-cos":
             out = x_rot * ss + rotated * cc
+        elif change == "product-returned":
+            product = x_rot * cc
+            out = product + rotated * ss
         else:
             out = x_rot * cc + rotated * ss
         out = torch.cat([out, x_pass], dim=-1)
         if change == "scaled-after":
             out = out * 0.5
-        if change == "rot-returned":
+        if change == "rot-returned":  # the rotated columns before the rotation: the projection's values
             return out, x_rot
+        if change == "product-returned":  # a partial result of the rotation
+            return out, product
         return out
 
 
@@ -235,14 +241,16 @@ def run_both(module, args, config=ONLY):
     return expected, optimized(*args), optimized
 
 
-@pytest.mark.parametrize("change", [None, "chunk", "opposite-angle", "sin-as-cos", "scaled-after"])
+@pytest.mark.parametrize("change", [None, "chunk", "opposite-angle", "sin-as-cos", "scaled-after", "rot-returned"])
 def test_accepted_rope_forms(change):
     x, cos, sin = projection_inputs(dim=16, rot=6)
     expected, got, optimized = run_both(OneRope(change), (x, cos, sin))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     r = row(optimized, PASS)
+    # rot-returned: its slice of the projection reads the op's plain output
+    plain = "; 1 also returned unrotated (read before RoPE)" if change == "rot-returned" else ""
     assert r["matches"] == 1 and r["kernels"][0].startswith(
-        "nsa.projection_rope[reference] (1 projection -> 1 GEMM of 16 columns; RoPE half r=6 on 1"), r
+        f"nsa.projection_rope[reference] (1 projection -> 1 GEMM of 16 columns; RoPE half r=6 on 1 of them{plain}; "), r
     assert "torch.cat(" not in only_graph(optimized).code_after
 
 
@@ -253,7 +261,8 @@ def test_accepted_rope_forms(change):
         ("wrong-partner", "the arithmetic on the projection is not a RoPE rotation"),
         ("same-table-twice", "the arithmetic reads 1 tables besides the projection"),
         ("learned-tables", "require grad; the op gives them none"),
-        ("rot-returned", "values inside the RoPE arithmetic (or the projection) are used elsewhere"),
+        ("product-returned", "values inside the RoPE arithmetic are used elsewhere: product (mul, a partial result "
+                             "of the rotation: it reads the tables) by output"),
         ("autocast-float32-tables", "RoPE left eager: the rotated projection is torch.float32 (type promotion with "
                                     "the torch.float32 tables), the op returns the projection's torch.bfloat16"),
     ],
@@ -347,10 +356,10 @@ def test_a_tied_weight_and_a_raw_output_used_elsewhere():
     for a, b in zip(got_grads, grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     r = row(optimized, PASS)
-    # merged with its bias; k's RoPE stays eager on its piece (the raw projection is used too)
-    assert r["matches"] == 1 and "(2 projections -> 1 GEMM of 32 columns; RoPE half r=8 on 1 of" in r["kernels"][0]
-    assert r["reasons"] == ["RoPE left eager: values inside the RoPE arithmetic (or the projection) are used "
-                            "elsewhere: k_raw by cat_8"]
+    # merged with its bias; k rotated by the op, which also returns it unrotated for the cat
+    assert r["matches"] == 1 and "(2 projections -> 1 GEMM of 32 columns; RoPE half r=8 on 2 of them; 1 also " \
+        "returned unrotated (read before RoPE);" in r["kernels"][0], r["kernels"]
+    assert r["reasons"] == []
 
 
 def test_a_weight_computed_after_the_first_projection_is_left_out():
@@ -762,6 +771,50 @@ def test_opcheck_full_tables():
                           (grads, cos, sin, head_dims, "half", "reference", True))
 
 
+def eager_with_plain(x, w, b, cos, sin, widths, head_dims, style, plain):
+    """The op's pieces written with torch ops (rotate), then the plain outputs: the projection's
+    columns of the pieces in `plain` (autograd is the oracle of the backward)."""
+    y = nn.functional.linear(x, w, b)
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    pieces = [y[..., a : a + n] for a, n in zip(starts, widths)]
+    return [rope_op.rotate(p, cos, sin, d, style) if d else p for p, d in zip(pieces, head_dims)] + \
+        [pieces[i] for i in plain]
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_plain_outputs_reference_matches_the_eager_formula(style):
+    """plain: the rotated pieces 0 and 1 also returned before their rotation; their gradients join
+    the inverse rotation's in the backward (float64, exact up to rounding)."""
+    x, w, b, cos, sin, widths, head_dims = (t.double() if isinstance(t, torch.Tensor) else t for t in op_args(
+        widths=(16, 12, 8), head_dims=(8, 6, 0), rot=4, table_batch=2))
+    leaves = [x.requires_grad_(), w.requires_grad_(), b.requires_grad_()]
+    got = rope_op.projection_rope(x, w, b, cos, sin, widths, head_dims, style, "reference", plain=[0, 1])
+    want = eager_with_plain(x, w, b, cos, sin, widths, head_dims, style, [0, 1])
+    assert [tuple(o.shape) for o in got] == [(2, 5, 16), (2, 5, 12), (2, 5, 8), (2, 5, 16), (2, 5, 12)]
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+             for i, o in enumerate(want)]
+    for a, e in zip(torch.autograd.grad(got, leaves, grads, retain_graph=True),
+                    torch.autograd.grad(want, leaves, grads, retain_graph=True)):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    # a plain output that gets no gradient contributes none
+    only_rotated = torch.autograd.grad(got[:3], leaves, grads[:3])
+    for a, e in zip(only_rotated, torch.autograd.grad(want[:3], leaves, grads[:3])):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+def test_opcheck_plain_outputs():
+    x, w, b, cos, sin, widths, head_dims = op_args(widths=(16, 8, 8), head_dims=(8, 0, 8))
+    for t in (x, w, b):
+        t.requires_grad_()
+    torch.library.opcheck(torch.ops.nsa.projection_rope,
+                          (x, w, b, cos, sin, widths, head_dims, "half", "reference", False, [0, 2]))
+    grads = [torch.randn(*x.shape[:-1], n) for n in (*widths, 16, 8)]
+    torch.library.opcheck(torch.ops.nsa.projection_rope_backward,
+                          (grads, cos, sin, head_dims, "half", "reference", False, [0, 2]))
+
+
 def test_the_op_checks_its_arguments():
     x, w, b, cos, sin, widths, head_dims = op_args()
     with pytest.raises(ValueError, match="weight has 32 rows, the pieces 31"):
@@ -775,6 +828,16 @@ def test_the_op_checks_its_arguments():
     with pytest.raises(ValueError, match="full-width tables need an even rotary dim, got 3"):
         rope_op.projection_rope(x, w, b, cos[:, :1].repeat(1, 3), sin[:, :1].repeat(1, 3), widths, head_dims,
                                 full_tables=True)
+    plain_error = r"plain must list rotated pieces \(head_dims > 0\) in ascending order, once each; got "
+    for plain in ([2], [1, 0], [0, 0], [3]):  # piece 2 is not rotated; not ascending; twice; no piece 3
+        with pytest.raises(ValueError, match=plain_error + re.escape(str(plain))):
+            rope_op.projection_rope(x, w, b, cos, sin, widths, head_dims, plain=plain)
+    grads = [torch.randn(2, 5, n) for n in (*widths, 8)]
+    with pytest.raises(ValueError, match="one gradient per output: 4 gradients for 3 pieces and 2 plain outputs"):
+        torch.ops.nsa.projection_rope_backward(grads, cos, sin, head_dims, "half", "reference", False, [0, 1])
+    with pytest.raises(ValueError, match=r"the gradient of plain output 0 \(piece 0\) is \(2, 5, 8\); piece 0 is 16 "
+                                         "wide"):
+        torch.ops.nsa.projection_rope_backward(grads, cos, sin, head_dims, "half", "reference", False, [0])
 
 
 # --- the Triton kernels -------------------------------------------------------------------------------
@@ -826,13 +889,33 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
     ids=lambda v: {True: "full-tables", False: "pair-tables"}.get(v, str(v).replace("torch.", "")),
 )
 def test_triton_forward_and_backward_match_float64(interpreter, case, dtype, style, full):
+    triton_against_float64(case, dtype, style, full)
+
+
+@pytest.mark.parametrize(
+    "case, dtype, style, full, plain",
+    [("nsa-like-aligned", torch.bfloat16, "half", False, [0, 3]),  # aligned tiles
+     ("partial-rotary", torch.float16, "interleaved", False, [0, 1]),  # pass-through columns
+     ("odd-sizes", torch.float32, "half", True, [1])],  # masked columns, full-width tables
+    ids=lambda v: str(v).replace("torch.", "") if not isinstance(v, bool) else {True: "full", False: "pairs"}[v],
+)
+def test_triton_plain_outputs_match_float64(interpreter, case, dtype, style, full, plain):
+    """plain: the kernel also stores the rotated pieces' accumulators before the rotation, and
+    its backward adds their gradients to the inverse rotation."""
+    triton_against_float64(case, dtype, style, full, plain)
+
+
+def triton_against_float64(case: str, dtype, style: str, full: bool, plain=()) -> None:
+    """The triton backend's outputs and the gradients of x, weight and bias against the
+    reference backend in float64, within TOLERANCE."""
     B, S, K, widths, head_dims, rot, bias, table_batch = TRITON_CASES[case]
     args = op_args(B, S, K, widths, head_dims, rot, bias, table_batch, dtype, DEVICE, full=full)
     leaves = [t.requires_grad_() if t is not None and i < 3 else t for i, t in enumerate(args)]
-    outs = rope_op.projection_rope(*leaves, style=style, backend="triton", full_tables=full)
+    outs = rope_op.projection_rope(*leaves, style=style, backend="triton", full_tables=full, plain=plain)
     ref_leaves = [t.detach().double().requires_grad_() if t is not None and i < 3 else t for i, t in enumerate(args)]
     ref_leaves[3:5] = float64(args[3:5])
-    refs = rope_op.projection_rope(*ref_leaves, style=style, backend="reference", full_tables=full)
+    refs = rope_op.projection_rope(*ref_leaves, style=style, backend="reference", full_tables=full, plain=plain)
+    assert len(outs) == len(widths) + len(plain)
     tol = TOLERANCE[dtype]
     for o, ref in zip(outs, refs):
         assert o.dtype == dtype and o.is_contiguous() and o.shape == ref.shape
@@ -866,12 +949,56 @@ def test_triton_writes_every_element(interpreter):
     try:
         outs = rope_triton.projection_rope_forward(x.reshape(-1, 32), w, b, cos, sin, widths, head_dims, "half", 9)
         dy = rope_triton.projection_rope_grad(outs, cos, sin, widths, head_dims, "half", 9)
+        # with plain outputs of pieces 0 and 3 (the rotated ones), their gradients zero
+        with_plain = rope_triton.projection_rope_forward(x.reshape(-1, 32), w, b, cos, sin, widths, head_dims, "half",
+                                                         9, plain=[0, 3])
+        zeros = [torch.zeros_like(o) for o in with_plain[4:]]
+        dy_plain = rope_triton.projection_rope_grad(with_plain[:4] + zeros, cos, sin, widths, head_dims, "half", 9,
+                                                    plain=[0, 3])
     finally:
         torch.Tensor.new_empty = real_empty
-    assert not any(o.isnan().any() for o in outs) and not dy.isnan().any()
+    assert not any(o.isnan().any() for o in outs + with_plain) and not dy.isnan().any() and not dy_plain.isnan().any()
     # the inverse rotation undoes the rotation: dy of the outputs is the unrotated projection
     y = torch.nn.functional.linear(x.reshape(-1, 32), w, b)
     torch.testing.assert_close(dy, y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dy_plain, y, rtol=1e-5, atol=1e-5)
+    # the plain outputs are the projection's columns of pieces 0 and 3; the pieces as without them
+    torch.testing.assert_close(with_plain[4], y[:, :64], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(with_plain[5], y[:, 128:], rtol=1e-5, atol=1e-5)
+    for a, e in zip(with_plain[:4], outs):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the kernel tests launch the compiled kernels")
+@pytest.mark.parametrize("plain", [(), (0, 1)], ids=["no-plain", "plain"])
+def test_the_kernels_compile_for_sm90_without_a_gpu(monkeypatch, plain):
+    """The compiled path (the interpreted tests here do not check what the compiler does, e.g. the
+    branch on the tile's flag that stores and reads the plain outputs): both kernels built as on
+    the GPU (TRITON_INTERPRET off) and compiled to PTX for an H100 by the Triton installed here,
+    bf16, at lucidrains_per_head's seed layout (q 768 and k 128 rotated, v 128, gate 36)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nsa_compile.ops import rope_triton as rt
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    widths, head_dims = (768, 128, 128, 36), (64, 64, 0, 0)
+    lay = rt._layout(widths, head_dims, 32)
+    cfg = rt._config(torch.bfloat16, None)
+    given = {"D": lay["D"], "R2": lay["R2"], "HT": lay["HT"], "NA": lay["NA"], "NP": lay["NP"], "JA": lay["JA"],
+             "JP": lay["JP"], "HALF": False, "HAS_BIAS": False, "HAS_TABLE": True, "FULL": True,
+             "NOUT": len(widths) + len(plain), "BK": cfg["fwd"]["BK"], "EVEN_K": True, "WIDE": False,
+             "ALIGNED": lay["ALIGNED"], "PREC": "tf32", "UPCAST": False, "HAS_PLAIN": bool(plain)}
+    pointers = {"COS": "*fp32", "SIN": "*fp32", "COS_B": "*fp32", "SIN_B": "*fp32", "TILES": "*i32"} | {
+        name: "*bf16" for name in ("X", "W", "BIAS", "DY", *(f"O{i}" for i in range(8)), *(f"G{i}" for i in range(8)))}
+    for kernel, launch in ((rt.fwd_kernel, cfg["fwd"]), (rt.grad_kernel, cfg["bwd"])):
+        fn = kernel.built()
+        signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "i32") for p in fn.params}
+        constexprs = {n: v for n, v in (given | {"BM": launch["BM"]}).items() if signature.get(n) == "constexpr"}
+        compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                                  options={n: v for n, v in launch.items() if n.startswith("num_")})
+        assert f".entry {kernel.__name__}(" in compiled.asm["ptx"]
 
 
 # --- CUDA ------------------------------------------------------------------------------------------------

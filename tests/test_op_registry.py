@@ -23,10 +23,11 @@ WINDOW_TINY = "nsa.window_attention[{}] (w=32, GQA-native, no S x S tensor{})"
 # the schemas the compiled graphs, the passes and the tests call (as they were before the registry)
 SCHEMAS = {
     "projection_rope": "nsa::projection_rope(Tensor x, Tensor weight, Tensor? bias, Tensor? cos, Tensor? sin, "
-                       'SymInt[] widths, SymInt[] head_dims, str style, str backend="auto", bool full_tables=False) '
-                       "-> Tensor[]",
+                       'SymInt[] widths, SymInt[] head_dims, str style, str backend="auto", bool full_tables=False, '
+                       "int[] plain=[]) -> Tensor[]",
     "projection_rope_backward": "nsa::projection_rope_backward(Tensor[] grads, Tensor? cos, Tensor? sin, "
-                                'SymInt[] head_dims, str style, str backend="auto", bool full_tables=False) -> Tensor',
+                                'SymInt[] head_dims, str style, str backend="auto", bool full_tables=False, '
+                                "int[] plain=[]) -> Tensor",
     "window_attention": "nsa::window_attention(Tensor q, Tensor k, Tensor v, SymInt window, float scale, "
                         'str backend="auto", Tensor? pos=None) -> (Tensor, Tensor)',
     "window_attention_backward": "nsa::window_attention_backward(Tensor grad_o, Tensor q, Tensor k, Tensor v, "

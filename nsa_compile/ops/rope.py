@@ -2,7 +2,7 @@
 functional custom op (NSA section 1).
 
     outs = torch.ops.nsa.projection_rope(x, weight, bias, cos, sin, widths, head_dims, style, backend,
-                                         full_tables)
+                                         full_tables, plain)
 
 x [*lead, K]; weight [N, K]: the projections' weights one after another (N = sum(widths); the
 pass concatenates the module's own parameters in the graph, so autograd splits dW back onto
@@ -29,12 +29,18 @@ hold them: column a of a pair uses entry a, its partner b entry b,
 which is `y * cos + rotate(y) * sin` for any tables: the op does not assume that the entries of
 a pair are equal (a table read from a buffer holds whatever it is given).
 
+plain: indices of rotated pieces (ascending, distinct) whose value before the rotation is also
+returned, outs[len(widths) + j] [*lead, widths[plain[j]]] for plain[j]: the projection itself,
+for models that read both (lucidrains compresses keys, and scores the compressed branch with
+queries, before RoPE). The GEMM runs once; the plain piece is written beside the rotated one.
+
 Numerics: the rotation runs in the upcast dtype (fp16/bf16 -> fp32) with the tables in it, and
 rounds once (the eager code casts the tables to the projection's dtype and rounds each product).
 
-Backward: `nsa::projection_rope_backward(grads, cos, sin, head_dims, style, backend, full_tables)
--> dy`, the gradient of x @ weight^T + bias (before the rotation: the transposed rotation of the
-pieces' gradients, its inverse for pair tables, concatenated), [*lead, N]; the autograd formula
+Backward: `nsa::projection_rope_backward(grads, cos, sin, head_dims, style, backend, full_tables,
+plain) -> dy`, the gradient of x @ weight^T + bias (before the rotation: the transposed rotation of
+the pieces' gradients, its inverse for pair tables, plus the gradient of the plain piece where one
+was returned, in the upcast dtype, concatenated), [*lead, N]; the autograd formula
 then takes dx = dy @ weight,
 dW = dy^T x and db = sum(dy) with torch matmuls (cuBLAS on CUDA, visible to Inductor).
 
@@ -60,24 +66,24 @@ __all__ = ["PROJECTION", "STYLES", "choose_backend", "projection_rope", "project
 STYLES = ("half", "interleaved")
 
 
-def why_not_triton(x, weight, bias, cos, sin, widths, head_dims) -> str | None:
+def why_not_triton(x, weight, bias, cos, sin, widths, head_dims, plain=()) -> str | None:
     """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
     if x.device.type != "cuda":
         return f"the Triton kernel runs on CUDA (tensors on {x.device.type})"
     if x.dtype not in (torch.float16, torch.bfloat16):
         return f"{x.dtype}: cuBLAS runs fp32 GEMMs faster than the kernel's IEEE fp32 dots"
-    return rope_triton.unsupported_reason(x, weight, bias, cos, sin, widths, head_dims)
+    return rope_triton.unsupported_reason(x, weight, bias, cos, sin, widths, head_dims, plain)
 
 
-def choose_backend(x, weight, bias, cos, sin, widths, head_dims, backend: str = "auto") -> str:
+def choose_backend(x, weight, bias, cos, sin, widths, head_dims, backend: str = "auto", plain=()) -> str:
     """`PROJECTION.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it
     cannot run these inputs), or for 'auto' triton where it can run on CUDA in fp16/bf16 and
     reference elsewhere. Named explicitly, triton also runs fp32, and on the CPU under
     TRITON_INTERPRET=1 (the tests do that)."""
-    return PROJECTION.choose(backend, x, weight, bias, cos, sin, widths, head_dims)
+    return PROJECTION.choose(backend, x, weight, bias, cos, sin, widths, head_dims, list(plain))
 
 
-def _check(x, weight, bias, cos, sin, widths, head_dims, style, backend, full_tables=False) -> str:
+def _check(x, weight, bias, cos, sin, widths, head_dims, style, backend, full_tables=False, plain=()) -> str:
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
     dtypes, layout and backend are valid."""
     op = "projection_rope"
@@ -110,7 +116,12 @@ def _check(x, weight, bias, cos, sin, widths, head_dims, style, backend, full_ta
         _check_rotation(x, cos, sin, widths, head_dims, full_tables)
     elif cos is not None or sin is not None:
         raise ValueError(f"{op}: cos and sin are given but no piece is rotated (all head_dims 0)")
-    return choose_backend(x, weight, bias, cos, sin, widths, head_dims, backend)
+    plain = list(plain)
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in plain) or plain != sorted(set(plain)) or \
+            not all(0 <= i < len(widths) and head_dims[i] for i in plain):
+        raise ValueError(f"{op}: plain must list rotated pieces (head_dims > 0) in ascending order, once each; got "
+                         f"{plain} for head_dims {list(head_dims)}")
+    return choose_backend(x, weight, bias, cos, sin, widths, head_dims, backend, plain)
 
 
 def _check_rotation(x, cos, sin, widths, head_dims, full_tables) -> None:
@@ -178,64 +189,79 @@ def rotate(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
     return torch.cat([rotated, h[..., 2 * R2 :]], dim=-1).reshape(B, S, width)
 
 
-def _reference_forward(x, weight, bias, cos, sin, widths, head_dims, style, full_tables) -> list[torch.Tensor]:
+def _reference_forward(x, weight, bias, cos, sin, widths, head_dims, style, full_tables, plain) -> list[torch.Tensor]:
     y = F.linear(x, weight, bias)  # [*lead, N]
-    outs, start = [], 0
+    outs, pieces, start = [], [], 0
     for width, dim in zip(widths, head_dims):
         piece = y[..., start : start + width]
+        pieces.append(piece)
         # contiguous: a column slice is copied out (outputs may not alias each other)
         outs.append(rotate(piece, cos, sin, dim, style, full_tables=full_tables).to(x.dtype) if dim
                     else piece.contiguous())
         start += width
-    return outs
+    return outs + [pieces[i].contiguous() for i in plain]
 
 
-def _reference_backward(grads, cos, sin, head_dims, style, full_tables) -> torch.Tensor:
-    parts = [rotate(g, cos, sin, dim, style, inverse=True, full_tables=full_tables).to(g.dtype) if dim else g
-             for g, dim in zip(grads, head_dims)]
+def _reference_backward(grads, cos, sin, head_dims, style, full_tables, plain) -> torch.Tensor:
+    n = len(head_dims)
+    also = dict(zip(plain, grads[n:]))  # piece -> the gradient of its plain output
+    parts = []
+    for i, (g, dim) in enumerate(zip(grads[:n], head_dims)):
+        if dim:
+            d = rotate(g, cos, sin, dim, style, inverse=True, full_tables=full_tables)  # upcast dtype
+            parts.append((d + also[i] if i in also else d).to(g.dtype))
+        else:
+            parts.append(g)
     return torch.cat(parts, dim=-1)
 
 
-def _triton_forward(x, weight, bias, cos, sin, widths, head_dims, style, full_tables) -> list[torch.Tensor]:
+def _triton_forward(x, weight, bias, cos, sin, widths, head_dims, style, full_tables, plain) -> list[torch.Tensor]:
     K = x.shape[-1]
     S = x.shape[1] if any(head_dims) else 1
     outs = rope_triton.projection_rope_forward(x.reshape(-1, K), weight, bias, cos, sin, list(widths), list(head_dims),
-                                               style, S, full_tables=full_tables)
+                                               style, S, full_tables=full_tables, plain=list(plain))
     return [o.view(*x.shape[:-1], o.shape[1]) for o in outs]
 
 
-def _triton_backward(grads, cos, sin, head_dims, style, full_tables) -> torch.Tensor:
+def _triton_backward(grads, cos, sin, head_dims, style, full_tables, plain) -> torch.Tensor:
     lead = grads[0].shape[:-1]
-    widths = [g.shape[-1] for g in grads]
+    widths = [g.shape[-1] for g in grads[: len(head_dims)]]
     S = lead[1] if any(head_dims) else 1
     dy = rope_triton.projection_rope_grad([g.reshape(-1, g.shape[-1]) for g in grads], cos, sin, widths,
-                                          list(head_dims), style, S, full_tables=full_tables)
+                                          list(head_dims), style, S, full_tables=full_tables, plain=list(plain))
     return dy.view(*lead, dy.shape[1])
 
 
-def _check_grads(grads, cos, sin, head_dims, style, backend, full_tables) -> str:
+def _check_grads(grads, cos, sin, head_dims, style, backend, full_tables, plain=()) -> str:
     op = "projection_rope_backward"
-    if len(grads) == 0 or len(grads) != len(head_dims):
-        raise ValueError(f"{op}: one gradient per piece: {len(grads)} gradients, {len(head_dims)} head dims")
+    n, plain = len(head_dims), list(plain)
+    if n == 0 or len(grads) != n + len(plain):
+        raise ValueError(f"{op}: one gradient per output: {len(grads)} gradients for {n} pieces and "
+                         f"{len(plain)} plain outputs")
     lead, dtype = tuple(grads[0].shape[:-1]), grads[0].dtype
     for i, g in enumerate(grads):
         if tuple(g.shape[:-1]) != lead or g.dtype != dtype:
             raise ValueError(f"{op}: gradient {i} is {g.dtype} {tuple(g.shape)}; all must be {dtype} [*{lead}, width]")
-    widths = [g.shape[-1] for g in grads]
+    widths = [g.shape[-1] for g in grads[:n]]
+    for j, i in enumerate(plain):
+        if 0 <= i < n and grads[n + j].shape[-1] != widths[i]:
+            raise ValueError(f"{op}: the gradient of plain output {j} (piece {i}) is {tuple(grads[n + j].shape)}; "
+                             f"piece {i} is {widths[i]} wide")
     N = sum(widths)
     # the forward's checks, on a stand-in x and weight of the gradients' lead dims and dtype
     x = grads[0].new_empty((*lead, 1))
-    return _check(x, x.new_empty((N, 1)), None, cos, sin, widths, list(head_dims), style, backend, full_tables)
+    return _check(x, x.new_empty((N, 1)), None, cos, sin, widths, list(head_dims), style, backend, full_tables, plain)
 
 
 def _gradients(saved, grads: list) -> dict:
-    """dy from the backward op (the rotation undone), then the Linear's formulas with torch matmuls."""
+    """dy from the backward op (the rotation undone, the plain outputs' gradients added), then the
+    Linear's formulas with torch matmuls."""
     s = saved
-    piece_shapes = [(*s.x.shape[:-1], w) for w in s.widths]
-    # a piece that got no gradient contributes zeros
-    grads = [g if g is not None else s.x.new_zeros(shape) for g, shape in zip(grads, piece_shapes)]
+    widths = [*s.widths, *(s.widths[i] for i in s.plain)]
+    # an output that got no gradient contributes zeros
+    grads = [g if g is not None else s.x.new_zeros((*s.x.shape[:-1], w)) for g, w in zip(grads, widths)]
     dy = torch.ops.nsa.projection_rope_backward(grads, s.cos, s.sin, list(s.head_dims), s.style, s.backend,
-                                                s.full_tables)
+                                                s.full_tables, list(s.plain))
     N, K = s.weight.shape
     dy2 = dy.reshape(-1, N)  # [M, N]
     needs = s.needs_input_grad
@@ -247,20 +273,22 @@ def _gradients(saved, grads: list) -> dict:
 PROJECTION = declare(Op(
     name="projection_rope",
     schema="(Tensor x, Tensor weight, Tensor? bias, Tensor? cos, Tensor? sin, SymInt[] widths, SymInt[] head_dims, "
-           'str style, str backend="auto", bool full_tables=False) -> Tensor[]',
+           'str style, str backend="auto", bool full_tables=False, int[] plain=[]) -> Tensor[]',
     config_field="projection_rope_backend",
-    choice_args=("x", "weight", "bias", "cos", "sin", "widths", "head_dims"),
+    choice_args=("x", "weight", "bias", "cos", "sin", "widths", "head_dims", "plain"),
     backends=(
         Backend("triton", cannot_run=rope_triton.unsupported_reason, auto_reason=why_not_triton,
                 forward=_triton_forward, backward=_triton_backward),
         Backend("reference", forward=_reference_forward, backward=_reference_backward),
     ),
     check=_check,
-    fake=lambda x, weight, bias, cos, sin, widths, *_: [x.new_empty((*x.shape[:-1], w)) for w in widths],
+    fake=lambda x, weight, bias, cos, sin, widths, head_dims, style, backend, full_tables, plain: [
+        x.new_empty((*x.shape[:-1], w)) for w in [*widths, *(widths[i] for i in plain)]],
     backward_schema='(Tensor[] grads, Tensor? cos, Tensor? sin, SymInt[] head_dims, str style, str backend="auto", '
-                    "bool full_tables=False) -> Tensor",
+                    "bool full_tables=False, int[] plain=[]) -> Tensor",
     check_backward=_check_grads,
-    backward_fake=lambda grads, *_: grads[0].new_empty((*grads[0].shape[:-1], sum(g.shape[-1] for g in grads))),
+    backward_fake=lambda grads, cos, sin, head_dims, *_: grads[0].new_empty(
+        (*grads[0].shape[:-1], sum(g.shape[-1] for g in grads[: len(head_dims)]))),
     gradients=_gradients,
 ))
 projection_rope_backward = PROJECTION.backward_op
@@ -269,8 +297,8 @@ projection_rope_backward = PROJECTION.backward_op
 def projection_rope(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor | None,
     sin: torch.Tensor | None, widths, head_dims, style: str = "half", backend: str = "auto",
-    full_tables: bool = False,
+    full_tables: bool = False, plain=(),
 ) -> list[torch.Tensor]:
     """`torch.ops.nsa.projection_rope` (see the module docstring)."""
     return torch.ops.nsa.projection_rope(x, weight, bias, cos, sin, list(widths), list(head_dims), style, backend,
-                                         full_tables)
+                                         full_tables, list(plain))

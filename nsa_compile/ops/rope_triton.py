@@ -1,9 +1,9 @@
 """Triton kernels for `nsa::projection_rope`: the projections of one input as one GEMM with RoPE
 in its epilogue, and the backward's inverse rotation.
 
-    outs = projection_rope_forward(x2, weight, bias, cos, sin, widths, head_dims, style, S)
-    dy = projection_rope_grad(grads, cos, sin, widths, head_dims, style, S)
-    why = unsupported_reason(x, weight, bias, cos, sin, widths, head_dims)   # None when they can run
+    outs = projection_rope_forward(x2, weight, bias, cos, sin, widths, head_dims, style, S, plain=plain)
+    dy = projection_rope_grad(grads, cos, sin, widths, head_dims, style, S, plain=plain)
+    why = unsupported_reason(x, weight, bias, cos, sin, widths, head_dims, plain)   # None when they can run
 
 Same semantics as the `reference` backend of nsa_compile/ops/rope.py: x2 [M, K] (M = B * S rows,
 row m is token m % S of batch m // S), weight [N, K] (the pieces' weights one after another,
@@ -30,6 +30,11 @@ along K, so the loads stay vectorized). A raw (unrotated) tile uses the same acc
 three windows of consecutive columns (NA, NA, NP wide). Bias is added before the rotation.
 Each piece is its own output tensor (a custom op's outputs may not alias each other): the
 kernel takes up to MAX_PIECES output pointers and picks its tile's with a scalar branch.
+Plain outputs (`plain`: rotated pieces also returned before their rotation, after the pieces)
+take output pointers too: a rotated tile whose piece has one (the tile table's flag 2 + its
+output index; HAS_PLAIN) also stores its accumulators, bias added, before the rotation; the
+backward adds that output's gradient to the inverse rotation. Without plain outputs the kernels
+are compiled as before (HAS_PLAIN off).
 Loads in the K loop are unmasked: rows past M and padded columns read row 0 (their results
 are never stored); K is masked only when BK does not divide it. When every tile is full and
 every width a multiple of 16 (`_aligned`: the seed model, where HT = 2 heads of 64 tile the 768
@@ -54,7 +59,7 @@ dx = dy @ W and dW = dy^T @ x are left to cuBLAS (the op's autograd formula).
 Supported (`unsupported_reason` says why not): CUDA tensors (or any device with
 TRITON_INTERPRET=1); x, weight, bias all fp16, bf16 or fp32 (fp32 uses IEEE dots: correct, not
 fast; `auto` gives fp32 to the reference backend); tables of any float dtype; at most
-MAX_PIECES pieces; one head dim D <= 256 for all rotated pieces.
+MAX_PIECES outputs (pieces and plain outputs); one head dim D <= 256 for all rotated pieces.
 
 The two kernels share their tile's geometry (`_column_tile`, `_pair_columns`, `_pass_columns`),
 the table loads (`_rotation`) and the pick of the piece's tensor (`_piece_pointer`).
@@ -87,15 +92,16 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 RAW_WINDOW = 64
 
 
-def unsupported_reason(x, weight, bias, cos, sin, widths, head_dims) -> str | None:
+def unsupported_reason(x, weight, bias, cos, sin, widths, head_dims, plain=()) -> str | None:
     """Why the Triton kernels cannot run these inputs, or None when they can."""
     if why := device_reason(x, weight, bias, cos, sin):
         return why
     dtypes = {x.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
     if len(dtypes) != 1 or x.dtype not in _DTYPES:
         return f"dtypes {sorted(map(str, dtypes))} (x, weight and bias must share one of fp16, bf16, fp32)"
-    if len(widths) > MAX_PIECES:
-        return f"{len(widths)} pieces (the kernel writes at most {MAX_PIECES} outputs)"
+    if len(widths) + len(plain) > MAX_PIECES:
+        also = f" and {len(plain)} plain outputs" if plain else ""
+        return f"{len(widths)} pieces{also} (the kernel writes at most {MAX_PIECES} outputs)"
     dims = {d for d in head_dims if d}
     if len(dims) > 1:
         return f"rotated pieces with different head dims {sorted(dims)} (the kernel takes one)"
@@ -133,14 +139,16 @@ def _aligned(widths, lay: dict) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _tile_table(widths: tuple, head_dims: tuple, tile_width: int) -> tuple[tuple[int, ...], int]:
+def _tile_table(widths: tuple, head_dims: tuple, tile_width: int, plain: tuple = ()) -> tuple[tuple[int, ...], int]:
     """Per column tile (flattened, 5 ints each): piece, first column in the piece, the piece's
-    first weight row, rotated (0/1), the piece's width. Tiles of a piece are tile_width wide (a
-    rotated piece's tiles start at head boundaries: tile_width is a whole number of heads)."""
+    first weight row, its flag (0 raw, 1 rotated, 2 + k rotated and also stored before the
+    rotation into output k: a plain output), the piece's width. Tiles of a piece are tile_width
+    wide (a rotated piece's tiles start at head boundaries: tile_width is a whole number of heads)."""
     table, row0 = [], 0
     for piece, (width, dim) in enumerate(zip(widths, head_dims)):
+        flag = 2 + len(widths) + plain.index(piece) if piece in plain else 1 if dim else 0
         for c0 in range(0, width, tile_width):
-            table += [piece, c0, row0, 1 if dim else 0, width]
+            table += [piece, c0, row0, flag, width]
         row0 += width
     return tuple(table), len(table) // 5
 
@@ -148,12 +156,12 @@ def _tile_table(widths: tuple, head_dims: tuple, tile_width: int) -> tuple[tuple
 _device_tables: dict = {}
 
 
-def _tiles_on(device, widths, head_dims, tile_width) -> tuple[torch.Tensor, int]:
+def _tiles_on(device, widths, head_dims, tile_width, plain=()) -> tuple[torch.Tensor, int]:
     """The tile table as an int32 tensor on `device`, made once per layout and device (no host
     to device copy, and no synchronization, on later calls)."""
-    key = (str(device), tuple(widths), tuple(head_dims), tile_width)
+    key = (str(device), tuple(widths), tuple(head_dims), tile_width, tuple(plain))
     if key not in _device_tables:
-        flat, count = _tile_table(tuple(widths), tuple(head_dims), tile_width)
+        flat, count = _tile_table(tuple(widths), tuple(head_dims), tile_width, tuple(plain))
         _device_tables[key] = (torch.tensor(flat, dtype=torch.int32, device=device), count)
     return _device_tables[key]
 
@@ -311,6 +319,7 @@ def fwd_kernel(
     JA: tl.constexpr, JP: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_TABLE: tl.constexpr, FULL: tl.constexpr, NOUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_PLAIN: tl.constexpr,
 ):  # fmt: skip
     mt, piece, c0, row0, rot_flag, width = _column_tile(TILES, NT, ALIGNED)
 
@@ -383,6 +392,14 @@ def fwd_kernel(
     tl.store(out + o_row + cb[None, :], out_b.to(O0.dtype.element_ty), mask=row_ok[:, None] & ok_b[None, :])
     if NP > 0:
         tl.store(out + o_row + cp[None, :], acc_p.to(O0.dtype.element_ty), mask=row_ok[:, None] & ok_p[None, :])
+    if HAS_PLAIN:
+        if rot_flag >= 2:  # the piece before its rotation, into its plain output (same columns)
+            plain = _piece_pointer(rot_flag - 2, O0, O1, O2, O3, O4, O5, O6, O7, NOUT)
+            tl.store(plain + o_row + ca[None, :], acc_a.to(O0.dtype.element_ty), mask=row_ok[:, None] & ok_a[None, :])
+            tl.store(plain + o_row + cb[None, :], acc_b.to(O0.dtype.element_ty), mask=row_ok[:, None] & ok_b[None, :])
+            if NP > 0:
+                tl.store(plain + o_row + cp[None, :], acc_p.to(O0.dtype.element_ty),
+                         mask=row_ok[:, None] & ok_p[None, :])
 
 
 @jit
@@ -391,7 +408,7 @@ def grad_kernel(
     M, N, S, NT, scb, scs, scf,
     D: tl.constexpr, R2: tl.constexpr, HT: tl.constexpr, NA: tl.constexpr, NP: tl.constexpr,
     JA: tl.constexpr, JP: tl.constexpr, HALF: tl.constexpr, HAS_TABLE: tl.constexpr, FULL: tl.constexpr,
-    NOUT: tl.constexpr, BM: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr,
+    NOUT: tl.constexpr, BM: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr, HAS_PLAIN: tl.constexpr,
 ):  # fmt: skip
     mt, piece, c0, row0, rot_flag, width = _column_tile(TILES, NT, ALIGNED)
     rows = mt * BM + tl.arange(0, BM)
@@ -417,6 +434,11 @@ def grad_kernel(
     else:
         da = ga
         db = gb
+    if HAS_PLAIN:  # the gradient of the piece's plain output joins, unrotated (flag 2 + its output)
+        plain_row = _piece_pointer(rot_flag - 2, G0, G1, G2, G3, G4, G5, G6, G7, NOUT) + rows_w[:, None] * width
+        if rot_flag >= 2:
+            da += tl.load(plain_row + ca[None, :], mask=a_mask, other=0.0).to(tl.float32)
+            db += tl.load(plain_row + cb[None, :], mask=b_mask, other=0.0).to(tl.float32)
     dy_row = DY + rows_w[:, None] * N + row0
     tl.store(dy_row + ca[None, :], da.to(DY.dtype.element_ty), mask=a_mask)
     tl.store(dy_row + cb[None, :], db.to(DY.dtype.element_ty), mask=b_mask)
@@ -424,6 +446,10 @@ def grad_kernel(
         cp, ok_p = _pass_columns(c0, rot_flag, width, D, R2, NA, NP, JP, ALIGNED)
         p_mask = row_ok[:, None] & ok_p[None, :]
         gp = tl.load(g_row + cp[None, :], mask=p_mask, other=0.0)
+        if HAS_PLAIN:
+            gp = gp.to(tl.float32)  # one type on both sides of the branch
+            if rot_flag >= 2:
+                gp += tl.load(plain_row + cp[None, :], mask=p_mask, other=0.0).to(tl.float32)
         tl.store(dy_row + cp[None, :], gp.to(DY.dtype.element_ty), mask=p_mask)
 
 
@@ -461,22 +487,24 @@ def _pad_outputs(tensors: list) -> list:
 
 
 def projection_rope_forward(x2, weight, bias, cos, sin, widths, head_dims, style: str, S: int,
-                            *, override: dict | None = None, full_tables: bool = False) -> list[torch.Tensor]:
-    """The pieces [M, widths[i]] (x2's dtype, contiguous); see the module docstring. S is the
-    sequence length (rows per batch) when a piece is rotated."""
-    why = unsupported_reason(x2, weight, bias, cos, sin, widths, head_dims)
+                            *, override: dict | None = None, full_tables: bool = False,
+                            plain=()) -> list[torch.Tensor]:
+    """The pieces [M, widths[i]] (x2's dtype, contiguous), then the plain outputs [M, widths[i]]
+    of the rotated pieces i in `plain`; see the module docstring. S is the sequence length (rows
+    per batch) when a piece is rotated."""
+    why = unsupported_reason(x2, weight, bias, cos, sin, widths, head_dims, plain)
     if why is not None:
         raise ValueError(f"projection_rope (triton): cannot run these inputs: {why}")
     M, K = x2.shape
     bias = bias.contiguous() if bias is not None else None  # the kernel reads it with stride 1
-    outs = [x2.new_empty((M, w)) for w in widths]
+    outs = [x2.new_empty((M, w)) for w in [*widths, *(widths[i] for i in plain)]]
     if M == 0:
         return outs
     rotated = any(head_dims)
     cos, sin, cos_b, sin_b, rot_half = _tables(cos, sin, style, full_tables) if rotated else (None,) * 4 + (0,)
     cfg = _config(x2.dtype, override)["fwd"]
     lay = _layout(widths, head_dims, rot_half, cfg.get("HT"))
-    table, NT = _tiles_on(x2.device, widths, head_dims, lay["TW"])
+    table, NT = _tiles_on(x2.device, widths, head_dims, lay["TW"], plain)
     scb, scs, scf = _table_strides(cos) if rotated else (0, 0, 0)
     launch = {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
     BM, BK = cfg["BM"], cfg["BK"]
@@ -486,18 +514,19 @@ def projection_rope_forward(x2, weight, bias, cos, sin, widths, head_dims, style
         M, K, max(S, 1), NT, *x2.stride(), *weight.stride(), scb, scs, scf,
         D=lay["D"], R2=lay["R2"], HT=lay["HT"], NA=lay["NA"], NP=lay["NP"], JA=lay["JA"], JP=lay["JP"],
         HALF=style == "half", HAS_BIAS=bias is not None, HAS_TABLE=rotated, FULL=rotated and full_tables,
-        NOUT=len(widths), BM=BM, BK=BK,
+        NOUT=len(outs), BM=BM, BK=BK,
         EVEN_K=K % BK == 0, WIDE=M * max(widths) >= 2**31, ALIGNED=lay["ALIGNED"],
         PREC="ieee" if x2.dtype == torch.float32 else "tf32",
-        UPCAST=upcast_dots(x2.dtype), **launch,
+        UPCAST=upcast_dots(x2.dtype), HAS_PLAIN=bool(plain), **launch,
     )  # fmt: skip
     return outs
 
 
 def projection_rope_grad(grads, cos, sin, widths, head_dims, style: str, S: int,
-                         *, override: dict | None = None, full_tables: bool = False) -> torch.Tensor:
+                         *, override: dict | None = None, full_tables: bool = False, plain=()) -> torch.Tensor:
     """dy [M, N] (the pieces' dtype): the gradient of the projection before the rotation, from the
-    pieces' gradients grads[i] [M, widths[i]] (any row stride; columns contiguous)."""
+    pieces' gradients grads[i] [M, widths[i]] (any row stride; columns contiguous), then those of
+    the plain outputs of the pieces in `plain`."""
     grads = [g if g.stride(-1) == 1 and g.stride(0) == g.shape[1] else g.contiguous() for g in grads]
     M = grads[0].shape[0]
     N = sum(widths)
@@ -508,7 +537,7 @@ def projection_rope_grad(grads, cos, sin, widths, head_dims, style: str, S: int,
     cos, sin, cos_b, sin_b, rot_half = _tables(cos, sin, style, full_tables) if rotated else (None,) * 4 + (0,)
     cfg = _config(grads[0].dtype, override)
     lay = _layout(widths, head_dims, rot_half, cfg["fwd"].get("HT"))
-    table, NT = _tiles_on(dy.device, widths, head_dims, lay["TW"])
+    table, NT = _tiles_on(dy.device, widths, head_dims, lay["TW"], plain)
     scb, scs, scf = _table_strides(cos) if rotated else (0, 0, 0)
     BM = cfg["bwd"]["BM"]
     launch = {k: v for k, v in cfg["bwd"].items() if k in ("num_warps", "num_stages")}
@@ -516,7 +545,7 @@ def projection_rope_grad(grads, cos, sin, widths, head_dims, style: str, S: int,
         *_pad_outputs(grads), dy, *((cos, sin, cos_b, sin_b) if rotated else (dy,) * 4), table,
         M, N, max(S, 1), NT, scb, scs, scf,
         D=lay["D"], R2=lay["R2"], HT=lay["HT"], NA=lay["NA"], NP=lay["NP"], JA=lay["JA"], JP=lay["JP"],
-        HALF=style == "half", HAS_TABLE=rotated, FULL=rotated and full_tables, NOUT=len(widths), BM=BM, WIDE=M * N >= 2**31, ALIGNED=lay["ALIGNED"],
-        **launch,
+        HALF=style == "half", HAS_TABLE=rotated, FULL=rotated and full_tables, NOUT=len(grads), BM=BM, WIDE=M * N >= 2**31, ALIGNED=lay["ALIGNED"],
+        HAS_PLAIN=bool(plain), **launch,
     )  # fmt: skip
     return dy
