@@ -45,7 +45,14 @@ multiples of d, documents starting on block boundaries and just off them, two lo
 random packings, and a document per token, each batch row packed differently. The probes are
 valid positions (0 at each document start, +1 per token): masks that differ only on invalid pos
 are accepted (the model checks pos, `check_positions`); for instance, the term that keeps a slot
-inside its document is implied by the other two on valid positions.
+inside its document is implied by the other two on valid positions. The packed masks are
+[B, 1, S, Tc], about S^2 per batch row: they are evaluated in row chunks of CHUNK_ELEMENTS
+(nsa_compile/mask_rows.py: every element, O(rows * Tc) memory), which needs their [S, Tc] nodes
+to be row-local (element-wise ops, fills, leading-dim views, reductions over the slots with
+keepdim); masks that are not (a transpose, `visible.any(-1)[..., None]`) are evaluated whole, up
+to MAX_VERIFIED_ELEMENTS. The reasons name what the whole masks would show first, whatever the
+chunks. Up to B * S * Tc = MAX_VERIFIED_PACKED (2^35) elements per probe; one verdict per mask
+structure and graph serves every layer, and select_blocks, which checks the masks it reads again.
 
 Becomes `o, lse = torch.ops.nsa.compressed_attention(q, k_cmp^T, v_cmp^T, l, d, c, backend)` on
 the un-repeated pooled K/V [B, G, Tc, D] (nsa_compile/ops/compressed.py), with the positions as
@@ -67,7 +74,8 @@ Refuses (graph unchanged), with the reason shown by `explain`:
   or final mask that ignores the documents); positions with keys pooled at a stride other than 1;
 - a pooling without a readable (l, d), one that mixes blocks or reads other sequence data, K and
   V pooled with different (l, d), or over a sequence that is not the queries';
-- a verification larger than the cap;
+- a verification larger than the cap (MAX_VERIFIED_ELEMENTS for masks evaluated whole; packed
+  masks in chunks: B * S * Tc over MAX_VERIFIED_PACKED);
 - symbolic sizes (dynamic shapes): a branch that differs from NSA's at one of the probe sizes
   (`Sizes.probes`: the sizes Dynamo saw, then every symbol +1 and +19; the reason names them) or
   whose (l, d) is not the same at all of them; packed documents (pos) at symbolic sizes (verified
@@ -85,9 +93,11 @@ SymInts each one number: a model that reads a length as a value) is evaluated as
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import math
 import operator
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +109,7 @@ from nsa_compile.attention_match import (
     Refused, ancestors, erase_replaced, evaluate_node, only_user, strip_upcast, unrepeat,
 )
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.mask_rows import CHUNK_ELEMENTS, RowChunks
 from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.ops.compressed import choose_backend, why_not_triton
 from nsa_compile.rewrite import PassContext, RewritePass
@@ -108,6 +119,10 @@ from nsa_compile.sizes import Sizes
 # nodes that materialize a tensor) are not verified. The -inf mask alone is S * Tc ~ S^2 / d
 # elements: 2.7e8 at S = 64k, d = 16, so the cap covers the paper's lengths.
 MAX_VERIFIED_ELEMENTS = 2**31
+# Packed masks (a slot per token: S * Tc ~ S^2 per batch row) are evaluated in row chunks of
+# CHUNK_ELEMENTS, on 8 probes: up to this many elements per probe (B * S * Tc), the window pass's
+# bound, batch 8 at S = 64k or batch 2 at S = 128k.
+MAX_VERIFIED_PACKED = 2**35
 KERNEL = "nsa.compressed_attention[{backend}] (l={block}, d={stride}{packed}, GQA-native, no repeated K/V{why})"
 
 # Ops that return a view (no new elements) when the position subgraphs are evaluated.
@@ -249,7 +264,11 @@ class PositionSubgraphs:
             self._probes[key] = position_probes(B, S, block, stride, device)
         return self._probes[key]
 
-    def evaluate(self, root: fx.Node, what: str, inputs: dict | None = None, probe: str = "") -> torch.Tensor:
+    def plan(self, root: fx.Node, what: str, inputs: dict | None = None, probe: str = "") -> tuple[list, str]:
+        """(the nodes of root's position subgraph in post-order, with the `inputs` and size nodes
+        it reads as leaves; the text that keys it: each op with its arguments, the inputs by
+        `probe` name and shape, the sizes as numbers), or Refused where it reads data or draws
+        random numbers."""
         inputs = inputs or {}
         nodes, index, stack = [], {}, [(root, False)]
         while stack:  # post-order: inputs before users
@@ -284,11 +303,21 @@ class PositionSubgraphs:
                    for x in torch.utils._pytree.tree_leaves(args)):
                 raise Refused(f"the {what} reads a symbolic size that is no node of the graph: not verified")
             ops.append((node.op, node.target, args))
-        key = repr(ops)
+        return nodes, repr(ops)
+
+    def cost(self, nodes: list[fx.Node], inputs: dict) -> int:
+        """Elements the evaluation of `nodes` materializes (views aside)."""
+        return sum(math.prod(self.shape(value(n))) for n in nodes
+                   if n not in inputs and value(n) is not None and op_name(n) not in _VIEWS)
+
+    def evaluate(self, root: fx.Node, what: str, inputs: dict | None = None, probe: str = "") -> torch.Tensor:
+        """root's value with `inputs` (a node -> the tensor it stands for, named by `probe`) and
+        the sizes as numbers, whole: Refused over MAX_VERIFIED_ELEMENTS."""
+        inputs = inputs or {}
+        nodes, key = self.plan(root, what, inputs, probe)
         if key in self.cache:
             return self.cache[key]
-        cost = sum(math.prod(self.shape(value(n))) for n in nodes
-                   if n not in inputs and value(n) is not None and op_name(n) not in _VIEWS)
+        cost = self.cost(nodes, inputs)
         if cost > MAX_VERIFIED_ELEMENTS:
             raise Refused(f"verifying the {what} takes {cost:,} elements, over the cap of "
                           f"{MAX_VERIFIED_ELEMENTS:,}: not verified at this size yet")
@@ -839,49 +868,65 @@ def verify_probabilities(probs: Probabilities, pooling: Pooling, subgraphs: Posi
 
 def check_row_masks(probs: Probabilities, grid, visible: torch.Tensor, empty_rows: str, on: str = "") -> None:
     """Refused unless the has_block zeroing hits exactly the rows without a visible block and the
-    final mask keeps every visible block and clears those rows. visible [B or 1, S, Tc];
-    grid(node, what) evaluates a mask node as [B or 1, S, Tc]; `empty_rows` names the rows, `on`
+    final mask keeps every visible block and clears those rows (`row_mask_failures`)."""
+    failures = row_mask_failures(probs, grid, visible, empty_rows, on)
+    if failures:
+        raise Refused(failures[min(failures)])
+
+
+def row_mask_failures(probs: Probabilities, grid, visible: torch.Tensor, empty_rows: str, on: str = "") -> dict:
+    """How the has_block zeroing and the final mask fail on these rows: {rank: reason}, the lowest
+    rank the reason to give (the rows may be a chunk: merged over the chunks, the lowest rank is
+    the reason the whole would give). visible [B or 1, rows, Tc]; grid(node, what) evaluates a
+    mask node as [B or 1, rows, Tc]; `empty_rows` names the rows without a visible block, `on`
     the probe (appended to the reasons)."""
-    empty = ~visible.any(-1)  # [B or 1, S]: rows without a visible block
+    failures = {}
+    empty = ~visible.any(-1)  # [B or 1, rows]: rows without a visible block
     has_empty = bool(empty.any())
     if "zero" not in probs.masks:
         if has_empty:
-            raise Refused(f"the {empty_rows} are not zeroed before the softmax (scores.masked_fill(~has_block, "
-                          f"0.0)): eager gives NaN there, the op 0{on}")
+            failures[0] = (f"the {empty_rows} are not zeroed before the softmax (scores.masked_fill(~has_block, "
+                           f"0.0)): eager gives NaN there, the op 0{on}")
     else:
         mask, sense = probs.masks["zero"]
         zero = grid(mask, "has_block mask")
         if zero.dtype != torch.bool:
-            raise Refused(f"the has_block mask is {zero.dtype}, not bool")
-        # rows the zeroing touches (reduced first: zero is often a broadcast [.., S, 1] column)
-        zeroed = zero.any(-1) if sense else ~zero.all(-1)  # [B or 1, S]
-        if bool((zeroed & ~empty).any()):
-            raise Refused("the zeroing before the softmax also hits rows that see a block (it must hit exactly "
-                          f"the rows without one){on}")
-        if bool((empty & ~zeroed).any()):
-            raise Refused(f"the zeroing before the softmax misses rows without a visible block (eager gives NaN "
-                          f"there){on}")
+            failures[1] = f"the has_block mask is {zero.dtype}, not bool"
+        else:
+            # rows the zeroing touches (reduced first: zero is often a broadcast [.., S, 1] column)
+            zeroed = zero.any(-1) if sense else ~zero.all(-1)  # [B or 1, rows]
+            if bool((zeroed & ~empty).any()):
+                failures[2] = ("the zeroing before the softmax also hits rows that see a block (it must hit exactly "
+                               f"the rows without one){on}")
+            if bool((empty & ~zeroed).any()):
+                failures[3] = (f"the zeroing before the softmax misses rows without a visible block (eager gives NaN "
+                               f"there){on}")
     if "final" not in probs.masks:
         if has_empty:
-            raise Refused("the probabilities are not multiplied by the visibility mask after the softmax: rows "
-                          f"without a visible block get 1/Tc each in eager code, 0 from the op{on}")
-        return
+            failures[4] = ("the probabilities are not multiplied by the visibility mask after the softmax: rows "
+                           f"without a visible block get 1/Tc each in eager code, 0 from the op{on}")
+        return failures
     mask, sense = probs.masks["final"]
     kept = grid(mask, "mask after the softmax")
+    if kept.dtype == torch.bool and sense is not True and torch.equal(kept, visible):
+        return failures  # the visibility mask itself (the usual case): it keeps what it must, and only that
     if sense is None:  # p = softmax * mask: a bool mask, or a float one of zeros and ones
         if kept.is_floating_point() and bool(((kept == 0) | (kept == 1)).all()):
             kept = kept == 1
         elif kept.dtype != torch.bool:
-            raise Refused("the probabilities are multiplied by something other than a 0/1 mask after the softmax")
+            failures[5] = "the probabilities are multiplied by something other than a 0/1 mask after the softmax"
+            return failures
     elif kept.dtype != torch.bool:
-        raise Refused(f"the mask after the softmax is {kept.dtype}, not bool")
+        failures[5] = f"the mask after the softmax is {kept.dtype}, not bool"
+        return failures
     else:
         kept = ~kept if sense else kept
     if bool((visible & ~kept).any()):
-        raise Refused(f"the mask after the softmax clears visible blocks{on}")
+        failures[6] = f"the mask after the softmax clears visible blocks{on}"
     if bool((kept.any(-1) & empty).any()):
-        raise Refused("the mask after the softmax keeps rows without a visible block (eager gives them 1/Tc each, "
-                      f"the op 0){on}")
+        failures[7] = ("the mask after the softmax keeps rows without a visible block (eager gives them 1/Tc each, "
+                       f"the op 0){on}")
+    return failures
 
 
 # --- packed documents: positions, probes, the packed visibility ---------------------------------
@@ -953,43 +998,54 @@ def position_probes(B: int, S: int, block: int, stride: int, device) -> list[tup
     return [(name, pos.to(device)) for name, pos in probes]
 
 
-def packed_visibility(pos: torch.Tensor, Tc: int, block: int, stride: int) -> torch.Tensor:
-    """[B, S, Tc] bool: NSA's packed visibility (models/nsa.py): slot s, the block of `block`
-    tokens from token s, is visible to query t iff it lies in t's past, starts in t's document,
-    starts at a multiple of `stride` within its document and lies in that document."""
+def packed_visibility(pos: torch.Tensor, Tc: int, block: int, stride: int, r0: int = 0,
+                      r1: int | None = None) -> torch.Tensor:
+    """[B, r1 - r0, Tc] bool (all S rows by default): NSA's packed visibility (models/nsa.py) for
+    the queries r0..r1: slot s, the block of `block` tokens from token s, is visible to query t
+    iff it lies in t's past, starts in t's document, starts at a multiple of `stride` within its
+    document and lies in that document."""
     S = pos.shape[1]
-    t = torch.arange(S, device=pos.device)[:, None]
+    r1 = S if r1 is None else r1
+    t = torch.arange(r0, r1, device=pos.device)[:, None]
     s = torch.arange(Tc, device=pos.device)[None, :]
     start = pos[:, :Tc]
     in_one_document = pos[:, block - 1 : block - 1 + Tc] == start + block - 1
     is_block = (start % stride == 0) & in_one_document  # [B, Tc]
-    return (s + block - 1 <= t) & (s >= t - pos[:, :, None]) & is_block[:, None, :]
+    return (s + block - 1 <= t) & (s >= t - pos[:, r0:r1, None]) & is_block[:, None, :]
+
+
+def grid_shape(shape: tuple, B: int, rows: int, cols: int, what: str) -> tuple:
+    """A mask's shape as [B or 1, 1, rows or 1, cols or 1] (it broadcasts against the [B, H, S, Tc]
+    scores), or Refused where it differs between heads or does not broadcast to [B, S, Tc]."""
+    if len(shape) > 4:
+        raise Refused(f"the {what} is {shape}: more dims than the [B, H, S, Tc] scores")
+    full = (1,) * (4 - len(shape)) + tuple(shape)
+    if full[1] != 1:
+        raise Refused(f"the {what} is {shape}: not one [S, Tc] pattern for all heads")
+    if any(n not in (1, want) for n, want in zip(full[::2] + full[3:], (B, rows, cols))):
+        raise Refused(f"the {what} {shape} does not broadcast to [B, S, Tc] = {(B, rows, cols)}")
+    return full
 
 
 def batched_grid(mask: torch.Tensor, B: int, rows: int, cols: int, what: str) -> torch.Tensor:
     """A mask of the [B, H, S, Tc] scores as [B, rows, cols]: one pattern for all heads (it may
     differ per batch row)."""
-    if mask.dim() > 4:
-        raise Refused(f"the {what} is {tuple(mask.shape)}: more dims than the [B, H, S, Tc] scores")
-    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
-    if shape[1] != 1:
-        raise Refused(f"the {what} is {tuple(mask.shape)}: not one [S, Tc] pattern for all heads")
-    try:
-        return torch.broadcast_to(mask.reshape(shape)[:, 0], (B, rows, cols))
-    except RuntimeError:
-        raise Refused(f"the {what} {tuple(mask.shape)} does not broadcast to [B, S, Tc] = {(B, rows, cols)}") from None
+    full = grid_shape(tuple(mask.shape), B, rows, cols, what)
+    return torch.broadcast_to(mask.reshape(full)[:, 0], (B, rows, cols))
 
 
 def packed_reason(keep: torch.Tensor, want: torch.Tensor, pos: torch.Tensor, block: int, stride: int,
-                  probe: str) -> str:
-    """Why the -inf mask `keep` [B, S, Tc] is not the packed visibility `want` on the probe `pos`:
-    the first query that sees a slot it must not (and which term that breaks), or hides one."""
+                  probe: str, r0: int = 0) -> str:
+    """Why the -inf mask `keep` [B, rows, Tc] (the queries from r0 on) is not the packed visibility
+    `want` on the probe `pos`: the first query that sees a slot it must not (and which term that
+    breaks), or hides one."""
     l, d = block, stride
     head = (f"the visibility mask is not the packed one for (l={l}, d={d}) on probe positions '{probe}' "
             f"(documents: {pos_summary(pos)})")
     extra = keep & ~want
     if bool(extra.any()):
-        b, t, s = (int(x) for x in extra.nonzero()[0])
+        b, row, s = (int(x) for x in extra.nonzero()[0])
+        t = r0 + row
         start, slot_pos = t - int(pos[b, t]), int(pos[b, s])
         if s + l - 1 > t:
             why = f"its last token {s + l - 1} comes after t (a later token leaks in)"
@@ -1001,8 +1057,8 @@ def packed_reason(keep: torch.Tensor, want: torch.Tensor, pos: torch.Tensor, blo
             why = (f"it starts at position {slot_pos} of its document, not a multiple of d = {d} (blocks counted "
                    "from the row start, not the document start?)")
         return f"{head}: query t={t} of batch row {b} sees slot s={s}, but {why}"
-    b, t, s = (int(x) for x in (want & ~keep).nonzero()[0])
-    return (f"{head}: query t={t} of batch row {b} hides slot s={s}, a block of its own document (position "
+    b, row, s = (int(x) for x in (want & ~keep).nonzero()[0])
+    return (f"{head}: query t={r0 + row} of batch row {b} hides slot s={s}, a block of its own document (position "
             f"{int(pos[b, s])}) that lies in its past")
 
 
@@ -1014,11 +1070,11 @@ def pos_summary(pos: torch.Tensor) -> str:
 
 
 def stride_from_one_document(keep: torch.Tensor, block: int) -> int:
-    """d, read from the -inf mask on one document per row ([B, S, Tc] on pos = 0..S-1): the last
-    query sees slots 0, d, 2d, ...; with one slot only (S - l < d), S - l + 1 (= Tc), since every
-    d > S - l gives the same mask."""
-    _, S, Tc = keep.shape
-    slots = keep[0, S - 1].nonzero().flatten().tolist()
+    """d, read from the -inf mask on one document per row ([B, rows, Tc] on pos = 0..S-1, the last
+    row the last query's): the last query sees slots 0, d, 2d, ...; with one slot only (S - l < d),
+    S - l + 1 (= Tc), since every d > S - l gives the same mask."""
+    Tc = keep.shape[-1]
+    slots = keep[0, -1].nonzero().flatten().tolist()
     if not slots or slots[0] != 0:
         raise Refused(f"on one document (pos = 0..S-1) the last query does not see slot 0, the document's first "
                       f"block (it sees slots {slots[:6]}{'...' * (len(slots) > 6)}): not the packed visibility mask")
@@ -1027,6 +1083,12 @@ def stride_from_one_document(keep: torch.Tensor, block: int) -> int:
         raise Refused(f"on one document (pos = 0..S-1) the last query sees slots {slots[:6]}{'...' * (len(slots) > 6)}"
                       ": not every d-th slot from the document start")
     return d
+
+
+# The verdicts of packed masks, per graph: (their structure, l, device) -> d, or the refusal. The
+# layers of a model share one check, and so do this pass and select_blocks (which verifies the
+# compressed masks it reads again).
+_PACKED_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def verify_packed(probs: Probabilities, pooling: Pooling, subgraphs: PositionSubgraphs, pos: fx.Node) -> Visibility:
@@ -1039,42 +1101,112 @@ def verify_packed(probs: Probabilities, pooling: Pooling, subgraphs: PositionSub
                       f"{pooling.stride}: the packed form pools a slot at every token (x.unfold(1, l, 1))")
     if Tc != S - l + 1:
         raise Refused(f"the packed keys hold {Tc} slots, not one per token (S - l + 1 = {S - l + 1})")
-    one = torch.arange(S, device=value(pos).device).expand(B, S)
-    d = stride_from_one_document(packed_keep(probs, subgraphs, pos, "one document", one), l)
-    verify_packed_probabilities(probs, l, d, pos, subgraphs)
-    return Visibility(l, d, pos)
+    if B * S * Tc > MAX_VERIFIED_PACKED:
+        raise Refused(f"B * S * Tc = {B * S * Tc:,} mask elements per probe, over the cap of {MAX_VERIFIED_PACKED:,}: "
+                      "the packed masks are not verified at this size yet")
+    fake = {pos: value(pos)}
+    structure = [(name, sense, subgraphs.plan(mask, MASK_NAMES[name], fake)[1])
+                 for name, (mask, sense) in probs.masks.items()]
+    key = (repr(structure), l, str(value(pos).device))
+    verdicts = _PACKED_VERDICTS.setdefault(probs.softmax.graph, {})
+    if key not in verdicts:
+        try:
+            one = torch.arange(S, device=value(pos).device).expand(B, S)
+            last_row = packed_rows(probs, subgraphs, pos, "one document", one)(S - 1, S)
+            d = stride_from_one_document(kept_slots(probs, last_row, Tc), l)
+            verify_packed_probabilities(probs, l, d, pos, subgraphs)
+            verdicts[key] = d
+        except Refused as why:
+            verdicts[key] = str(why)
+    if isinstance(verdicts[key], str):
+        raise Refused(verdicts[key])
+    return Visibility(l, verdicts[key], pos)
 
 
-def packed_keep(probs: Probabilities, subgraphs: PositionSubgraphs, pos: fx.Node, probe: str,
-                positions: torch.Tensor) -> torch.Tensor:
-    """The slots the -inf mask keeps, [B, S, Tc] bool, with `positions` in place of pos."""
+MASK_NAMES = {"inf": "visibility mask", "zero": "has_block mask", "final": "mask after the softmax"}
+
+
+def packed_rows(probs: Probabilities, subgraphs: PositionSubgraphs, pos: fx.Node, probe: str,
+                positions: torch.Tensor):
+    """(r0, r1) -> {mask node: its rows r0..r1 as [B, r1 - r0, Tc]} for the masks of `probs`, with
+    `positions` [B, S] in place of pos: evaluated in row chunks (nsa_compile/mask_rows.py, O(rows
+    * Tc) memory). Masks with a node that is not row-local (a transpose, a reduction over the
+    rows) are evaluated whole instead, up to MAX_VERIFIED_ELEMENTS."""
     B, _, S, Tc = probs.shape
+    masks = {mask: MASK_NAMES[name] for name, (mask, _) in probs.masks.items()}
+    for mask, what in masks.items():
+        if value(mask) is None:
+            raise Refused(f"the {what} {mask.name} has no traced value (cannot verify it)")
+        grid_shape(subgraphs.shape(value(mask)), B, S, Tc, what)
+    try:
+        chunks = RowChunks(list(masks), S, Tc, (pos, positions), subgraphs.sizes, "visibility mask", "[S, Tc]")
+    except Refused as why:
+        for mask, what in masks.items():
+            cost = subgraphs.cost(subgraphs.plan(mask, what, {pos: positions}, probe)[0], {pos: positions})
+            if cost > MAX_VERIFIED_ELEMENTS:
+                raise Refused(f"{why}, and evaluating the {what} whole takes {cost:,} elements, over the cap of "
+                              f"{MAX_VERIFIED_ELEMENTS:,}: not verified at this size") from None
+        whole = {mask: batched_grid(subgraphs.evaluate(mask, what, {pos: positions}, probe), B, S, Tc, what)
+                 for mask, what in masks.items()}
+        return lambda r0, r1: {mask: grid[:, r0:r1] for mask, grid in whole.items()}
+    return lambda r0, r1: dict(zip(masks, chunks(r0, r1)))
+
+
+def kept_slots(probs: Probabilities, rows: dict, Tc: int) -> torch.Tensor:
+    """The slots the -inf mask keeps, [B, rows, Tc] bool, from the masks' rows (`packed_rows`)."""
     mask, sense = probs.masks["inf"]
-    filled = batched_grid(subgraphs.evaluate(mask, "visibility mask", {pos: positions}, probe), B, S, Tc,
-                          "visibility mask")
+    filled = rows[mask]
     if filled.dtype != torch.bool:
         raise Refused(f"the visibility mask is {filled.dtype}, not bool")
-    return ~filled if sense else filled
+    return (~filled if sense else filled).expand(*filled.shape[:-1], Tc)
 
 
 def verify_packed_probabilities(probs: Probabilities, block: int, stride: int, pos: fx.Node,
                                 subgraphs: PositionSubgraphs) -> None:
     """Refused unless the three masks of `probs`, evaluated with each probe of `position_probes` in
     place of the positions node `pos`, are NSA's packed visibility for (block, stride) with its
-    zeroing and final mask (a check on probes; the module docstring lists them)."""
+    zeroing and final mask (a check on probes; the module docstring lists them), every element,
+    CHUNK_ELEMENTS at a time. The reasons are those the whole [B, S, Tc] masks would give."""
     B, _, S, Tc = probs.shape
     l, d = block, stride
     empty_rows = f"rows without a visible slot (documents shorter than l = {l}, the first {l - 1} tokens of each)"
+    step = max(1, CHUNK_ELEMENTS // (B * Tc))
     for probe, positions in subgraphs.probes(B, S, l, d, value(pos).device):
-        keep = packed_keep(probs, subgraphs, pos, probe, positions)
-        want = packed_visibility(positions, Tc, l, d)
-        if not torch.equal(keep, want):
-            raise Refused(packed_reason(keep, want, positions, l, d, probe))
+        rows_of = packed_rows(probs, subgraphs, pos, probe, positions)
+        failures = {}
+        for r0 in range(0, S, step):
+            r1 = min(S, r0 + step)
+            rows = rows_of(r0, r1)
+            keep = kept_slots(probs, rows, Tc)
+            if not torch.equal(keep, packed_visibility(positions, Tc, l, d, r0, r1)):
+                raise Refused(packed_difference(probs, rows_of, positions, l, d, probe, r0, step))
+            found = row_mask_failures(probs, lambda node, what, rows=rows: rows[node], keep, empty_rows,
+                                      f" (on probe positions '{probe}')")
+            failures = {**found, **failures}  # the first chunk's reason of each rank
+        if failures:
+            raise Refused(failures[min(failures)])
 
-        def grid(node: fx.Node, what: str, probe=probe, positions=positions) -> torch.Tensor:
-            return batched_grid(subgraphs.evaluate(node, what, {pos: positions}, probe), B, S, Tc, what)
 
-        check_row_masks(probs, grid, want, empty_rows, f" (on probe positions '{probe}')")
+def packed_difference(probs: Probabilities, rows_of, positions: torch.Tensor, block: int, stride: int, probe: str,
+                      r0: int, step: int) -> str:
+    """`packed_reason` for the whole probe, read in row chunks from r0 (the first chunk whose -inf
+    mask differs from the packed visibility): the first query, batch row first, that sees a slot
+    it must not, else the first that hides one, as the whole [B, S, Tc] comparison names it."""
+    B, _, S, Tc = probs.shape
+    first = {}  # "sees" / "hides" -> (b, t): the first such query, batch row first
+    for start in range(r0, S, step):
+        end = min(S, start + step)
+        keep = kept_slots(probs, rows_of(start, end), Tc)
+        want = packed_visibility(positions, Tc, block, stride, start, end)
+        for kind, wrong in (("sees", keep & ~want), ("hides", want & ~keep)):
+            rows = wrong.any(-1)  # [B, end - start]
+            for b in rows.any(-1).nonzero().flatten().tolist():
+                found = (b, start + int(rows[b].nonzero()[0]))
+                first[kind] = min(first.get(kind, found), found)
+    _, t = first.get("sees", first.get("hides"))
+    keep = kept_slots(probs, rows_of(t, t + 1), Tc)
+    return packed_reason(keep, packed_visibility(positions, Tc, block, stride, t, t + 1), positions, block, stride,
+                         probe, t)
 
 
 def verify_branch(probs: Probabilities, v: fx.Node | None, data: set, subgraphs: PositionSubgraphs) -> Visibility:
@@ -1150,6 +1282,9 @@ def output_product(probs: Probabilities) -> tuple[fx.Node, fx.Node | None, fx.No
 class CompressedAttention(RewritePass):
     name = "compressed_attention"
     summary = "pooled-block attention under the staircase mask -> nsa.compressed_attention, no repeated K/V"
+
+    def source_files(self) -> tuple[str, ...]:
+        return super().source_files() + (inspect.getfile(RowChunks),)  # the row-chunk evaluation of the masks
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         subgraphs, data = PositionSubgraphs(Sizes.of(graph)), data_nodes(graph)

@@ -35,8 +35,8 @@ guard S <= it (window_at_probe_sizes). Packed positions at symbolic sizes are re
 
 Becomes `torch.ops.nsa.window_attention(q, k, v, w, c, backend[, pos])[0]` on the un-repeated
 K/V: no [S, S] scores, no K/V copy (nsa_compile/ops/window.py). The backend is chosen here, from
-the fake tensors, and written into the graph: `triton` (this project's window kernels) on CUDA in
-fp16/bf16 without packed documents, else `flash` (FA-2 with a window; with pos its varlen form,
+the fake tensors, and written into the graph: `triton` (this project's window kernels, packed
+documents too) on CUDA in fp16/bf16, else `flash` (FA-2 with a window; with pos its varlen form,
 one sequence per document, at one host sync per call) on CUDA in fp16/bf16 with equal head dims
 <= 256, else `reference` (memory-bounded PyTorch, exact); `explain` shows which and why not the
 ones before it.
@@ -55,7 +55,7 @@ Refuses (graph unchanged), with the reason shown by `explain`:
 
 from __future__ import annotations
 
-import math
+import inspect
 import operator
 
 import torch
@@ -66,6 +66,7 @@ import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.ops.window import WINDOW, choose_backend
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, keep_mask, only_user, strip_upcast, unrepeat
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.mask_rows import CHUNK_ELEMENTS, RowChunks, mask_nodes, real_device
 from nsa_compile.rewrite import PassContext, RewritePass
 from nsa_compile.sizes import Sizes
 
@@ -103,22 +104,6 @@ def split_scale(node: fx.Node) -> tuple[fx.Node, float]:
     return node, 1.0
 
 
-# Ops that act element by element (with broadcasting): rows r0..r1 of their output are the op
-# applied to rows r0..r1 of their [.., S, S] inputs. Only these may produce an [S, S] tensor in a
-# mask that is evaluated in row chunks (plus constant creation, tril/triu, leading-dim views).
-POINTWISE = {
-    "add", "sub", "rsub", "mul", "neg", "abs", "floordiv", "floor_divide", "remainder", "mod",
-    "lt", "le", "gt", "ge", "eq", "ne", "and_", "or_", "xor", "invert", "logical_and", "logical_or",
-    "logical_not", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor",
-    "__and__", "__or__", "__xor__", "__invert__", "where", "to", "bool", "int", "long", "clamp",
-    "clamp_min", "clamp_max", "minimum", "maximum", "masked_fill", "float", "double", "half", "bfloat16",
-    # the same as tensor methods: PyTorch 2.11's Dynamo records `a == b` on tensors as a.__eq__(b)
-    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__add__", "__radd__", "__sub__", "__rsub__",
-    "__mul__", "__rmul__", "__neg__", "__floordiv__", "__mod__",
-}
-CREATIONS = {"ones": 1, "zeros": 0, "full": None, "ones_like": 1, "zeros_like": 0, "full_like": None}
-BANDS = ("tril", "triu")
-CHUNK_ELEMENTS = 2**24  # elements of one row chunk of the mask (rows = CHUNK_ELEMENTS // S)
 MAX_VERIFIED_S = 131072  # S * S = 2^34 mask elements, in chunks, on the device of the mask's code
 # A packed mask is checked on 4 probes of B * S * S elements each (plus the row that gives w):
 # 2^35 is batch 2 at S = 128k or batch 8 at S = 64k, a few seconds of chunks on a GPU per model
@@ -126,148 +111,19 @@ MAX_VERIFIED_S = 131072  # S * S = 2^34 mask elements, in chunks, on the device 
 MAX_VERIFIED_PACKED = 2**35
 
 
-def mask_nodes(mask: fx.Node, leaf: fx.Node | None = None, known=()) -> list[fx.Node]:
-    """The mask's subgraph in graph order (not walking into `leaf`, the packed form's positions,
-    nor into the `known` nodes: sizes, given as numbers); Refused if it reads anything else but
-    positions."""
-    order, seen, stack = [], set(), [mask]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node is leaf or node in known:
-            continue
-        if node.op not in ("call_function", "call_method"):
-            raise Refused(f"the mask depends on {node.op} {node.name} (data, not positions)")
-        order.append(node)
-        stack.extend(node.all_input_nodes)
-    index = {n: i for i, n in enumerate(mask.graph.nodes)}
-    return sorted(order, key=index.__getitem__)
-
-
-def _run(node: fx.Node, args, kwargs):
-    if any(isinstance(x, torch.SymInt) for x in torch.utils._pytree.tree_leaves((args, kwargs))):
-        raise Refused("the mask has symbolic sizes (dynamic shapes): not verified")
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    return node.target(*args, **kwargs)
-
-
-def _is_square(shape, S: int, batch: int = 1) -> bool:
-    """[..., S, S] with leading dims of 1, except (packed masks, batch > 1) one of the batch size."""
-    lead = [d for d in shape[:-2] if d != 1]
-    return len(shape) >= 2 and tuple(shape[-2:]) == (S, S) and (not lead or (batch > 1 and lead == [batch]))
-
-
 def mask_rows(mask: fx.Node, S: int, positions: tuple[fx.Node, torch.Tensor] | None = None,
               sizes: Sizes | None = None):
-    """A function (r0, r1) -> rows r0..r1 of the mask as an [r1 - r0, S] tensor, computed for real.
-
-    The mask is evaluated in row chunks so that verifying it costs O(rows * S) memory at any S,
-    yet every element is computed (a proof for this S, not a sample). Nodes whose value is small
-    (aranges, [S, 1] and [1, S] position vectors) are computed once, whole; a node that makes an
-    [S, S] tensor must be chunkable: an element-wise op (POINTWISE), a constant fill, tril/triu
-    (rows r0.. of tril(x, d) are tril(rows, d + r0)) or a view that only adds or drops leading
-    size-1 dims. Anything else is refused with its name.
-
-    A packed mask reads positions: `positions` = (leaf, probe) takes the node `leaf` to be the
-    tensor `probe` [B, S]. Its nodes may then carry the batch: a small node up to 4 * B * S
-    elements, an [S, S] node one leading dim of B; the rows come as [B, r1 - r0, S].
-
-    A graph with symbolic sizes is evaluated under `sizes` (one number per size symbol: S must
-    be the number it gives the mask's size); its size nodes (s27, s27 // 4) enter as numbers.
-    """
-    leaf, probe = positions or (None, None)
-    batch = 1 if probe is None else probe.shape[0]
-    sizes = sizes or Sizes.of(mask.graph)
-    numbers = sizes.size_nodes()
-    nodes = mask_nodes(mask, leaf, numbers)
-    shapes = {}
-    for node in nodes:
-        fake = value(node)
-        if fake is None:
-            raise Refused(f"the mask node {node.name} has no traced value (cannot verify it)")
-        shapes[node] = sizes.shape(fake)
-    small, big = dict(numbers) if leaf is None else {leaf: probe, **numbers}, []
-    for node in nodes:
-        shape = shapes[node]
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        if numel <= 4 * S * batch:
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: small[n] if n in small else None)
-            if any(n not in small for n in node.all_input_nodes):
-                raise Refused(f"the mask reduces an [S, S] tensor at {node.name} (not verified in chunks)")
-            small[node] = _run(node, args, kwargs)
-            continue
-        if not _is_square(shape, S, batch):
-            per = "" if leaf is None else " per batch row"
-            raise Refused(f"the mask node {node.name} is {shape}, not one [S, S] pattern{per} for all heads")
-        name = op_name(node) or ""
-        if name not in POINTWISE and name not in CREATIONS and name not in BANDS and not _is_shape_only(node):
-            raise Refused(f"the mask uses {name} on an [S, S] tensor (only element-wise ops, fills, "
-                          "tril/triu and views are verified in chunks)")
-        big.append(node)
+    """A function (r0, r1) -> rows r0..r1 of the mask as an [r1 - r0, S] tensor (with positions
+    (leaf, probe): [B, r1 - r0, S]), computed for real in row chunks (nsa_compile/mask_rows.py:
+    O(rows * S) memory at any S, every element computed; a node that is not row-local is
+    refused with its name)."""
+    chunks = RowChunks([mask], S, S, positions, sizes)
 
     def rows(r0: int, r1: int) -> torch.Tensor:
-        env = {}
-
-        def chunk_of(n: fx.Node):
-            if n in env:
-                return env[n]
-            x = small[n]  # broadcast operand: slice its row dim when it spans the S rows
-            if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-2] == S:
-                return x[..., r0:r1, :]
-            return x
-
-        for node in big:
-            name = op_name(node) or ""
-            shape = shapes[node][:-2] + (r1 - r0, S)
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), chunk_of)
-            made = name in CREATIONS and all(n in numbers for n in node.all_input_nodes)  # sizes only
-            if made or name in ("ones_like", "zeros_like", "full_like"):
-                fill = CREATIONS[name]
-                if fill is None:
-                    fill = kwargs.get("fill_value", args[-1] if name == "full_like" else args[1])
-                fake = value(node)
-                env[node] = torch.full(shape, fill, dtype=fake.dtype, device=_real_device(fake))
-            elif name in BANDS:
-                x = args[0]
-                diagonal = (args[1] if len(args) > 1 else kwargs.get("diagonal", 0)) + r0
-                env[node] = getattr(torch, name)(x, diagonal)
-            elif name in POINTWISE:
-                env[node] = _run(node, args, kwargs)
-            elif args[0].numel() == math.prod(shape):
-                env[node] = args[0].reshape(shape)  # a view that adds or drops leading size-1 dims
-            else:  # a packed mask's rows expanded over the batch
-                env[node] = torch.broadcast_to(args[0], shape)
-        out = torch.broadcast_to(env[mask] if mask in env else chunk_of(mask), shapes[mask][:-2] + (r1 - r0, S))
-        if leaf is None:
-            return out.reshape(r1 - r0, S)
-        return out.reshape(-1, r1 - r0, S).expand(batch, r1 - r0, S)  # leading dims: 1, or one of B
+        out = chunks(r0, r1)[0]
+        return out.expand(*out.shape[:-1], S)  # a mask of one value per row, over every key
 
     return rows
-
-
-SHAPE_ONLY = {"view", "reshape", "unsqueeze", "squeeze", "expand", "contiguous", "clone", "detach", "getitem"}
-
-
-def _is_shape_only(node: fx.Node) -> bool:
-    """A view of one [S, S] input that only adds or drops leading size-1 dims (mask[None, None],
-    unsqueeze(0), view(1, 1, S, S), ...): its rows are its input's rows. Indexing that is not
-    None / ... / a full slice (mask[::-1], mask[1:]) is not."""
-    name = op_name(node) or ""
-    if name not in SHAPE_ONLY or len(node.all_input_nodes) != 1:
-        return False
-    if name == "getitem":
-        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        return all(i is None or i is Ellipsis or i == slice(None) for i in index)
-    return True
-
-
-def _real_device(fake: torch.Tensor) -> torch.device:
-    return fake.device if fake.device.type != "meta" else torch.device("cpu")
 
 
 def widest_row(rows, S: int, step: int) -> int:
@@ -504,10 +360,10 @@ def document_window_of(mask: fx.Node, leaf: fx.Node, keep_where_true: bool, B: i
     if B * S * S > MAX_VERIFIED_PACKED:
         raise Refused(f"B * S * S = {B * S * S:,} mask elements per probe, over the cap of {MAX_VERIFIED_PACKED:,}: "
                       "the packed mask is not verified at this size yet")
-    key = (_structure(mask_nodes(mask, leaf), leaf, mask), B, S, keep_where_true)
+    key = (_structure(mask_nodes([mask], leaf), leaf, mask), B, S, keep_where_true)
     if key in checked:
         return checked[key]
-    device = _real_device(value(leaf))
+    device = real_device(value(leaf))
 
     def kept_rows(probe):
         rows = mask_rows(mask, S, (leaf, probe))
@@ -525,6 +381,9 @@ def document_window_of(mask: fx.Node, leaf: fx.Node, keep_where_true: bool, B: i
 class WindowAttention(RewritePass):
     name = "window_attention"
     summary = "masked dense sliding-window (or causal) attention -> nsa.window_attention, no S x S tensor"
+
+    def source_files(self) -> tuple[str, ...]:
+        return super().source_files() + (inspect.getfile(RowChunks),)  # the row-chunk evaluation of the masks
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         checked = {}  # packed masks already checked on probes in this graph -> their w

@@ -242,6 +242,27 @@ def test_packed_near_misses_are_refused_with_the_graph_unchanged(change, reason)
     assert r["matches"] == 0 and any(reason in text for text in r["reasons"]), r["reasons"]
 
 
+CHUNKED = [("model", None), ("where", None), *NEAR_MISSES]
+
+
+@pytest.mark.parametrize("change, reason", CHUNKED, ids=[c for c, _ in CHUNKED])
+def test_row_chunks_give_the_verdicts_of_the_whole_masks(monkeypatch, change, reason):
+    """The packed masks are evaluated in row chunks (nsa_compile/mask_rows.py): with chunks of 3
+    rows the accepted forms fire with the same d and match eager, and every near miss is refused
+    with the reason the whole masks give (the first query, batch row first, that shows it)."""
+    monkeypatch.setattr(compressed, "CHUNK_ELEMENTS", 2 * (29 - L + 1) * 3)  # 3 rows of [B, Tc] per chunk
+    q, k, v, pos = branch_inputs()
+    args = [q, k, v, pos] + ([torch.ones(2, 29 - L + 1, dtype=torch.bool)] if change == "extra-data" else [])
+    (expected, _), (got, _), optimized = run_both(PackedBranch(None if change == "model" else change), args, NO_GQA)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+    r = row(optimized, CMP)
+    if reason is None:
+        assert (r["matches"], r["kernels"]) == (1, [kernel(D)]), r
+    else:
+        assert r["matches"] == 0 and only_graph(optimized).code_before == only_graph(optimized).code_after
+        assert any(reason in text for text in r["reasons"]), r["reasons"]
+
+
 # --- the probes and the packed visibility -------------------------------------------------------------
 
 
