@@ -676,6 +676,9 @@ PACKED_TRITON_CASES = [
     (61, ([3, 40, 1, 17], [61]), 2, 1, 3, 4, torch.float32, {"dkdv": {"SEGMENT": 32}}),  # l < d
     # l < d, documents of l tokens: blocks l apart, closer than d (the dk/dv work plan's bound)
     (70, ([3] * 23 + [1], [1] + [3] * 13 + [30]), 2, 1, 3, 4, torch.float32, {"dkdv": {"SEGMENT": 16}}),
+    # the seed's l and d with the default tiles: a dk/dv row tile that runs past a document's end
+    # into a short document's queries (lse -inf), NaN before its rows were cut at the item's end
+    (113, ([100, 13], [100, 10, 3]), 2, 1, 32, 16, torch.bfloat16, None),
 ]
 
 
