@@ -544,6 +544,8 @@ class SelectBlocks(RewritePass):
                 packed += PER_HEAD.format(h=plan["per_head"])
             if plan.get("importance_dtype") is not None:
                 packed += ROUNDED.format(dtype=str(plan["importance_dtype"]).removeprefix("torch."))
+                if plan.get("group_sum_dtype") is not None:
+                    packed += ", the group sum in float32"
             ctx.matched(node, KERNEL.format(block=block, n=plan["n"], backend=plan["backend"], packed=packed, note=note,
                                             why=why))
 
@@ -579,8 +581,14 @@ class SelectBlocks(RewritePass):
         p_grp = inner[0]
         single(p_grp, "group importance")
         chain = [key, outer[0]]
+        widened = None  # p_slc.view(..).float().sum(2): the group sum in float32 (CUDA autocast's, spelled out)
         if op_name(p_grp) == "sum":
             grouped = first_arg(p_grp)
+            if (op_name(grouped) in CASTS and isinstance(first_arg(grouped), fx.Node) and value(grouped) is not None
+                    and value(grouped).dtype == torch.float32):
+                widened = grouped
+                single(widened, "importance per head")
+                grouped = first_arg(widened)
             dims = arg(p_grp, 1, "dim")
             if (arg(p_grp, 2, "keepdim", False) or arg(p_grp, 3, "dtype") is not None or not isinstance(dims, int)
                     or dims % 5 != 2 or op_name(grouped) not in ("view", "reshape", "unflatten")):
@@ -593,7 +601,7 @@ class SelectBlocks(RewritePass):
             if (not isinstance(h, int) or not cmp.same_shape(value(grouped).shape, (B, G, h, S, Ns))
                     or not cmp.same_shape(value(p_slc).shape, (B, G * h, S, Ns))):
                 raise Refused(f"the heads are not grouped as [B, G, h, S, Ns]: {tuple(value(grouped).shape)}")
-            chain += [p_grp, grouped]
+            chain += [p_grp] + ([widened] if widened is not None else []) + [grouped]
         else:
             p_slc, h = p_grp, 1
         cast_after_matmul(p_slc)
@@ -603,9 +611,16 @@ class SelectBlocks(RewritePass):
         chain.append(p_slc)
         p, overlap = p_slc.args
         p, casts, rounding = importance_casts(p, p_slc)
-        if rounding is not None:  # rounded by the matmul: it stays in that dtype up to the sort
-            kept_rounding(rounding, [(p_grp, "the group sum"), (outer[0], "the ranking key"), (key, "the ranking key"),
-                                     (padded, "the padded ranking key")])
+        group_sum_dtype = None
+        if rounding is not None:  # rounded by the matmul: it stays in that dtype up to the sort, or from the
+            # group sum on in float32 (CUDA autocast runs sum in float32; or the user's .float() before it)
+            if p_grp is not p_slc and value(p_grp) is not None and value(p_grp).dtype == torch.float32:
+                group_sum_dtype = torch.float32
+            kept_rounding(group_sum_dtype or rounding, [(p_grp, "the group sum"), (outer[0], "the ranking key"),
+                                                        (key, "the ranking key"), (padded, "the padded ranking key")])
+        elif widened is not None:
+            raise Refused(f"the group sum {p_grp.name} reads the importance widened to float32 at {widened.name}, "
+                          "but the importance was not rounded: nothing to widen")
         chain += casts
         probs, op, sizes, (l, d, pos) = self.compressed_source(p, "(p @ overlap)", ranking, subgraphs, data,
                                                                 cmp_requested)
@@ -645,7 +660,7 @@ class SelectBlocks(RewritePass):
             raise Refused(f"OptimizeConfig(select_blocks_backend={requested!r}): {why}") from None
         return {"probs": probs, "op": op, "final": final, "block": block, "Ns": sizes.int(Ns), "n": n, "l": l, "d": d,
                 "backend": backend, "pos": pos, "rule": "nsa", "q": probs.q, "k": probs.k, "tiled": None, "clamp": clamp,
-                "per_head": per_head, "importance_dtype": rounding,
+                "per_head": per_head, "importance_dtype": rounding, "group_sum_dtype": group_sum_dtype,
                 "chain": tail + [ranking] + ([padded] if padded is not key else []) + fillers + chain,
                 "roots": [overlap, forced_fill[1], cand_fill[1], p],
                 "why_not_triton": why_not_triton(*fakes, value(pos), "nsa", rounding) if requested == "auto"
@@ -1062,6 +1077,8 @@ class SelectBlocks(RewritePass):
         q, rule = plan["q"], {} if plan["rule"] == "nsa" else {"rule": plan["rule"]}
         if plan.get("importance_dtype") is not None:
             rule["importance_dtype"] = plan["importance_dtype"]
+        if plan.get("group_sum_dtype") is not None:
+            rule["group_sum_dtype"] = plan["group_sum_dtype"]
         if plan["tiled"] is not None:  # heads of a tiled group made contiguous: head r*G + g -> g*h + r
             h, G = plan["tiled"]
             q, lse = (call(graph, torch.flatten, call(graph, torch.transpose, call(

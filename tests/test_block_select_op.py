@@ -283,7 +283,7 @@ def test_reference_rounds_the_scores_to_the_input_dtype_first(dtype):
 ROUNDINGS = (torch.bfloat16, torch.float16)
 
 
-def eager_rounded(p_cmp, S, G, n, dtype, l=L, d=D, ls=LS, pos=None):
+def eager_rounded(p_cmp, S, G, n, dtype, l=L, d=D, ls=LS, pos=None, float32_sum=False):
     """(block ids, importance [B, G, S, Ns] in dtype) of models/nsa.py `select_blocks` with its
     importance computed in `dtype`, written out as autocast runs it: p and the block map rounded to
     dtype, their matmul in dtype (float32 accumulation, the result rounded), the group sum in dtype,
@@ -296,8 +296,11 @@ def eager_rounded(p_cmp, S, G, n, dtype, l=L, d=D, ls=LS, pos=None):
     start = i * d if pos is None else pos[:, :Tc, None]  # [Tc, 1] or [B, Tc, 1]
     overlap = (torch.minimum(start + l, (j + 1) * ls) - torch.maximum(start, j * ls)).clamp(min=0).to(p_cmp.dtype) / l
     p_slc = p_cmp.to(dtype) @ (overlap if pos is None else overlap[:, None]).to(dtype)  # [B, H, S, Ns]
-    p_grp = p_slc.view(B, G, H // G, S, Ns).sum(2)
-    assert p_slc.dtype == p_grp.dtype == dtype
+    if float32_sum:  # CUDA autocast runs sum in float32: the rounded per-head importances summed unrounded
+        p_grp = p_slc.view(B, G, H // G, S, Ns).float().sum(2)
+    else:
+        p_grp = p_slc.view(B, G, H // G, S, Ns).sum(2)
+        assert p_slc.dtype == p_grp.dtype == dtype
     t = torch.arange(S)[:, None] if pos is None else pos[:, None, :, None]
     forced = (j == 0) | (j == t // ls) | (j == t // ls - 1)
     key = torch.where(forced, float("inf"), torch.where(j * ls <= t, p_grp, float("-inf")))
@@ -457,10 +460,12 @@ def test_triton_with_a_rounded_importance_matches_eager(dtype):
         q = (q.float() * q_scale).to(torch.float16)
         p, lse = eager_p_cmp(q, k, L, D, scale)
         want, _ = eager_rounded(p, S, 2, n, dtype)
-        got = select_blocks(q, k, lse, L, D, LS, n, scale, "triton", importance_dtype=dtype)
-        assert torch.equal(got, want), (S, h, n)
+        got = select_blocks(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), L, D, LS, n, scale, "triton",
+                            importance_dtype=dtype)
+        assert torch.equal(got.cpu(), want), (S, h, n)
     q, k, lse, p = bf16_tie_case(dtype)
-    got = select_blocks(q, k, lse, L, D, LS, 4, 1.0, "triton", importance_dtype=dtype)
+    got = select_blocks(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), L, D, LS, 4, 1.0, "triton",
+                        importance_dtype=dtype).cpu()
     assert got[0, 0, 96:].tolist() == [[0, 1, 5, 6]] * 4  # the rounded tie: block 1 (unrounded: block 4)
     assert torch.equal(got, eager_rounded(p, 100, 1, 4, dtype)[0])
     pos = helpers.packed_positions([[9, 1, 30, 13, 70, 77]])
@@ -468,9 +473,36 @@ def test_triton_with_a_rounded_importance_matches_eager(dtype):
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(1, S, 4, 16, generator=gen).to(torch.float16).transpose(1, 2)
     k = torch.randn(1, 2, S - L + 1, 16, generator=gen).to(torch.float16)
-    want = select_blocks(q, k, packed_lse(q, k, pos), L, D, LS, 5, 0.25, "reference", pos=pos, importance_dtype=dtype)
-    got = select_blocks(q, k, packed_lse(q, k, pos), L, D, LS, 5, 0.25, "triton", pos=pos, importance_dtype=dtype)
-    assert torch.equal(got, want)
+    lse = packed_lse(q, k, pos)
+    want = select_blocks(q, k, lse, L, D, LS, 5, 0.25, "reference", pos=pos, importance_dtype=dtype)
+    q, k, lse, pos = q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), pos.to(DEVICE)
+    got = select_blocks(q, k, lse, L, D, LS, 5, 0.25, "triton", pos=pos, importance_dtype=dtype)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_rounded_importance_with_a_float32_group_sum(backend):
+    """group_sum_dtype=torch.float32 (CUDA autocast's sum): eager's block ids where the rounded
+    per-head importances are summed in float32, which differ from the rounded sum's on these
+    inputs; the argument is validated."""
+    if backend == "triton" and not HAVE_TRITON:
+        pytest.skip("no triton")
+    differ = 0
+    for S, h, n in ((150, 3, 4), (200, 4, 5)):
+        q, k, scale = make_case(2, 2, h, S, 16, torch.float16, seed=S + h, grid=False)
+        p, lse = eager_p_cmp(q, k, L, D, scale)
+        want, _ = eager_rounded(p, S, 2, n, torch.bfloat16, float32_sum=True)
+        got = select_blocks(q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), L, D, LS, n, scale, backend,
+                            importance_dtype=torch.bfloat16, group_sum_dtype=torch.float32)
+        assert torch.equal(got.cpu(), want), (S, h, n)
+        differ += int((eager_rounded(p, S, 2, n, torch.bfloat16)[0] != want).any(-1).sum())
+    assert differ > 0  # the float32 sum is a different ranking
+    q, k, scale = make_case(1, 1, 2, 40, 16, torch.float16, seed=0)
+    lse = eager_p_cmp(q, k, L, D, scale)[1]
+    q, k, lse = q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE)
+    for bad in ({"group_sum_dtype": torch.float32}, {"importance_dtype": torch.bfloat16, "group_sum_dtype": torch.float16}):
+        with pytest.raises(ValueError, match="group_sum_dtype must be None, or torch.float32 with an importance_dtype"):
+            select_blocks(q, k, lse, L, D, LS, 4, scale, backend, **bad)
 
 
 def packed_lse(q, k, pos):
@@ -488,8 +520,9 @@ def packed_lse(q, k, pos):
 def test_rounded_importance_on_cuda_at_the_seed_shape(dtype):
     """The seed's geometry (h 6, G 2, Dk 64, l 32, d 16, l' 64, n 16) at S 2048 on CUDA, bf16 q and
     k: the triton backend ('auto' takes it) and the reference backend with importance_dtype against
-    the model's select_blocks under CUDA autocast (cuBLAS's bf16/fp16 matmul): the same block ids
-    but in a few rows (CPU: 2 in 10^6); without importance_dtype many more rows differ."""
+    the model's select_blocks under CUDA autocast (cuBLAS's bf16/fp16 matmul; CUDA autocast runs the
+    group sum in float32: group_sum_dtype): the same block ids but in a few rows (CPU: 2 in 10^6);
+    without importance_dtype many more rows differ."""
     S, G, h, Dk = 2048, 2, 6, 64
     q, k, scale = make_case(2, G, h, S, Dk, torch.bfloat16, seed=3, l=32, d=16, grid=False, device="cuda")
     p, lse = eager_p_cmp(q, k, 32, 16, scale)
@@ -498,7 +531,8 @@ def test_rounded_importance_on_cuda_at_the_seed_shape(dtype):
     assert bs_mod.choose_backend(q, k, lse, 32, 16, 64, 16, "auto", None, "nsa", dtype) == "triton"
     rows = 2 * G * S
     for backend in ("triton", "reference"):
-        got = select_blocks(q, k, lse, 32, 16, 64, 16, scale, backend, importance_dtype=dtype)
+        got = select_blocks(q, k, lse, 32, 16, 64, 16, scale, backend, importance_dtype=dtype,
+                            group_sum_dtype=torch.float32)
         differ = int((got != want).any(-1).sum())
         assert differ <= rows // 500, f"{backend}: {differ} of {rows} rows differ"
     plain = int((select_blocks(q, k, lse, 32, 16, 64, 16, scale) != want).any(-1).sum())

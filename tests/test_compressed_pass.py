@@ -480,6 +480,50 @@ def test_under_autocast_the_rounded_importance_becomes_an_op_argument_with_eager
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 
+class Float32GroupSum(ModelSelection):
+    """ModelSelection with the importance's group sum in float32, as CUDA autocast runs `sum`
+    (written out: `.float()` before the sum, the rest of models/nsa.py's select_blocks)."""
+
+    def forward(self, q, k, v):
+        o, p = self.attn.compressed_attention(q, k, v)
+        cfg, S = self.attn.cfg, q.shape[1]
+        B, H, _, Tc = p.shape
+        l, d, ls, n, G = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.n_kv_groups
+        Ns = (S + ls - 1) // ls
+        i = torch.arange(Tc, device=p.device)[:, None]
+        j = torch.arange(Ns, device=p.device)[None, :]
+        overlap = (torch.minimum(i * d + l, (j + 1) * ls) - torch.maximum(i * d, j * ls)).clamp(min=0).to(p.dtype) / l
+        p_grp = (p @ overlap).view(B, G, H // G, S, Ns).float().sum(2)
+        t = torch.arange(S, device=p.device)[:, None]
+        forced = (j == 0) | (j == t // ls) | (j == t // ls - 1)
+        key = torch.where(forced, float("inf"), torch.where(j * ls <= t, p_grp, float("-inf")))
+        values, order = torch.sort(key, dim=-1, descending=True, stable=True)
+        chosen = torch.where(values[..., :n] > float("-inf"), order[..., :n], Ns)
+        chosen = torch.sort(chosen, dim=-1).values
+        return o, torch.where(chosen == Ns, -1, chosen)
+
+
+def test_under_autocast_a_float32_group_sum_becomes_group_sum_dtype():
+    """The group sum of the rounded importance in float32 (CUDA autocast runs sum in float32; here
+    spelled `.float().sum(2)` under CPU autocast): select_blocks fires with importance_dtype bf16 and
+    group_sum_dtype float32, eager's block ids at S 100, which the rounded sum's ranking misses."""
+    cfg = AUTOCAST_TINY
+    module = Float32GroupSum(cfg)
+    args = branch_inputs(S=100, Dk=cfg.head_dim, Dv=cfg.head_dim, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (expected, _), (got, _), optimized = run_both(module, args)
+        rounded_sum = ModelSelection.forward(module, *args)[1]
+    assert not torch.equal(rounded_sum, expected[1])  # the float32 sum ranks differently here
+    r = row(optimized, SEL)
+    assert (r["matches"], r["refused"]) == (1, 0), r
+    assert ", the group sum in float32" in r["kernels"][0], r["kernels"]
+    record = only_graph(optimized)
+    assert record.code_before.count("torch.sort(") == 2 and "torch.sort(" not in record.code_after
+    calls = [line for line in record.code_after.splitlines() if "torch.ops.nsa.select_blocks(" in line]
+    assert len(calls) == 1 and "importance_dtype = torch.bfloat16, group_sum_dtype = torch.float32)" in calls[0], calls
+    assert torch.equal(got[1], expected[1])
+
+
 def test_tiny_model_under_autocast_is_fully_rewritten_with_parity_and_without_it_unchanged():
     """The tiny preset (n = 5) trained under CPU bf16 autocast: both layers' block selection
     rewritten with importance_dtype=bf16, every NSA branch rewritten, loss and every gradient

@@ -40,7 +40,8 @@ SCHEMAS = {
                                      'str backend="auto", Tensor? pos=None) -> (Tensor, Tensor, Tensor)',
     "select_blocks": "nsa::select_blocks(Tensor q, Tensor k, Tensor lse, SymInt cmp_block, SymInt cmp_stride, "
                      'SymInt sel_block, SymInt n_selected, float scale, str backend="auto", Tensor? pos=None, '
-                     'str rule="nsa", ScalarType? importance_dtype=None) -> Tensor',
+                     'str rule="nsa", ScalarType? importance_dtype=None, ScalarType? group_sum_dtype=None) '
+                     "-> Tensor",
     "selected_attention": "nsa::selected_attention(Tensor q, Tensor k, Tensor v, Tensor block_idx, "
                           'SymInt block_size, float scale, str backend="auto", Tensor? pos=None) -> (Tensor, Tensor)',
     "selected_attention_backward": "nsa::selected_attention_backward(Tensor grad_o, Tensor q, Tensor k, Tensor v, "

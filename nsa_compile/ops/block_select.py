@@ -80,7 +80,9 @@ by one unit, which turns a tie into an order or an order into a tie. Measured on
 gaussian q and pooled keys, the seed preset's h 6, G 2, Dk 64, l 32, d 16, l' 64, n 16,
 S 2048, 40 seeds at each of the q scales 0.3, 1 and 3: 491,520 rows): bf16 1 row differs from
 eager under autocast (fp16: 4 rows); without importance_dtype 17,857 rows (3.6%; fp16 2,364)
-do. At S 1024 (Ns = n) every candidate is chosen and none differs. The triton backend takes it
+do. At S 1024 (Ns = n) every candidate is chosen and none differs. `group_sum_dtype=torch.float32`
+(with importance_dtype; CUDA autocast, which runs `sum` in float32): the group sum of the rounded
+per-head importances accumulated and kept in float32 (not rounded), the key float32. The triton backend takes it
 (one chunk of heads: h <= 16 in fp16/bf16), rounding at the same places; its sums run in another
 order than the reference's, with the same caveat.
 
@@ -151,7 +153,7 @@ def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=
 
 
 def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None,
-           rule="nsa", importance_dtype=None) -> str:  # fmt: skip
+           rule="nsa", importance_dtype=None, group_sum_dtype=None) -> str:  # fmt: skip
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
     dtypes, block sizes, positions, rule, importance dtype and backend are valid."""
     if rule not in RULES:
@@ -159,6 +161,9 @@ def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backe
     if importance_dtype is not None and importance_dtype not in ROUNDINGS:
         raise ValueError(f"{_OP}: importance_dtype must be None, torch.bfloat16 or torch.float16, got "
                          f"{importance_dtype}")
+    if group_sum_dtype is not None and (group_sum_dtype != torch.float32 or importance_dtype is None):
+        raise ValueError(f"{_OP}: group_sum_dtype must be None, or torch.float32 with an importance_dtype, got "
+                         f"{group_sum_dtype} (importance_dtype {importance_dtype})")
     if rule != "nsa" and pos is not None:
         raise ValueError(f"{_OP}: rule {rule!r} with pos (packed documents) is not implemented")
     check_gqa(_OP, q, k, rows="Tc", lse=lse, **({} if pos is None else {"pos": pos}))
@@ -231,6 +236,13 @@ def rounded(x: torch.Tensor, importance_dtype: torch.dtype | None) -> torch.Tens
     return x if importance_dtype is None else x.to(importance_dtype).float()
 
 
+def group_sum(p_slc: torch.Tensor, group_sum_dtype: torch.dtype | None) -> torch.Tensor:
+    """The group's heads summed, [B, G, c, Ns]: in p_slc's dtype (rounded once, as torch's sum of a
+    bf16/fp16 tensor), or accumulated and kept in group_sum_dtype (float32: CUDA autocast runs sum
+    in float32)."""
+    return (p_slc if group_sum_dtype is None else p_slc.to(group_sum_dtype)).sum(2)
+
+
 def accumulator(up: torch.dtype, importance_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype the overlap sums accumulate in: the probabilities' own, float32 for a rounded
     importance (a bf16/fp16 matmul accumulates in float32; its result is then rounded)."""
@@ -239,7 +251,7 @@ def accumulator(up: torch.dtype, importance_dtype: torch.dtype | None) -> torch.
 
 def _reference(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int, scale: float,
                budget: int | None = None, rule: str = "nsa", importance_dtype: torch.dtype | None = None,
-               ) -> torch.Tensor:  # fmt: skip
+               group_sum_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     B, H, S, _ = q.shape
     G, Tc = k.shape[1], k.shape[2]
     h = H // G
@@ -275,7 +287,7 @@ def _reference(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_sel
         t = torch.arange(t0, t1, device=q.device)[:, None]
         if rule == "fla":  # each head's importance of the current block set to 1.0 before the group sum
             p_slc = torch.where(torch.arange(Ns, device=q.device) == t // sel_block, 1.0, p_slc)
-        out[:, :, t0:t1] = rank_and_choose(p_slc.sum(2), t, sel_block, n_selected, rule)  # heads summed: [B, G, c, Ns]
+        out[:, :, t0:t1] = rank_and_choose(group_sum(p_slc, group_sum_dtype), t, sel_block, n_selected, rule)
     return out
 
 
@@ -296,7 +308,7 @@ def document_band(cmp_block: int, cmp_stride: int, sel_block: int, device, dtype
 
 def _reference_packed(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int, scale: float,
                       pos: torch.Tensor, budget: int | None = None, importance_dtype: torch.dtype | None = None,
-                      ) -> torch.Tensor:  # fmt: skip
+                      group_sum_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     B, H, S, _ = q.shape
     G, Tc = k.shape[1], k.shape[2]
     h = H // G
@@ -342,17 +354,17 @@ def _reference_packed(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int
         if importance_dtype is not None:  # the matmul's result, rounded; the head sum then in that dtype
             p_slc = p_slc.to(importance_dtype)
         t_doc = pos[:, None, t0:t1, None]  # [B, 1, c, 1]: forced and candidate blocks by document position
-        out[:, :, t0:t1] = rank_and_choose(p_slc.sum(2), t_doc, ls, n_selected)  # heads summed: [B, G, c, Ns]
+        out[:, :, t0:t1] = rank_and_choose(group_sum(p_slc, group_sum_dtype), t_doc, ls, n_selected)
     return out
 
 
 def _reference_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos=None, rule="nsa",
-                       importance_dtype=None):  # fmt: skip
+                       importance_dtype=None, group_sum_dtype=None):  # fmt: skip
     if pos is not None:
         return _reference_packed(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos,
-                                 importance_dtype=importance_dtype)
+                                 importance_dtype=importance_dtype, group_sum_dtype=group_sum_dtype)
     return _reference(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, rule=rule,
-                      importance_dtype=importance_dtype)
+                      importance_dtype=importance_dtype, group_sum_dtype=group_sum_dtype)
 
 
 def _triton_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule="nsa",
@@ -368,14 +380,15 @@ BLOCK_SELECT = declare(Op(
     name="select_blocks",
     schema="(Tensor q, Tensor k, Tensor lse, SymInt cmp_block, SymInt cmp_stride, SymInt sel_block, "
            'SymInt n_selected, float scale, str backend="auto", Tensor? pos=None, str rule="nsa", '
-           "ScalarType? importance_dtype=None) -> Tensor",
+           "ScalarType? importance_dtype=None, ScalarType? group_sum_dtype=None) -> Tensor",
     config_field="select_blocks_backend",
     choice_args=("q", "k", "lse", "cmp_block", "cmp_stride", "sel_block", "n_selected", "pos", "rule",
                  "importance_dtype"),
     backends=(
         Backend("triton", cannot_run=_triton_reason, auto_reason=why_not_triton,
-                forward=lambda q, k, lse, l, d, ls, n, scale, pos, rule, importance_dtype:
-                    block_select_triton.select_blocks_forward(q, k, lse, l, d, ls, n, scale, pos, importance_dtype)),
+                forward=lambda q, k, lse, l, d, ls, n, scale, pos, rule, importance_dtype, group_sum_dtype:
+                    block_select_triton.select_blocks_forward(q, k, lse, l, d, ls, n, scale, pos, importance_dtype,
+                                                              group_sum_dtype)),
         Backend("reference", forward=_reference_forward),
     ),
     check=_check,
@@ -387,8 +400,9 @@ BLOCK_SELECT = declare(Op(
 def select_blocks(
     q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, cmp_block: int, cmp_stride: int, sel_block: int,
     n_selected: int, scale: float, backend: str = "auto", pos: torch.Tensor | None = None, rule: str = "nsa",
-    importance_dtype: torch.dtype | None = None,
+    importance_dtype: torch.dtype | None = None, group_sum_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`torch.ops.nsa.select_blocks` (see the module docstring)."""
     return torch.ops.nsa.select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend,
-                                       pos=pos, rule=rule, importance_dtype=importance_dtype)
+                                       pos=pos, rule=rule, importance_dtype=importance_dtype,
+                                       group_sum_dtype=group_sum_dtype)

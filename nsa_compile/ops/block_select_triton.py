@@ -58,7 +58,8 @@ Importance rounded as under autocast (importance_dtype bf16/fp16, the op's docst
 per (query, head) row, each head's rows mapped by the rounded overlap matrix in one [ROWS, 2 TC]
 x [2 TC, KS] fp32 dot, rounded, summed over the group's heads in fp32 and rounded, then ranked as
 above (the heads are not summed first: eager rounds each head's map). One chunk of heads only
-(NHC == 1: h <= 16 in fp16/bf16), since each head's previous tile is kept.
+(NHC == 1: h <= 16 in fp16/bf16), since each head's previous tile is kept. group_sum_dtype float32
+(CUDA autocast's sum): the group sum is kept in fp32, not rounded.
 
 KS = max(16, next power of two of n) >= n: the list keeps at least n, so its first n are eager's.
 Summation order: the heads are summed before the overlap map (eager maps each head, then sums),
@@ -235,7 +236,7 @@ def select_kernel(
     HPG: tl.constexpr, HC: tl.constexpr, NHC: tl.constexpr, DK: tl.constexpr, DK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, TC: tl.constexpr, NS: tl.constexpr, KS: tl.constexpr, LOG_KS: tl.constexpr,
     PREC: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr, HAS_POS: tl.constexpr,
-    IMP_DTYPE: tl.constexpr,
+    IMP_DTYPE: tl.constexpr, SUM_ROUND: tl.constexpr,
 ):  # fmt: skip
     # heaviest (latest) query tiles first: a short tail for the causal imbalance
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -340,7 +341,9 @@ def select_kernel(
                 # accumulated in fp32 and rounded; the group sum of those in fp32, rounded
                 both = tl.reshape(tl.permute(tl.join(prev_r, p_r), (0, 2, 1)), [ROWS, 2 * TC])
                 p_head = _rounded(tl.dot(both, w, input_precision="ieee"), IMP_DTYPE)  # [ROWS, KS]
-                p_grp = _rounded(reduce_sum(tl.reshape(p_head, [BLOCK_M, HC, KS]), 1), IMP_DTYPE)
+                p_grp = reduce_sum(tl.reshape(p_head, [BLOCK_M, HC, KS]), 1)
+                if SUM_ROUND:  # CPU autocast: the group sum in that dtype (CUDA autocast: float32)
+                    p_grp = _rounded(p_grp, IMP_DTYPE)
                 prev_r = p_r
             else:
                 # [previous | this tile] in ascending compression block, then the overlap map
@@ -415,7 +418,8 @@ def _overlap_matrix(TC: int, NS: int, KS: int, cmp_block: int, cmp_stride: int, 
 
 
 def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int,
-                          scale: float, pos=None, importance_dtype=None, *, tiles: dict | None = None) -> torch.Tensor:  # fmt: skip
+                          scale: float, pos=None, importance_dtype=None, group_sum_dtype=None, *,
+                          tiles: dict | None = None) -> torch.Tensor:  # fmt: skip
     """block_idx [B, G, S, n_selected] int64 (see the module docstring). pos: packed documents
     ([B, S] int64; k then holds a slot per token). importance_dtype: None, or bf16/fp16 for the
     importance rounded as eager computes it under autocast (the op's docstring). `tiles`: an
@@ -451,6 +455,7 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
         KS=T["KS"], LOG_KS=T["KS"].bit_length() - 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         ROUND=q.dtype != torch.float32, UPCAST=upcast_dots(q.dtype), HAS_POS=pos is not None,
-        IMP_DTYPE=None if importance_dtype is None else _TL_DTYPES[importance_dtype], **launch,
+        IMP_DTYPE=None if importance_dtype is None else _TL_DTYPES[importance_dtype], SUM_ROUND=group_sum_dtype is None,
+        **launch,
     )  # fmt: skip
     return out
