@@ -4,7 +4,8 @@ autograd, so they trace under torch.compile fullgraph and AOTAutograd).
     torch.ops.nsa.projection_rope(x, weight, bias, cos, sin, widths, head_dims, style, backend)  # -> pieces: one GEMM for the projections of x, RoPE in its epilogue
     torch.ops.nsa.window_attention(q, k, v, window, scale, backend, pos=None)       # -> (o, lse): sliding-window causal GQA attention
     torch.ops.nsa.compressed_attention(q, k_cmp, v_cmp, block, stride, scale, backend, pos=None)   # -> (o, lse): NSA compressed branch over the pooled tokens
-    torch.ops.nsa.select_blocks(q, k_cmp, lse, l, d, l_sel, n, scale, backend, pos=None)        # -> block_idx [B, G, S, n]: eager's top-n, recomputed from the lse
+    torch.ops.nsa.select_blocks(q, k_cmp, lse, l, d, l_sel, n, scale, backend, pos=None, rule="nsa",
+                                importance_dtype=None, group_sum_dtype=None)   # -> block_idx [B, G, S, n]: eager's top-n, recomputed from the lse
     torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend, pos=None)   # -> (o, lse): NSA selected branch
     torch.ops.nsa.gated_combine(gate_in, w1, b1, w2, b2, o_cmp, o_sel, o_win, activation, normalize, backend)  # -> (o, gates)
 
