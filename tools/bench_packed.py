@@ -8,7 +8,8 @@ under bf16 autocast on CUDA; batch --tokens-per-step // seq-len):
 
   unpacked  one document per row (no positions: the model's plain path)
   packed    every row packs the same documents, their lengths drawn log-uniformly from
-            [--min-doc, --max-doc] (seeded; the last one cut so they sum to seq-len): the model
+            [--min-doc, min(--max-doc, seq-len)] (seeded; the last one cut so they sum to
+            seq-len): the model
             takes the positions within each document (models/nsa.py `pos`)
 
 and what each ran with: the rewrites, and the backend each NSA op's forward took (`auto`'s choice,
@@ -80,9 +81,15 @@ def backends_taken():
             op.check = check
 
 
+def documents_for(seq_len: int, args) -> list[int]:
+    """The run's documents at this length: drawn from [--min-doc, --max-doc], capped at seq_len (a
+    2k row packs several documents rather than one cut from an 8k draw)."""
+    return document_mix(seq_len, min(args.min_doc, seq_len), min(args.max_doc, seq_len), args.seed)
+
+
 def time_column(column: str, args, seq_len: int, batch: int, device: torch.device) -> dict:
     """Optimize and time one column: a record (status ok, OOM or error)."""
-    documents = document_mix(seq_len, args.min_doc, args.max_doc, args.seed) if column == "packed" else None
+    documents = documents_for(seq_len, args) if column == "packed" else None
     record = {"column": column, "documents": None if documents is None else len(documents)}
     model = None
     try:
@@ -114,7 +121,7 @@ def packed_parity(args, seq_len: int, device: torch.device) -> dict:
     config = config_for(args.compiler)
 
     def run(length):
-        documents = document_mix(length, min(args.min_doc, length), min(args.max_doc, length), args.seed)
+        documents = documents_for(length, args)
         return run_parity(checked_workload(args.model, 1, length, device, seed=1, documents=documents), dtype, config)
 
     length = min(seq_len, args.parity_len or choice_length(preset(args.model)) or seq_len)
@@ -129,7 +136,7 @@ def packed_parity(args, seq_len: int, device: torch.device) -> dict:
 def run_seq_len(seq_len: int, args, device: torch.device, env: dict) -> list[dict]:
     batch = args.batch or max(1, args.tokens_per_step // seq_len)
     print(f"\n{args.model}, seq-len {seq_len}, batch {batch}: documents "
-          f"{document_mix(seq_len, args.min_doc, args.max_doc, args.seed)}", flush=True)
+          f"{documents_for(seq_len, args)}", flush=True)
     base = {"record": "packed", **env, "model": args.model, "seq_len": seq_len, "batch": batch,
             "compiler": args.compiler}
     records = []
