@@ -590,7 +590,9 @@ class SelectBlocks(RewritePass):
                 single(widened, "importance per head")
                 grouped = first_arg(widened)
             dims = arg(p_grp, 1, "dim")
-            if (arg(p_grp, 2, "keepdim", False) or arg(p_grp, 3, "dtype") is not None or not isinstance(dims, int)
+            # sum(.., dtype=torch.float32): the group sum accumulated in float32 (as CUDA autocast runs it)
+            if (arg(p_grp, 2, "keepdim", False) or arg(p_grp, 3, "dtype") not in (None, torch.float32)
+                    or not isinstance(dims, int)
                     or dims % 5 != 2 or op_name(grouped) not in ("view", "reshape", "unflatten")):
                 raise Refused("the importance is not summed over the group's heads (p_slc.view(B, G, h, S, Ns).sum(2))")
             single(grouped, "importance per head")

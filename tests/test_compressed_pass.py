@@ -482,7 +482,13 @@ def test_under_autocast_the_rounded_importance_becomes_an_op_argument_with_eager
 
 class Float32GroupSum(ModelSelection):
     """ModelSelection with the importance's group sum in float32, as CUDA autocast runs `sum`
-    (written out: `.float()` before the sum, the rest of models/nsa.py's select_blocks)."""
+    (written out: `.float()` before the sum, or `sum(2, dtype=torch.float32)`, whose recorded sum
+    reads the bf16 importance and gives float32 as CUDA autocast's does; the rest of models/nsa.py's
+    select_blocks)."""
+
+    def __init__(self, cfg, spelling="float"):
+        super().__init__(cfg)
+        self.spelling = spelling
 
     def forward(self, q, k, v):
         o, p = self.attn.compressed_attention(q, k, v)
@@ -493,7 +499,8 @@ class Float32GroupSum(ModelSelection):
         i = torch.arange(Tc, device=p.device)[:, None]
         j = torch.arange(Ns, device=p.device)[None, :]
         overlap = (torch.minimum(i * d + l, (j + 1) * ls) - torch.maximum(i * d, j * ls)).clamp(min=0).to(p.dtype) / l
-        p_grp = (p @ overlap).view(B, G, H // G, S, Ns).float().sum(2)
+        grouped = (p @ overlap).view(B, G, H // G, S, Ns)
+        p_grp = grouped.float().sum(2) if self.spelling == "float" else grouped.sum(2, dtype=torch.float32)
         t = torch.arange(S, device=p.device)[:, None]
         forced = (j == 0) | (j == t // ls) | (j == t // ls - 1)
         key = torch.where(forced, float("inf"), torch.where(j * ls <= t, p_grp, float("-inf")))
@@ -503,12 +510,13 @@ class Float32GroupSum(ModelSelection):
         return o, torch.where(chosen == Ns, -1, chosen)
 
 
-def test_under_autocast_a_float32_group_sum_becomes_group_sum_dtype():
+@pytest.mark.parametrize("spelling", ["float", "sum_dtype"])
+def test_under_autocast_a_float32_group_sum_becomes_group_sum_dtype(spelling):
     """The group sum of the rounded importance in float32 (CUDA autocast runs sum in float32; here
     spelled `.float().sum(2)` under CPU autocast): select_blocks fires with importance_dtype bf16 and
     group_sum_dtype float32, eager's block ids at S 100, which the rounded sum's ranking misses."""
     cfg = AUTOCAST_TINY
-    module = Float32GroupSum(cfg)
+    module = Float32GroupSum(cfg, spelling)
     args = branch_inputs(S=100, Dk=cfg.head_dim, Dv=cfg.head_dim, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         (expected, _), (got, _), optimized = run_both(module, args)
