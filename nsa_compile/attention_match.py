@@ -115,6 +115,12 @@ def evaluate_node(node: fx.Node, env: dict, what: str):
         raise Refused(f"evaluating {what}: {node.name} reads {missing[0].op} {missing[0].name}, which the check "
                       "has no value for")
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+    return call_node(node, args, kwargs, what)
+
+
+def call_node(node: fx.Node, args, kwargs, what: str):
+    """node's call on these argument values; the user's code failing on them refuses, naming `what`
+    and the node; running out of memory is raised."""
     try:
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)

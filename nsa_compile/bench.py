@@ -25,8 +25,8 @@ from .workload import Workload, checked_workload, loss_of
 
 __all__ = [
     "BENCH_HEADERS", "StepTiming", "VARIANTS", "bench_rows", "compile_variant", "config_for", "cuda_graph_time_ms",
-    "cuda_time_ms", "free_memory", "nsa_op_times", "print_kernel_profile", "print_nsa_op_times", "time_training",
-    "time_training_of", "time_variants",
+    "cuda_time_ms", "device_named", "free_memory", "is_oom", "nsa_op_times", "print_kernel_profile",
+    "print_nsa_op_times", "time_training", "time_training_of", "time_variants",
 ]
 
 VARIANTS = ("eager", "compile", "optimize", "dense")
@@ -126,6 +126,16 @@ def config_for(compiler: str, only_pass: str | None = None) -> OptimizeConfig:
     if only_pass not in pass_names():
         raise ValueError(f"unknown pass {only_pass!r}; valid: {', '.join(pass_names())}")
     return OptimizeConfig(compiler=compiler, disabled_passes=tuple(n for n in pass_names() if n != only_pass))
+
+
+def device_named(name: str) -> torch.device:
+    """The device a --device option names: 'auto' (CUDA where there is a GPU, else the CPU), 'cpu'
+    or 'cuda'; ValueError for 'cuda' without a GPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but no CUDA GPU is available")
+    return torch.device(name)
 
 
 def is_oom(err: BaseException | None) -> bool:

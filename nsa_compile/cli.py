@@ -23,7 +23,7 @@ import torch
 from tabulate import tabulate
 
 from .api import optimize, state_of
-from .bench import BENCH_HEADERS, VARIANTS, bench_rows, config_for, free_memory, time_variants
+from .bench import BENCH_HEADERS, VARIANTS, bench_rows, config_for, device_named, free_memory, time_variants
 from .config import COMPILERS
 from .explain import (backend_table, coverage, coverage_line, graph_breaks, near_misses, networkx_graph,
                       pass_table, print_backend_table, print_coverage, print_graph_breaks, print_near_misses,
@@ -86,11 +86,10 @@ def write_atomically(path: str, text: str) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for, but no CUDA GPU is available")
-    return torch.device(name)
+    try:
+        return device_named(name)
+    except ValueError as err:
+        raise UserError(str(err)) from None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.fx as fx
 
-from .attention_match import Refused
+from .attention_match import Refused, call_node
 from .fx import arg, op_name, value
 from .sizes import Sizes
 
@@ -84,15 +84,7 @@ def _run(node: fx.Node, args, kwargs, what: str):
     may not expect) refuses, naming `what` and the node; running out of memory is raised."""
     if any(isinstance(x, torch.SymInt) for x in torch.utils._pytree.tree_leaves((args, kwargs))):
         raise Refused("the mask has symbolic sizes (dynamic shapes): not verified")
-    try:
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        return node.target(*args, **kwargs)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as error:
-        first_line = str(error).splitlines()[0] if str(error) else ""
-        raise Refused(f"evaluating the {what} failed at {node.name} ({type(error).__name__}: {first_line})") from None
+    return call_node(node, args, kwargs, f"the {what}")
 
 
 def _is_shape_only(node: fx.Node) -> bool:

@@ -49,6 +49,16 @@ def document_positions(lengths: list[int]) -> torch.Tensor:
     return positions_from_cu_seqlens(cu, sum(lengths))
 
 
+def random_lengths(S: int, shortest: int, longest: int, seed: int) -> list[int]:
+    """Document lengths drawn uniformly from [shortest, longest] until they fill S tokens (the last
+    one cut at S)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < S:
+        lengths.append(min(S - sum(lengths), int(torch.randint(shortest, longest + 1, (1,), generator=gen))))
+    return lengths
+
+
 def packed_positions(rows: list[list[int]]) -> torch.Tensor:
     """pos [len(rows), S] for rows packed with documents of these lengths (each row sums to S)."""
     return torch.stack([document_positions(lengths) for lengths in rows])

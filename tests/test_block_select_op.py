@@ -950,16 +950,6 @@ def test_triton_at_the_issue_sizes(S, shape):
     assert near_ties(ref, want, p_grp) <= G * S // 1000
 
 
-def random_lengths(S: int, shortest: int, longest: int, seed: int) -> list[int]:
-    """Document lengths drawn uniformly from [shortest, longest] until they fill S tokens (the last
-    one cut at S)."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = []
-    while sum(lengths) < S:
-        lengths.append(min(S - sum(lengths), int(torch.randint(shortest, longest + 1, (1,), generator=gen))))
-    return lengths
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("keys", ["grid", "gaussian"])
 def test_triton_with_pos_on_cuda_at_the_seed_shape(keys):
@@ -967,7 +957,7 @@ def test_triton_with_pos_on_cuda_at_the_seed_shape(keys):
     mix of documents (100 to 800 tokens) per row: auto takes triton with pos, and triton and the
     reference backend give eager's packed choice but for near ties (on the grid 1e-6; off it the
     bf16 rounding of scores summed in another order, OFF_GRID_TIE)."""
-    S, rows = 2048, [random_lengths(2048, 100, 800, seed) for seed in range(2)]
+    S, rows = 2048, [helpers.random_lengths(2048, 100, 800, seed) for seed in range(2)]
     pos, q, k, scale = packed_case(rows, 2, 6, 64, torch.bfloat16, seed=5, l=32, keys=keys, device="cuda")
     want, p_grp, lse = eager_packed(q, k, scale, 16, pos, 32, 16, 64)
     assert bs_mod.choose_backend(q, k, lse, 32, 16, 64, 16, "auto", pos) == "triton"

@@ -15,6 +15,7 @@ from oracles import (
     assert_raises_eager_and_fake, assert_within_twice_eager, attention_inputs, gqa_argument_errors,
     opcheck_forward_and_backward, rel_rms, run_without_triton, triton_interpreter, upcast,
 )
+from helpers import random_lengths
 from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
 
 import nsa_compile
@@ -1032,16 +1033,6 @@ def test_packed_on_cuda_matches_the_eager_formula(dtype, backend):
     _, lse = torch.ops.nsa.compressed_attention(q, k, v, l, d, 0.125, backend, pos)
     empty = ~packed_visible(pos, S - l + 1, l, d).any(-1)  # [B, S]
     assert torch.equal(lse.isneginf(), empty[:, None].expand_as(lse)) and bool(empty.any())
-
-
-def random_lengths(S: int, shortest: int, longest: int, seed: int) -> list[int]:
-    """Document lengths drawn uniformly from [shortest, longest] until they fill S tokens (the last
-    one cut at S)."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = []
-    while sum(lengths) < S:
-        lengths.append(min(S - sum(lengths), int(torch.randint(shortest, longest + 1, (1,), generator=gen))))
-    return lengths
 
 
 @pytest.mark.gpu

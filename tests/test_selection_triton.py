@@ -15,6 +15,7 @@ from oracles import (
     assert_backend_matches_reference, assert_kernel_matches_reference, assert_lse_close, attention_inputs,
     run_without_triton, triton_interpreter,
 )
+from helpers import random_lengths
 from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
 from oracles import random_block_idx as _random_block_idx
 
@@ -466,14 +467,7 @@ def test_packed_seed_shape_on_cuda_matches_the_reference():
     l' 64, n 16 (the default tiles: 10 queries a program); auto takes triton with pos; output,
     lse and gradients against the reference backend with the same pos (in fp32 on the same bf16
     inputs), and the backward repeats bit for bit."""
-    gen = torch.Generator().manual_seed(2048)
-    rows = []
-    for _ in range(B):
-        lengths = []
-        while sum(lengths) < 2048:
-            lengths.append(int(torch.randint(100, 801, (), generator=gen)))
-        lengths[-1] -= sum(lengths) - 2048  # the last document ends the row (may be < 100)
-        rows.append([n for n in lengths if n > 0])
+    rows = [random_lengths(2048, 100, 800, seed=2048 + b) for b in range(B)]
     pos = positions(*rows)
     q, k, v, grad_o = make_inputs(2048, 6, 2, 64, torch.bfloat16, seed=20, dk=64)
     idx = packed_block_idx(pos, 2, 16, 64, seed=20)

@@ -16,6 +16,7 @@ from oracles import (
     assert_backend_matches_reference, assert_kernel_matches_reference, attention_inputs, run_without_triton,
     triton_interpreter,
 )
+from helpers import random_lengths
 from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
 
 pytest.importorskip("triton")
@@ -326,14 +327,7 @@ def test_packed_seed_shape_on_cuda_matches_the_reference():
     window 512; auto takes triton with pos; output, lse and gradients against the reference
     backend with the same pos (run in fp32 on the same bf16 inputs), and the backward repeats
     bit for bit."""
-    gen = torch.Generator().manual_seed(2048)
-    rows = []
-    for _ in range(B):
-        lengths = []
-        while sum(lengths) < 2048:
-            lengths.append(int(torch.randint(100, 801, (), generator=gen)))
-        lengths[-1] -= sum(lengths) - 2048  # the last document ends the row (may be < 100)
-        rows.append([n for n in lengths if n > 0])
+    rows = [random_lengths(2048, 100, 800, seed=2048 + b) for b in range(B)]
     pos = positions(*rows)
     q, k, v, grad_o = make_inputs(2048, 6, 2, 64, 64, torch.bfloat16, seed=20)
     assert window_mod.choose_backend(q, k, v, "auto", pos) == "triton"

@@ -59,7 +59,7 @@ from bench_e2e import DEFAULT_TOKENS_PER_STEP, append_record, environment, load_
 from corpus import MODELS
 
 import nsa_compile
-from nsa_compile.bench import config_for, free_memory, is_oom, time_training
+from nsa_compile.bench import config_for, device_named, free_memory, is_oom, time_training
 from nsa_compile.explain import coverage
 from nsa_compile.models import NSAAttention, preset
 from nsa_compile.models.nsa import rope_tables
@@ -339,10 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         print_table(latest(load_records(args.out)))
         return 0
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench_corpus: --device cuda, but no CUDA GPU is available")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    try:
+        device = device_named(args.device)
+    except ValueError as err:
+        sys.exit(f"bench_corpus: {err}")
     env = environment(device, "python3 tools/bench_corpus.py " + shlex.join(argv))
     run = f"{env['date']} pid {os.getpid()}"
     print(f"{env['date']}  {env['card']}  torch {env['torch']}  triton {env['triton']}")

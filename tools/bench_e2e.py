@@ -54,7 +54,9 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from nsa_compile.bench import VARIANTS, compile_variant, config_for, cuda_time_ms, free_memory, is_oom, time_training
+from nsa_compile.bench import (
+    VARIANTS, compile_variant, config_for, cuda_time_ms, device_named, free_memory, is_oom, time_training,
+)
 from nsa_compile.explain import pass_table, rewrite_summary
 from nsa_compile.models import preset
 from nsa_compile.parity import choice_length, fit_parity, parity_sentence, run_parity
@@ -502,10 +504,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             write_plot(records, args.plot)
         return 0
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench_e2e: --device cuda, but no CUDA GPU is available")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    try:
+        device = device_named(args.device)
+    except ValueError as err:
+        sys.exit(f"bench_e2e: {err}")
     env = environment(device, "python3 tools/bench_e2e.py " + shlex.join(argv))
     print(f"{env['date']}  {env['card']}  torch {env['torch']}  triton {env['triton']}")
     print(f"$ {env['command']}")

@@ -55,7 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_e2e beside thi
 from bench_e2e import append_record, compile_cache, environment, sdpa_context
 
 import nsa_compile
-from nsa_compile.bench import cuda_time_ms, free_memory, is_oom, nsa_op_times, print_kernel_profile, print_nsa_op_times
+from nsa_compile.bench import (
+    cuda_time_ms, device_named, free_memory, is_oom, nsa_op_times, print_kernel_profile, print_nsa_op_times,
+)
 from nsa_compile.explain import pass_table, rewrite_summary
 from nsa_compile.models import NSAAttention, preset
 from nsa_compile.parity import check_parity, fit_parity, parity_sentence
@@ -374,10 +376,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench_layer: --device cuda, but no CUDA GPU is available")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    try:
+        device = device_named(args.device)
+    except ValueError as err:
+        sys.exit(f"bench_layer: {err}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = preset(args.shape)
     config = nsa_compile.OptimizeConfig(compiler=args.compiler)

@@ -38,7 +38,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import DEFAULT_TOKENS_PER_STEP, append_record, environment, warm_up_compiler
 
-from nsa_compile.bench import compile_variant, config_for, free_memory, is_oom, time_training
+from nsa_compile.bench import compile_variant, config_for, device_named, free_memory, is_oom, time_training
 from nsa_compile.explain import pass_table, rewrite_summary
 from nsa_compile.models import preset
 from nsa_compile.ops import registry
@@ -221,10 +221,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench_packed: --device cuda, but no CUDA GPU is available")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    try:
+        device = device_named(args.device)
+    except ValueError as err:
+        sys.exit(f"bench_packed: {err}")
     env = environment(device, "python3 tools/bench_packed.py " + shlex.join(argv))
     print(f"{env['date']}  {env['card']}  torch {env['torch']}  triton {env['triton']}")
     print(f"$ {env['command']}")
