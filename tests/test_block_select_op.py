@@ -432,15 +432,15 @@ def test_rounded_importance_argument_backends_and_schema():
     args = bad_args(importance_dtype=torch.float32)
     assert_raises_eager_and_fake(select_blocks, args, "importance_dtype must be None, torch.bfloat16 or "
                                                       "torch.float16, got torch.float32")
-    q, k, scale = make_case(2, 2, 2, 40, 16, torch.bfloat16, seed=0)
+    q, k, scale = make_case(2, 2, 2, 40, 16, torch.bfloat16, seed=0, device=DEVICE)  # where triton runs
     _, lse = eager_p_cmp(q, k, L, D, scale)
     choice = (q, k, lse, L, D, LS, 5)
     assert bs_mod.why_not_triton(*choice, None, "nsa", torch.bfloat16) == bs_mod.why_not_triton(*choice)
     assert bs_mod._triton_reason(*choice, None, "nsa", torch.float16) is None
     assert bs_mod.choose_backend(*choice, "auto", None, "nsa", torch.bfloat16) == \
         bs_mod.choose_backend(*choice, "auto")
-    q17, k17, _ = make_case(1, 1, 17, 40, 16, torch.bfloat16, seed=0)  # 17 heads: two chunks of 16
-    lse17 = torch.zeros(1, 17, 40)
+    q17, k17, _ = make_case(1, 1, 17, 40, 16, torch.bfloat16, seed=0, device=DEVICE)  # 17 heads: 2 chunks of 16
+    lse17 = torch.zeros(1, 17, 40, device=DEVICE)
     reason = ("importance rounded to bfloat16 with 17 heads a group in chunks of 16 (the rounded importance is kept "
               "per head for one chunk only)")
     assert bs_mod._triton_reason(q17, k17, lse17, L, D, LS, 5, None, "nsa", torch.bfloat16) == reason
