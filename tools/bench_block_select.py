@@ -2,6 +2,9 @@
 events, median after a warm-up), peak extra memory and exactness, per variant:
 
   triton     nsa.select_blocks, backend triton (nsa_compile/ops/block_select_triton.py)
+  triton-autocast  the same kernel with the importance rounded as under CUDA bf16 autocast
+             (importance_dtype=bf16, group_sum_dtype=float32: what the seed model's rewrite
+             calls in training), checked against reference with the same arguments
   reference  nsa.select_blocks, backend reference (chunked PyTorch)
   eager      the eager chain of models/nsa.py `select_blocks` from a given p_cmp [B, H, S, Tc]
              (p_cmp itself not timed; OOM where p_cmp and p_slc do not fit)
@@ -158,7 +161,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_block_select: needs a CUDA GPU")
-    valid = ("triton", "reference", "eager", "dense", "cmp+select")
+    valid = ("triton", "triton-autocast", "reference", "eager", "dense", "cmp+select")
     chosen = [name for name in args.variants.split(",") if name]
     for name in chosen:
         if name not in valid:
@@ -184,8 +187,16 @@ def main() -> None:
         triton_fn = functools.partial(bst.select_blocks_forward, q, k, lse, L, D_STRIDE, LS, N, scale,
                                       tiles=args.tiles)  # fmt: skip
         reference_fn = functools.partial(bs.select_blocks, q, k, lse, L, D_STRIDE, LS, N, scale, "reference")
-        dense_fn = functools.partial(F.scaled_dot_product_attention, q, k_tok, v_tok, is_causal=True, enable_gqa=True)
         ok = {}
+        autocast = {"importance_dtype": torch.bfloat16, "group_sum_dtype": torch.float32}
+        autocast_fn = functools.partial(bst.select_blocks_forward, q, k, lse, L, D_STRIDE, LS, N, scale,
+                                        tiles=args.tiles, **autocast)  # fmt: skip
+        if "triton-autocast" in chosen:
+            c = judge(autocast_fn(), bs.select_blocks(q, k, lse, L, D_STRIDE, LS, N, scale, "reference", **autocast),
+                      q, k, scale)
+            checks.append([S, "triton-autocast vs reference", *c.values()])
+            ok["triton-autocast"] = c["other"] == 0
+        dense_fn = functools.partial(F.scaled_dot_product_attention, q, k_tok, v_tok, is_causal=True, enable_gqa=True)
         if "triton" in chosen:
             got = triton_fn()
             if "reference" in chosen:
@@ -201,7 +212,7 @@ def main() -> None:
             ok["triton"] = ok.get("triton", True) and c["other"] == 0
             ok["eager"] = c["other"] == 0
             del want, got
-        variants = {"triton": triton_fn, "reference": reference_fn, "dense": dense_fn}
+        variants = {"triton": triton_fn, "triton-autocast": autocast_fn, "reference": reference_fn, "dense": dense_fn}
         for name in chosen:
             if name == "eager":
                 try:

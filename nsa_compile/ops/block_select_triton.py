@@ -236,7 +236,7 @@ def select_kernel(
     HPG: tl.constexpr, HC: tl.constexpr, NHC: tl.constexpr, DK: tl.constexpr, DK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, TC: tl.constexpr, NS: tl.constexpr, KS: tl.constexpr, LOG_KS: tl.constexpr,
     PREC: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr, HAS_POS: tl.constexpr,
-    IMP_DTYPE: tl.constexpr, SUM_ROUND: tl.constexpr,
+    IMP_DTYPE: tl.constexpr, SUM_ROUND: tl.constexpr, MAP_UPCAST: tl.constexpr,
 ):  # fmt: skip
     # heaviest (latest) query tiles first: a short tail for the causal imbalance
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -281,11 +281,22 @@ def select_kernel(
     jj = tl.arange(0, KS)
     w = tl.load(W + kk[:, None] * KS + jj[None, :])  # [2 TC, KS] overlap / l: previous | this tile
     ic = tl.arange(0, TC)
+    if IMP_DTYPE is not None:
+        # the two halves apart, in the importance dtype (the weights are rounded to it): the per-head
+        # map is two tensor-core dots, not a joined [ROWS, 2 TC] operand in IEEE fp32 (which ran the
+        # kernel 6.4x slower at the seed shape, 32k: H200, 2026-11-27)
+        w_prev = tl.load(W + ic[:, None] * KS + jj[None, :])  # [TC, KS]
+        w_this = tl.load(W + (TC + ic)[:, None] * KS + jj[None, :])
+        if not MAP_UPCAST:
+            w_prev = w_prev.to(IMP_DTYPE)
+            w_this = w_this.to(IMP_DTYPE)
     run = tl.full([BLOCK_M, KS], -1, tl.int64)  # running top KS keys, descending (-1: none)
     for _ in range(n_groups):
         prev = tl.full([BLOCK_M, TC], 0.0, tl.float32)  # the previous tile's head sums (none before 0)
         if IMP_DTYPE is not None:  # the previous tile's rounded p per (query, head) row
             prev_r = tl.full([ROWS, TC], 0.0, tl.float32)
+            if not MAP_UPCAST:
+                prev_r = prev_r.to(IMP_DTYPE)
         if HAS_POS:
             first = reduce_min(tl.where(q_ok & (lo_q > first), lo_q, Tc + 1), 0)
             in_q = q_ok & (lo_q == first)  # [BLOCK_M] the group's queries
@@ -333,14 +344,22 @@ def select_kernel(
                 # where, not multiply: a row without a visible block has lse = -inf (exp = inf)
                 p = tl.where(vis, tl.exp(s * scale - lse[:, None]), 0.0)
                 if IMP_DTYPE is not None:  # one chunk (NHC == 1): p rounded per head, summed after the map
-                    p_r = _rounded(p, IMP_DTYPE)
+                    p_r = _rounded(p, IMP_DTYPE)  # exact in IMP_DTYPE: the cast below only stores it so
+                    if not MAP_UPCAST:
+                        p_r = p_r.to(IMP_DTYPE)
                 else:
                     psum += reduce_sum(tl.reshape(p, [BLOCK_M, HC, TC]), 1)  # the group's heads summed
             if IMP_DTYPE is not None:
                 # eager under autocast: each head's p (rounded) mapped by the rounded overlap weights,
                 # accumulated in fp32 and rounded; the group sum of those in fp32, rounded
-                both = tl.reshape(tl.permute(tl.join(prev_r, p_r), (0, 2, 1)), [ROWS, 2 * TC])
-                p_head = _rounded(tl.dot(both, w, input_precision="ieee"), IMP_DTYPE)  # [ROWS, KS]
+                # products of two IMP_DTYPE values are exact in fp32, accumulated in fp32 as
+                # eager's autocast matmul accumulates (interpreted bf16, MAP_UPCAST: fp32 IEEE dots)
+                if MAP_UPCAST:
+                    p_head = tl.dot(p_r, w_this, acc=tl.dot(prev_r, w_prev, input_precision="ieee"),
+                                    input_precision="ieee")
+                else:
+                    p_head = tl.dot(p_r, w_this, acc=tl.dot(prev_r, w_prev))
+                p_head = _rounded(p_head, IMP_DTYPE)  # [ROWS, KS]
                 p_grp = reduce_sum(tl.reshape(p_head, [BLOCK_M, HC, KS]), 1)
                 if SUM_ROUND:  # CPU autocast: the group sum in that dtype (CUDA autocast: float32)
                     p_grp = _rounded(p_grp, IMP_DTYPE)
@@ -456,6 +475,7 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         ROUND=q.dtype != torch.float32, UPCAST=upcast_dots(q.dtype), HAS_POS=pos is not None,
         IMP_DTYPE=None if importance_dtype is None else _TL_DTYPES[importance_dtype], SUM_ROUND=group_sum_dtype is None,
+        MAP_UPCAST=importance_dtype is not None and upcast_dots(importance_dtype),
         **launch,
     )  # fmt: skip
     return out
