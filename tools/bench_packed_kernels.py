@@ -9,8 +9,8 @@ G 4, h 16, D 128, documents of 100-8000 tokens); l 32, d 16, l' 64, n 16; bf16; 
 drawn uniformly per row (seeded). Times from triton.testing.do_bench. The packed form's k and v
 hold a slot per token (Tc = S - l + 1), as the op takes them with pos.
 
-Check (the line's verdict): o, dq, dk, dv within 1e-2 of the reference's largest magnitude (bf16
-outputs of fp32 arithmetic summed in another order: about one bf16 ulp), lse within 1e-3, and the
+Check (the line's verdict), with the op tests' bounds for bf16 (tests/oracles.py): o, dq, dk, dv
+within 1e-2 relative RMS error, lse within 2e-2 (of 1 + |lse|), and the
 block ids of at most 0.1% of the query rows different (both rank fp32 importances; a different
 summation order swaps near ties only). A FAIL prints no times.
 """
@@ -44,12 +44,15 @@ def check(q, k, v, go, pos, o, lse, scale) -> str:
     grads_r = ops.compressed_attention_backward(go, q, k, v, o_r, lse_r, l, d, scale, "reference", pos)
     bad = []
     for what, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), (o_r, *grads_r)):
-        err = (got.float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1e-30)
+        diff, ref = got.float() - want.float(), want.float()
+        err = (diff.square().mean().sqrt() / ref.square().mean().sqrt().clamp_min(1e-6)).item()  # 0 where no gradient reaches
         if not err <= 1e-2:
-            bad.append(f"{what} relative error {err:.2e}")
+            bad.append(f"{what} relative RMS error {err:.2e}")
     finite = lse_r.isfinite()
-    if not torch.equal(finite, lse.isfinite()) or (lse[finite] - lse_r[finite]).abs().max().item() > 1e-3:
-        bad.append("lse")
+    if not torch.equal(finite, lse.isfinite()):
+        bad.append("lse: -inf on other rows")
+    elif finite.any() and (gap := ((lse[finite] - lse_r[finite]).abs() / (1 + lse_r[finite].abs())).max().item()) > 2e-2:
+        bad.append(f"lse gap {gap:.2e}")
     ids = bst.select_blocks_forward(q, k, lse_r, l, d, ls, n, scale, pos)
     ids_r = ops.select_blocks(q, k, lse_r, l, d, ls, n, scale, "reference", pos)
     rows = (ids != ids_r).any(-1).float().mean().item()
@@ -60,7 +63,7 @@ def check(q, k, v, go, pos, o, lse, scale) -> str:
 
 shapes = {"seed": (32, 2048, 2, 6, 64, 100, 800), "paper": (1, 65536, 4, 16, 128, 100, 8000)}
 if dev == "cpu":
-    shapes = {"tiny": (1, 96, 1, 2, 16, 10, 40)}
+    shapes = {"tiny": (1, 96, 1, 2, 16, 60, 96)}  # documents long enough for several blocks each
 l, d, ls, n = 32, 16, 64, 16
 for name, (B, S, G, h, D, lo, hi) in shapes.items():
     for packed in (False, True):
