@@ -5,7 +5,7 @@ Matches (torch IR), anchored at the softmax (models/nsa.py `NSAAttention.compres
     k_cmp = pool(k)                                  # [B, Tc, G, Dk], see "pooling" below
     k_rep = k_cmp.transpose(1, 2).repeat_interleave(h, dim=1)   # or [:, :, None].expand(..).reshape(..), or none
     scores = upcast(q @ k_rep.transpose(-1, -2)) * c  # q [B, H, S, Dk]; upcast .float()/.to(float32)/none
-    scores = scores.masked_fill(~visible, -inf)        # or torch.where(visible, scores, -inf)
+    scores = scores.masked_fill(~visible, -inf)        # or torch.where(visible, scores, -inf), or a fill <= -1e4
     p = softmax(scores.masked_fill(~has_block, 0.0), dim=-1) * visible   # [B, H, S, Tc]
     o = p.to(v.dtype) @ v_rep                         # v_rep as k_rep; .to optional (the cast may feed others too)
 Pooling: the compression blocks are read from the window view that cuts the key sequence into
@@ -29,6 +29,23 @@ pooling's (l, d); the zeroing must hit exactly the rows without a visible block 
 would give NaN there), and the final mask must keep every visible block and clear those rows
 (else eager gives them 1/Tc each); the op gives those rows 0. Both may be absent only when no
 row lacks a block (l = 1).
+
+lucidrains' branch (tests/corpus/lucidrains_*.py; issue 17), three variants the op computes
+through its staircase intercept `block` (nsa_compile/ops/compressed.py), each read, not assumed:
+- memory slots: k_cmp = cat((mem, pooled), dim=2), mem read from parameters only (`split_memory`);
+  the mask's first M columns must be visible to every query (evaluated), the rest is checked
+  against the pooling as below;
+- strict visibility: block i seen from t = i*d + l (one token after its last): the evaluated mask
+  must be the staircase for a delay of 0 or 1 token (`visibility_delay`; 2 or more is refused);
+- windows ending at i*d + e with e != l - 1 (F.pad at the start + nn.Unfold: block i covers
+  [(i+1)d - l, (i+1)d)): when the fixed-window probe fails, `probe_windows_ending` measures each
+  pooled token's window on probes and takes e when every window ends at i*d + e.
+The whole mask [S, M + Tc] must then be one staircase (memory before blocks with l - 1 + delay <=
+d; else refused), the op gets block = e + 1 + delay - M*d (<= 0 with several slots). A finite
+fill <= LARGE_NEGATIVE (`-finfo.max // 10`) is read as -inf: it hides a key as -inf does where the
+row keeps one, and rows without one must be zeroed and cleared as with -inf (with memory there
+are none). The scores, masked or not, may have other users (lucidrains' block choice reads the
+masked logits): they stay for them, the op replaces the softmax and p @ v.
 
 Packed documents (models/nsa.py with `pos`): the masks read one data input, an int64 [B, S]
 tensor of positions within documents (the model's `l_pos_` placeholder, or the nearest int64
@@ -54,6 +71,11 @@ to MAX_VERIFIED_ELEMENTS. The reasons name what the whole masks would show first
 chunks. Up to B * S * Tc = MAX_VERIFIED_PACKED (2^35) elements per probe; one verdict per mask
 structure and graph serves every layer, and select_blocks, which checks the masks it reads again.
 
+A chunk of queries (a model's loop over query chunks, issue 17; `query_rows`): q = q_full[:, :,
+a:b] with the keys pooled from q_full's whole sequence; the masks are verified with row r at token
+a + r (the staircase at that offset; off by one either way is refused, naming it), and the op gets
+q_offset = a (after pos = None). Not with packed documents.
+
 Becomes `o, lse = torch.ops.nsa.compressed_attention(q, k_cmp^T, v_cmp^T, l, d, c, backend)` on
 the un-repeated pooled K/V [B, G, Tc, D] (nsa_compile/ops/compressed.py), with the positions as
 its last argument (`pos`) in the packed form; o replaces the p @ v product. The pooling stays in
@@ -63,17 +85,20 @@ them); only what became dead is erased.
 
 Refuses (graph unchanged), with the reason shown by `explain`:
 - a softmax that is not over [B, H, S, Tc] scores masked with -inf, or not followed by p @ v;
-- scores or masked scores used anywhere else (the dense tensor is needed);
+- zeroed scores used anywhere else (the dense tensor is needed);
 - fp16/bf16 scores without the upcast (the op computes the softmax in float32);
-- a mask that depends on data, is not one [S, Tc] pattern, or is not the pooling's staircase (off
-  by one either way: a block seen one token early or late); a missing or wrong has_block zeroing
-  or final `* visible`;
+- a mask that depends on data, is not one [S, Tc] pattern, or is not the pooling's staircase (a
+  block seen one token early, or two or more late); a missing or wrong has_block zeroing or final
+  `* visible`; a finite fill on rows without a visible block that are not zeroed;
+- memory slots hidden from some query, computed from the sequence, different for K and V, with
+  packed documents, or before overlapping blocks (not one staircase);
 - packed: masks that read data besides one int64 [B, S] position tensor, differ between heads,
   or differ from the packed visibility on a probe (a document term off by one, slots counted
   from the row start instead of the document, blocks that cross a document boundary, a zeroing
   or final mask that ignores the documents); positions with keys pooled at a stride other than 1;
 - a pooling without a readable (l, d), one that mixes blocks or reads other sequence data, K and
-  V pooled with different (l, d), or over a sequence that is not the queries';
+  V pooled with different (l, d), or over a sequence that is not the queries' (nor the one a chunk
+  of queries is cut from: below);
 - a verification larger than the cap (MAX_VERIFIED_ELEMENTS for masks evaluated whole; packed
   masks in chunks: B * S * Tc over MAX_VERIFIED_PACKED);
 - symbolic sizes (dynamic shapes): a branch that differs from NSA's at one of the probe sizes
@@ -106,7 +131,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.attention_match import (
-    Refused, ancestors, erase_replaced, evaluate_node, only_user, strip_upcast, unrepeat,
+    LARGE_NEGATIVE, Refused, ancestors, erase_replaced, evaluate_node, only_user, strip_upcast, unrepeat,
 )
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.mask_rows import CHUNK_ELEMENTS, RowChunks
@@ -123,7 +148,8 @@ MAX_VERIFIED_ELEMENTS = 2**31
 # CHUNK_ELEMENTS, on 8 probes: up to this many elements per probe (B * S * Tc), the window pass's
 # bound, batch 8 at S = 64k or batch 2 at S = 128k.
 MAX_VERIFIED_PACKED = 2**35
-KERNEL = "nsa.compressed_attention[{backend}] (l={block}, d={stride}{packed}, GQA-native, no repeated K/V{why})"
+KERNEL = ("nsa.compressed_attention[{backend}] (l={block}, d={stride}{packed}{variant}, GQA-native, no repeated "
+          "K/V{why})")
 
 # Ops that return a view (no new elements) when the position subgraphs are evaluated.
 _VIEWS = {"expand", "expand_as", "broadcast_to", "view", "unsqueeze", "squeeze", "getitem", "transpose",
@@ -181,6 +207,28 @@ def fill_of(node: fx.Node, fill: float) -> tuple[fx.Node, fx.Node, bool] | None:
     return None
 
 
+def large_negative_fill_of(node: fx.Node) -> tuple[fx.Node, fx.Node, bool, float] | None:
+    """(x, mask, sense, fill) when `node` sets x to a constant fill <= LARGE_NEGATIVE (finfo.min,
+    -finfo.max, lucidrains' `-finfo.max // 10`, -1e9; as x's dtype stores it) where mask == sense,
+    in the forms of `fill_of` (-inf where x's dtype rounds the fill to it: -finfo(float32).max in
+    fp16); None for anything else (a -inf constant included: `fill_of` reads it)."""
+    name = op_name(node)
+    if name == "masked_fill":
+        candidates = [(first(node), arg(node, 1, "mask"), arg(node, 2, "value"), True)]
+    elif name == "where" and len(node.args) == 3 and not node.kwargs:
+        cond, a, b = node.args
+        candidates = [(a, cond, b, False), (b, cond, a, True)]
+    else:
+        return None
+    for x, mask, fill, sense in candidates:
+        if (isinstance(x, fx.Node) and isinstance(mask, fx.Node) and isinstance(fill, (int, float))
+                and not isinstance(fill, bool) and value(x) is not None and value(x).is_floating_point()):
+            stored = float(torch.tensor(fill, dtype=value(x).dtype, device="cpu"))  # as x's dtype stores it
+            if stored <= LARGE_NEGATIVE:
+                return x, mask, sense, stored
+    return None
+
+
 def split_scale(node: fx.Node) -> tuple[fx.Node, float]:
     """scores * c, c * scores, scores / c -> (scores, c); anything else is unscaled (c = 1)."""
     name, (a, b) = name_of(node), (node.args + (None, None))[:2]
@@ -198,11 +246,19 @@ def split_scale(node: fx.Node) -> tuple[fx.Node, float]:
 def ungroup(node: fx.Node) -> tuple[fx.Node, int]:
     """K/V expanded for the query heads -> (K/V [B, G, T, D], h): x.repeat_interleave(h, dim=1), or
     x[:, :, None].expand(B, G, h, T, D).reshape(B, G*h, T, D) (head g*h + r reads group g, as the
-    repeat); (node, 1) for anything else."""
+    repeat; the size-1 dim may also be copied by repeat_interleave(h, dim=2), which canonicalize
+    writes for lucidrains' `repeat(1, 1, h, 1, 1)`); (node, 1) for anything else."""
     x, h = unrepeat(node)
     if x is not node:
         return x, h
-    if op_name(node) not in ("reshape", "view", "flatten") or op_name(first(node)) not in ("expand", "broadcast_to"):
+    middle = first(node) if op_name(node) in ("reshape", "view", "flatten") else None
+    if not isinstance(middle, fx.Node):
+        return node, 1
+    dim = arg(middle, 2, "dim")
+    copied = op_name(middle) in ("expand", "broadcast_to") or (
+        op_name(middle) == "repeat_interleave" and isinstance(arg(middle, 1, "repeats"), int)
+        and isinstance(dim, int) and dim % 5 == 2 and arg(middle, 3, "output_size") is None)
+    if not copied:
         return node, 1
     expanded = first(node)
     unsqueezed = first(expanded)
@@ -352,26 +408,32 @@ def as_grid(mask: torch.Tensor, rows: int, cols: int, what: str) -> torch.Tensor
         raise Refused(f"the {what} {tuple(mask.shape)} does not broadcast to [S, Tc] = {(rows, cols)}") from None
 
 
-def staircase(S: int, Tc: int, block: int, stride: int, device) -> torch.Tensor:
-    """visible[t, i] = i*d + l - 1 <= t: compression block i lies entirely in t's past."""
-    t = torch.arange(S, device=device)[:, None]
+def staircase(S: int, Tc: int, block: int, stride: int, device, q_offset: int = 0) -> torch.Tensor:
+    """visible[r, i] = i*d + l - 1 <= t for query row r, token t = q_offset + r (q_offset > 0 for a
+    chunk of queries): compression block i lies entirely in t's past."""
+    t = q_offset + torch.arange(S, device=device)[:, None]
     i = torch.arange(Tc, device=device)[None, :]
     return i * stride + block - 1 <= t
 
 
-def staircase_reason(keep: torch.Tensor, block: int, stride: int) -> str:
-    """Why `keep` [S, Tc] is not the staircase of (l, d): an offset when it is one, else in general."""
+def staircase_reason(keep: torch.Tensor, block: int, stride: int, q_offset: int = 0) -> str:
+    """Why `keep` [S, Tc] (query rows from token q_offset) is not the staircase of (l, d): an offset
+    when it is one (read where block 0 appears, else one token either way: a chunk of queries may
+    see block 0 from its first row), else in general, naming the first row that differs."""
     S, Tc = keep.shape
     seen = keep[:, 0].nonzero()
-    if len(seen):
-        shift = int(seen[0]) - (block - 1)
-        if shift and torch.equal(keep, staircase(S, Tc, block + shift, stride, keep.device)):
+    appears = len(seen) and (int(seen[0]) > 0 or q_offset == 0)  # where block 0 appears, if in these rows
+    shifts = ([q_offset + int(seen[0]) - (block - 1)] if appears else []) + [-1, 1]
+    for shift in shifts:
+        if shift and torch.equal(keep, staircase(S, Tc, block + shift, stride, keep.device, q_offset)):
             if shift < 0:
                 return (f"the visibility mask is off by {-shift}: block i is visible from t = i*d + l - 1 - {-shift}, "
                         f"before its last token (a later token leaks in; pooling l={block}, d={stride})")
             return (f"the visibility mask is off by {shift}: block i becomes visible at t = i*d + l - 1 + {shift}, "
                     f"not at its last token (pooling l={block}, d={stride})")
-    return f"the visibility mask is not the staircase i*d + l - 1 <= t of the pooling (l={block}, d={stride})"
+    rows = (keep != staircase(S, Tc, block, stride, keep.device, q_offset)).any(-1).nonzero()
+    at = f" (first at query row {int(rows[0])}, token {q_offset + int(rows[0])})" if q_offset and len(rows) else ""
+    return f"the visibility mask is not the staircase i*d + l - 1 <= t of the pooling (l={block}, d={stride}){at}"
 
 
 # --- the pooling ------------------------------------------------------------------------------
@@ -383,6 +445,12 @@ class Pooling:
     seq_dim: int
     block: int  # l
     stride: int  # d
+    end: int | None = None  # block i's last token is i*d + end (None: l - 1, NSA's windows [i*d, i*d + l))
+
+    @property
+    def last(self) -> int:
+        """Block i's last token is i*d + last."""
+        return self.block - 1 if self.end is None else self.end
 
 
 def data_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -401,11 +469,20 @@ def data_nodes(graph: fx.Graph) -> set[fx.Node]:
 
 
 def _prefix_slice_source(node: fx.Node, dim: int) -> fx.Node:
-    """x[:, :N] (a prefix of dim `dim`, every other dim whole) -> x; otherwise node itself."""
+    """x[:, :N] (a prefix of dim `dim`, every other dim whole; `...` for whole dims, trailing whole
+    dims optional: x[..., :N, :]) -> x; otherwise node itself."""
     index = arg(node, 1, "index")
     if op_name(node) != "getitem" or not isinstance(first(node), fx.Node) or not isinstance(index, tuple):
         return node
     whole = slice(None, None, None)
+    if Ellipsis in index and index.count(Ellipsis) == 1 and value(first(node)) is not None:
+        at = index.index(Ellipsis)
+        fill = value(first(node)).dim() - (len(index) - 1)
+        if fill < 0:
+            return node
+        index = index[:at] + (whole,) * fill + index[at + 1:]
+    while len(index) > dim + 1 and index[-1] == whole:
+        index = index[:-1]
     if len(index) == dim + 1 and all(s == whole for s in index[:dim]):
         cut = index[dim]
         if isinstance(cut, slice) and cut.start in (None, 0) and cut.step in (None, 1):
@@ -612,16 +689,18 @@ def read_pooling(kv: fx.Node, what: str, data: set) -> Pooling:
 PROBE_TOLERANCE = 1e-9
 
 
-def staircase_of(probs: Probabilities, subgraphs: PositionSubgraphs) -> tuple[int, int]:
-    """(l, d) that the -inf mask's staircase shows: block 0 becomes visible at t = l - 1, block 1
-    d tokens later; Refused for a mask that reads data or shows no two blocks."""
+def staircase_of(probs: Probabilities, subgraphs: PositionSubgraphs, memory: int = 0) -> tuple[int, int]:
+    """(l, d) that the -inf mask's staircase shows: block 0 (the column after the `memory` slots)
+    becomes visible at t = l - 1, block 1 d tokens later; Refused for a mask that reads data or
+    shows no two blocks."""
     _, _, S, Tc = probs.shape
     mask, sense = probs.masks["inf"]
     filled = subgraphs.evaluate(mask, "visibility mask")
     if filled.dtype != torch.bool:
         raise Refused(f"the visibility mask is {filled.dtype}, not bool")
-    keep = as_grid(filled if not sense else ~filled, S, Tc, "visibility mask")
-    first_seen = [int(keep[:, i].nonzero()[0]) if bool(keep[:, i].any()) else None for i in range(min(Tc, 2))]
+    keep = as_grid(filled if not sense else ~filled, S, Tc, "visibility mask")[:, memory:]
+    first_seen = [int(keep[:, i].nonzero()[0]) if bool(keep[:, i].any()) else None
+                  for i in range(min(Tc - memory, 2))]
     if len(first_seen) < 2 or None in first_seen or first_seen[1] <= first_seen[0]:
         raise Refused("the visibility mask shows fewer than two blocks: no (l, d) to read the pooling by")
     return first_seen[0] + 1, first_seen[1] - first_seen[0]
@@ -636,6 +715,83 @@ def probe_pooling(kv: fx.Node, what: str, block: int, stride: int, S: int, sizes
     weighted einsums, prefix sums) are accepted. In a graph with symbolic sizes the probes have
     the shapes `sizes` gives (S is the number it gives the sequence), and the size nodes the
     region reads enter as its numbers."""
+    source, probe_moved = _pooling_probe(kv, what, S, sizes)
+    period = 2 * block
+    t = torch.arange(S, device="cpu")
+    i = torch.arange(probe_moved.Tc, device="cpu")
+    reached = torch.zeros(probe_moved.Tc, dtype=torch.bool, device="cpu")
+    for r in range(min(period, S)):
+        perturbed = t % period == r
+        moved = probe_moved(perturbed)
+        js = t[perturbed]
+        window = ((js[None, :] >= i[:, None] * stride) & (js[None, :] < i[:, None] * stride + block)).any(-1)
+        if bool((moved & ~window).any()):
+            k = int((moved & ~window).nonzero()[0])
+            raise Refused(f"the compressed {what}: pooled token {k} depends on tokens outside its block "
+                          f"[{k * stride}, {k * stride + block}) (probed, l={block}, d={stride})")
+        reached |= moved
+    if not bool(reached.all()):
+        raise Refused(f"the compressed {what}: pooled token {int((~reached).nonzero()[0])} depends on no token "
+                      "(probed)")
+    return Pooling(source, 1, block, stride)
+
+
+def probe_windows_ending(kv: fx.Node, what: str, seen_at: int, stride: int, S: int,
+                         sizes: Sizes | None = None) -> Pooling:
+    """The Pooling of kv whose blocks are windows ending at i*d + e for one e (lucidrains'
+    `F.pad` at the start + `nn.Unfold`: block i covers [(i+1)d - l, (i+1)d), the first ones
+    shortened by the padding), measured on probes: tokens perturbed P = 2 (seen_at + 1 + 2d)
+    apart, each residue in turn, give each pooled token the residues it depends on, which must be
+    one run of fewer than P (a window of consecutive tokens); its position follows from the run
+    and the mask's time seen_at + i*d at which block i becomes visible (the window nearest it).
+    Every window must end at i*d + e for the same e and be at most P / 2 tokens long; `end` = e
+    and `block` = the longest window. A check on probes, as `probe_pooling`."""
+    source, probe_moved = _pooling_probe(kv, what, S, sizes)
+    Tc = probe_moved.Tc
+    period = min(2 * (seen_at + 1 + 2 * stride), S)
+    t = torch.arange(S, device="cpu")
+    runs = torch.stack([probe_moved(t % period == r) for r in range(period)], dim=1)  # [Tc, P]
+    ends, longest = set(), 0
+    for k in range(Tc):
+        residues = runs[k]
+        count = int(residues.sum())
+        if count == 0:
+            raise Refused(f"the compressed {what}: pooled token {k} depends on no token (probed)")
+        starts = (residues & ~residues.roll(1)).nonzero().flatten()  # a run starts where its left is False
+        if count > period // 2 or len(starts) != 1:
+            raise Refused(f"the compressed {what}: pooled token {k} does not depend on one window of at most "
+                          f"{period // 2} consecutive tokens (probed, d={stride})")
+        first = int(starts[0])
+        expected = k * stride + seen_at  # the window ends at or just before it
+        last = first + count - 1
+        last += round((expected - last) / period) * period  # the run's place nearest the visibility
+        ends.add(last - k * stride)
+        longest = max(longest, count)
+    if len(ends) != 1:
+        raise Refused(f"the compressed {what}: the pooled windows end at i*d + e for several e ({sorted(ends)}; "
+                      f"probed, d={stride}): not blocks at stride {stride}")
+    return Pooling(source, 1, longest, stride, ends.pop())
+
+
+class _Moved:
+    """The pooled tokens [Tc] (bool) that random float64 noise on the perturbed tokens [S] moves."""
+
+    def __init__(self, pooled, base, env, source, shape, gen, Tc):
+        self.pooled, self.base, self.env, self.source, self.shape, self.gen, self.Tc = (
+            pooled, base, env, source, shape, gen, Tc)
+        self.scale = float(base.abs().max()) + 1.0
+
+    def __call__(self, perturbed: torch.Tensor) -> torch.Tensor:
+        shifted = dict(self.env)
+        noise = torch.randn(self.shape, generator=self.gen, dtype=torch.float64, device="cpu")
+        S = perturbed.shape[0]
+        shifted[self.source] = self.env[self.source] + noise * perturbed.view(1, S, *([1] * (len(self.shape) - 2)))
+        return (self.pooled(shifted) - self.base).abs().amax(dim=(0, 1, 3)) > PROBE_TOLERANCE * self.scale
+
+
+def _pooling_probe(kv: fx.Node, what: str, S: int, sizes: Sizes | None) -> tuple[fx.Node, _Moved]:
+    """(the one [B, S, ..] sequence input kv is pooled from, a `_Moved` on it) for the probes of
+    the pooling region, at the shapes `sizes` gives; Refused for a region that cannot be probed."""
     sizes = sizes or Sizes.of(kv.graph)
     numbers = sizes.size_nodes()
     B, _, Tc, _ = sizes.shape(value(kv))
@@ -669,42 +825,51 @@ def probe_pooling(kv: fx.Node, what: str, block: int, stride: int, S: int, sizes
     def pooled(values: dict) -> torch.Tensor:
         return probe.run(ops, dict(values), kv, f"the compressed {what}", device="cpu")
 
-    base = pooled(env)
-    scale = float(base.abs().max()) + 1.0
-    period = 2 * block
-    t = torch.arange(S, device="cpu")
-    i = torch.arange(Tc, device="cpu")
-    reached = torch.zeros(Tc, dtype=torch.bool, device="cpu")
-    for r in range(min(period, S)):
-        perturbed = t % period == r
-        shifted = dict(env)
-        noise = torch.randn(sizes.shape(value(source)), generator=gen, dtype=torch.float64, device="cpu")
-        shifted[source] = env[source] + noise * perturbed.view(1, S, *([1] * (value(source).dim() - 2)))
-        moved = (pooled(shifted) - base).abs().amax(dim=(0, 1, 3)) > PROBE_TOLERANCE * scale  # [Tc]
-        js = t[perturbed]
-        window = ((js[None, :] >= i[:, None] * stride) & (js[None, :] < i[:, None] * stride + block)).any(-1)
-        if bool((moved & ~window).any()):
-            k = int((moved & ~window).nonzero()[0])
-            raise Refused(f"the compressed {what}: pooled token {k} depends on tokens outside its block "
-                          f"[{k * stride}, {k * stride + block}) (probed, l={block}, d={stride})")
-        reached |= moved
-    if not bool(reached.all()):
-        raise Refused(f"the compressed {what}: pooled token {int((~reached).nonzero()[0])} depends on no token "
-                      "(probed)")
-    return Pooling(source, 1, block, stride)
+    return source, _Moved(pooled, pooled(env), env, source, sizes.shape(value(source)), gen, Tc)
 
 
-def pooling_of(probs: Probabilities, kv: fx.Node, what: str, data: set, subgraphs: PositionSubgraphs) -> Pooling:
+def pooling_of(probs: Probabilities, kv: fx.Node, what: str, data: set, subgraphs: PositionSubgraphs,
+               memory: int = 0) -> Pooling:
     """The pooling of kv: read from its code (`read_pooling`), or else probed for the (l, d) the
-    visibility mask shows (`probe_pooling`); the reader's reason where both fail."""
+    visibility mask shows (`probe_pooling`; the mask's first `memory` columns are memory slots,
+    not kv's); the reader's reason where both fail."""
     try:
         return read_pooling(kv, what, data)
     except Refused as why:
         try:
-            block, stride = staircase_of(probs, subgraphs)
-            return probe_pooling(kv, what, block, stride, probs.shape[2], subgraphs.sizes)
+            block, stride = staircase_of(probs, subgraphs, memory)
+            try:
+                return probe_pooling(kv, what, block, stride, probs.shape[2], subgraphs.sizes)
+            except Refused as fixed:
+                if "outside its block" not in str(fixed):
+                    raise
+                try:  # windows that end where NSA's do not (lucidrains' padding at the start)
+                    return probe_windows_ending(kv, what, block - 1, stride, probs.shape[2], subgraphs.sizes)
+                except Refused:
+                    raise fixed from None
         except Refused as probed:
             raise Refused(f"{why}; probed: {probed}") from None
+
+
+def split_memory(kv: fx.Node, what: str, data: set) -> tuple[fx.Node, int]:
+    """(pooled, M) for kv = torch.cat((mem, pooled), dim=2) [B, G, M + Tc, D] whose first operand
+    reads no sequence data (learned memory slots: parameters, expanded over the batch); (kv, 0)
+    for anything else. Refused for memory slots computed from the sequence."""
+    if op_name(kv) not in ("cat", "concat", "concatenate"):
+        return kv, 0
+    parts, dim = arg(kv, 0, "tensors"), arg(kv, 1, "dim", 0)
+    out = value(kv)
+    if (out is None or not isinstance(parts, (tuple, list)) or len(parts) != 2 or not isinstance(dim, int)
+            or dim % out.dim() != 2 or not all(isinstance(x, fx.Node) and value(x) is not None for x in parts)):
+        return kv, 0
+    memory, pooled = parts
+    if memory in data:
+        raise Refused(f"the compressed {what} are cat((m, pooled)) with m computed from the sequence "
+                      f"({memory.name}), not memory slots from parameters")
+    M = value(memory).shape[2]
+    if not isinstance(M, int):
+        raise Refused(f"the compressed {what} have a symbolic number of memory slots")
+    return pooled, M
 
 
 # --- the compressed probabilities -------------------------------------------------------------
@@ -717,11 +882,13 @@ class Probabilities:
     softmax: fx.Node
     p: fx.Node  # the probabilities (after the final mask, or the softmax itself)
     q: fx.Node  # [B, H, S, Dk]
-    k: fx.Node  # un-repeated pooled keys [B, G, Tc, Dk]
+    k: fx.Node  # un-repeated pooled keys [B, G, Tc, Dk] (memory slots first, when the model has them)
     h: int
     scale: float
     masks: dict  # name -> (node, sense): the node is True where the fill / keep applies per sense
     shape: tuple  # B, H, S, Tc
+    finite_fill: float | None = None  # the visibility mask's fill when finite (read as -inf), else None
+    score_users: tuple = ()  # other users of the unmasked scores (they keep the [B, H, S, Tc] scores)
 
 
 def probabilities_softmax(p: fx.Node) -> fx.Node | None:
@@ -779,12 +946,18 @@ def read_probabilities(softmax: fx.Node) -> Probabilities:
     node = first(softmax)
     if not isinstance(node, fx.Node):
         raise Refused("the softmax input is not a tensor computed in the graph")
-    zeroed = fill_of(node, 0.0)
+    zeroed, zeroed_node = fill_of(node, 0.0), None
     if zeroed is not None:
         masks["zero"] = zeroed[1:]
         only_user(node, "zeroed score tensor", "the dense tensor is needed")
-        node = zeroed[0]
-    masked = fill_of(node, float("-inf"))
+        node, zeroed_node = zeroed[0], node
+    masked, finite_fill = fill_of(node, float("-inf")), None
+    if masked is None and (large := large_negative_fill_of(node)) is not None:
+        # a finite fill hides a key as -inf does on every row that keeps one (LARGE_NEGATIVE); the
+        # rows that keep none must be zeroed and cleared as with -inf (`check_row_masks`), so the
+        # fill never reaches the output
+        *masked, finite_fill = large
+        finite_fill = None if finite_fill == float("-inf") else finite_fill
     if masked is None:
         raise Refused(f"the softmax input is {op_name(node)}, not scores masked with -inf")
     scaled, mask, sense = masked
@@ -792,12 +965,13 @@ def read_probabilities(softmax: fx.Node) -> Probabilities:
         raise Refused("the rows without a visible block are zeroed before the -inf mask, which makes them "
                       "all -inf again (NaN in eager code)")
     masks["inf"] = (mask, sense)
-    only_user(node, "masked score tensor", "the dense tensor is needed")
-    only_user(scaled, "score tensor", "the dense tensor is needed")
     raw, scale = split_scale(scaled)
     qk = strip_upcast(raw)
-    for n in dict.fromkeys((raw, qk)):
-        only_user(n, "score tensor", "the dense tensor is needed")
+    # the scores, masked or not, may have other users (lucidrains' block choice reads the masked
+    # logits): they keep their [B, H, S, Tc] tensor, the op replaces the softmax and p @ v
+    chain = list(dict.fromkeys((qk, raw, scaled, node)))
+    score_users = tuple(u for n in chain for u in n.users if u not in chain and u is not zeroed_node
+                        and u is not softmax)
     if op_name(qk) not in MATMULS:
         raise Refused("the scores are not q @ k^T")
     low, high = value(qk), value(scaled)
@@ -824,23 +998,51 @@ def read_probabilities(softmax: fx.Node) -> Probabilities:
     p, final = final_mask(softmax)
     if final is not None:
         masks["final"] = final[1:] if final[0] == "fill" else (final[1], None)
-    return Probabilities(softmax, p, q, k, h, scale, masks, (B, H, S, Tc))
+    return Probabilities(softmax, p, q, k, h, scale, masks, (B, H, S, Tc), finite_fill, score_users)
 
 
 @dataclass(frozen=True)
 class Visibility:
     """What `verify_probabilities` proved: the masks are NSA's for compression blocks of `block`
     tokens at stride `stride` (d); `pos` is the [B, S] position node in the packed form (the keys
-    then hold a slot per token, pooled at stride 1), None otherwise."""
+    then hold a slot per token, pooled at stride 1), None otherwise. lucidrains' variants (never
+    with pos): `delay` 1 for strict visibility (block i seen one token after its last), `memory` M
+    learned slots before the blocks, visible to every query, `end` e when block i ends at i*d + e,
+    not i*d + l - 1 (windows padded at the start, `probe_windows_ending`)."""
 
     block: int
     stride: int
     pos: fx.Node | None
+    memory: int = 0
+    delay: int = 0
+    q_offset: int = 0  # the token of query row 0: a chunk of queries (`query_rows`)
+    end: int | None = None  # block i's last token is i*d + end (None: i*d + l - 1)
+
+    @property
+    def intercept(self) -> int:
+        """The op's `block` argument: its staircase i*d + block - 1 <= t over all the columns,
+        memory slots first (nsa_compile/ops/compressed.py)."""
+        last = self.block - 1 if self.end is None else self.end
+        return last + 1 + self.delay - self.memory * self.stride
+
+    def describe(self) -> str:
+        """The variant for the match text ('' for NSA's)."""
+        seen = "l" if self.end is None else str(self.end + 1)  # one token after the last
+        notes = ([f"windows ending at i*d + {self.end}"] if self.end is not None else []) + (
+            [f"strict visibility (block i seen from t = i*d + {seen})"] if self.delay else []) + (
+            [f"{self.memory} memory slot{'s' if self.memory > 1 else ''} seen by every query"] if self.memory
+            else []) + (
+            [f"query rows from token {self.q_offset}"] if self.q_offset else [])
+        return "".join(f", {n}" for n in notes)
 
 
-def verify_probabilities(probs: Probabilities, pooling: Pooling, subgraphs: PositionSubgraphs) -> Visibility:
+def verify_probabilities(probs: Probabilities, pooling: Pooling, subgraphs: PositionSubgraphs,
+                         memory: int = 0, q_offset: int = 0) -> Visibility:
     """Refused unless the masks of `probs` are exactly NSA's for the pooling's (l, d), or in the
-    packed form NSA's packed visibility (on the probes) for l and the d the mask shows."""
+    packed form NSA's packed visibility (on the probes) for l and the d the mask shows. Also read:
+    strict visibility (a block seen one token after its last) and `memory` slots before the blocks
+    (the first columns), which must be visible to every query; both as one staircase over all the
+    columns, the op's (`Visibility.intercept`)."""
     B, _, S, Tc = probs.shape
     l, d = pooling.block, pooling.stride
     roots = [mask for mask, _ in probs.masks.values()]
@@ -848,6 +1050,12 @@ def verify_probabilities(probs: Probabilities, pooling: Pooling, subgraphs: Posi
     if pos is not None and subgraphs.sizes is not None and subgraphs.sizes.symbolic:
         raise Refused(f"the masks read positions within documents ({pos.name}) in a graph with symbolic sizes: "
                       "packed documents are verified at static sizes only (OptimizeConfig(dynamic=False))")
+    if pos is not None and q_offset:
+        raise Refused(f"the masks read positions within documents ({pos.name}) for a chunk of queries (rows from "
+                      f"token {q_offset}): packed documents are matched over the whole sequence only")
+    if pos is not None and memory:
+        raise Refused(f"the masks read positions within documents ({pos.name}) and the keys hold {memory} memory "
+                      "slots: memory slots are read without packed documents only")
     if pos is not None:
         return verify_packed(probs, pooling, subgraphs, pos)
     mask, sense = probs.masks["inf"]
@@ -855,15 +1063,42 @@ def verify_probabilities(probs: Probabilities, pooling: Pooling, subgraphs: Posi
     if filled.dtype != torch.bool:
         raise Refused(f"the visibility mask is {filled.dtype}, not bool")
     keep = as_grid(filled if not sense else ~filled, S, Tc, "visibility mask")
-    visible = staircase(S, Tc, l, d, keep.device)
+    if memory:
+        hidden = (~keep[:, :memory]).nonzero()
+        if len(hidden):
+            t, j = (int(x) for x in hidden[0])
+            raise Refused(f"memory slot {j} (of the {memory} before the pooled blocks: cat((mem, pooled))) is hidden "
+                          f"from query {t}: memory slots must be visible to every query")
+    delay = visibility_delay(keep[:, memory:], pooling.last + 1, d, q_offset)
+    seen = Visibility(l, d, None, memory, delay, q_offset, pooling.end)
+    visible = staircase(S, Tc, seen.intercept, d, keep.device, q_offset)
     if not torch.equal(keep, visible):
-        raise Refused(staircase_reason(keep, l, d))
+        raise Refused(f"the {memory} memory slots before blocks of l={l} tokens at stride d={d}"
+                      f"{' seen strictly after their last token' if delay else ''} are not one staircase over "
+                      f"all the columns, the op's (it needs {'l <= d' if delay else 'l - 1 <= d'})")
+    if probs.finite_fill is not None and "zero" not in probs.masks and not bool(visible.any(-1).all()):
+        raise Refused(f"the visibility mask fills {probs.finite_fill:g}, not -inf, and rows without a visible block "
+                      "are not zeroed: eager gives them the uniform average of the blocks, the op 0")
 
     def grid(node: fx.Node, what: str) -> torch.Tensor:
         return as_grid(subgraphs.evaluate(node, what), S, Tc, what)[None]
 
-    check_row_masks(probs, grid, visible[None], f"rows without a visible block (t < {l - 1})")
-    return Visibility(l, d, None)
+    check_row_masks(probs, grid, visible[None], f"rows without a visible block (t < {seen.intercept - 1})")
+    return seen
+
+
+def visibility_delay(keep: torch.Tensor, block: int, stride: int, q_offset: int = 0) -> int:
+    """0 when keep [S, Tc] is NSA's staircase i*d + l - 1 <= t for (l, d) = (block, stride), 1 when
+    it is the strict one i*d + l - 1 < t (lucidrains: block i seen after its last token); Refused
+    (with `staircase_reason`) for anything else."""
+    S, Tc = keep.shape
+    for delay in (0, 1):
+        if torch.equal(keep, staircase(S, Tc, block + delay, stride, keep.device, q_offset)):
+            return delay
+    why = staircase_reason(keep, block, stride, q_offset)
+    if "becomes visible at" in why:  # later than its last token
+        why += "; the op takes a block from its last token (i*d + l - 1 <= t) or strictly after it (< t)"
+    raise Refused(why)
 
 
 def check_row_masks(probs: Probabilities, grid, visible: torch.Tensor, empty_rows: str, on: str = "") -> None:
@@ -1213,21 +1448,60 @@ def verify_branch(probs: Probabilities, v: fx.Node | None, data: set, subgraphs:
     """The poolings of K (and of V, when given) and the masks of `probs` verified under the
     assignment of sizes `subgraphs` evaluates at (`probs` with numbers for its shape)."""
     S = probs.shape[2]
-    pooling = pooling_of(probs, probs.k, "keys", data, subgraphs)
+    k, memory = split_memory(probs.k, "keys", data)
+    pooling = pooling_of(probs, k, "keys", data, subgraphs, memory)
     pools = [(pooling, "keys")]
     if v is not None:
-        v_pooling = pooling_of(probs, v, "values", data, subgraphs)
-        if (pooling.block, pooling.stride) != (v_pooling.block, v_pooling.stride):
-            raise Refused(f"K and V are pooled with different blocks: (l, d) = {(pooling.block, pooling.stride)} "
-                          f"and {(v_pooling.block, v_pooling.stride)}")
+        v, v_memory = split_memory(v, "values", data)
+        if v_memory != memory:
+            raise Refused(f"the compressed keys have {memory} memory slots, the values {v_memory}")
+        v_pooling = pooling_of(probs, v, "values", data, subgraphs, memory)
+        if (pooling.block, pooling.stride, pooling.last) != (v_pooling.block, v_pooling.stride, v_pooling.last):
+            raise Refused(f"K and V are pooled with different blocks: (l, d, last token) = "
+                          f"{(pooling.block, pooling.stride, pooling.last)} and "
+                          f"{(v_pooling.block, v_pooling.stride, v_pooling.last)}")
         pools.append((v_pooling, "values"))
+    q_offset, rows_of = query_rows(probs.q, subgraphs.shape)
     for pool, what in pools:
         length = subgraphs.shape(value(pool.source))[pool.seq_dim]
-        if length != S:
-            raise Refused(f"the {what} are pooled from a sequence of {length} tokens, not the {S} queries")
+        if length != S and length != rows_of:
+            of = f" (rows {q_offset}..{q_offset + S - 1} of {rows_of})" if rows_of is not None else ""
+            raise Refused(f"the {what} are pooled from a sequence of {length} tokens, not the {S} queries{of}")
     if probs.shape[3] == 0:
         raise Refused(f"no compression block at S = {S} (S < l): nothing to attend to")
-    return verify_probabilities(probs, pooling, subgraphs)
+    return verify_probabilities(probs, pooling, subgraphs, memory, q_offset)
+
+
+def query_rows(q: fx.Node, shape=lambda val: tuple(val.shape)) -> tuple[int, int | None]:
+    """(q_offset, L): q [B, H, S, D] is the rows [q_offset, q_offset + S) of a sequence of L queries,
+    cut by a constant slice of the sequence dim (`q_full[:, :, a:b]`, `q_full[..., a:b, :]`,
+    `q_full.narrow(2, a, S)`): a chunk of a model that loops over query chunks (issue 17); (0, None)
+    for any other q. Only where the rows start is read here: the masks are then evaluated with row
+    r at token q_offset + r (`verify_probabilities`), and a mask that is not the op's at that
+    offset is refused. `shape`: a fake tensor's sizes as numbers (at probe sizes)."""
+    full = value(first(q)) if op_name(q) in ("getitem", "narrow") and isinstance(first(q), fx.Node) else None
+    if full is None or full.dim() != 4 or value(q) is None or value(q).dim() != 4:
+        return 0, None
+    start = None
+    if op_name(q) == "narrow" and arg(q, 1, "dim") in (2, -2):
+        start = arg(q, 2, "start")
+    elif op_name(q) == "getitem" and isinstance(arg(q, 1, "index"), tuple):
+        whole = slice(None, None, None)
+        index = arg(q, 1, "index")
+        if index.count(Ellipsis) == 1:
+            at = index.index(Ellipsis)
+            index = index[:at] + (whole,) * (5 - len(index)) + index[at + 1:]
+        index = index + (whole,) * (4 - len(index))
+        cut = index[2] if len(index) == 4 else None
+        if isinstance(cut, slice) and cut.step in (None, 1) and all(s == whole for s in index[:2] + index[3:]):
+            start = 0 if cut.start is None else cut.start
+    if not isinstance(start, int) or isinstance(start, bool):  # a symbolic start is not read
+        return 0, None
+    length = shape(full)[2]
+    if not isinstance(length, int):  # a size symbol: not read as a chunk (no guard on it)
+        return 0, None
+    start = start + length if start < 0 else start
+    return (start, length) if 0 <= start <= length else (0, None)
 
 
 def at_sizes(probs: Probabilities, sizes: Sizes) -> Probabilities:
@@ -1253,7 +1527,7 @@ def verify_at_probe_sizes(probs: Probabilities, v: fx.Node | None, data: set,
     verdicts = set(found.values())
     if len(verdicts) > 1:
         raise Refused("the compressed branch is not the same at every size: " + "; ".join(
-            f"(l, d) = ({seen.block}, {seen.stride}) at {where}" for where, seen in found.items()))
+            f"(l, d) = ({seen.block}, {seen.stride}){seen.describe()} at {where}" for where, seen in found.items()))
     return verdicts.pop()
 
 
@@ -1302,7 +1576,7 @@ class CompressedAttention(RewritePass):
             why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
             packed = ", packed documents (pos)" if plan["pos"] is not None else ""
             ctx.matched(softmax, KERNEL.format(block=plan["block"], stride=plan["stride"], backend=plan["backend"],
-                                               packed=packed, why=why))
+                                               packed=packed, variant=plan["variant"], why=why))
 
     def check(self, softmax: fx.Node, subgraphs: PositionSubgraphs, data: set, requested: str = "auto") -> dict:
         probs = read_probabilities(softmax)
@@ -1321,22 +1595,31 @@ class CompressedAttention(RewritePass):
         if value(probs.q).dtype != value(probs.k).dtype:
             raise Refused("q and the compressed keys differ in dtype")
         seen = verify_at_probe_sizes(probs, v, data, subgraphs)
-        fakes = (value(probs.q), value(probs.k), vv, seen.block, seen.stride)
+        fakes = (value(probs.q), value(probs.k), vv, seen.intercept, seen.stride)
         pos = None if seen.pos is None else value(seen.pos)
         try:  # from the fake tensors: device, dtype, head dims
-            backend = choose_backend(*fakes, requested, pos)
+            backend = choose_backend(*fakes, requested, pos, seen.q_offset)
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(compressed_attention_backend={requested!r}): {why}") from None
+        variant = seen.describe()
+        if probs.finite_fill is not None:
+            variant += f", fill {probs.finite_fill:g} read as -inf"
+        if probs.score_users:
+            names = ", ".join(sorted({op_name(u) or u.op for u in probs.score_users}))
+            variant += f", the scores also kept for {names}"
         return {"probs": probs, "v": v, "pv": pv, "cast": cast, "block": seen.block, "stride": seen.stride,
-                "pos": seen.pos, "backend": backend,
-                "why_not_triton": why_not_triton(*fakes, pos) if requested == "auto"
+                "intercept": seen.intercept, "variant": variant, "pos": seen.pos, "backend": backend,
+                "q_offset": seen.q_offset,
+                "why_not_triton": why_not_triton(*fakes, pos, seen.q_offset) if requested == "auto"
                 else f"compressed_attention_backend={requested!r} in OptimizeConfig"}
 
     def rewrite(self, graph: fx.Graph, plan: dict) -> None:
         probs, pv = plan["probs"], plan["pv"]
-        args = (probs.q, probs.k, plan["v"], plan["block"], plan["stride"], probs.scale, plan["backend"])
+        args = (probs.q, probs.k, plan["v"], plan["intercept"], plan["stride"], probs.scale, plan["backend"])
         if plan["pos"] is not None:  # packed documents: the positions go with it
             args += (plan["pos"],)
+        elif plan["q_offset"]:  # a chunk of queries: the token of its first row
+            args += (None, plan["q_offset"])
         both = call(graph, torch.ops.nsa.compressed_attention, *args, anchor=pv)
         out = call(graph, operator.getitem, both, 0, anchor=pv)  # o; select_blocks takes the lse (item 1)
         pv.replace_all_uses_with(out)

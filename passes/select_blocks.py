@@ -33,6 +33,11 @@ every query head a group of one, so the op gets the compressed keys repeated per
 (`k.repeat_interleave(H // G, 1)`, a [B, H, Tc, Dk] copy, said in the match text), q and the lse
 as they are, and returns [B, H, S, n].
 
+lucidrains' rule (the op's rule='lucidrains'; tests/corpus/lucidrains_*.py): a topk over
+`softmax(F.pad(a, (1, 0), value=-1e3))[..., 1:]` of the averaged compressed logits, its values read
+only by `> 1e-10`. Read as a computation (`LucidrainsChoice`): the region from q and the compressed
+keys is evaluated on probe values against the op's `lucidrains_probabilities`; see that class.
+
 Casts and autocast (issue 17: the rounding is a parameter of the op, not a refusal). Casts of p
 that keep its dtype (fp32 `.to(float32)`, `.float()`) are read through. Under torch.autocast (bf16
 or fp16) eager's `p @ overlap` runs in the autocast dtype, and canonicalize writes autocast's casts
@@ -59,6 +64,13 @@ must be overlap(i, j) / l (the tokens shared by [i*d, i*d + l) and [j*l', j*l' +
 rounding aside), and the key must put +inf exactly on blocks 0, t // l', t // l' - 1 and -inf
 exactly on the blocks with j*l' > t (NSA_SEMANTICS.md section 3), with l' read from when block 1
 enters (any l' >= S when Ns = 1). n comes from the slice (capped by the key's width), or is topk's k.
+
+A chunk of queries (issue 17): the compressed op carries q_offset (compressed_attention read it
+from q's slice); the key's classes are then NSA's for rows at tokens q_offset + r, l' the one whose
+classes and block map are NSA's among those the rows' last candidate block allows (a chunk shorter
+than l' may fit several; the block map decides), the key may hold the whole sequence's
+ceil(L / l') blocks (-inf on every row of the chunk), and the op gets the same q_offset. The
+paper's rule only (fla's with a chunk is refused).
 
 Packed documents (models/nsa.py `select_blocks(p_cmp, S, pos)`): the compressed op carries the
 [B, S] positions pos (a graph input) and the document stride d; its keys are slots at stride 1.
@@ -137,12 +149,14 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
+from nsa_compile import probe as region_probe
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, evaluate_node, only_user
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
-from nsa_compile.ops.block_select import ROUNDINGS, choose_backend, why_not_triton
+from nsa_compile.ops.block_select import LUCIDRAINS_SINK, LUCIDRAINS_THRESHOLD, ROUNDINGS, choose_backend
+from nsa_compile.ops.block_select import lucidrains_probabilities, why_not_triton
 from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.rewrite import PassContext, RewritePass
-from nsa_compile.sizes import Sizes
+from nsa_compile.sizes import Sizes, is_size
 
 from . import compressed_attention as cmp
 from . import block_choice
@@ -237,6 +251,12 @@ def op_positions(op: fx.Node):
     return arg(op, 7, "pos")
 
 
+def op_offset(op: fx.Node) -> int:
+    """The q_offset argument of an nsa.compressed_attention node: the token of its first query row
+    (0 but for a chunk of queries)."""
+    return arg(op, 8, "q_offset", 0)
+
+
 def compressed_ops(probs: cmp.Probabilities, block: int) -> list[fx.Node]:
     """The nsa.compressed_attention nodes on these probabilities' q, pooled K, l and scale (their
     stride and positions are compared with what the masks show by the caller)."""
@@ -256,19 +276,20 @@ def key_classes(forced: torch.Tensor, excluded: torch.Tensor, forced_outside: bo
     return cls.masked_fill(forced, 2).masked_fill(excluded, 0)
 
 
-def nsa_classes(S: int, Ns: int, block: int, device) -> torch.Tensor:
-    t = torch.arange(S, device=device)[:, None]
+def nsa_classes(S: int, Ns: int, block: int, device, q_offset: int = 0) -> torch.Tensor:
+    """NSA's key classes (`key_classes`) [S, Ns] for query rows at tokens q_offset .. q_offset + S - 1."""
+    t = q_offset + torch.arange(S, device=device)[:, None]
     j = torch.arange(Ns, device=device)[None, :]
     current = t // block
     forced = (j == 0) | (j == current) | (j == current - 1)
     return key_classes(forced, ~(j * block <= t), forced_outside=True)
 
 
-def classes_reason(got: torch.Tensor, want: torch.Tensor, block: int) -> str:
-    """Which of NSA's ranking rules the key breaks."""
+def classes_reason(got: torch.Tensor, want: torch.Tensor, block: int, q_offset: int = 0) -> str:
+    """Which of NSA's ranking rules the key breaks (query rows from token q_offset)."""
     S = got.shape[0]
-    t = torch.arange(S, device=got.device)
-    current = t // block
+    t = torch.arange(S, device=got.device)  # the rows; their tokens are q_offset + t
+    current = (q_offset + t) // block
     forced = got == 2
     prefix = f"the key's forced (+inf) and excluded (-inf) blocks are not NSA's for l' = {block}"
     if not bool(forced[:, 0].all()):
@@ -513,8 +534,12 @@ class SelectBlocks(RewritePass):
     name = "select_blocks"
     summary = "importance map + top-n sort over the compressed probabilities -> nsa.select_blocks from the lse"
 
+    def __init__(self):
+        self.lucidrains = LucidrainsChoice()
+
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         subgraphs, data, probes = cmp.PositionSubgraphs(Sizes.of(graph)), cmp.data_nodes(graph), PackedProbes()
+        self.lucidrains.verdicts.clear()  # verdicts hold nodes of this graph
         requested = ctx.config.backend("select_blocks")
         cmp_requested = ctx.config.backend("compressed_attention")
         for node in list(graph.nodes):
@@ -527,9 +552,17 @@ class SelectBlocks(RewritePass):
             if key is None or key.dim() != 4 or not key.is_floating_point():
                 continue  # the ascending sort of the chosen ids, or a sort of something else
             try:
-                plan = self.check(node, subgraphs, data, requested, cmp_requested, probes)
+                if lucidrains_key(first_arg(node)) is not None:  # lucidrains' rule: ranks averaged logits
+                    plan = self.lucidrains.check(node, subgraphs, data, requested)
+                else:
+                    plan = self.check(node, subgraphs, data, requested, cmp_requested, probes)
             except Refused as why:
                 ctx.refused(node, str(why))
+                continue
+            if plan["rule"] == "lucidrains":
+                self.lucidrains.rewrite(graph, plan)
+                data = cmp.data_nodes(graph)
+                ctx.matched(node, plan["text"])
                 continue
             self.rewrite(graph, plan)
             data = cmp.data_nodes(graph)  # the graph changed
@@ -643,10 +676,12 @@ class SelectBlocks(RewritePass):
         final = tail[0]
         if op_name(final) == "where" and final.args[2] == -1:
             read_as_sets(final, requested_selection(ranking))
+        q_offset = op_offset(op)  # a chunk of queries: its rows' first token (compressed_attention read it)
+        chunk = q_offset if cmp.query_rows(probs.q)[1] is not None else None  # None: the whole sequence
         if pos is None:  # the position-only subgraphs: evaluated, a proof for this shape (or each probe's)
             block = self.key_at_probe_sizes(subgraphs, sizes, (S, Tc, Ns), forced_fill, cand_fill, forced_outside,
                                             overlap, l, d, None if rounding is None else
-                                            (upcast_dtype(value(probs.q).dtype), rounding))
+                                            (upcast_dtype(value(probs.q).dtype), rounding), chunk)
         else:  # packed documents: the subgraphs read pos, checked on probe positions
             block = verify_packed_key(probes or PackedProbes(), pos, overlap, forced_fill, cand_fill, forced_outside,
                                       (B, G, H, S, Tc, Ns), l, d, n)
@@ -663,6 +698,7 @@ class SelectBlocks(RewritePass):
         return {"probs": probs, "op": op, "final": final, "block": block, "Ns": sizes.int(Ns), "n": n, "l": l, "d": d,
                 "backend": backend, "pos": pos, "rule": "nsa", "q": probs.q, "k": probs.k, "tiled": None, "clamp": clamp,
                 "per_head": per_head, "importance_dtype": rounding, "group_sum_dtype": group_sum_dtype,
+                "q_offset": q_offset,
                 "chain": tail + [ranking] + ([padded] if padded is not key else []) + fillers + chain,
                 "roots": [overlap, forced_fill[1], cand_fill[1], p],
                 "why_not_triton": why_not_triton(*fakes, value(pos), "nsa", rounding) if requested == "auto"
@@ -691,7 +727,8 @@ class SelectBlocks(RewritePass):
                 raise Refused("disabled")
             # the op exists, so this passed there: (l, d) and, packed, the positions of these masks
             seen = cmp.verify_at_probe_sizes(probs, None, data, subgraphs)
-            op = next((op for op in ops if op.args[4] == seen.stride and op_positions(op) is seen.pos), None)
+            op = next((op for op in ops if op.args[4] == seen.stride and op_positions(op) is seen.pos
+                       and op_offset(op) == seen.q_offset), None)
             if op is None:
                 raise Refused(f"the nsa.compressed_attention op on these q and K computes blocks of another stride "
                               f"or other positions than these probabilities (d = {seen.stride})")
@@ -721,6 +758,9 @@ class SelectBlocks(RewritePass):
         if pos is not None:
             raise Refused("fla's rule (the current block favoured) with packed documents (pos): the op's rule 'fla' "
                           "has no document positions")
+        if op_offset(op):
+            raise Refused(f"fla's rule (the current block favoured) for a chunk of queries (rows from token "
+                          f"{op_offset(op)}): matched over the whole sequence only")
         if not cmp.same_shape((Bp, Sp, H), (B, S, G * h)) or not cmp.same(Tc, Ns):
             raise Refused(f"the importance [B, G, S, Ns] = {tuple(value(key).shape)} is not the compressed "
                           f"probabilities {tuple(probs.shape)} summed over groups of {h} heads")
@@ -985,17 +1025,56 @@ class SelectBlocks(RewritePass):
 
     @staticmethod
     def verify_key(subgraphs, S: int, Tc: int, Ns: int, forced_fill: tuple, cand_fill: tuple, forced_outside: bool,
-                   overlap: fx.Node, l: int, d: int, rounded: tuple | None = None) -> int:  # fmt: skip
+                   overlap: fx.Node, l: int, d: int, rounded: tuple | None = None,
+                   q_offset: int | None = None) -> int:  # fmt: skip
         """l' of a key whose forced and candidate blocks and block map are NSA's (evaluated at
         compile time, every element: a proof for these sizes), else Refused. rounded: (up, dtype)
         where the matmul reads the map rounded to dtype: it must then be exactly the op's weights,
-        overlap / l in up rounded to dtype."""
+        overlap / l in up rounded to dtype. q_offset (None: the rows are the whole sequence): the
+        rows are tokens q_offset + r of a chunk of queries, whose key may show several l'
+        (`chunk_selection_blocks`) and may hold more blocks than the chunk reaches (the model's
+        Ns is the sequence's, ceil(L / l'): they are -inf on every row of the chunk, never chosen,
+        as the classes show): the first l' whose classes and block map are NSA's is taken."""
         cls = key_classes(SelectBlocks.grid(subgraphs, forced_fill, S, Ns, "forced-block mask"),
                           SelectBlocks.grid(subgraphs, cand_fill, S, Ns, "candidate mask"), forced_outside)  # [S, Ns]
-        block = SelectBlocks.selection_block(cls)
-        want = nsa_classes(S, Ns, block, cls.device)
+        if q_offset is None:
+            return SelectBlocks.verify_key_for(subgraphs, cls, SelectBlocks.selection_block(cls), Tc, overlap, l, d,
+                                               rounded)
+        reasons = []
+        for block in SelectBlocks.chunk_selection_blocks(cls, q_offset, Tc * d + l):
+            try:
+                return SelectBlocks.verify_key_for(subgraphs, cls, block, Tc, overlap, l, d, rounded, q_offset)
+            except Refused as why:
+                reasons.append(str(why))
+        raise Refused(reasons[0])
+
+    @staticmethod
+    def chunk_selection_blocks(classes: torch.Tensor, q_offset: int, longest: int) -> list[int]:
+        """The l' a chunk's key [S, Ns] may show (rows at tokens q_offset + r), ascending: those with
+        t // l' the last block each row keeps (NSA's candidates j*l' <= t end there); several where
+        no row of the chunk starts a block (every l' past the chunk's last token when all its rows
+        are in block 0, up to `longest`, the pooled sequence's bound Tc*d + l). Refused where none
+        fits."""
+        S, Ns = classes.shape
+        kept = classes != 0
+        last = torch.where(kept, torch.arange(Ns, device=classes.device), -1).amax(-1)  # [S]
+        t = q_offset + torch.arange(S, device=classes.device)
+        sizes = torch.arange(1, max(q_offset + S, longest) + 1, device=classes.device)[:, None]
+        blocks = sizes[(t // sizes == last).all(-1)].flatten().tolist()
+        if not blocks:
+            raise Refused(f"the key's candidates for the query rows from token {q_offset} (a chunk of queries) end at "
+                          "no block t // l' for any l' (NSA's candidates are the blocks with j * l' <= t)")
+        return blocks
+
+    @staticmethod
+    def verify_key_for(subgraphs, cls: torch.Tensor, block: int, Tc: int, overlap: fx.Node, l: int, d: int,
+                       rounded: tuple | None = None, q_offset: int = 0) -> int:  # fmt: skip
+        """`block` when the key classes cls [S, Ns] and the block map are NSA's for l' = block with
+        query rows at tokens q_offset + r, else Refused."""
+        S, Ns = cls.shape
+        want = nsa_classes(S, Ns, block, cls.device, q_offset)
         if not torch.equal(cls, want):
-            raise Refused(classes_reason(cls, want, block))
+            raise Refused(classes_reason(cls, want, block, q_offset))
         got = subgraphs.evaluate(overlap, "block map")
         expected = overlap_matrix(Tc, Ns, l, d, block, got.device)
         if rounded is not None:
@@ -1015,20 +1094,20 @@ class SelectBlocks(RewritePass):
     @staticmethod
     def key_at_probe_sizes(subgraphs, sizes: Sizes, dims: tuple, forced_fill: tuple, cand_fill: tuple,
                            forced_outside: bool, overlap: fx.Node, l: int, d: int,
-                           rounded: tuple | None = None) -> int:  # fmt: skip
+                           rounded: tuple | None = None, q_offset: int | None = None) -> int:  # fmt: skip
         """`verify_key` once per probe assignment of the graph's sizes (just the one when static):
         the l' shown where a probe has two selection blocks or more must be one number, and every
         probe with one block (where any l' >= S selects the same) must be shorter than it; else
         Refused naming the sizes. dims: (S, Tc, Ns), SymInts under symbolic sizes."""
         if not sizes.symbolic:  # (ints: a size a guard fixed may still be a SymInt of one number)
             return SelectBlocks.verify_key(subgraphs, *(sizes.int(x) for x in dims), forced_fill, cand_fill,
-                                             forced_outside, overlap, l, d, rounded)
+                                             forced_outside, overlap, l, d, rounded, q_offset)
         found = []  # (sizes, S, Ns, l') per probe
         for probe in sizes.probes():
             S, Tc, Ns = (probe.int(x) for x in dims)
             try:
                 block = SelectBlocks.verify_key(subgraphs.at(probe), S, Tc, Ns, forced_fill, cand_fill,
-                                                  forced_outside, overlap, l, d, rounded)
+                                                  forced_outside, overlap, l, d, rounded, q_offset)
             except Refused as why:
                 raise Refused(f"at the probe sizes {probe.describe()} (S = {S}): {why}") from None
             found.append((probe.describe(), S, Ns, block))
@@ -1077,6 +1156,8 @@ class SelectBlocks(RewritePass):
             lse = call(graph, operator.getitem, op, 1, anchor=final)
         packed = () if plan["pos"] is None else (plan["pos"],)
         q, rule = plan["q"], {} if plan["rule"] == "nsa" else {"rule": plan["rule"]}
+        if plan.get("q_offset"):  # a chunk of queries: the token of its first row
+            rule["q_offset"] = plan["q_offset"]
         if plan.get("importance_dtype") is not None:
             rule["importance_dtype"] = plan["importance_dtype"]
         if plan.get("group_sum_dtype") is not None:
@@ -1252,6 +1333,271 @@ def cast_after_matmul(node: fx.Node) -> None:
     if was != got:
         raise Refused(f"the importance is cast from {dtype_name(was)} to {dtype_name(got)} at {node.name} after "
                       f"{inner.name} ({op_name(inner)}): the op keeps the dtype of p @ map up to the sort")
+
+
+# --- lucidrains' rule: the block choice from the averaged compressed logits (op rule 'lucidrains') ---
+
+LUCIDRAINS_KERNEL = ("nsa.select_blocks[{backend}] (rule 'lucidrains': l'={block}, d={d}, n={n}, the compressed "
+                     "logits averaged over l'/d columns{per_head}, a -1e3 sink, kept above 1e-10, the diagonal block "
+                     "appended; verified on probe values{note}; not triton: {why})")
+LUCIDRAINS_PER_HEAD = ", per query head (each head its own group: the compressed keys repeated x{h})"
+# the data movement read from the scores' right operand back to the compressed keys [B, G, T, Dk]
+KEY_MOVES = ("view", "reshape", "flatten", "unflatten", "transpose", "permute", "movedim", "unsqueeze", "squeeze",
+             "expand", "repeat_interleave", "contiguous")
+# the most score elements ([B, H, S, T]) a float64 probe of the region evaluates
+LUCIDRAINS_PROBE_CAP = 2**28
+
+
+def lucidrains_key(p: fx.Node) -> fx.Node | None:
+    """softmax(F.pad(a, (1, 0), value=c), dim=-1)[..., 1:] (a sink column dropped after the softmax;
+    the padded logits may be cast first: `.float()`, autocast's `.to(torch.float32)`) -> the pad
+    node; None for any other ranking key."""
+    index = arg(p, 1, "index") if isinstance(p, fx.Node) else None
+    if op_name(p) != "getitem" or not isinstance(index, tuple) or len(index) != 2 or index[0] is not Ellipsis:
+        return None
+    cut = index[1]
+    if not (isinstance(cut, slice) and cut.start == 1 and cut.stop is None and cut.step in (None, 1)):
+        return None
+    softmax = first_arg(p)
+    if not isinstance(softmax, fx.Node) or op_name(softmax) != "softmax":
+        return None
+    padded = first_arg(softmax)
+    if op_name(padded) in CASTS and isinstance(padded, fx.Node):
+        padded = first_arg(padded)
+    return padded if op_name(padded) == "pad" else None
+
+
+class LucidrainsChoice:
+    """lucidrains' block choice (tests/corpus/lucidrains_*.py), read as a computation:
+
+        csim = (q @ k_cmp^T) * scale, its invisible columns filled    # k_cmp [B, G, T, Dk], any movement
+        p = softmax(F.pad(<the importance of csim[..., m:]>, (1, 0), value=-1e3), dim=-1)[..., 1:]
+        values, selected = p.topk(min(n, Jc), dim=-1)
+        fmask = values > 1e-10
+
+    Anchored at the topk; the region between q, the compressed keys and p is evaluated at compile
+    time on random float64 probe values (two scales, at every probe size of a dynamic graph) and
+    must equal the op's `lucidrains_probabilities` for one (d, l') (d with S // d = T - m columns,
+    l' = d * the columns per block): the group mean, the averaged columns, the masks and the
+    softmax are whatever the model writes, as long as they compute that. m is the number of
+    leading memory-slot columns the region cuts off (csim[..., m:]); p [B, G, S, Jc] with the
+    group's mean, or [B, H, S, Jc] per query head (the op's groups are then the query heads, the
+    compressed keys repeated). Read structurally: the sink -1e3, the topk (largest, last dim, k
+    = min(n, Jc) or n), values used only by `> 1e-10`, every value of the region in q's dtype
+    but for the softmax and p, which may be float32 (a cast of the padded logits, or CUDA
+    autocast's float32 softmax: the op's importance_dtype=torch.float32). Replaced by ids = nsa.select_blocks(q, k_cmp[:, :, m:],
+    None, d, d, l', n, scale, rule='lucidrains'): fmask -> ids[..., :k] >= 0 and selected ->
+    ids[..., :k].clamp(min=0) (a dropped slot reads block 0, masked as eager's arbitrary id was);
+    the diagonal column ids[..., k] is the selected_attention pass's to read. A check on probe
+    values, not a proof; topk's order of tied probabilities is unspecified, the op's goes to the
+    lower block."""
+
+    def __init__(self):
+        self.verdicts: dict = {}  # fingerprint -> (d, l') or the refusal text
+
+    def check(self, ranking: fx.Node, subgraphs, data: set, requested: str) -> dict:
+        p = first_arg(ranking)
+        pad = lucidrains_key(p)
+        if op_name(ranking) != "topk":
+            raise Refused("lucidrains' choice (a softmax with a sink column) ranked by a sort, not torch.topk: not "
+                          "read yet")
+        sink = arg(pad, 3, "value")
+        if arg(pad, 1, "pad") not in ((1, 0), [1, 0]) or arg(pad, 2, "mode", "constant") != "constant" or \
+                not cmp.is_const(sink, LUCIDRAINS_SINK):
+            raise Refused(f"the sink column is not F.pad(.., (1, 0), value=-1e3) (value {sink}): rule 'lucidrains' "
+                          "has a -1e3 sink")
+        sizes = subgraphs.sizes if subgraphs.sizes is not None else Sizes.of(ranking.graph)
+        width = value(p).shape[-1]
+        k, dim, largest = arg(ranking, 1, "k"), arg(ranking, 2, "dim", -1), arg(ranking, 3, "largest", True)
+        n = clamped_count(k, width) or k
+        if largest is not True or not isinstance(dim, int) or dim % 4 != 3 or not isinstance(n, int) or n < 1:
+            raise Refused("torch.topk is not the n largest probabilities over the blocks (largest, last dim, k a "
+                          "constant or min(n, blocks))")
+        if not isinstance(k, int) and clamped_count(k, width) is None:
+            raise Refused(f"torch.topk's k is {k}, not a constant")
+        items = item_users(ranking, "torch.topk")
+        if set(items) != {0, 1}:
+            raise Refused("torch.topk's values and indices are not both used")
+        values, selected = items[0], items[1]
+        keep = only_user(values, "torch.topk values tensor", "the op returns block ids, not probabilities")
+        if cmp.name_of(keep) != "gt" or len(keep.args) != 2 or keep.args[0] is not values or not \
+                cmp.is_const(keep.args[1], LUCIDRAINS_THRESHOLD):
+            raise Refused(f"the kept blocks are not those with probability > 1e-10 ({cmp.name_of(keep)} "
+                          f"{keep.args[1] if len(keep.args) == 2 else '?'}): rule 'lucidrains' keeps p > 1e-10")
+        q, k_cmp, scale = self.sources(p)
+        region = self.region(p, q, k_cmp, data)
+        dtype = value(q).dtype
+        # the softmax and p may be float32 over logits in q's dtype (CUDA autocast runs softmax in float32)
+        softmax = first_arg(p)
+        softmax_dtype = value(p).dtype if value(p).dtype != dtype and value(p).dtype == torch.float32 else None
+        wide = {p, softmax, first_arg(softmax)} - {pad} if softmax_dtype is not None else set()
+        for node in region:
+            v = value(node)
+            if v is not None and v.is_floating_point() and v.dtype != dtype and node not in wide:
+                raise Refused(f"{node.name} computes in {v.dtype}, q in {dtype}: rule 'lucidrains' computes the "
+                              "choice in q's dtype, step by step (the softmax may be float32)")
+        H, G = value(q).shape[1], value(k_cmp).shape[1]
+        rows = value(p).shape[1]
+        per_head = 1
+        if not cmp.same(rows, G):
+            if not cmp.same(rows, H):
+                raise Refused(f"the probabilities have {rows} heads, neither the {G} groups nor the {H} query heads")
+            per_head = H // G
+        m = self.memory_columns(region)
+        d, block = self.verify(region, p, q, k_cmp, m, per_head, scale, sizes)
+        k_fake = value(k_cmp) if per_head == 1 else value(k_cmp).repeat_interleave(per_head, 1)
+        fakes = (value(q), k_fake[:, :, m:], None, d, d, block, n)
+        try:
+            backend = choose_backend(*fakes, requested, None, "lucidrains", softmax_dtype)
+        except ValueError as why:
+            raise Refused(f"OptimizeConfig(select_blocks_backend={requested!r}): {why}") from None
+        why = (why_not_triton(*fakes, None, "lucidrains", softmax_dtype) if requested == "auto"
+               else f"select_blocks_backend={requested!r} in OptimizeConfig")
+        note = TOPK_NOTE + (CLAMP_NOTE.format(n=n) if not isinstance(k, int) else "")
+        per_head_text = LUCIDRAINS_PER_HEAD.format(h=per_head) if per_head > 1 else ""
+        if softmax_dtype is not None:
+            per_head_text += ", the softmax in float32"
+        text = LUCIDRAINS_KERNEL.format(backend=backend, block=block, d=d, n=n, note=note, why=why,
+                                        per_head=per_head_text)
+        return {"rule": "lucidrains", "ranking": ranking, "keep": keep, "values": values, "selected": selected,
+                "p": p, "q": q, "k": k_cmp, "m": m, "per_head": per_head, "d": d, "block": block, "n": n, "k_top": k,
+                "scale": scale, "backend": backend, "text": text, "softmax_dtype": softmax_dtype}
+
+    @staticmethod
+    def sources(p: fx.Node) -> tuple[fx.Node, fx.Node, float]:
+        """(q [B, H, S, Dk], the compressed keys [B, G, T, Dk], scale) of the scores p is computed
+        from: the first matmul up p's first-argument chain, times a constant; K read back through
+        data movement (transpose, GQA repeat, views)."""
+        node = p
+        for _ in range(64):
+            node = first_arg(node) if isinstance(node, fx.Node) else None
+            if node is None or op_name(node) in MATMULS:
+                break
+        if node is None or op_name(node) not in MATMULS:
+            raise Refused("the probabilities are not computed from scores q @ k^T")
+        matmul = end = node
+        while len(end.users) == 1 and op_name(next(iter(end.users))) in KEY_MOVES:
+            end = next(iter(end.users))  # e.g. a grouped product reshaped back to [B, G, h, S, T]
+        scaled = next(iter(end.users)) if len(end.users) == 1 else None
+        if (scaled is None or cmp.name_of(scaled) != "mul" or len(scaled.args) != 2 or scaled.args[0] is not end
+                or not isinstance(scaled.args[1], float)):
+            raise Refused("the scores are not (q @ k^T) * scale, with the product used once")
+        k = matmul.args[1]
+        while isinstance(k, fx.Node) and op_name(k) in KEY_MOVES:
+            k = first_arg(k)
+        kv = value(k)
+        B, S = value(p).shape[0], value(p).shape[2]
+        q = matmul.args[0]
+        while isinstance(q, fx.Node):  # back through data movement to q as [B, H, S, Dk]
+            qv = value(q)
+            if (qv is not None and qv.dim() == 4 and kv is not None and cmp.same_shape(
+                    (qv.shape[0], qv.shape[2], qv.shape[3]), (B, S, kv.shape[-1]))):
+                break
+            q = first_arg(q) if op_name(q) in KEY_MOVES else None
+        qv = value(q) if isinstance(q, fx.Node) else None
+        if qv is None or kv is None or kv.dim() != 4:
+            raise Refused("the scores' operands are not q [B, H, S, Dk] and compressed keys [B, G, T, Dk] moved into "
+                          "place")
+        G = kv.shape[1]
+        if not isinstance(G, int) or not isinstance(qv.shape[1], int) or qv.shape[1] % G:
+            raise Refused(f"the compressed keys have {G} heads, which do not divide the {qv.shape[1]} query heads")
+        return q, k, scaled.args[1]
+
+    @staticmethod
+    def region(p: fx.Node, q: fx.Node, k: fx.Node, data: set) -> list[fx.Node]:
+        """The nodes that compute p from q and k (graph order), or Refused where they read other data."""
+        outside = ancestors([q, k])
+        nodes = ancestors([p]) - outside
+        for node in nodes:
+            if node.op in ("placeholder", "get_attr") and not is_size(node):
+                raise Refused(f"the block choice reads {node.op} {node.name} besides q and the compressed keys")
+            for x in node.all_input_nodes:
+                if x in outside and x not in (q, k) and x in data:
+                    raise Refused(f"the block choice reads {x.name} besides q and the compressed keys")
+        order = {node: i for i, node in enumerate(p.graph.nodes)}
+        return sorted(nodes, key=order.__getitem__)
+
+    @staticmethod
+    def memory_columns(region: list[fx.Node]) -> int:
+        """m of the first x[..., m:] in the region (the memory slots cut off the scores), else 0."""
+        for node in region:
+            index = arg(node, 1, "index")
+            if (op_name(node) == "getitem" and isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis
+                    and isinstance(index[1], slice) and isinstance(index[1].start, int) and index[1].start > 0
+                    and index[1].stop is None and index[1].step in (None, 1)):
+                return index[1].start
+        return 0
+
+    def verify(self, region, p, q, k, m: int, per_head: int, scale: float, sizes: Sizes) -> tuple[int, int]:
+        """(d, l') for which the region equals the op's probabilities on probe values at every
+        probe size, else Refused with the first difference. One verdict per region structure."""
+        key = (region_probe.fingerprint(region, [q, k]), m, per_head, scale, sizes.shape(value(q)),
+               sizes.shape(value(k)), sizes.shape(value(p)))
+        if key not in self.verdicts:
+            try:
+                self.verdicts[key] = self._verify(region, p, q, k, m, per_head, scale, sizes)
+            except Refused as why:
+                self.verdicts[key] = str(why)
+        verdict = self.verdicts[key]
+        if isinstance(verdict, str):
+            raise Refused(verdict)
+        return verdict
+
+    @staticmethod
+    def _verify(region, p, q, k, m: int, per_head: int, scale: float, sizes: Sizes) -> tuple[int, int]:
+        found = None
+        for at in sizes.probes():
+            (B, H, S, Dk), (_, G, T, _), Jc = at.shape(value(q)), at.shape(value(k)), at.shape(value(p))[-1]
+            where = f" at the probe sizes {at.describe()}" if sizes.symbolic else ""
+            if B * H * S * T > LUCIDRAINS_PROBE_CAP:
+                raise Refused(f"verifying the block choice takes {B * H * S * T:,} scores per probe, over the cap of "
+                              f"{LUCIDRAINS_PROBE_CAP:,}: not verified at this size yet")
+            Tc = T - m
+            if Jc < 1 or Tc < 1:
+                raise Refused(f"the choice has no selection block to rank{where} (S = {S})")
+            candidates = [(d, d * per) for per in range(1, Tc + 1) if Tc // per == Jc
+                          for d in range(1, S + 1) if S // d == Tc]
+            if found is not None:
+                candidates = [found] if found in candidates else []
+            gen = torch.Generator().manual_seed(17)
+            device = value(q).device
+            for spread in (1.0, 16.0):  # 16: probabilities below the 1e-10 threshold as well
+                qp = (torch.randn(B, H, S, Dk, generator=gen, dtype=torch.float64, device="cpu") * spread).to(device)
+                kp = torch.randn(B, G, T, Dk, generator=gen, dtype=torch.float64, device="cpu").to(device)
+                env = {q: qp, k: kp, **at.size_nodes()}
+                got = region_probe.run(region, env, p, "lucidrains' block choice")
+                k_op = (kp if per_head == 1 else kp.repeat_interleave(per_head, 1))[:, :, m:]
+                matching = []
+                for d, block in candidates:
+                    want = lucidrains_probabilities(qp, k_op, d, block, scale)
+                    if (want.shape == got.shape and torch.equal(want > LUCIDRAINS_THRESHOLD, got > LUCIDRAINS_THRESHOLD)
+                            and torch.allclose(got, want, rtol=1e-9, atol=1e-12)):
+                        matching.append((d, block))
+                if not matching:
+                    raise Refused("the block choice differs from rule 'lucidrains' (the compressed logits of columns "
+                                  f"that end before t, averaged per selection block, blocks before t // l' only, a "
+                                  f"-1e3 sink) on probe values{where} for every (d, l') with S // d = {Tc} columns "
+                                  f"after {m} memory slots and {Jc} blocks")
+                candidates = matching
+            found = candidates[0]
+        return found
+
+    @staticmethod
+    def rewrite(graph: fx.Graph, plan: dict) -> None:
+        ranking = plan["ranking"]
+        k_cmp = plan["k"]
+        if plan["per_head"] > 1:  # each query head its own group: its KV head's compressed keys, copied
+            k_cmp = call(graph, torch.repeat_interleave, k_cmp, plan["per_head"], 1, anchor=ranking)
+        if plan["m"]:
+            k_cmp = call(graph, operator.getitem, k_cmp, (slice(None), slice(None), slice(plan["m"], None)),
+                         anchor=ranking)
+        wide = {} if plan["softmax_dtype"] is None else {"importance_dtype": plan["softmax_dtype"]}
+        ids = call(graph, torch.ops.nsa.select_blocks, plan["q"], k_cmp, None, plan["d"], plan["d"], plan["block"],
+                   plan["n"], plan["scale"], plan["backend"], anchor=ranking, rule="lucidrains", **wide)
+        top = call(graph, operator.getitem, ids, (Ellipsis, slice(None, plan["k_top"])), anchor=ranking)
+        plan["keep"].replace_all_uses_with(call(graph, torch.ge, top, 0, anchor=ranking))
+        plan["selected"].replace_all_uses_with(call(graph, torch.clamp, top, anchor=ranking, min=0))
+        erase_replaced(graph, [plan["keep"], plan["values"], plan["selected"], ranking], [plan["p"]])
 
 
 PASS = SelectBlocks()

@@ -32,10 +32,19 @@ Also read (issue 17: fla's and Hugging Face's code, tests/corpus):
   g): the rewrite orders q's heads by group for the op (g * h + r) and the output back, and the
   probes check the mask per tiled group.
 
+A chunk of queries (issue 17): q = q_full[:, :, a:b] (`compressed_attention.query_rows`) with K/V
+gathered by torch.gather from q_full's whole sequence [B, G, L, D]: the probes then put row r at
+token a + r (ids up to ceil(L / l') + 1, kept tokens <= a + r, the gather inside [0, L)), and the
+op gets q_offset = a and the whole K/V (the first chunk too, with q_offset 0). Heads-first only.
+
 Block ids per query head ([B, H, S, n], tests/corpus/fused_qkv_per_head.py) gathered from K/V the
 model repeated per head (repeat_kv, canonicalized to repeat_interleave(h, 1)) are this form with G =
 H: the op reads the model's [B, H, S, D] copies (they stay; the match text says so instead of
 "GQA-native").
+
+lucidrains' fine branch (tests/corpus/lucidrains_*.py) over the ids of `nsa.select_blocks(rule=
+'lucidrains')` ([B, G', S, n + 1], the diagonal block last) is read as a computation instead:
+`LucidrainsFine` evaluates the whole branch on probe values and ids against the op.
 
 Verified, not assumed: the gather index and the mask must be functions of one int64 tensor
 block_idx [B, G, S, n] and of positions only (the nearest such tensor that every path from them
@@ -116,14 +125,18 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
+from nsa_compile import probe as region_probe
 from nsa_compile.attention_match import (
     Refused, ancestors, erase_replaced, evaluate_node, keep_mask, mask_fill, only_user, strip_upcast, unrepeat,
 )
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.ops.selection import choose_backend, why_not_triton
+from nsa_compile.ops.selection import selected_attention as selected_attention_op
 from nsa_compile.rewrite import PassContext, RewritePass
 from nsa_compile.sizes import Sizes, is_size
+
+from .compressed_attention import query_rows
 
 # The probes evaluate the position-only subgraphs at the real shape, on the device of the graph's
 # tensors; more elements than this (summed over the nodes that materialize a tensor, per probe)
@@ -374,9 +387,10 @@ class Gathered:
         return (b, last, mid) if self.source_seq_first else (b, mid, last)
 
 
-def read_gathered(sel: fx.Node, what: str, layout: Layout, B, G: int, S, T: int) -> Gathered:
+def read_gathered(sel: fx.Node, what: str, layout: Layout, B, G: int, S, T: int, keys=None) -> Gathered:
     """The gathered K or V `sel` [*layout.slots(B, G, S, T), D] read as one of Gathered's kinds,
-    or Refused."""
+    or Refused. keys: the length of the sequence a chunk of S queries is cut from (`query_rows`),
+    which torch.gather's source may have in place of S; None for no chunk."""
     only_user(sel, f"gathered {what}")
     D = dims(sel, f"gathered {what}", 5)[4]
     constant(f"gathered {what}", D=D)
@@ -386,7 +400,7 @@ def read_gathered(sel: fx.Node, what: str, layout: Layout, B, G: int, S, T: int)
         raise Refused(f"the gathered {what} is {tuple(value(sel).shape)}, not {names} = {(*slots, D)}")
     inner = first(sel)
     if op_name(sel) in ("view", "reshape", "unflatten") and isinstance(inner, fx.Node) and op_name(inner) == "gather":
-        return read_torch_gather(sel, inner, what, layout, B, G, S, T, D)
+        return read_torch_gather(sel, inner, what, layout, B, G, S, T, D, keys)
     if op_name(sel) in ("view", "reshape", "unflatten") and isinstance(inner, fx.Node) \
             and op_name(inner) == "index_select":
         return read_index_select(sel, inner, what, B, G, S, T, D)
@@ -409,7 +423,7 @@ def source_order(src: fx.Node, what: str, B, G: int, S, D: int) -> bool:
     raise Refused(f"{what} is {tuple(value(src).shape)}, not [B, S, G, D] = {(B, S, G, D)} or [B, G, S, D]")
 
 
-def read_torch_gather(sel, g, what, layout, B, G, S, T, D) -> Gathered:
+def read_torch_gather(sel, g, what, layout, B, G, S, T, D, keys=None) -> Gathered:
     if layout.head != 1:
         raise Refused(f"{what} is gathered into [B, G, S*T, D] rows (torch.gather along dim 2) but the scores are "
                       "sequence-first [B, S, H, T]")
@@ -421,8 +435,10 @@ def read_torch_gather(sel, g, what, layout, B, G, S, T, D) -> Gathered:
         raise Refused(f"{what} is not gathered with a tensor index along a constant dim")
     if not same(dims(g, f"gathered {what}", 4), (B, G, S * T, D)) or dim % 4 != 2:
         raise Refused(f"{what} is not gathered along the sequence dim of [B, G, S, D] (dim 2, rows S * T)")
-    if not same(dims(src, what, 4), (B, G, S, D)):
-        raise Refused(f"{what} is {tuple(value(src).shape)}, not [B, G, S, D] = {(B, G, S, D)}")
+    if not same(dims(src, what, 4), (B, G, S, D)) and not (keys is not None and same(dims(src, what, 4),
+                                                                                  (B, G, keys, D))):
+        of = "" if keys is None else f" (or the {keys} tokens its chunk of queries is cut from)"
+        raise Refused(f"{what} is {tuple(value(src).shape)}, not [B, G, S, D] = {(B, G, S, D)}{of}")
     if not same(dims(index, f"{what} gather index", 4), (B, G, S * T, D)) or value(index).dtype != torch.int64:
         raise Refused(f"the {what} gather index is not an int64 [B, G, S * T, D] tensor")
     return Gathered(what, "gather", src, False, [index], [sel, g])
@@ -618,20 +634,23 @@ def evaluate(nodes: list[fx.Node], leaves: dict, roots: list[fx.Node]) -> list:
     return [env[r] for r in roots]
 
 
-def probes(B: int, G: int, S: int, n: int, block: int, device, pos: torch.Tensor | None = None) -> list[torch.Tensor]:
+def probes(B: int, G: int, S: int, n: int, block: int, device, pos: torch.Tensor | None = None,
+           q_offset: int = 0, keys: int | None = None) -> list[torch.Tensor]:
     """Block ids [B, G, S, n]: one structured (per slot and query: padding, block 0, the current
     block, duplicates of it, the next block (future), one past the last block, far past the end,
     the previous block), one random in [-1, Ns + 1]. With pos [B, S] the blocks are those of each
-    query's document (the current block is pos[t] // l')."""
-    Ns = -(-S // block)
-    t = torch.arange(S, device=device)[:, None]
+    query's document (the current block is pos[t] // l'). A chunk of queries: rows at tokens
+    q_offset + r of a sequence of `keys` tokens (its Ns blocks)."""
+    Ns = -(-(S if keys is None else keys) // block)
+    t = q_offset + torch.arange(S, device=device)[:, None]
     position = t.expand(B, S, 1) if pos is None else pos[:, :, None]  # [B, S, 1]
     cur = position // block
     choices = torch.stack(torch.broadcast_tensors(
         torch.full_like(cur, -1), torch.zeros_like(cur), cur, cur, cur + 1, torch.full_like(cur, Ns),
         torch.full_like(cur, Ns + 3), cur - 1), dim=-1)[:, :, 0]  # [B, S, 8]
     b, g, i = (torch.arange(x, device=device) for x in (B, G, n))
-    pick = (b[:, None, None, None] + 3 * g[None, :, None, None] + t[None, None] + i[None, None, None]) % 8
+    pick = (b[:, None, None, None] + 3 * g[None, :, None, None] + t[None, None] - q_offset
+            + i[None, None, None]) % 8
     structured = torch.gather(choices[:, None].expand(B, G, S, 8), 3, pick.expand(B, G, S, n))
     gen = torch.Generator().manual_seed(0)
     rand = torch.randint(-1, Ns + 2, (B, G, S, n), generator=gen, device="cpu").to(device)
@@ -676,10 +695,11 @@ def position_probes(B: int, S: int, n: int, block: int, device) -> list[torch.Te
 
 
 def verify(keep: torch.Tensor, tokens: torch.Tensor, blocks: torch.Tensor, block: int, h: int,
-           pos: torch.Tensor | None = None) -> None:
+           pos: torch.Tensor | None = None, q_offset: int = 0) -> None:
     """keep [B, H, S, T] bool, tokens [B, G, S, T] (gather index) for block ids blocks [B, G, S, n]:
     for each (b, head, t) the kept tokens must be the multiset {start + block * l' + o <= t :
-    block >= 0}, start = t - pos[b, t] with pos [B, S] (packed documents), else 0."""
+    block >= 0}, start = t - pos[b, t] with pos [B, S] (packed documents), else 0; query row r is
+    token t = q_offset + r (a chunk of queries)."""
     B, G, S, n = blocks.shape
     keep5 = keep.reshape(B, G, h, S, -1)
     if not bool((keep5 == keep5[:, :, :1]).all()):
@@ -687,7 +707,7 @@ def verify(keep: torch.Tensor, tokens: torch.Tensor, blocks: torch.Tensor, block
     keep = keep5[:, :, 0]
     offsets = torch.arange(block, device=blocks.device)
     expected = (blocks.clamp(min=0)[..., None] * block + offsets).flatten(-2)  # [B, G, S, T]
-    t = torch.arange(S, device=blocks.device)[:, None]
+    t = q_offset + torch.arange(S, device=blocks.device)[:, None]
     start = 0 if pos is None else (t[:, 0] - pos)[:, None, :, None]  # document start [B, 1, S, 1]
     expected = expected + start
     chosen = (blocks >= 0)[..., None].expand(B, G, S, n, block).flatten(-2)
@@ -752,10 +772,19 @@ class SelectedAttention(RewritePass):
                 continue
             order = {node: i for i, node in enumerate(graph.nodes)}  # graph positions (rewrites add nodes)
             try:
-                plan = self.check(softmax, order, verified, ctx.config.backend("selected_attention"),
-                                  sizes)
+                fine = LucidrainsFine.region_of(softmax)  # lucidrains' fine branch over his choice's ids
+                if fine is not None:
+                    plan = LucidrainsFine.check(softmax, fine, ctx.config.backend("selected_attention"), sizes,
+                                                verified)
+                else:
+                    plan = self.check(softmax, order, verified, ctx.config.backend("selected_attention"),
+                                      sizes)
             except Refused as why:
                 ctx.refused(softmax, str(why))
+                continue
+            if plan.get("rule") == "lucidrains":
+                LucidrainsFine.rewrite(graph, plan)
+                ctx.matched(softmax, plan["text"])
                 continue
             self.rewrite(graph, plan)
             why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
@@ -815,6 +844,7 @@ class SelectedAttention(RewritePass):
             raise Refused("the scores are not q.unsqueeze(-2) @ k_sel^T (one query row per token)")
         only_user(q4, "query row tensor")
         q = first(q4)
+        q_offset, keys = query_rows(q)  # a chunk of queries: rows from token q_offset of `keys` tokens
         Dk = dims(q, "query tensor", 4)[3]
         constant("query tensor", Dk=Dk)
         if not same(dims(q, "query tensor", 4), (B, X, Y, Dk)):
@@ -837,7 +867,8 @@ class SelectedAttention(RewritePass):
         reasons = []
         for layout in layouts:
             try:
-                H, S, G, k, v = self.read_heads(layout, k_sel, v_sel, h_k, B, X, Y, T)
+                H, S, G, k, v = self.read_heads(layout, k_sel, v_sel, h_k, B, X, Y, T,
+                                                keys if layout.head == 1 else None)
                 break
             except Refused as why:
                 reasons.append(why)
@@ -845,12 +876,20 @@ class SelectedAttention(RewritePass):
             raise reasons[0]
         if value(k.source).dtype != value(q).dtype or not value(v.source).is_floating_point():
             raise Refused("q and K differ in dtype, or V is not floating point")
+        # the keys' length: S, or the sequence a chunk of queries is cut from (torch.gather only)
+        Skv = dims(k.source, "K", 4)[2] if k.kind == "gather" else S
+        if k.kind == "gather" and not same(dims(v.source, "V", 4)[2], Skv):
+            raise Refused(f"K holds {Skv} tokens, V {dims(v.source, 'V', 4)[2]}")
+        chunk = (q_offset, Skv) if not same(Skv, S) else (0, None)  # (rows' first token, keys' length)
         if cast is not None and value(cast).dtype != value(v.source).dtype:
             raise Refused(f"the probabilities are cast to {value(cast).dtype}, not to V's {value(v.source).dtype}")
         # the selection: block_idx, positions and (packed documents) pos only, evaluated on probes
         roots = [mask, *k.roots, *v.roots]
         block_idx, pos, nodes = find_block_idx(roots, B, G, S, order)
         leaves = [block_idx] if pos is None else [block_idx, pos]
+        if chunk[1] is not None and pos is not None:
+            raise Refused(f"a chunk of queries (rows from token {q_offset} of {Skv}) with packed documents "
+                          f"({pos.name}): matched over the whole sequence only")
         n = dims(block_idx, "block index tensor", 4)[3]
         ids, n_op = block_idx, n  # the block ids and their number as the op reads them
         if isinstance(n, int):
@@ -865,12 +904,12 @@ class SelectedAttention(RewritePass):
                 raise Refused(f"the {T} gathered tokens per query are not n * l' for the n = {n} blocks")
         check_evaluable(nodes, leaves, B, H, S, T, sizes.probes())
         key = (structure(nodes, leaves, roots), tuple(d if isinstance(d, int) else str(d) for d in (B, H, G, S, T, n)),
-               keep_where_true, layout, k.kind, k.source_seq_first, v.kind, v.source_seq_first)
+               keep_where_true, layout, k.kind, k.source_seq_first, v.kind, v.source_seq_first, chunk)
         if key not in verified:
             for at in sizes.probes():
                 try:
                     self.verify_at(at, nodes, roots, block_idx, pos, (k, v), (G, H, T, n, block),
-                                   keep_where_true, B, S, layout)
+                                   keep_where_true, B, S, layout, chunk)
                 except Refused as why:
                     raise (Refused(f"at {at.describe()}: {why}") if sizes.symbolic else why) from None
         verified.add(key)
@@ -882,20 +921,21 @@ class SelectedAttention(RewritePass):
         fakes = [fake_q, k.fake(layout), v.fake(layout), value(block_idx)]
         fake_pos = None if pos is None else value(pos)
         try:
-            backend = choose_backend(*fakes, block, requested, fake_pos)
+            backend = choose_backend(*fakes, block, requested, fake_pos, chunk[0])
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(selected_attention_backend={requested!r}): {why}") from None
         return {"q": q, "k": k, "v": v, "layout": layout, "G": G, "h": H // G, "block_idx": ids, "pos": pos, "block": block, "n": n_op, "scale": scale,
-                "backend": backend,
-                "why_not_triton": why_not_triton(*fakes, block, fake_pos) if requested == "auto"
+                "backend": backend, "q_offset": chunk[0],
+                "why_not_triton": why_not_triton(*fakes, block, fake_pos, chunk[0]) if requested == "auto"
                 else f"selected_attention_backend={requested!r} in OptimizeConfig",
                 "out": out, "rows_zeroed": zeroed is not None,
                 "chain": [out, pv, p4, cast, zeroed, softmax, masked, *chain, qk, q4, kt, *repeats, *k.nodes, *v.nodes],
                 "roots": roots}
 
     @staticmethod
-    def read_heads(layout: Layout, k_sel: fx.Node, v_sel: fx.Node, h: int, B, X, Y, T: int) -> tuple:
-        """(H, S, G, gathered K, gathered V) of the scores [B, X, Y, T] read in `layout`, or Refused."""
+    def read_heads(layout: Layout, k_sel: fx.Node, v_sel: fx.Node, h: int, B, X, Y, T: int, keys=None) -> tuple:
+        """(H, S, G, gathered K, gathered V) of the scores [B, X, Y, T] read in `layout`, or Refused
+        (keys: as `read_gathered`)."""
         H, S = (X, Y) if layout.head == 1 else (Y, X)
         constant("probability tensor", H=H)
         G = dims(k_sel, "gathered K", 5)[layout.head]
@@ -903,19 +943,24 @@ class SelectedAttention(RewritePass):
         if G * h != H or not same(dims(v_sel, "gathered V", 5)[layout.head], G):
             raise Refused(f"gathered K/V heads {G} (x{h}) and {value(v_sel).shape[layout.head]} do not serve {H} "
                           f"query heads ({layout.describe()})")
-        return H, S, G, read_gathered(k_sel, "K", layout, B, G, S, T), read_gathered(v_sel, "V", layout, B, G, S, T)
+        return (H, S, G, read_gathered(k_sel, "K", layout, B, G, S, T, keys),
+                read_gathered(v_sel, "V", layout, B, G, S, T, keys))
 
     @staticmethod
     def verify_at(at: Sizes, nodes: list[fx.Node], roots: list[fx.Node], block_idx: fx.Node, pos: fx.Node | None,
                   reads: tuple[Gathered, Gathered], heads: tuple, keep_where_true: bool, B, S,
-                  layout: Layout = Layout(1)) -> None:
+                  layout: Layout = Layout(1), chunk: tuple = (0, None)) -> None:
         """The selection subgraph (nodes, from block_idx [and pos] to roots = [mask, K index
         tensors, V index tensors]) evaluated on the probe block ids (and positions) at the sizes
         `at` (B and S as numbers there, the graph's size nodes given their numbers), each result
         checked by `verify` (mask and token ids brought to the heads-first, grouped order of the
-        op); Refused at the first probe that differs. heads = (G, H, T, n, l')."""
+        op); Refused at the first probe that differs. heads = (G, H, T, n, l'). chunk: (q_offset,
+        keys) for a chunk of queries, rows from token q_offset of K/V holding `keys` tokens; (0,
+        None) for the whole sequence."""
         G, H, T, n, block = heads
+        q_offset, keys = chunk
         B, S, T, n = at.int(B), at.int(S), at.int(T), at.int(n)
+        Skv = S if keys is None else at.int(keys)
         numbers = at.size_nodes()  # (also in a graph whose sizes a guard fixed: SymInt nodes of one number)
         device = value(block_idx).device
         scores = (B, H, S, T) if layout.head == 1 else (B, S, H, T)
@@ -923,7 +968,8 @@ class SelectedAttention(RewritePass):
         grid = [torch.arange(x, device=device).view([-1 if i == axis else 1 for i in range(4)])
                 for x, axis in ((B, 0), (G, layout.head))]  # each slot's own batch row and group
         positions = [None] if pos is None else position_probes(B, S, n, block, device)
-        for probe_pos, probe in [(p, blocks) for p in positions for blocks in probes(B, G, S, n, block, device, p)]:
+        for probe_pos, probe in [(p, blocks) for p in positions
+                                 for blocks in probes(B, G, S, n, block, device, p, q_offset, Skv)]:
             given = {**numbers, block_idx: probe} if pos is None else {**numbers, block_idx: probe, pos: probe_pos}
             m, *index_values = evaluate(nodes, given, roots)
             if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
@@ -949,14 +995,16 @@ class SelectedAttention(RewritePass):
                 tokens.append(token.transpose(1, 2) if layout.head == 2 else token)  # [B, G, S, T]
             if not torch.equal(tokens[0], tokens[1]):
                 raise Refused("K and V are gathered at different token ids")
-            verify(keep, tokens[0], probe, block, H // G, probe_pos)
-            if bool((tokens[0] < 0).any()) or bool((tokens[0] >= S).any()):  # eager's gather raises there
-                raise Refused("the gather index leaves [0, S) on probe block ids (eager's gather would raise; "
-                              "the op would ignore them)")
+            verify(keep, tokens[0], probe, block, H // G, probe_pos, q_offset)
+            if bool((tokens[0] < 0).any()) or bool((tokens[0] >= Skv).any()):  # eager's gather raises there
+                raise Refused(f"the gather index leaves [0, {'S' if keys is None else Skv}) on probe block ids "
+                              "(eager's gather would raise; the op would ignore them)")
 
     def rewrite(self, graph: fx.Graph, plan: dict) -> None:
         out = plan["out"]
         packed = () if plan["pos"] is None else (plan["pos"],)  # unpacked graphs keep the 7-argument call
+        if plan["q_offset"]:  # a chunk of queries: the token of its first row
+            packed = (None, plan["q_offset"])
         layout, G, h = plan["layout"], plan["G"], plan["h"]
         q = plan["q"]
         if layout.head == 2:  # sequence-first [B, S, H, Dk] -> [B, H, S, Dk]
@@ -1011,6 +1059,185 @@ def may_leave_rows_empty(plan: dict) -> bool:
     source = plan["block_idx"]
     return not (source.op == "call_function" and source.target in (torch.ops.nsa.select_blocks,
                                                                     torch.ops.nsa.select_blocks.default))
+
+
+# --- lucidrains' fine branch over the ids of nsa.select_blocks(rule='lucidrains') ------------------
+
+LUCIDRAINS_KERNEL = ("nsa.selected_attention[{backend}] (lucidrains' fine branch: l'={block}, n={n} + the diagonal "
+                     "block, {heads}, no gathered K/V; verified on probe values{why})")
+# the data movement read forward from p @ v to the branch output
+OUT_MOVES = ("squeeze", "unsqueeze", "getitem", "flatten", "unflatten", "view", "reshape", "transpose", "permute",
+             "contiguous")
+# the most elements (summed over the region's tensors) a float64 probe of the fine branch evaluates
+LUCIDRAINS_PROBE_CAP = 2**28
+
+
+def _lucidrains_ids(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in (torch.ops.nsa.select_blocks,
+                                                         torch.ops.nsa.select_blocks.default)
+            and node.kwargs.get("rule") == "lucidrains")
+
+
+class LucidrainsFine:
+    """lucidrains' fine (selected) branch (tests/corpus/lucidrains_*.py), whose block ids are the
+    output of `nsa.select_blocks(rule='lucidrains')` ([B, G', S, n + 1]: the kept blocks, -1, the
+    diagonal block last; the select_blocks pass wrote fmask = ids[..., :n] >= 0 and selected =
+    ids[..., :n].clamp(min=0) for the model's own), read as a computation: the region is every node
+    that only the branch output uses, from the softmax's p @ v forward through data movement (the
+    squeeze, the [..., :S, :] cut of the padded rows), back to its inputs; those must be q, K, V
+    (float tensors: q and K reach the scores, V does not) and the ids. Padding the sequence to a
+    multiple of l', gathering K/V per query by the ids, the kept and causal masks and the softmax
+    are whatever the model writes: the region is evaluated at compile time on random float64
+    probe values and probe ids in the op's format (each row up to n distinct blocks before its
+    own, -1 slots among them, its own block last; at every probe size of a dynamic graph) and must
+    equal nsa.selected_attention(q, K, V, ids, l', scale), l' and scale the choice op's; with ids
+    per query head (G' = H over K/V of G < H groups) the op reads K/V repeated per head
+    (repeat_interleave, a [B, H, S, D] copy each). Dtypes: the op's softmax runs in float32 where
+    lucidrains' runs in q's dtype (bf16/fp16 scores rounded once more there): a difference of
+    rounding, not of function. A check on probes, not a proof."""
+
+    @staticmethod
+    def region_of(softmax: fx.Node) -> dict | None:
+        """{out, nodes, leaves} where the softmax is followed by p @ v and the region computing the
+        output reads nsa.select_blocks(rule='lucidrains') ids; None for any other softmax."""
+        node, pv = softmax, None
+        for _ in range(4):  # softmax -> [cast] -> unsqueeze -> matmul
+            users = list(node.users)
+            if len(users) != 1:
+                return None
+            node = users[0]
+            if op_name(node) in MATMULS:
+                pv = node
+                break
+        if pv is None:
+            return None
+        out = pv
+        while len(out.users) == 1 and op_name(next(iter(out.users))) in OUT_MOVES:
+            out = next(iter(out.users))
+        graph_order = {n: i for i, n in enumerate(softmax.graph.nodes)}
+        inside, leaves = {out}, []
+        for node in sorted(ancestors([out]) - {out}, key=graph_order.__getitem__, reverse=True):
+            if (node.op in ("call_function", "call_method") and not _lucidrains_ids(node)
+                    and node.users and all(u in inside for u in node.users)):
+                inside.add(node)
+        # x[i] of a tensor from outside (k, v = kv.unbind-like unpacking): the one unpacked is the input
+        inside -= {node for node in inside if op_name(node) == "getitem" and isinstance(node.args[1], int)
+                   and node.args[0] not in inside and node is not out}
+        for node in inside:
+            leaves += [x for x in node.all_input_nodes if x not in inside and x not in leaves]
+        ids = [x for x in leaves if _lucidrains_ids(x)]
+        if len(ids) != 1:
+            return None
+        return {"out": out, "pv": pv, "ids": ids[0], "leaves": leaves,
+                "nodes": sorted(inside, key=graph_order.__getitem__)}
+
+    @staticmethod
+    def check(softmax: fx.Node, fine: dict, requested: str, sizes: Sizes, verified: set) -> dict:
+        out, ids, nodes = fine["out"], fine["ids"], fine["nodes"]
+        scores = softmax
+        for _ in range(16):  # the scores matmul up the softmax's first-argument chain
+            scores = first(scores) if isinstance(scores, fx.Node) else None
+            if scores is None or op_name(scores) in MATMULS:
+                break
+        if scores is None or op_name(scores) not in MATMULS:
+            raise Refused("lucidrains' fine branch: the softmax does not read scores q @ k^T")
+        reads_q = ancestors([operands(scores)[0]], stop=ids)  # not through the ids (they read q)
+        reads_k = ancestors([operands(scores)[1]], stop=ids)
+        data = [x for x in fine["leaves"] if x is not ids and not is_size(x)]
+        q = [x for x in data if x in reads_q]
+        k = [x for x in data if x in reads_k]
+        v = [x for x in data if x not in reads_q and x not in reads_k]
+        if len(q) != 1 or len(k) != 1 or len(v) != 1 or len(data) != 3:
+            names = ", ".join(x.name for x in data)
+            raise Refused(f"lucidrains' fine branch reads {names} besides the block ids: not one q, K and V")
+        q, k, v = q[0], k[0], v[0]
+        qv, kv, vv, iv = value(q), value(k), value(v), value(ids)
+        if any(x is None or x.dim() != 4 for x in (qv, kv, vv)):
+            raise Refused("lucidrains' fine branch: q, K, V are not 4-D [B, H, S, D], [B, G, S, D]")
+        H, G = qv.shape[1], kv.shape[1]
+        constant("query tensor", H=H, G=G, Dk=qv.shape[3], Dv=vv.shape[3])
+        if not (same(qv.shape[:1] + qv.shape[2:3], kv.shape[:1] + kv.shape[2:3]) and same(kv.shape[:3], vv.shape[:3])
+                and H % G == 0 and same(qv.shape[3], kv.shape[3])):
+            raise Refused(f"lucidrains' fine branch: q {tuple(qv.shape)}, K {tuple(kv.shape)} and V "
+                          f"{tuple(vv.shape)} do not fit as [B, H, S, Dk], [B, G, S, Dk], [B, G, S, Dv]")
+        if value(out) is None or value(out).dtype != vv.dtype:
+            raise Refused(f"lucidrains' fine branch gives {None if value(out) is None else value(out).dtype} from V in "
+                          f"{vv.dtype}: the op's output is in V's dtype")
+        rows = iv.shape[1]
+        if rows != G and rows != H:
+            raise Refused(f"the block ids have {rows} heads, neither the {G} groups nor the {H} query heads")
+        per_head = H // G if rows != G else 1
+        block, scale = ids.args[5], ids.args[7]
+        key = (region_probe.fingerprint(nodes, [q, k, v, ids]), sizes.shape(qv), sizes.shape(kv), sizes.shape(vv),
+               sizes.shape(iv), block, scale, per_head)
+        if key not in verified:
+            LucidrainsFine.verify(nodes, out, (q, k, v, ids), per_head, block, scale, sizes)
+            verified.add(key)
+        k_fake, v_fake = (x if per_head == 1 else x.repeat_interleave(per_head, 1) for x in (kv, vv))
+        try:
+            backend = choose_backend(qv, k_fake, v_fake, iv, block, requested)
+        except ValueError as why:
+            raise Refused(f"OptimizeConfig(selected_attention_backend={requested!r}): {why}") from None
+        why = ("" if backend == "triton" else
+               f"; not triton: {why_not_triton(qv, k_fake, v_fake, iv, block)}" if requested == "auto"
+               else f"; selected_attention_backend={requested!r} in OptimizeConfig")
+        heads = GQA_NATIVE if per_head == 1 else (f"per query head (block ids [B, H, S, n + 1]; K/V repeated x"
+                                                  f"{per_head} per query head, [B, H, S, D] each)")
+        text = LUCIDRAINS_KERNEL.format(backend=backend, block=block, n=iv.shape[-1] - 1, heads=heads, why=why)
+        return {"rule": "lucidrains", "out": out, "nodes": nodes, "q": q, "k": k, "v": v, "ids": ids,
+                "per_head": per_head, "block": block, "scale": scale, "backend": backend, "text": text}
+
+    @staticmethod
+    def probe_ids(B: int, rows: int, S: int, n: int, block: int, seed: int) -> torch.Tensor:
+        """[B, rows, S, n + 1] ids as nsa.select_blocks(rule='lucidrains') gives them: each row up to n
+        distinct blocks before its own (t // l') in random order, -1 slots among them, its own last."""
+        gen = torch.Generator().manual_seed(seed)
+        current = torch.arange(S, device="cpu") // block  # [S] (the generator's device; the caller moves them)
+        score = torch.rand(B, rows, S, max(1, int(current[-1])), generator=gen, device="cpu")
+        score = score.masked_fill(torch.arange(score.shape[-1], device="cpu") >= current[:, None], -1.0)  # not a candidate
+        top = score.topk(min(n, score.shape[-1]), dim=-1)
+        dropped = torch.rand(top.values.shape, generator=gen, device="cpu") < 0.25
+        chosen = torch.where((top.values >= 0) & ~dropped, top.indices, -1)
+        chosen = torch.nn.functional.pad(chosen, (0, n - chosen.shape[-1]), value=-1)
+        return torch.cat((chosen, current.expand(B, rows, S)[..., None]), dim=-1)
+
+    @staticmethod
+    def verify(nodes: list[fx.Node], out: fx.Node, leaves: tuple, per_head: int, block: int, scale: float,
+               sizes: Sizes) -> None:
+        q, k, v, ids = leaves
+        for at in sizes.probes():
+            where = f" at the probe sizes {at.describe()}" if sizes.symbolic else ""
+            cost = sum(math.prod(at.shape(value(x))) for x in nodes if value(x) is not None)
+            if cost > LUCIDRAINS_PROBE_CAP:
+                raise Refused(f"verifying lucidrains' fine branch takes {cost:,} elements per probe, over the cap of "
+                              f"{LUCIDRAINS_PROBE_CAP:,}: not verified at this size yet")
+            (B, H, S, Dk), (_, G, _, Dv), (_, rows, _, width) = (at.shape(value(x)) for x in (q, v, ids))
+            device = value(q).device
+            for seed in (0, 1):
+                gen = torch.Generator().manual_seed(seed)
+                qp = torch.randn(B, H, S, Dk, generator=gen, dtype=torch.float64, device="cpu").to(device)
+                kp = torch.randn(B, G, S, Dk, generator=gen, dtype=torch.float64, device="cpu").to(device)
+                vp = torch.randn(B, G, S, Dv, generator=gen, dtype=torch.float64, device="cpu").to(device)
+                idp = LucidrainsFine.probe_ids(B, rows, S, width - 1, block, seed).to(device)
+                got = region_probe.run(nodes, {q: qp, k: kp, v: vp, ids: idp, **at.size_nodes()}, out,
+                                "lucidrains' fine branch")
+                k_op, v_op = (x if per_head == 1 else x.repeat_interleave(per_head, 1) for x in (kp, vp))
+                want = selected_attention_op(qp, k_op, v_op, idp, block, scale, "reference")
+                if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-9, atol=1e-12):
+                    raise Refused("lucidrains' fine branch differs from nsa.selected_attention over its block ids "
+                                  f"(the kept blocks whole, the diagonal block causally; l' = {block}) on probe "
+                                  f"values{where}")
+
+    @staticmethod
+    def rewrite(graph: fx.Graph, plan: dict) -> None:
+        out = plan["out"]
+        k, v = plan["k"], plan["v"]
+        if plan["per_head"] > 1:  # one group per query head: K/V repeated per head
+            k, v = (call(graph, torch.repeat_interleave, x, plan["per_head"], 1, anchor=out) for x in (k, v))
+        both = call(graph, torch.ops.nsa.selected_attention, plan["q"], k, v, plan["ids"], plan["block"],
+                    plan["scale"], plan["backend"], anchor=out)
+        out.replace_all_uses_with(call(graph, operator.getitem, both, 0, anchor=out))
+        erase_replaced(graph, list(reversed(plan["nodes"])), [])
 
 
 PASS = SelectedAttention()

@@ -290,7 +290,6 @@ def bad_args(**change):
 BAD = [
     *gqa_argument_errors(B, 2 * G, G, 20, 4, DK, DV),  # the inputs of bad_args: S = 20, Tc = 4, h = 2
     (dict(v=torch.randn(2, 2, 5, 24)), "same number of compression tokens"),
-    (dict(block=0), "block must be >= 1"),
     (dict(stride=-4), "stride must be >= 1"),
     (dict(backend="cuda"), "unknown backend 'cuda'; valid: auto, triton, reference"),
 ]
@@ -334,12 +333,16 @@ def test_public_surface_and_config():
     assert nsa_compile.ops.compressed_attention is compressed_attention
     assert nsa_compile.ops.compressed_attention_backward is compressed_attention_backward
     schema = torch.ops.nsa.compressed_attention.default._schema
-    assert [a.name for a in schema.arguments] == ["q", "k", "v", "block", "stride", "scale", "backend", "pos"]
-    assert str(schema.arguments[-1].type) == "Optional[Tensor]" and schema.arguments[-1].default_value is None
+    assert [a.name for a in schema.arguments] == ["q", "k", "v", "block", "stride", "scale", "backend", "pos",
+                                                  "q_offset"]
+    assert str(schema.arguments[-2].type) == "Optional[Tensor]" and schema.arguments[-2].default_value is None
+    # a chunk of queries (tests/test_query_offset.py)
+    assert str(schema.arguments[-1].type) == "int" and schema.arguments[-1].default_value == 0
     assert len(schema.returns) == 2  # o and the log-sum-exp
     schema = torch.ops.nsa.compressed_attention_backward.default._schema
     assert [a.name for a in schema.arguments][:6] == ["grad_o", "q", "k", "v", "o", "lse"]
-    assert schema.arguments[-1].name == "pos" and str(schema.arguments[-1].type) == "Optional[Tensor]"
+    assert schema.arguments[-2].name == "pos" and str(schema.arguments[-2].type) == "Optional[Tensor]"
+    assert schema.arguments[-1].name == "q_offset"
     assert cmp_mod.COMPRESSED.backend_names() == ("auto", "triton", "reference")
     assert nsa_compile.OptimizeConfig().compressed_attention_backend == "auto"
     assert nsa_compile.OptimizeConfig(compressed_attention_backend="reference").compressed_attention_backend == "reference"

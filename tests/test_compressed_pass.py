@@ -170,8 +170,8 @@ class Branch(nn.Module):
         scores = (raw if change == "no-upcast" else upcast(raw)) * Dk**-0.5  # [B, H, S, Tc]
         t = torch.arange(S, device=q.device)[:, None]
         i = torch.arange(Tc, device=q.device)[None, :]
-        last = {"late-by-one": i * d + l, "early-by-one": i * d + l - 2,
-                "late-at-odd-lengths": i * d + l - 1 + S % 2}.get(change, i * d + l - 1)
+        last = {"late-by-one": i * d + l, "late-by-two": i * d + l + 1, "early-by-one": i * d + l - 2,
+                "late-by-two-at-odd-lengths": i * d + l - 1 + 2 * (S % 2)}.get(change, i * d + l - 1)
         visible = last <= t
         if change == "where":
             scores = torch.where(visible, scores, float("-inf"))
@@ -359,8 +359,9 @@ NO_GQA = nsa_compile.OptimizeConfig(compiler="aot_eager", disabled_passes=("gqa_
 @pytest.mark.parametrize(
     "change, dtype, reason",
     [
-        ("late-by-one", torch.float32, "the visibility mask is off by 1: block i becomes visible at "
-                                       "t = i*d + l - 1 + 1, not at its last token (pooling l=4, d=2)"),
+        ("late-by-two", torch.float32, "the visibility mask is off by 2: block i becomes visible at "
+                                       "t = i*d + l - 1 + 2, not at its last token (pooling l=4, d=2); the op "
+                                       "takes a block from its last token (i*d + l - 1 <= t) or strictly after it"),
         ("early-by-one", torch.float32, "the visibility mask is off by 1: block i is visible from "
                                         "t = i*d + l - 1 - 1, before its last token"),
         ("no-upcast", torch.bfloat16, "the softmax runs in torch.bfloat16 on torch.bfloat16 scores; the op "
@@ -376,7 +377,7 @@ NO_GQA = nsa_compile.OptimizeConfig(compiler="aot_eager", disabled_passes=("gqa_
         ("sequence-mean-in-pooling", torch.float32, "the pooled keys are not a per-block function of the blocks "
                                                     "(add on the way: an operand is broadcast over the blocks)"),
     ],
-    ids=["late-by-one", "early-by-one", "bf16-no-upcast", "no-has-block-zeroing", "no-final-mask",
+    ids=["late-by-two", "early-by-one", "bf16-no-upcast", "no-has-block-zeroing", "no-final-mask",
          "pooling-mixes-blocks", "pooling-reads-raw-keys", "pooling-reads-the-whole-sequence"],
 )
 def test_compressed_near_misses_are_refused_with_the_graph_unchanged(change, dtype, reason):
@@ -392,6 +393,27 @@ def test_compressed_near_misses_are_refused_with_the_graph_unchanged(change, dty
     assert r["matches"] == 0 and r["reasons"][0].startswith("compressed_attention did not rewrite these "
                                                             "probabilities ("), r["reasons"]
     assert reason in r["reasons"][0]
+
+
+def test_strict_visibility_is_the_op_with_block_l_plus_1_and_the_selection_stays_eager():
+    """Block i seen from t = i*d + l, one token after its last (lucidrains' strict visibility): the
+    compressed branch becomes the op with block l + 1 (its staircase), outputs and gradients as
+    eager; select_blocks, which reads NSA's visibility, leaves the selection eager (eager block ids)."""
+    args = branch_inputs()
+    (expected, eager_args), (got, opt_args), optimized = run_both(Branch("late-by-one"), args, NO_GQA)
+    r = row(optimized, CMP)
+    assert r["matches"] == 1 and r["kernels"] == [
+        f"nsa.compressed_attention[reference] (l={L}, d={D}, strict visibility (block i seen from t = i*d + l), "
+        f"GQA-native, no repeated K/V{NOT_TRITON_CMP})"]
+    assert row(optimized, SEL)["matches"] == 0
+    record = only_graph(optimized)
+    (op,) = [n for n in record.aten["forward"].graph.nodes if n.target is torch.ops.nsa.compressed_attention.default]
+    assert (op.args[3], op.args[4]) == (L + 1, D)
+    assert torch.equal(got[1], expected[1])
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-6)
+    grads = torch.autograd.grad(expected[0].square().sum(), eager_args)
+    for a, b in zip(torch.autograd.grad(got[0].square().sum(), opt_args), grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -835,7 +857,7 @@ def test_tiny_model_keeps_both_rewrites_when_the_length_changes():
 
 @pytest.mark.parametrize(
     "change, rewritten, reason",
-    [("late-at-odd-lengths", [1, 1, 0, 0], "=31 (S = 31): the visibility mask is off by 1"),
+    [("late-by-two-at-odd-lengths", [1, 1, 0, 0], "=31 (S = 31): the visibility mask is off by 2"),
      ("block-1-forced-at-odd-lengths", [1, 1, 1, 0],
       "=31 (S = 31): the key has 4 blocks, not ceil(S / l') = 31 for the l' = 0 its masks imply")],
 )
@@ -853,7 +875,7 @@ def test_symbolic_near_miss_right_at_even_lengths_only_is_refused(change, rewrit
     assert counts == rewritten
     refusals = [r.reason for name in (CMP, SEL) for r in logs_of(dynamic, name).refusals]
     assert any(reason in text for text in refusals), refusals
-    if change == "late-at-odd-lengths":
+    if change == "late-by-two-at-odd-lengths":
         assert dynamic.code_before == dynamic.code_after
     else:  # the compressed op is there, the selection stays eager
         assert "torch.ops.nsa.select_blocks" not in dynamic.code_after

@@ -34,19 +34,21 @@ SCHEMAS = {
                                  'Tensor o, Tensor lse, SymInt window, float scale, str backend="auto", '
                                  "Tensor? pos=None) -> (Tensor, Tensor, Tensor)",
     "compressed_attention": "nsa::compressed_attention(Tensor q, Tensor k, Tensor v, SymInt block, SymInt stride, "
-                            'float scale, str backend="auto", Tensor? pos=None) -> (Tensor, Tensor)',
+                            'float scale, str backend="auto", Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor)',
     "compressed_attention_backward": "nsa::compressed_attention_backward(Tensor grad_o, Tensor q, Tensor k, "
                                      "Tensor v, Tensor o, Tensor lse, SymInt block, SymInt stride, float scale, "
-                                     'str backend="auto", Tensor? pos=None) -> (Tensor, Tensor, Tensor)',
-    "select_blocks": "nsa::select_blocks(Tensor q, Tensor k, Tensor lse, SymInt cmp_block, SymInt cmp_stride, "
+                                     'str backend="auto", Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor, '
+                                     "Tensor)",
+    "select_blocks": "nsa::select_blocks(Tensor q, Tensor k, Tensor? lse, SymInt cmp_block, SymInt cmp_stride, "
                      'SymInt sel_block, SymInt n_selected, float scale, str backend="auto", Tensor? pos=None, '
-                     'str rule="nsa", ScalarType? importance_dtype=None, ScalarType? group_sum_dtype=None) '
-                     "-> Tensor",
+                     'str rule="nsa", ScalarType? importance_dtype=None, ScalarType? group_sum_dtype=None, '
+                     "int q_offset=0) -> Tensor",
     "selected_attention": "nsa::selected_attention(Tensor q, Tensor k, Tensor v, Tensor block_idx, "
-                          'SymInt block_size, float scale, str backend="auto", Tensor? pos=None) -> (Tensor, Tensor)',
+                          'SymInt block_size, float scale, str backend="auto", Tensor? pos=None, int q_offset=0) '
+                          "-> (Tensor, Tensor)",
     "selected_attention_backward": "nsa::selected_attention_backward(Tensor grad_o, Tensor q, Tensor k, Tensor v, "
                                    "Tensor o, Tensor lse, Tensor block_idx, SymInt block_size, float scale, "
-                                   'str backend="auto", Tensor? pos=None) -> (Tensor, Tensor, Tensor)',
+                                   'str backend="auto", Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor, Tensor)',
     "gated_combine": "nsa::gated_combine(Tensor gate_in, Tensor? w1, Tensor? b1, Tensor? w2, Tensor? b2, "
                      "Tensor o_cmp, Tensor o_sel, Tensor o_win, str activation, str normalize, "
                      'str backend="auto") -> (Tensor, Tensor)',

@@ -9,7 +9,8 @@ branch's log-sum-exp, so the [B, H, S, Tc] probabilities are never stored.
 q [B, H, S, Dk] (normally a view of [B, S, H, Dk] memory), k [B, G, Tc, Dk]: the pooled compressed
 keys K~ (never repeated: query head j reads KV head j // (H // G)), lse [B, H, S] float32: the
 log-sum-exp of the compressed branch's scaled scores over each row's visible blocks, as
-`nsa::compressed_attention` returns it for the same q and k (-inf on a row with no visible block).
+`nsa::compressed_attention` returns it for the same q and k (-inf on a row with no visible block;
+None for rule 'lucidrains', which ranks logits).
 Returns block_idx [B, G, S, n] int64 (contiguous): exactly what eager `NSAAttention.select_blocks(
 p_cmp, S)` (models/nsa.py) returns. With l = cmp_block, d = cmp_stride, l' = sel_block, n = n_selected,
 Ns = ceil(S / l'):
@@ -38,6 +39,41 @@ overlap(i, j) is the number of tokens in both [i*d, i*d + l) and [j*l', j*l' + l
 
   Ties go to the lower block (torch.topk leaves their order unspecified: this is one of its
   results). Not with pos (ValueError).
+- "lucidrains" (lucidrains' native-sparse-attention-pytorch; tests/corpus/lucidrains_shared_kv.py,
+  lucidrains_per_head.py): the choice ranks the compressed *logits*, not probabilities, so lse
+  must be None (the op computes everything from q and k); k holds the compressed keys without
+  memory slots, compressed column i ending at token (i + 1) * d - 1 (cmp_block is validated but
+  not read: the column's start does not enter); l' must be a multiple of d. In q's dtype, step by
+  step as eager (each step rounded to that dtype as eager's op is; softmax computes in float32
+  and rounds its output):
+
+    s[b, head, t, i] = (q @ k^T) * scale, -inf unless (i + 1) * d - 1 < t   # column ended before t
+    m[b, g, t, i] = mean over the group's h heads of s                      # no reduction for h = 1
+    a[b, g, t, J] = mean of m over the l'/d columns of block J, J < Jc = Tc // (l'/d)
+    a = -inf unless J < t // l'                  # the diagonal block t // l' and later ones
+    p = softmax([-1e3, a_0, .., a_{Jc-1}])[1:]  # a sink column: a row without a candidate gets p = 0
+    order = the first n' = min(n, Jc) of a stable descending sort of p     # ties: the lower block
+    block_idx[.., :n] = order where p > 1e-10 (compared in q's dtype), else -1; columns n' .. n-1 -1
+    block_idx[.., n] = t // l'                   # the diagonal block, appended: [B, G, S, n + 1]
+
+  Eager fills the invisible columns with -finfo.max // 10 and the diagonal with -finfo.max instead
+  of -inf: the diagonal is then -finfo.max and every later block has only invisible columns, a
+  mean of -finfo.max // 10 (-6552 in fp16), more than 5e3 below the -1e3 sink, whose exp is
+  exactly 0 in float32: p and the sum of the softmax are the same. The blocks before t // l' end
+  before t, so the kept ids are whole blocks of the past, and the last column is the only partial
+  one (read causally by nsa.selected_attention). Per-query-head selection (no group reduction) is
+  G = H: k repeated to one group per query head (the mean over h = 1 is exact). Rank order as
+  torch.topk returns it; ties (frequent for bf16/fp16 probabilities) go to the lower block, one of
+  topk's valid results. importance_dtype=torch.float32 (q in bf16/fp16; CUDA autocast runs softmax
+  in float32): the softmax computed and p kept in float32 (`softmax(dim=-1, dtype=torch.float32)`),
+  ranked and compared with 1e-10 there; every step before it in q's dtype as above.
+  Not with pos (ValueError); the triton backend does not run it (`why_not_triton` says so).
+
+A chunk of queries (`q_offset`, an int, default 0; issue 17): query row r of q (and of lse) is
+token q_offset + r of the sequence k was pooled from; t above is that token, Ns = ceil((q_offset +
+S) / l') (the blocks up to the last query's), block_idx [B, G, S, n] for the chunk's rows. Rules
+'nsa' and 'fla' (the triton backend: 'nsa', the offset added to each row's token where it is a
+position); not with pos or rule 'lucidrains' (ValueError).
 
 Packed documents (`pos` [B, S] int64, each token's position in its document; models/nsa.py): k
 holds a slot per token, [B, G, Tc = S - l + 1 (0 when S < l), Dk], slot u pooling tokens
@@ -87,7 +123,7 @@ per-head importances accumulated and kept in float32 (not rounded), the key floa
 order than the reference's, with the same caveat.
 
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error; only
-the reference backend runs rule "fla"):
+the reference backend runs rules "fla" and "lucidrains"):
 - `triton` (CUDA): nsa_compile/ops/block_select_triton.py, one program per (batch, group, query
   tile): the scores are recomputed tile by tile over the compression blocks, mapped onto the
   selection blocks and merged into a running top-n in registers. No [.., S, Tc] or [.., S, Ns]
@@ -112,14 +148,20 @@ from __future__ import annotations
 import torch
 
 from . import block_select_triton
-from .common import check_gqa, check_positive_int, upcast_dtype, why_not_triton_on
+from .common import check_gqa, check_offset, check_positive_int, upcast_dtype, why_not_triton_on
 from .registry import Backend, Op, declare
 
-__all__ = ["BLOCK_SELECT", "REFERENCE_BUDGET", "choose_backend", "select_blocks", "why_not_triton"]
+__all__ = ["BLOCK_SELECT", "REFERENCE_BUDGET", "choose_backend", "lucidrains_probabilities", "select_blocks",
+           "why_not_triton"]
 
-RULES = ("nsa", "fla")
+RULES = ("nsa", "fla", "lucidrains")
 FLA_REASON = ("rule 'fla' (the current block favoured, -1 after the top-n, rank order): the Triton kernel "
               "computes the paper's rule only")
+LUCIDRAINS_REASON = ("rule 'lucidrains' (averaged compressed logits, a softmax with a sink, the diagonal block "
+                     "appended): the Triton kernel ranks the paper's probabilities only")
+RULE_REASONS = {"fla": FLA_REASON, "lucidrains": LUCIDRAINS_REASON}
+# rule 'lucidrains': the sink column's logit and the probability a chosen block must exceed
+LUCIDRAINS_SINK, LUCIDRAINS_THRESHOLD = -1e3, 1e-10
 # the importance dtypes the op rounds to (autocast's lower precisions)
 ROUNDINGS = (torch.bfloat16, torch.float16)
 
@@ -143,7 +185,7 @@ def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=
                    importance_dtype: torch.dtype | None = None) -> str | None:  # fmt: skip
     """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
     if rule != "nsa":  # the reasons on every device, not only on CUDA
-        return FLA_REASON
+        return RULE_REASONS[rule]
     return why_not_triton_on(
         q.device,
         lambda: block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos,
@@ -153,28 +195,43 @@ def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=
 
 
 def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None,
-           rule="nsa", importance_dtype=None, group_sum_dtype=None) -> str:  # fmt: skip
+           rule="nsa", importance_dtype=None, group_sum_dtype=None, q_offset=0) -> str:  # fmt: skip
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
     dtypes, block sizes, positions, rule, importance dtype and backend are valid."""
     if rule not in RULES:
         raise ValueError(f"{_OP}: unknown rule {rule!r}; valid: {', '.join(RULES)}")
-    if importance_dtype is not None and importance_dtype not in ROUNDINGS:
+    if importance_dtype is not None and importance_dtype not in ROUNDINGS and rule != "lucidrains":
         raise ValueError(f"{_OP}: importance_dtype must be None, torch.bfloat16 or torch.float16, got "
                          f"{importance_dtype}")
     if group_sum_dtype is not None and (group_sum_dtype != torch.float32 or importance_dtype is None):
         raise ValueError(f"{_OP}: group_sum_dtype must be None, or torch.float32 with an importance_dtype, got "
                          f"{group_sum_dtype} (importance_dtype {importance_dtype})")
+    check_offset(_OP, q_offset, pos)
+    if rule == "lucidrains" and q_offset:
+        raise ValueError(f"{_OP}: rule 'lucidrains' with q_offset (a chunk of queries) is not implemented")
     if rule != "nsa" and pos is not None:
         raise ValueError(f"{_OP}: rule {rule!r} with pos (packed documents) is not implemented")
-    check_gqa(_OP, q, k, rows="Tc", lse=lse, **({} if pos is None else {"pos": pos}))
+    if (rule == "lucidrains") != (lse is None):
+        raise ValueError(f"{_OP}: rule {rule!r} " + ("ranks the compressed logits: lse must be None" if lse is not None
+                         else "ranks the compressed probabilities: it needs the lse"))
+    if rule == "lucidrains" and group_sum_dtype is not None:
+        raise ValueError(f"{_OP}: rule 'lucidrains' has no group sum: group_sum_dtype must be None")
+    if rule == "lucidrains" and importance_dtype not in (None, torch.float32):
+        raise ValueError(f"{_OP}: rule 'lucidrains' computes in q's dtype: importance_dtype must be None or "
+                         f"torch.float32 (the softmax in float32), got {importance_dtype}")
+    extra = ({} if lse is None else {"lse": lse}) | ({} if pos is None else {"pos": pos})
+    check_gqa(_OP, q, k, rows="Tc", **extra)
     B, H, S, _ = q.shape
-    if lse.dtype != torch.float32:
+    if lse is not None and lse.dtype != torch.float32:
         raise ValueError(f"{_OP}: lse must be a float32 tensor, got {lse.dtype}")
-    if tuple(lse.shape) != (B, H, S):
+    if lse is not None and tuple(lse.shape) != (B, H, S):
         raise ValueError(f"{_OP}: lse must have shape [B, H, S] = [{B}, {H}, {S}], got {tuple(lse.shape)}")
     for name, value in (("cmp_block", cmp_block), ("cmp_stride", cmp_stride), ("sel_block", sel_block),
                         ("n_selected", n_selected)):  # fmt: skip
         check_positive_int(_OP, name, value)
+    if rule == "lucidrains" and sel_block % cmp_stride:
+        raise ValueError(f"{_OP}: rule 'lucidrains' averages the l'/d columns of each block: sel_block "
+                         f"{sel_block} must be a multiple of cmp_stride {cmp_stride}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.SymFloat, torch.SymInt)):
         raise ValueError(f"{_OP}: scale must be a float, got {type(scale).__name__}")
     if pos is not None:
@@ -251,12 +308,12 @@ def accumulator(up: torch.dtype, importance_dtype: torch.dtype | None) -> torch.
 
 def _reference(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int, scale: float,
                budget: int | None = None, rule: str = "nsa", importance_dtype: torch.dtype | None = None,
-               group_sum_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+               group_sum_dtype: torch.dtype | None = None, q_offset: int = 0) -> torch.Tensor:  # fmt: skip
     B, H, S, _ = q.shape
     G, Tc = k.shape[1], k.shape[2]
     h = H // G
     up = upcast_dtype(q.dtype)
-    Ns = -(-S // sel_block)
+    Ns = -(-(q_offset + S) // sel_block)  # the blocks of the tokens up to the last query
     out = torch.empty((B, G, S, n_selected), dtype=torch.int64, device=q.device)
     if out.numel() == 0:
         return out
@@ -271,7 +328,7 @@ def _reference(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_sel
     i = torch.arange(Tc, device=q.device)
     for t0 in range(0, S, chunk):
         t1 = min(S, t0 + chunk)
-        t = torch.arange(t0, t1, device=q.device)[:, None]  # [c, 1]
+        t = torch.arange(q_offset + t0, q_offset + t1, device=q.device)[:, None]  # [c, 1]: the rows' tokens
         visible = i * cmp_stride + cmp_block - 1 <= t  # [c, Tc]: the whole block is in the past
         s = (qg[:, :, :, t0:t1] @ kT).to(up) * scale  # [B, G, h, c, Tc]
         # where, not multiply: a row without a visible block has lse = -inf and exp(s - lse) = inf
@@ -284,7 +341,6 @@ def _reference(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_sel
         del p
         if importance_dtype is not None:  # the matmul's result, rounded; the head sum then in that dtype
             p_slc = p_slc.to(importance_dtype)
-        t = torch.arange(t0, t1, device=q.device)[:, None]
         if rule == "fla":  # each head's importance of the current block set to 1.0 before the group sum
             p_slc = torch.where(torch.arange(Ns, device=q.device) == t // sel_block, 1.0, p_slc)
         out[:, :, t0:t1] = rank_and_choose(group_sum(p_slc, group_sum_dtype), t, sel_block, n_selected, rule)
@@ -358,8 +414,55 @@ def _reference_packed(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int
     return out
 
 
+def lucidrains_probabilities(q, k, cmp_stride: int, sel_block: int, scale: float, t0: int = 0, t1: int | None = None,
+                             softmax_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """Rule 'lucidrains': p [B, G, c, Jc] of query rows t0 .. t1 - 1 (the module docstring's p, in
+    q's dtype, or softmax_dtype: the sink column dropped, 0 on every block that is not a
+    candidate). q [B, H, S, Dk], k [B, G, Tc, Dk] (H = G h); also what the select_blocks pass
+    compares a model's region with."""
+    S, G, Tc = q.shape[2], k.shape[1], k.shape[2]
+    t1 = S if t1 is None else t1
+    per = sel_block // cmp_stride  # compressed columns averaged per selection block
+    Jc = Tc // per
+    t = torch.arange(t0, t1, device=q.device)[:, None]  # [c, 1]
+    ends = (torch.arange(Tc, device=q.device) + 1) * cmp_stride - 1  # [Tc]: each column's last token
+    s = (q.unflatten(1, (G, -1))[:, :, :, t0:t1] @ k.transpose(-1, -2)[:, :, None]) * scale  # [B, G, h, c, Tc]
+    s = s.masked_fill(~(ends < t), float("-inf")).mean(2)  # the group's mean: [B, G, c, Tc]
+    a = s[..., : Jc * per].unflatten(-1, (Jc, per)).mean(-1)  # [B, G, c, Jc]
+    a = a.masked_fill(~(torch.arange(Jc, device=q.device) < t // sel_block), float("-inf"))
+    return torch.nn.functional.pad(a, (1, 0), value=LUCIDRAINS_SINK).softmax(dim=-1, dtype=softmax_dtype)[..., 1:]
+
+
+def _reference_lucidrains(q, k, cmp_stride: int, sel_block: int, n_selected: int, scale: float,
+                          budget: int | None = None,
+                          softmax_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """Rule 'lucidrains' (the module docstring): [B, G, S, n + 1] int64, chunked over query rows
+    (a chunk's scores [B, H, c, Tc] under the budget), every step in q's dtype as eager's."""
+    B, H, S, _ = q.shape
+    G, Tc = k.shape[1], k.shape[2]
+    top = min(n_selected, Tc // (sel_block // cmp_stride))
+    out = torch.full((B, G, S, n_selected + 1), -1, dtype=torch.int64, device=q.device)
+    out[..., n_selected] = torch.arange(S, device=q.device) // sel_block  # the diagonal block, appended
+    if out.numel() == 0 or top == 0:
+        return out
+    budget = budget or REFERENCE_BUDGET
+    chunk = max(1, min(S, budget // max(1, B * H * Tc)))
+    for t0 in range(0, S, chunk):
+        t1 = min(S, t0 + chunk)
+        p = lucidrains_probabilities(q, k, cmp_stride, sel_block, scale, t0, t1, softmax_dtype)
+        values, order = torch.sort(p, dim=-1, descending=True, stable=True)
+        values, order = values[..., :top], order[..., :top]
+        out[:, :, t0:t1, :top] = torch.where(values > LUCIDRAINS_THRESHOLD, order, -1)
+    return out
+
+
 def _reference_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos=None, rule="nsa",
-                       importance_dtype=None, group_sum_dtype=None):  # fmt: skip
+                       importance_dtype=None, group_sum_dtype=None, q_offset=0):  # fmt: skip
+    if q_offset:  # pos and rule 'lucidrains' take no offset (_check)
+        return _reference(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, rule=rule,
+                          importance_dtype=importance_dtype, group_sum_dtype=group_sum_dtype, q_offset=q_offset)
+    if rule == "lucidrains":
+        return _reference_lucidrains(q, k, cmp_stride, sel_block, n_selected, scale, softmax_dtype=importance_dtype)
     if pos is not None:
         return _reference_packed(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos,
                                  importance_dtype=importance_dtype, group_sum_dtype=group_sum_dtype)
@@ -370,7 +473,7 @@ def _reference_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, 
 def _triton_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule="nsa",
                    importance_dtype=None) -> str | None:  # fmt: skip
     if rule != "nsa":
-        return FLA_REASON
+        return RULE_REASONS[rule]
     return block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos,
                                                   importance_dtype)
 
@@ -378,31 +481,32 @@ def _triton_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=
 # The block ids are integers: no gradient, no backward op.
 BLOCK_SELECT = declare(Op(
     name="select_blocks",
-    schema="(Tensor q, Tensor k, Tensor lse, SymInt cmp_block, SymInt cmp_stride, SymInt sel_block, "
+    schema="(Tensor q, Tensor k, Tensor? lse, SymInt cmp_block, SymInt cmp_stride, SymInt sel_block, "
            'SymInt n_selected, float scale, str backend="auto", Tensor? pos=None, str rule="nsa", '
-           "ScalarType? importance_dtype=None, ScalarType? group_sum_dtype=None) -> Tensor",
+           "ScalarType? importance_dtype=None, ScalarType? group_sum_dtype=None, int q_offset=0) -> Tensor",
     config_field="select_blocks_backend",
     choice_args=("q", "k", "lse", "cmp_block", "cmp_stride", "sel_block", "n_selected", "pos", "rule",
                  "importance_dtype"),
     backends=(
         Backend("triton", cannot_run=_triton_reason, auto_reason=why_not_triton,
-                forward=lambda q, k, lse, l, d, ls, n, scale, pos, rule, importance_dtype, group_sum_dtype:
+                forward=lambda q, k, lse, l, d, ls, n, scale, pos, rule, importance_dtype, group_sum_dtype, q_offset:
                     block_select_triton.select_blocks_forward(q, k, lse, l, d, ls, n, scale, pos, importance_dtype,
-                                                              group_sum_dtype)),
+                                                              group_sum_dtype, q_offset)),
         Backend("reference", forward=_reference_forward),
     ),
     check=_check,
-    fake=lambda q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, *_: q.new_empty(
-        (q.shape[0], k.shape[1], q.shape[2], n_selected), dtype=torch.int64),
+    fake=lambda q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None,
+    rule="nsa", *_: q.new_empty(  # rule 'lucidrains' appends the diagonal block: n + 1 columns
+        (q.shape[0], k.shape[1], q.shape[2], n_selected + (rule == "lucidrains")), dtype=torch.int64),
 ))
 
 
 def select_blocks(
-    q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, cmp_block: int, cmp_stride: int, sel_block: int,
+    q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor | None, cmp_block: int, cmp_stride: int, sel_block: int,
     n_selected: int, scale: float, backend: str = "auto", pos: torch.Tensor | None = None, rule: str = "nsa",
-    importance_dtype: torch.dtype | None = None, group_sum_dtype: torch.dtype | None = None,
+    importance_dtype: torch.dtype | None = None, group_sum_dtype: torch.dtype | None = None, q_offset: int = 0,
 ) -> torch.Tensor:
     """`torch.ops.nsa.select_blocks` (see the module docstring)."""
     return torch.ops.nsa.select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend,
                                        pos=pos, rule=rule, importance_dtype=importance_dtype,
-                                       group_sum_dtype=group_sum_dtype)
+                                       group_sum_dtype=group_sum_dtype, q_offset=q_offset)

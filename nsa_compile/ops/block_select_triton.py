@@ -54,6 +54,11 @@ documents starting inside the tile after its first query. A HAS_POS constexpr (N
 without pos) compiles the code without pos exactly as before. This relies on pos counting up
 by one inside each document (models.check_positions), as the op's docstring says.
 
+A chunk of queries (the op's q_offset; not with pos): an int argument Q_OFF (one compiled kernel
+for every offset) added to each row's token where the token is a position (the visibility
+i*d + l - 1 <= t, the current block t // l', the candidates j*l' <= t, the last block a tile
+reads), never where it addresses q, lse or the output.
+
 Importance rounded as under autocast (importance_dtype bf16/fp16, the op's docstring): p rounded
 per (query, head) row, each head's rows mapped by the rounded overlap matrix in one [ROWS, 2 TC]
 x [2 TC, KS] fp32 dot, rounded, summed over the group's heads in fp32 and rounded, then ranked as
@@ -232,7 +237,7 @@ def _merge_top(run, new, M: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
 def select_kernel(
     Q, KC, LSE, W, OUT, POS, LO, SLOT,
     sqb, sqh, sqs, sqd, skb, skg, skt, skd, slb, slh, sls, sob, sog, sos,
-    S, G, Tc, N_SEL, L, D, LS, scale,
+    S, G, Tc, N_SEL, L, D, LS, scale, Q_OFF,
     HPG: tl.constexpr, HC: tl.constexpr, NHC: tl.constexpr, DK: tl.constexpr, DK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, TC: tl.constexpr, NS: tl.constexpr, KS: tl.constexpr, LOG_KS: tl.constexpr,
     PREC: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr, HAS_POS: tl.constexpr,
@@ -272,9 +277,9 @@ def select_kernel(
         cur = p_q // LS  # [BLOCK_M] the current selection block (of the document)
         n_groups = 1 + reduce_sum(((p_q == 0) & q_ok & (t_q > tile * BLOCK_M)).to(tl.int32), 0)
         first = -1  # the group's lo; past the last group Tc + 1 (no rows, no keys loaded)
-    else:
-        cur = t_q // LS  # [BLOCK_M] the current selection block
-        t_last = tl.minimum(tile * BLOCK_M + BLOCK_M, S) - 1
+    else:  # query row t is token Q_OFF + t (a chunk of queries; 0 for the whole sequence)
+        cur = (Q_OFF + t_q) // LS  # [BLOCK_M] the current selection block
+        t_last = Q_OFF + tl.minimum(tile * BLOCK_M + BLOCK_M, S) - 1
         n_tiles = (t_last // LS) // NS + 1  # up to the latest query's current block
         n_groups = 1
     kk = tl.arange(0, 2 * TC)
@@ -341,7 +346,7 @@ def select_kernel(
                     # this pass drops
                     vis = ok[:, None] & (i[None, :] * D + L - 1 <= p_row[:, None])
                 else:
-                    vis = ok[:, None] & (i < Tc)[None, :] & (i[None, :] * D + L - 1 <= t_row[:, None])
+                    vis = ok[:, None] & (i < Tc)[None, :] & (i[None, :] * D + L - 1 <= Q_OFF + t_row[:, None])
                 # where, not multiply: a row without a visible block has lse = -inf (exp = inf)
                 p = tl.where(vis, tl.exp(s * scale - lse[:, None]), 0.0)
                 if IMP_DTYPE is not None:  # one chunk (NHC == 1): p rounded per head, summed after the map
@@ -383,7 +388,7 @@ def select_kernel(
             if HAS_POS:  # counted in the document
                 candidate = real & (j[None, :] * LS <= p_q[:, None])
             else:
-                candidate = real & (j[None, :] * LS <= t_q[:, None])
+                candidate = real & (j[None, :] * LS <= Q_OFF + t_q[:, None])
             bits = tl.where(forced, 0x7F800000, tl.where(candidate, p_grp.to(tl.int32, bitcast=True), -1))
             key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)[None, :]  # [BLOCK_M, KS]
             # merge only when some key beats some query's running minimum (the list's last entry)
@@ -443,12 +448,15 @@ def _overlap_matrix(TC: int, NS: int, KS: int, cmp_block: int, cmp_stride: int, 
 
 
 def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int,
-                          scale: float, pos=None, importance_dtype=None, group_sum_dtype=None, *,
-                          tiles: dict | None = None) -> torch.Tensor:  # fmt: skip
+                          scale: float, pos=None, importance_dtype=None, group_sum_dtype=None, q_offset: int = 0,
+                          *, tiles: dict | None = None) -> torch.Tensor:  # fmt: skip
     """block_idx [B, G, S, n_selected] int64 (see the module docstring). pos: packed documents
     ([B, S] int64; k then holds a slot per token). importance_dtype: None, or bf16/fp16 for the
-    importance rounded as eager computes it under autocast (the op's docstring). `tiles`: an
-    override of `_tiles` (tools/bench_block_select.py); None, the default tiles."""
+    importance rounded as eager computes it under autocast (the op's docstring). q_offset: query
+    row t is token q_offset + t (a chunk of queries; not with pos), a kernel argument added to the
+    row's token wherever it is a position (visibility, current block, candidates), never where it
+    addresses q, lse or the output. `tiles`: an override of `_tiles` (tools/bench_block_select.py);
+    None, the default tiles."""
     why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos, importance_dtype)
     if why is not None:
         raise ValueError(f"select_blocks (triton): cannot run these inputs: {why}")
@@ -475,7 +483,7 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
     select_kernel[grid](
         q, k, lse, w, out, doc_pos, lo, slot,
         *q.stride(), *k.stride(), *lse.stride(), *out.stride()[:3],
-        S, G, Tc, n_selected, cmp_block, cmp_stride, sel_block, scale,
+        S, G, Tc, n_selected, cmp_block, cmp_stride, sel_block, scale, q_offset,
         HPG=h, HC=T["HC"], NHC=_cdiv(h, T["HC"]), DK=Dk, DK_P=T["DK_P"], BLOCK_M=T["BLOCK_M"], TC=T["TC"], NS=NS,
         KS=T["KS"], LOG_KS=T["KS"].bit_length() - 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",

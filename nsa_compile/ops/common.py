@@ -108,3 +108,14 @@ def empty_attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     """Empty dq, dk, dv with the shapes and dtypes of q, k, v, each in [B, S, heads, D] memory:
     what the attention ops' backward ops return."""
     return tuple(bshd_empty(*x.shape, x) for x in (q, k, v))
+
+
+def check_offset(op: str, q_offset, pos) -> None:
+    """q_offset (the token of query row 0: a chunk of queries, issue 17) must be an int >= 0, and
+    0 with packed documents (pos: each row's position is pos's)."""
+    if isinstance(q_offset, bool) or not isinstance(q_offset, (int, torch.SymInt)):
+        raise ValueError(f"{op}: q_offset must be an int, got {type(q_offset).__name__}")
+    if q_offset < 0:
+        raise ValueError(f"{op}: q_offset must be >= 0, got {q_offset}")
+    if pos is not None and q_offset != 0:
+        raise ValueError(f"{op}: q_offset must be 0 with pos (packed documents give each row its position)")

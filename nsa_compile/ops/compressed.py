@@ -1,7 +1,7 @@
 """Compressed-token attention with GQA as a functional custom op (NSA section 2).
 
-    o, lse = torch.ops.nsa.compressed_attention(q, k, v, block, stride, scale, backend, pos=None)
-    o = compressed_attention(q, k, v, block, stride, scale, backend="auto", pos=None)   # the output only
+    o, lse = torch.ops.nsa.compressed_attention(q, k, v, block, stride, scale, backend, pos=None, q_offset=0)
+    o = compressed_attention(q, k, v, block, stride, scale, backend="auto", pos=None, q_offset=0)   # the output only
 
 q [B, H, S, Dk] (normally a transposed view of [B, S, H, Dk] memory), k [B, G, Tc, Dk] and
 v [B, G, Tc, Dv]: the pooled compression tokens K~, V~ (one per compression block), H = G * h;
@@ -22,6 +22,27 @@ rebuild p = exp(scores - lse) (the block selection does). A row without a visibl
 block - 1, or Tc = 0 when S < block: both are valid inputs) gets o = 0, lse = -inf and zero
 gradients, never NaN. lse is not differentiable.
 
+`block` is the staircase's intercept, an integer of any sign without pos (>= 1 with pos, where it
+is also the slot length): the op itself pools nothing, so it is only where the staircase starts.
+Two other alignments of the compressed branch are this same mask (lucidrains'
+native-sparse-attention-pytorch, tests/corpus/lucidrains_*.py):
+- strict visibility, block i of l tokens seen only after its last token (i*d + l - 1 < t):
+  block = l + 1;
+- M learned memory slots prepended to the pooled tokens (k = cat(mem_k, k_cmp) on the token dim),
+  visible to every query, with strict or inclusive blocks of l <= d tokens (l <= d + 1 when
+  inclusive): column j = M + i is visible iff i*d + l' - 1 <= t (l' = l + 1 strict, l inclusive),
+  i.e. j*d + (l' - M*d) - 1 <= t, and every memory column j < M passes that test at t = 0
+  ((M - 1)*d + l' - M*d - 1 = l' - d - 1 <= 0). So block = l' - M*d (<= 0 for M >= 2) computes
+  it, memory columns included, and no row is empty.
+Why one integer and not a memory parameter or a softmax split into memory and blocks merged by
+their log-sum-exps: the integer is the smaller honest change. The reference and the Triton
+kernels already compute the mask as `i * stride + block - 1 <= t` in integers, so both take it
+unchanged (the Triton dk/dv kernel only clamps its first query at 0, under a constexpr that the
+default path does not compile), the arithmetic stays eager's softmax over the same columns, lse
+stays non-differentiable, and dk, dv of the memory columns come out of the same backward.
+Memory slots before overlapping blocks (l' - d - 1 > 0) are not one staircase: the last memory
+column would be hidden from the first queries, and passes/compressed_attention.py refuses them.
+
 Packed documents (`pos` [B, S] int64, each token's position in its own document, the model's
 tensor; models/nsa.py): k and v then hold one compression slot per token, Tc = S - block + 1
 (slot s pools tokens [s, s + block), `x.unfold(1, block, 1)`; Tc = 0 when S < block), and query
@@ -37,8 +58,18 @@ accepts, and the model checks once per forward): the triton backend relies on it
 start is t - pos[t], and its blocks are at least min(block, stride) tokens apart); the reference
 computes the formula above for any int64 pos.
 
+A chunk of queries (`q_offset`, an int, default 0): query row r of q is token q_offset + r of
+the sequence the keys were pooled from, so row r sees block i iff i * stride + block - 1 <=
+q_offset + r. A model that loops over query chunks of a long sequence (each chunk reading the
+whole pooled K/V) becomes one op call per chunk with its offset (issue 17). Not with pos
+(ValueError). That test is the staircase of intercept block - q_offset over the rows
+(i * stride + (block - q_offset) - 1 <= r): the triton backend runs its kernels with that
+intercept (`block` may be < 1 there, as for memory slots), so the offset adds no kernel argument
+and q_offset = 0 launches exactly the kernels it did before; the reference adds q_offset to its
+rows' tokens.
+
 Backward is a second op, `nsa::compressed_attention_backward(grad_o, q, k, v, o, lse, block,
-stride, scale, backend, pos=None) -> (dq, dk, dv)`: dq in q's dtype ([B, S, H, Dk] memory), dk and
+stride, scale, backend, pos=None, q_offset=0) -> (dq, dk, dv)`: dq in q's dtype ([B, S, H, Dk] memory), dk and
 dv with the shapes and dtypes of k and v, summed over each group's h query heads; pos gets no
 gradient.
 
@@ -69,8 +100,8 @@ import torch
 
 from . import compressed_triton
 from .common import (
-    bshd_empty, check_gqa, check_grad_o, check_positive_int, empty_attention_grads, empty_attention_outputs,
-    upcast_dtype, why_not_triton_on,
+    bshd_empty, check_gqa, check_grad_o, check_offset, check_positive_int, empty_attention_grads,
+    empty_attention_outputs, upcast_dtype, why_not_triton_on,
 )
 from .registry import Backend, Op, declare
 
@@ -85,23 +116,23 @@ REFERENCE_BUDGET = 2**25
 REFERENCE_CHUNK: int | None = None
 
 
-def choose_backend(q, k, v, block, stride, backend: str = "auto", pos=None) -> str:
+def choose_backend(q, k, v, block, stride, backend: str = "auto", pos=None, q_offset: int = 0) -> str:
     """`COMPRESSED.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it
     cannot run these inputs), or for 'auto' triton where it can run on CUDA (with pos or without)
     and reference elsewhere."""
-    return COMPRESSED.choose(backend, q, k, v, block, stride, pos)
+    return COMPRESSED.choose(backend, q, k, v, block, stride, pos, q_offset)
 
 
-def _triton_reason(q, k, v, block, stride, pos=None) -> str | None:
-    return compressed_triton.unsupported_reason(q, k, v, block, stride, pos)
+def _triton_reason(q, k, v, block, stride, pos=None, q_offset: int = 0) -> str | None:
+    return compressed_triton.unsupported_reason(q, k, v, block - q_offset, stride, pos)
 
 
-def why_not_triton(q, k, v, block, stride, pos=None) -> str | None:
+def why_not_triton(q, k, v, block, stride, pos=None, q_offset: int = 0) -> str | None:
     """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
-    return why_not_triton_on(q.device, lambda: compressed_triton.unsupported_reason(q, k, v, block, stride, pos))
+    return why_not_triton_on(q.device, lambda: _triton_reason(q, k, v, block, stride, pos, q_offset))
 
 
-def _check(q, k, v, block, stride, scale, backend="auto", pos=None) -> str:
+def _check(q, k, v, block, stride, scale, backend="auto", pos=None, q_offset=0) -> str:
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
     dtypes, block, stride, pos and backend are valid. (k and v hold Tc compression tokens, not S:
     common.check_qkv does not fit.)"""
@@ -111,11 +142,20 @@ def _check(q, k, v, block, stride, scale, backend="auto", pos=None) -> str:
         raise ValueError(
             f"{op}: k and v must hold the same number of compression tokens, got {k.shape[2]} and {v.shape[2]}"
         )
-    check_positive_int(op, "block", block)
+    if pos is None:  # the staircase's intercept: any int (module docstring)
+        check_int(op, "block", block)
+    else:  # with pos also the slot length
+        check_positive_int(op, "block", block, " with pos")
     check_positive_int(op, "stride", stride)
+    check_offset(op, q_offset, pos)
     if pos is not None:
         _check_pos(op, q, k, block, pos)
-    return choose_backend(q, k, v, block, stride, backend, pos)
+    return choose_backend(q, k, v, block, stride, backend, pos, q_offset)
+
+
+def check_int(op: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise ValueError(f"{op}: {name} must be an int, got {type(value).__name__}")
 
 
 def _check_pos(op: str, q, k, block, pos) -> None:
@@ -149,13 +189,13 @@ def _chunk_rows(B: int, H: int, Tc: int, chunk: int | None) -> int:
     return max(1, REFERENCE_BUDGET // max(1, B * H * Tc))
 
 
-def _chunks(S: int, B: int, H: int, Tc: int, block: int, stride: int, chunk: int | None):
-    """(t0, t1, n): query rows [t0, t1) and the number of blocks the last of them sees (every
-    row of the chunk sees a prefix of those n: the staircase)."""
+def _chunks(S: int, B: int, H: int, Tc: int, block: int, stride: int, chunk: int | None, q_offset: int = 0):
+    """(t0, t1, n): query rows [t0, t1) (tokens q_offset + t0 ..) and the number of blocks the last
+    of them sees (every row of the chunk sees a prefix of those n: the staircase)."""
     rows = _chunk_rows(B, H, Tc, chunk)
     for t0 in range(0, S, rows):
         t1 = min(S, t0 + rows)
-        yield t0, t1, visible_blocks(t1 - 1, block, stride, Tc)
+        yield t0, t1, visible_blocks(q_offset + t1 - 1, block, stride, Tc)
 
 
 def _rows(x: torch.Tensor, G: int, t0: int, t1: int) -> torch.Tensor:
@@ -208,20 +248,22 @@ def _chunk_probs(qc, kc, visible, scale, empty_rows: bool):
     return torch.softmax(scores.masked_fill(~has_block, 0.0), dim=-1) * visible, lse
 
 
-def _reference_forward(q, k, v, block: int, stride: int, scale: float, chunk: int | None = None, pos=None):
+def _reference_forward(q, k, v, block: int, stride: int, scale: float, chunk: int | None = None, pos=None,
+                       q_offset: int = 0):
     B, H, S, _ = q.shape
     G, Tc = k.shape[1], k.shape[2]
     h = H // G
     out, lse = empty_attention_outputs(q, v)
     # with pos a slot starts at every token (stride 1 for the staircase), and any row may be empty
     is_block = None if pos is None else _slot_is_block(pos, Tc, block, stride)
-    for t0, t1, n in _chunks(S, B, H, Tc, block, stride if pos is None else 1, chunk):
+    for t0, t1, n in _chunks(S, B, H, Tc, block, stride if pos is None else 1, chunk, q_offset):
         if n == 0:  # no row of the chunk sees a block yet
             out[:, :, t0:t1] = 0
             lse[:, :, t0:t1] = float("-inf")
             continue
-        visible = _visible(t0, t1, n, block, stride, h, q.device, pos, is_block)
-        empty_rows = pos is not None or t0 < block - 1
+        # without pos the rows' positions are their tokens, q_offset + t (pos rules q_offset out)
+        visible = _visible(q_offset + t0, q_offset + t1, n, block, stride, h, q.device, pos, is_block)
+        empty_rows = pos is not None or q_offset + t0 < block - 1
         p, row_lse = _chunk_probs(_rows(q, G, t0, t1), k[:, :, :n], visible, scale, empty_rows)
         _put_rows(out, G, t0, t1, p.to(v.dtype) @ v[:, :, :n])  # [B, G, R, Dv]
         _put_rows(lse, G, t0, t1, row_lse)
@@ -229,7 +271,7 @@ def _reference_forward(q, k, v, block: int, stride: int, scale: float, chunk: in
 
 
 def _reference_backward(grad_o, q, k, v, block: int, stride: int, scale: float, chunk: int | None = None,
-                        pos=None):
+                        pos=None, q_offset: int = 0):
     """dq, dk, dv by recomputing each chunk and applying autograd's formulas for the eager graph.
 
     Autograd itself cannot run here: a custom op's kernel runs with the autograd dispatch keys
@@ -253,14 +295,14 @@ def _reference_backward(grad_o, q, k, v, block: int, stride: int, scale: float, 
     dk = bshd_empty(B, G, Tc, Dk, k, upcast_dtype(k.dtype)).zero_()
     dv = bshd_empty(B, G, Tc, Dv, v, upcast_dtype(v.dtype)).zero_()
     is_block = None if pos is None else _slot_is_block(pos, Tc, block, stride)
-    for t0, t1, n in _chunks(S, B, H, Tc, block, stride if pos is None else 1, chunk):
+    for t0, t1, n in _chunks(S, B, H, Tc, block, stride if pos is None else 1, chunk, q_offset):
         if n == 0:
             dq[:, :, t0:t1] = 0
             continue
-        visible = _visible(t0, t1, n, block, stride, h, q.device, pos, is_block)
+        visible = _visible(q_offset + t0, q_offset + t1, n, block, stride, h, q.device, pos, is_block)
         qc, kc, vc = _rows(q, G, t0, t1), k[:, :, :n], v[:, :, :n]
         g = _rows(grad_o, G, t0, t1).to(v.dtype)  # [B, G, R, Dv]
-        p, _ = _chunk_probs(qc, kc, visible, scale, pos is not None or t0 < block - 1)  # [B, G, R, n]
+        p, _ = _chunk_probs(qc, kc, visible, scale, pos is not None or q_offset + t0 < block - 1)  # [B, G, R, n]
         pv = p.to(v.dtype)
         dv[:, :, :n] += pv.transpose(-1, -2) @ g
         dp = (g @ vc.transpose(-1, -2)).to(up)
@@ -271,8 +313,8 @@ def _reference_backward(grad_o, q, k, v, block: int, stride: int, scale: float, 
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _check_backward(grad_o, q, k, v, o, lse, block, stride, scale, backend="auto", pos=None) -> str:
-    chosen = _check(q, k, v, block, stride, scale, backend, pos)
+def _check_backward(grad_o, q, k, v, o, lse, block, stride, scale, backend="auto", pos=None, q_offset=0) -> str:
+    chosen = _check(q, k, v, block, stride, scale, backend, pos, q_offset)
     check_grad_o("compressed_attention_backward", grad_o, q, v)
     return chosen
 
@@ -280,30 +322,34 @@ def _check_backward(grad_o, q, k, v, o, lse, block, stride, scale, backend="auto
 def _gradients(saved, grad_o, _grad_lse) -> dict:
     s = saved
     dq, dk, dv = torch.ops.nsa.compressed_attention_backward(
-        grad_o, s.q, s.k, s.v, s.o, s.lse, s.block, s.stride, s.scale, s.backend, s.pos)
+        grad_o, s.q, s.k, s.v, s.o, s.lse, s.block, s.stride, s.scale, s.backend, s.pos, s.q_offset)
     return {"q": dq, "k": dk, "v": dv}
 
 
 COMPRESSED = declare(Op(
     name="compressed_attention",
     schema='(Tensor q, Tensor k, Tensor v, SymInt block, SymInt stride, float scale, str backend="auto", '
-           "Tensor? pos=None) -> (Tensor, Tensor)",
+           "Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor)",
     config_field="compressed_attention_backend",
-    choice_args=("q", "k", "v", "block", "stride", "pos"),
+    choice_args=("q", "k", "v", "block", "stride", "pos", "q_offset"),
     backends=(
         Backend("triton", cannot_run=_triton_reason, auto_reason=why_not_triton,
-                forward=compressed_triton.compressed_forward,
-                backward=compressed_triton.compressed_backward),
+                # a chunk of queries as the staircase's intercept (module docstring)
+                forward=lambda q, k, v, block, stride, scale, pos, q_offset: compressed_triton.compressed_forward(
+                    q, k, v, block - q_offset, stride, scale, pos),
+                backward=lambda grad_o, q, k, v, o, lse, block, stride, scale, pos, q_offset:
+                    compressed_triton.compressed_backward(grad_o, q, k, v, o, lse, block - q_offset, stride, scale,
+                                                          pos)),
         Backend("reference",
-                forward=lambda q, k, v, block, stride, scale, pos: _reference_forward(
-                    q, k, v, block, stride, scale, pos=pos),
-                backward=lambda grad_o, q, k, v, o, lse, block, stride, scale, pos: _reference_backward(
-                    grad_o, q, k, v, block, stride, scale, pos=pos)),
+                forward=lambda q, k, v, block, stride, scale, pos, q_offset: _reference_forward(
+                    q, k, v, block, stride, scale, pos=pos, q_offset=q_offset),
+                backward=lambda grad_o, q, k, v, o, lse, block, stride, scale, pos, q_offset: _reference_backward(
+                    grad_o, q, k, v, block, stride, scale, pos=pos, q_offset=q_offset)),
     ),
     check=_check,
     fake=lambda q, k, v, *_: empty_attention_outputs(q, v),
     backward_schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, SymInt block, SymInt stride, "
-                    'float scale, str backend="auto", Tensor? pos=None) -> (Tensor, Tensor, Tensor)',
+                    'float scale, str backend="auto", Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor, Tensor)',
     check_backward=_check_backward,
     backward_fake=lambda grad_o, q, k, v, *_: empty_attention_grads(q, k, v),
     outputs=("o", "lse"),
@@ -315,7 +361,7 @@ compressed_attention_backward = COMPRESSED.backward_op
 
 def compressed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, stride: int, scale: float, backend: str = "auto",
-    pos: Optional[torch.Tensor] = None,
+    pos: Optional[torch.Tensor] = None, q_offset: int = 0,
 ) -> torch.Tensor:
     """The output o of `torch.ops.nsa.compressed_attention` (see the module docstring)."""
-    return torch.ops.nsa.compressed_attention(q, k, v, block, stride, scale, backend, pos)[0]
+    return torch.ops.nsa.compressed_attention(q, k, v, block, stride, scale, backend, pos, q_offset)[0]

@@ -7,7 +7,9 @@
 
 Same semantics as the `reference` backend of `nsa::compressed_attention` (nsa_compile/ops/compressed.py):
 q [B, H, S, Dk], k [B, G, Tc, Dk], v [B, G, Tc, Dv], H = G * h; query t of head j sees the
-compression tokens i of KV head j // h with i * stride + block - 1 <= t. o [B, H, S, Dv] in v's
+compression tokens i of KV head j // h with i * stride + block - 1 <= t (without pos block may be
+< 1: memory slots, columns seen from t = 0; the dk/dv kernel then clamps its first query at 0,
+EARLY, a constexpr the default path does not compile). o [B, H, S, Dv] in v's
 dtype, lse [B, H, S] float32 (natural log; -inf on a row without a visible block, whose output
 and gradients are 0). Strides are passed to the kernels: q, k, v, grad_o may be any strided
 views; o and dq are allocated as [B, S, H, D] memory, dk and dv as [B, Tc, G, D] memory (the
@@ -119,8 +121,11 @@ def unsupported_reason(q, k, v, block, stride, pos=None) -> str | None:
     if why := device_reason(q, k, v, pos) or qkv_reason(q, k, v, MAX_HEAD_DIM):
         return why
     for name, value in (("block", block), ("stride", stride)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            return f"{name} {value!r} (needs an int >= 1)"
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{name} {value!r} (needs an int)"
+    # without pos block is the staircase's intercept, of any sign (ops/compressed.py: memory slots)
+    if stride < 1 or (block < 1 and pos is not None) or block < -(2**30):
+        return f"block {block!r}, stride {stride!r} (needs stride >= 1, block >= 1 with pos, block >= -2**30)"
     G = k.shape[1]
     if G >= 1 and q.shape[2] * (q.shape[1] // G) >= 2**31 - 2**20:
         return f"{q.shape[2]} queries x {q.shape[1] // G} heads per group (pair ids are int32)"
@@ -452,6 +457,7 @@ def dkdv_kernel(
     S, G, TC, BLK, STRIDE, scale, SEG, N_ITEMS,
     HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_POS: tl.constexpr,
+    EARLY: tl.constexpr = False,
 ):  # fmt: skip
     item = tl.program_id(0)
     bg = tl.program_id(1)
@@ -486,6 +492,9 @@ def dkdv_kernel(
         p_lo = tl.minimum(c0 * STRIDE + BLK - 1, S) * HPG
         p_end = n_pairs
         p_full = tl.minimum(c_last * STRIDE + BLK - 1, S) * HPG
+        if EARLY:  # block < 1 (memory slots): columns seen from before t = 0, by every query
+            p_lo = tl.maximum(p_lo, 0)
+            p_full = tl.maximum(p_full, 0)
     # the masked tiles end at p_mid, a whole number of ROWS after p_lo (as the segments are)
     p_mid = p_lo + (p_full - p_lo + ROWS - 1) // ROWS * ROWS
     a = p_lo + seg * SEG
@@ -645,7 +654,7 @@ def _segment(S: int, h: int, Tc: int, block: int, stride: int, BG: int, cfg: dic
         return max(rows, _cdiv(n_pairs, rows) * rows)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     n_tiles = _cdiv(Tc, cfg["BLOCK_N"])
-    work = sum(max(0, n_pairs - min(i * cfg["BLOCK_N"] * stride + block - 1, S) * h) for i in range(n_tiles))
+    work = sum(max(0, n_pairs - min(max(i * cfg["BLOCK_N"] * stride + block - 1, 0), S) * h) for i in range(n_tiles))
     per_item = _cdiv(work * BG, ITEMS_PER_SM * sms)
     return max(4 * rows, _cdiv(per_item, rows) * rows)
 
@@ -656,11 +665,12 @@ def _work_items(S: int, h: int, Tc: int, block: int, stride: int, block_n: int, 
         item_tile, item_seg [U] int32: each item's key tile and segment, the heaviest tiles first
         tile_nseg, tile_first [n_tiles] int32: each tile's number of items (>= 1, so every tile is
                                               written) and its first item
-    A tile i is seen by the pairs [min(i * block_n * stride + block - 1, S) * h, S * h). Cached
+    A tile i is seen by the pairs [min(max(i * block_n * stride + block - 1, 0), S) * h, S * h). Cached
     per shape and device (the tensors are only read), so a training step copies nothing."""
     n_pairs = S * h
     n_tiles = _cdiv(Tc, block_n)
-    nseg = [max(1, _cdiv(n_pairs - min(i * block_n * stride + block - 1, S) * h, segment)) for i in range(n_tiles)]
+    nseg = [max(1, _cdiv(n_pairs - min(max(i * block_n * stride + block - 1, 0), S) * h, segment))
+            for i in range(n_tiles)]
     first = [0] * n_tiles
     for i in range(1, n_tiles):
         first[i] = first[i - 1] + nseg[i - 1]
@@ -725,7 +735,7 @@ def compressed_backward(grad_o, q, k, v, o, lse, block: int, stride: int, scale:
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
         S, G, Tc, block, stride, scale, segment, n_items,
         HPG=h, DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], PREC=prec, UPCAST=upcast, HAS_POS=pos is not None,
-        **_launch_options(cfg),
+        EARLY=block < 1, **_launch_options(cfg),
     )  # fmt: skip
     if max_seg > 1:
         rcfg = T["reduce"]

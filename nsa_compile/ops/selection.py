@@ -22,6 +22,14 @@ A row without a single valid token (all blocks -1, or n == 0) gets output 0 and 
 current block is always forced). The block ids are used as given: duplicates count twice, as in
 the eager gather.
 
+A chunk of queries (`q_offset`, an int, default 0; issue 17): query row r of q is token
+q_offset + r, and k, v hold the sequence's first Skv >= q_offset + S tokens (the whole sequence
+of a model that loops over query chunks); the validity test above is then token <= q_offset + r.
+block_idx stays [B, G, S, n] (the chunk's rows). The reference and the triton backend take it
+(the kernels get Skv and q_offset as ints: the blocks are K/V's, ceil(Skv / l'), and q_offset is
+added to a row's token where it is compared with a key's); the varlen backends take the whole
+sequence only (their reason). Not with pos (ValueError).
+
 Packed documents (NSA_SEMANTICS.md section 6): pos [B, S] int64 (None: one document per row) is
 each token's position in its own document (0 at a document start), the tensor the eager model
 takes. Block ids are then counted within the query's document: block j of query t covers the
@@ -71,8 +79,8 @@ import torch
 
 from . import selection_triton, selection_varlen
 from .common import (
-    bshd_empty, check_grad_o, check_positive_int, check_qkv, empty_attention_grads, empty_attention_outputs,
-    upcast_dtype, why_not_triton_on,
+    bshd_empty, check_gqa, check_grad_o, check_offset, check_positive_int, check_qkv, empty_attention_grads,
+    empty_attention_outputs, upcast_dtype, why_not_triton_on,
 )
 from .registry import Backend, Op, declare
 
@@ -82,24 +90,41 @@ __all__ = ["SELECTION", "choose_backend", "selected_attention", "selected_attent
 REFERENCE_CHUNK = 64
 
 
-def choose_backend(q, k, v, block_idx, block_size, backend: str = "auto", pos=None) -> str:
+def choose_backend(q, k, v, block_idx, block_size, backend: str = "auto", pos=None, q_offset: int = 0) -> str:
     """`SELECTION.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it
     cannot run these inputs), or for 'auto' triton where it can run on CUDA (with or without
     pos) and reference elsewhere ('auto' never takes a varlen backend)."""
-    return SELECTION.choose(backend, q, k, v, block_idx, block_size, pos)
+    return SELECTION.choose(backend, q, k, v, block_idx, block_size, pos, q_offset)
 
 
-def why_not_triton(q, k, v, block_idx, block_size, pos=None) -> str | None:
+def chunk_reason(q, k, q_offset: int) -> str | None:
+    """Why the varlen backends, which attend over the queries' own sequence, cannot take a chunk
+    of queries (None: q_offset 0 and K/V of q's length)."""
+    if q_offset != 0 or k.shape[2] != q.shape[2]:
+        return (f"a chunk of queries (q_offset={q_offset}, {q.shape[2]} queries, {k.shape[2]} keys): the varlen "
+                "kernels take the whole sequence only")
+    return None
+
+
+def why_not_triton(q, k, v, block_idx, block_size, pos=None, q_offset: int = 0) -> str | None:
     """Why 'auto' does not take the triton backend for these inputs (None: it does): off CUDA,
-    or what the kernels cannot run. Packed documents (pos) change nothing: the kernels take them."""
+    or what the kernels cannot run. Packed documents (pos) and chunks of queries (q_offset, K/V
+    longer than q) change nothing: the kernels take them."""
     return why_not_triton_on(q.device, lambda: selection_triton.unsupported_reason(q, k, v, block_idx, block_size,
                                                                                    pos))
 
 
-def _check(q, k, v, block_idx, block_size, scale, backend="auto", pos=None) -> str:
+def _check(q, k, v, block_idx, block_size, scale, backend="auto", pos=None, q_offset=0) -> str:
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
-    dtypes, block size, positions and backend are valid."""
-    check_qkv("selected_attention", q, k, v, block_idx=block_idx, **({} if pos is None else {"pos": pos}))
+    dtypes, block size, positions, query offset and backend are valid."""
+    check_offset("selected_attention", q_offset, pos)
+    if pos is not None:
+        check_qkv("selected_attention", q, k, v, block_idx=block_idx, pos=pos)
+    else:  # a chunk of queries reads K/V of the tokens up to its last query, at least
+        check_gqa("selected_attention", q, k, v, block_idx=block_idx)
+        if k.shape[2] != v.shape[2] or k.shape[2] < q_offset + q.shape[2]:
+            raise ValueError(f"selected_attention: sequence lengths differ: k and v must hold the same Skv >= "
+                             f"q_offset + S = {q_offset + q.shape[2]} tokens, got {k.shape[2]} and {v.shape[2]}")
     B, G, S = q.shape[0], k.shape[1], q.shape[2]
     if block_idx.dtype != torch.int64:
         raise ValueError(f"selected_attention: block_idx must be an int64 tensor, got {block_idx.dtype}")
@@ -112,16 +137,17 @@ def _check(q, k, v, block_idx, block_size, scale, backend="auto", pos=None) -> s
     if pos is not None and (pos.dtype != torch.int64 or tuple(pos.shape) != (B, S)):
         raise ValueError(f"selected_attention: pos must be an int64 tensor of shape [B, S] = [{B}, {S}] "
                          f"(each token's position in its document), got {pos.dtype} {tuple(pos.shape)}")
-    return choose_backend(q, k, v, block_idx, block_size, backend, pos)
+    return choose_backend(q, k, v, block_idx, block_size, backend, pos, q_offset)
 
 
-def _chunk_tokens(block_idx, t0: int, t1: int, block_size: int, S: int, pos=None):
-    """Gathered token ids [B, G, c, n*l'] (clamped into [0, S)) and their validity mask, the eager way
-    (with pos, the blocks counted from each query's document start t - pos[t])."""
+def _chunk_tokens(block_idx, t0: int, t1: int, block_size: int, S: int, pos=None, q_offset: int = 0):
+    """Gathered token ids [B, G, c, n*l'] (clamped into [0, S): S the keys' length) and their
+    validity mask, the eager way (with pos, the blocks counted from each query's document start
+    t - pos[t]); query row t is token q_offset + t."""
     bi = block_idx[:, :, t0:t1]  # [B, G, c, n]
     offsets = torch.arange(block_size, device=bi.device)
     tokens = (bi.clamp(min=0)[..., None] * block_size + offsets).flatten(-2)  # [B, G, c, T]
-    t = torch.arange(t0, t1, device=bi.device)[:, None]  # [c, 1]
+    t = torch.arange(q_offset + t0, q_offset + t1, device=bi.device)[:, None]  # [c, 1]: the rows' tokens
     if pos is not None:
         tokens = tokens + (t[:, 0] - pos[:, t0:t1])[:, None, :, None]  # + document start [B, 1, c, 1]
     chosen = (bi >= 0)[..., None].expand(*bi.shape, block_size).flatten(-2)
@@ -171,13 +197,14 @@ def _chunk_bounds(S: int, chunk: int):
         yield t0, min(S, t0 + chunk)
 
 
-def _reference_forward(q, k, v, block_idx, block_size: int, scale: float, chunk: int | None = None, pos=None):
+def _reference_forward(q, k, v, block_idx, block_size: int, scale: float, chunk: int | None = None, pos=None,
+                       q_offset: int = 0):
     B, H, S, _ = q.shape
     G, Dv = k.shape[1], v.shape[3]
     chunk = chunk or REFERENCE_CHUNK
     out, lse = empty_attention_outputs(q, v)
     for t0, t1 in _chunk_bounds(S, chunk):
-        tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, S, pos)
+        tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, k.shape[2], pos, q_offset)
         p, row_lse = _chunk_probs(_rows(q, G, t0, t1), _gather(k, tokens), valid, scale)
         o = p.to(v.dtype) @ _gather(v, tokens)  # [B, G, c, h, Dv]
         out[:, :, t0:t1] = o.permute(0, 1, 3, 2, 4).reshape(B, H, t1 - t0, Dv)
@@ -186,7 +213,7 @@ def _reference_forward(q, k, v, block_idx, block_size: int, scale: float, chunk:
 
 
 def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: float, chunk: int | None = None,
-                        pos=None):
+                        pos=None, q_offset: int = 0):
     """dq, dk, dv by recomputing each chunk and applying autograd's formulas for the eager graph.
 
     Autograd itself cannot run here: a custom op's kernel runs with the autograd dispatch keys
@@ -208,10 +235,11 @@ def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: floa
     up = upcast_dtype(q.dtype)
     dq = bshd_empty(B, H, S, Dk, q)
     # accumulators in the upcast dtype, laid out like the outputs: the final cast keeps the layout
-    dk = bshd_empty(B, G, S, Dk, k, upcast_dtype(k.dtype)).zero_()
-    dv = bshd_empty(B, G, S, Dv, v, upcast_dtype(v.dtype)).zero_()
+    Skv = k.shape[2]
+    dk = bshd_empty(B, G, Skv, Dk, k, upcast_dtype(k.dtype)).zero_()
+    dv = bshd_empty(B, G, Skv, Dv, v, upcast_dtype(v.dtype)).zero_()
     for t0, t1 in _chunk_bounds(S, chunk):
-        tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, S, pos)
+        tokens, valid = _chunk_tokens(block_idx, t0, t1, block_size, Skv, pos, q_offset)
         qc, k_sel, v_sel = _rows(q, G, t0, t1), _gather(k, tokens), _gather(v, tokens)
         g = _rows(grad_o, G, t0, t1).to(v.dtype)  # [B, G, c, h, Dv]
         p, _ = _chunk_probs(qc, k_sel, valid, scale)  # [B, G, c, h, T]
@@ -226,16 +254,17 @@ def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: floa
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _check_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale, backend="auto", pos=None) -> str:
-    chosen = _check(q, k, v, block_idx, block_size, scale, backend, pos)
+def _check_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale, backend="auto", pos=None,
+                    q_offset=0) -> str:
+    chosen = _check(q, k, v, block_idx, block_size, scale, backend, pos, q_offset)
     check_grad_o("selected_attention_backward", grad_o, q, v)
     return chosen
 
 
 def _gradients(saved, grad_o, _grad_lse) -> dict:
     s = saved
-    # without pos, the call (and so the backward graph) stays as it was before pos existed
-    packed = () if s.pos is None else (s.pos,)
+    # without pos or an offset, the call (and so the backward graph) stays as it was before they existed
+    packed = (s.pos, s.q_offset) if s.q_offset else () if s.pos is None else (s.pos,)
     dq, dk, dv = torch.ops.nsa.selected_attention_backward(
         grad_o, s.q, s.k, s.v, s.o, s.lse, s.block_idx, s.block_size, s.scale, s.backend, *packed)
     return {"q": dq, "k": dk, "v": dv}
@@ -246,11 +275,12 @@ def _varlen(name: str) -> Backend:
     package ('varlen_flash_attn'), whose reasons depend on which of the two is named."""
     return Backend(
         name, in_auto=False,
-        cannot_run=lambda q, k, v, block_idx, block_size, pos: selection_varlen.unsupported_reason(
-            q, k, v, block_idx, block_size, name, pos=pos),
-        forward=lambda q, k, v, block_idx, block_size, scale, pos: selection_varlen.selected_forward(
+        cannot_run=lambda q, k, v, block_idx, block_size, pos, q_offset: chunk_reason(q, k, q_offset) or (
+            selection_varlen.unsupported_reason(q, k, v, block_idx, block_size, name, pos=pos)),
+        forward=lambda q, k, v, block_idx, block_size, scale, pos, q_offset: selection_varlen.selected_forward(
             q, k, v, block_idx, block_size, scale, name),
-        backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos: selection_varlen.selected_backward(
+        backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos, q_offset:
+            selection_varlen.selected_backward(
             grad_o, q, k, v, o, lse, block_idx, block_size, scale, name),
         nondeterministic="FA-2's backward accumulates dQ, and index_add dK/dV, with atomic adds")
 
@@ -258,29 +288,34 @@ def _varlen(name: str) -> Backend:
 SELECTION = declare(Op(
     name="selected_attention",
     schema="(Tensor q, Tensor k, Tensor v, Tensor block_idx, SymInt block_size, float scale, "
-           'str backend="auto", Tensor? pos=None) -> (Tensor, Tensor)',
+           'str backend="auto", Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor)',
     config_field="selected_attention_backend",
-    choice_args=("q", "k", "v", "block_idx", "block_size", "pos"),
+    choice_args=("q", "k", "v", "block_idx", "block_size", "pos", "q_offset"),
     backends=(
-        Backend("triton", cannot_run=selection_triton.unsupported_reason, auto_reason=why_not_triton,
-                forward=lambda q, k, v, block_idx, block_size, scale, pos: selection_triton.selected_forward(
-                    q, k, v, block_idx, block_size, scale, pos),
-                backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos:
-                    selection_triton.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos)),
+        Backend("triton",
+                cannot_run=lambda q, k, v, block_idx, block_size, pos, q_offset: selection_triton.unsupported_reason(
+                    q, k, v, block_idx, block_size, pos),
+                auto_reason=why_not_triton,
+                forward=lambda q, k, v, block_idx, block_size, scale, pos, q_offset: selection_triton.selected_forward(
+                    q, k, v, block_idx, block_size, scale, pos, q_offset),
+                backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos, q_offset:
+                    selection_triton.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos,
+                                                       q_offset)),
         _varlen("varlen"),
         _varlen("varlen_flash_attn"),
         # its backward scatter-adds dK/dV: on CUDA repeatable under torch.use_deterministic_algorithms(True),
         # which OptimizeConfig(deterministic=True) asks the user to set for the rest of the model too
         Backend("reference",
-                forward=lambda q, k, v, block_idx, block_size, scale, pos: _reference_forward(
-                    q, k, v, block_idx, block_size, scale, pos=pos),
-                backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos: _reference_backward(
-                    grad_o, q, k, v, block_idx, block_size, scale, pos=pos)),
+                forward=lambda q, k, v, block_idx, block_size, scale, pos, q_offset: _reference_forward(
+                    q, k, v, block_idx, block_size, scale, pos=pos, q_offset=q_offset),
+                backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos, q_offset:
+                    _reference_backward(grad_o, q, k, v, block_idx, block_size, scale, pos=pos, q_offset=q_offset)),
     ),
     check=_check,
     fake=lambda q, k, v, *_: empty_attention_outputs(q, v),
     backward_schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor block_idx, "
-                    'SymInt block_size, float scale, str backend="auto", Tensor? pos=None) -> (Tensor, Tensor, Tensor)',
+                    'SymInt block_size, float scale, str backend="auto", Tensor? pos=None, int q_offset=0) '
+                    "-> (Tensor, Tensor, Tensor)",
     check_backward=_check_backward,
     backward_fake=lambda grad_o, q, k, v, *_: empty_attention_grads(q, k, v),
     outputs=("o", "lse"),
@@ -292,9 +327,11 @@ selected_attention_backward = SELECTION.backward_op
 
 def selected_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_size: int, scale: float,
-    backend: str = "auto", pos: torch.Tensor | None = None,
+    backend: str = "auto", pos: torch.Tensor | None = None, q_offset: int = 0,
 ) -> torch.Tensor:
     """The output o of `torch.ops.nsa.selected_attention` (see the module docstring)."""
+    if q_offset:
+        return torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend, pos, q_offset)[0]
     if pos is None:
         return torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend)[0]
     return torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend, pos)[0]

@@ -89,6 +89,12 @@ Kernels (tile sizes from `_tiles`):
   does the determinism (no atomics; a query listed twice under one grid block, for its blocks
   j and j + 1, is two entries with disjoint tokens).
 
+A chunk of queries (the op's q_offset; not with pos): q holds S rows, k and v SK >= q_offset + S
+tokens, and row t is token q_offset + t. The kernels take SK and Q_OFF as int arguments (one
+compiled kernel for every offset): the blocks, the union's and the inversion's NB, and the token
+bounds are K/V's (SK), Q_OFF is added to a row's token where it is compared with a key's (s <=
+Q_OFF + t), and every load and store of a row stays at t. The whole sequence is SK = S, Q_OFF = 0.
+
 Supported (`unsupported_reason` says why not): CUDA tensors, or any device with TRITON_INTERPRET=1
 (pos, where given, on the same device); with or without packed documents; q, k, v all fp16, bf16
 or fp32; head dims up to 256 (padded to a power of two >= 16 by masking);
@@ -312,6 +318,7 @@ def fwd_kernel(
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
     sib, sig, sis, sin_, sob, soh, sos, sod,
     S, G, N_SEL, BS, NT, qk_scale,  # qk_scale = scale * log2(e)
+    SK, Q_OFF,  # the keys' length and the token of query row 0 (a chunk of queries; S and 0 otherwise)
     HPG: tl.constexpr, TQ: tl.constexpr, ROWS: tl.constexpr, N_P: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
     CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
@@ -337,7 +344,7 @@ def fwd_kernel(
         if HAS_POS:
             blk, s, col_ok = _document_chunk(u_base, it, cols, sin_, S, BS, doc, TQ, CPB, BLOCK_N)
         else:
-            blk, s, col_ok = _union_chunk(u_base, it, cols, sin_, S, BS, TQ, CPB, BLOCK_N)
+            blk, s, col_ok = _union_chunk(u_base, it, cols, sin_, SK, BS, TQ, CPB, BLOCK_N)
         s64 = s.to(tl.int64)
         k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
         v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
@@ -345,7 +352,7 @@ def fwd_kernel(
             times = tl.full([ROWS], 1.0, tl.float32)
         else:
             times = reduce_sum((chosen == blk).to(tl.float32), 1)  # [ROWS] how often the row chose blk
-        valid = (times[:, None] > 0) & col_ok[None, :] & (s[None, :] <= t[:, None])
+        valid = (times[:, None] > 0) & col_ok[None, :] & (s[None, :] <= Q_OFF + t[:, None])
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [ROWS, BLOCK_N]
         qk = tl.where(valid, qk, float("-inf"))
         # p 0 where masked; a block chosen twice counts twice
@@ -364,6 +371,7 @@ def dq_kernel(
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
     sib, sig, sis, sin_, sdob, sdoh, sdos, sdod, sob, soh, sos, sod, sdqb, sdqh, sdqs, sdqd,
     S, G, N_SEL, BS, NT, scale, qk_scale,
+    SK, Q_OFF,  # as the forward's
     HPG: tl.constexpr, TQ: tl.constexpr, ROWS: tl.constexpr, N_P: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
     CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
@@ -393,7 +401,7 @@ def dq_kernel(
         if HAS_POS:
             blk, s, col_ok = _document_chunk(u_base, it, cols, sin_, S, BS, doc, TQ, CPB, BLOCK_N)
         else:
-            blk, s, col_ok = _union_chunk(u_base, it, cols, sin_, S, BS, TQ, CPB, BLOCK_N)
+            blk, s, col_ok = _union_chunk(u_base, it, cols, sin_, SK, BS, TQ, CPB, BLOCK_N)
         s64 = s.to(tl.int64)
         k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
         v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
@@ -401,7 +409,7 @@ def dq_kernel(
             times = tl.full([ROWS], 1.0, tl.float32)
         else:
             times = reduce_sum((chosen == blk).to(tl.float32), 1)
-        valid = row_ok[:, None] & (times[:, None] > 0) & col_ok[None, :] & (s[None, :] <= t[:, None])
+        valid = row_ok[:, None] & (times[:, None] > 0) & col_ok[None, :] & (s[None, :] <= Q_OFF + t[:, None])
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0) * times[:, None]  # [ROWS, BLOCK_N]
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
@@ -421,6 +429,7 @@ def dkdv_kernel(
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
     sdob, sdoh, sdos, sdod, sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
     S, G, NB, BS, SEG, scale, qk_scale,
+    SK, Q_OFF,  # as the forward's: the blocks are the keys' (NB = ceil(SK / l'))
     HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr,
     DK_P: tl.constexpr, DV_P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
@@ -445,7 +454,7 @@ def dkdv_kernel(
 
     j = chunk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] offset in the block
     s = blk * BS + j  # token ids
-    col_ok = (j < BS) & (s < S)
+    col_ok = (j < BS) & (s < SK)
     s64 = s.to(tl.int64)
     dk, dv, dk_ok, dv_ok = dim_ranges(DK_, DV_, DK_P, DV_P)
     kmask = col_ok[:, None] & dk_ok[None, :]
@@ -466,7 +475,7 @@ def dkdv_kernel(
         do = load_tile(DO + b * sdob + head[:, None] * sdoh, tq64, dv, sdos, sdod, row_ok, dv_ok, UPCAST)
         lse2, delta = row_stats(LSE, DELTA, (b * G * HPG + head) * S + tq64, row_ok)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [ROWS, BLOCK_N]
-        valid = row_ok[:, None] & col_ok[None, :] & (s[None, :] <= tq[:, None])
+        valid = row_ok[:, None] & col_ok[None, :] & (s[None, :] <= Q_OFF + tq[:, None])
         if HAS_POS:  # the entry's own block [start, start + l'), which this grid block cuts
             start = tl.load(QSTART + q_lo + pr // HPG, mask=row_ok, other=0)[:, None]
             valid = valid & (s[None, :] >= start) & (s[None, :] < start + BS)
@@ -540,10 +549,13 @@ def _require(q, k, v, block_idx, block_size, pos) -> None:
         raise ValueError(f"selected_attention (triton): cannot run these inputs: {why}")
 
 
-def selected_forward(q, k, v, block_idx, block_size: int, scale: float, pos=None, *, tiles: dict | None = None):
+def selected_forward(q, k, v, block_idx, block_size: int, scale: float, pos=None, q_offset: int = 0, *,
+                     tiles: dict | None = None):
     """o [B, H, S, Dv] (v's dtype) and lse [B, H, S] float32 (natural log, -inf on empty rows).
-    pos: [B, S] int64 positions in the documents (packed documents), or None. `tiles`: an
-    override of `_tiles` (tools/profile_selection.py); None, the default tiles."""
+    pos: [B, S] int64 positions in the documents (packed documents), or None. q_offset: a chunk
+    of queries, row t is token q_offset + t of k and v's SK >= q_offset + S tokens (the op checks
+    it; not with pos). `tiles`: an override of `_tiles` (tools/profile_selection.py); None, the
+    default tiles."""
     _require(q, k, v, block_idx, block_size, pos)
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
@@ -553,8 +565,8 @@ def selected_forward(q, k, v, block_idx, block_size: int, scale: float, pos=None
         return o, lse
     pos = None if pos is None else pos.contiguous()
     T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=S, n_selected=block_idx.shape[3])
-    union = _tile_union(block_idx, block_size, S, T["fwd"]["TQ"], pos)
-    _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse, pos)
+    union = _tile_union(block_idx, block_size, S, T["fwd"]["TQ"], pos, k.shape[2])
+    _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse, pos, q_offset)
     return o, lse
 
 
@@ -569,9 +581,11 @@ def _document_starts(block_idx: torch.Tensor, pos: torch.Tensor, block_size: int
     return start, (block_idx >= 0) & (start >= 0)
 
 
-def _tile_union(block_idx: torch.Tensor, block_size: int, S: int, TQ: int, pos: torch.Tensor | None = None):
+def _tile_union(block_idx: torch.Tensor, block_size: int, S: int, TQ: int, pos: torch.Tensor | None = None,
+                keys: int | None = None):
     """The blocks each tile of TQ consecutive queries reads: per (batch, group, tile), the
-    distinct block ids its queries chose that hold tokens (0 <= id < NB = ceil(S / l')),
+    distinct block ids its queries chose that hold tokens (0 <= id < NB = ceil(keys / l'); keys:
+    the length of K/V, S when None),
     ascending, in `union` [B*G, NT, TQ*n] int32 (entries past `count` unused), and `count`
     [B*G, NT] int32; NT = ceil(S / TQ). Torch ops, no sort and no host sync: a [B*G, NT, NB]
     membership map (scatter), its running count along the blocks (cumsum) gives each member
@@ -579,7 +593,7 @@ def _tile_union(block_idx: torch.Tensor, block_size: int, S: int, TQ: int, pos: 
     no tensors (placeholders): the kernels read the query's own list slot by slot. With pos
     (packed documents), `_document_union`: the blocks as their first tokens."""
     B, G, _, n = block_idx.shape
-    NT, NB = _cdiv(S, TQ), _cdiv(S, block_size)
+    NT, NB = _cdiv(S, TQ), _cdiv(S if keys is None else keys, block_size)
     device = block_idx.device
     if TQ == 1:  # the kernels read each query's own list (placeholders, never read)
         none = torch.zeros(1, dtype=torch.int32, device=device)
@@ -628,7 +642,7 @@ def _document_union(block_idx: torch.Tensor, pos: torch.Tensor, block_size: int,
     return union, count, NT
 
 
-def _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse, pos=None):
+def _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse, pos=None, q_offset: int = 0):
     """The forward kernel into o and lse (allocated by the caller), over `_tile_union`'s tiles
     (made with T["fwd"]["TQ"] and the same pos: contiguous, or None). Returns what the launch
     returns (the compiled kernel, whose registers and spills tools/profile_selection.py shows)."""
@@ -641,7 +655,7 @@ def _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse, pos=None
     return fwd_kernel[grid](
         q, k, v, block_idx, u, count, o, lse, pos,
         *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *o.stride(),
-        S, G, n, block_size, NT, scale * math.log2(math.e),
+        S, G, n, block_size, NT, scale * math.log2(math.e), k.shape[2], q_offset,
         HPG=h, N_P=max(2, _next_pow2(n)), DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"],
         CPB=_cdiv(block_size, cfg["BLOCK_N"]), PREC=_dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype),
         HAS_POS=pos is not None, **cfg,
@@ -649,9 +663,11 @@ def _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse, pos=None
 
 
 def _inverted_selection(block_idx: torch.Tensor, block_size: int, S: int, segment: int,
-                        pos: torch.Tensor | None = None):
+                        pos: torch.Tensor | None = None, keys: int | None = None, q_offset: int = 0):
     """The selection inverted, per (batch, group, KV block) key = (b*G + g)*NB + block, with
-    NB = ceil(S / l'), as work items of at most `segment` query entries (torch ops, no host sync):
+    NB = ceil(keys / l') (keys: K/V's length, S when None; a chunk of queries, row t at token
+    q_offset + t, reads keys >= q_offset + S tokens), as work items of at most `segment` query
+    entries (torch ops, no host sync):
 
         qtok [E] int32        query tokens, grouped by key, ascending t within a key
         qoff [NK + 1] int32   key k's queries are qtok[qoff[k]:qoff[k + 1]]
@@ -669,9 +685,9 @@ def _inverted_selection(block_idx: torch.Tensor, block_size: int, S: int, segmen
     """
     B, G, _, n = block_idx.shape
     device = block_idx.device
-    NB = _cdiv(S, block_size)
+    NB = _cdiv(S if keys is None else keys, block_size)
     NK = B * G * NB
-    t = torch.arange(S, device=device)[:, None]  # [S, 1]
+    t = q_offset + torch.arange(S, device=device)[:, None]  # [S, 1] the rows' tokens
     bg = torch.arange(B * G, device=device).view(B, G, 1, 1)
     if pos is None:
         valid = (block_idx >= 0) & (block_idx * block_size <= t)  # [B, G, S, n]
@@ -704,11 +720,11 @@ def _inverted_selection(block_idx: torch.Tensor, block_size: int, S: int, segmen
 
 
 def selected_backward(
-    grad_o, q, k, v, o, lse, block_idx, block_size: int, scale: float, pos=None, *, tiles: dict | None = None,
-    segment: int | None = None,
+    grad_o, q, k, v, o, lse, block_idx, block_size: int, scale: float, pos=None, q_offset: int = 0, *,
+    tiles: dict | None = None, segment: int | None = None,
 ):  # fmt: skip
     """dq (like q), dk (like k), dv (like v): gradients of `selected_forward`'s o, given its o
-    and lse (and the same pos). dk/dv are summed over the group's heads in fp32 without atomics
+    and lse (and the same pos and q_offset). dk/dv are summed over the group's heads in fp32 without atomics
     (deterministic). `tiles` (an override of `_tiles`) and `segment` (None: DKV_SEGMENT) are for
     tools/profile_selection.py; the stages are `_dq_stage`, `_inverted_selection`, `_dkdv_stage`
     and `_reduce_stage`."""
@@ -725,16 +741,17 @@ def selected_backward(
     pos = None if pos is None else pos.contiguous()
     T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=S, n_selected=block_idx.shape[3])
     delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    union = _tile_union(block_idx, block_size, S, T["dq"]["TQ"], pos)
-    _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, dq, delta, pos)
+    union = _tile_union(block_idx, block_size, S, T["dq"]["TQ"], pos, k.shape[2])
+    _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, dq, delta, pos, q_offset)
     segment = DKV_SEGMENT if segment is None else segment
-    inv = _inverted_selection(block_idx, block_size, S, segment, pos)
-    pk, pv, _ = _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T, dk, dv)
+    inv = _inverted_selection(block_idx, block_size, S, segment, pos, k.shape[2], q_offset)
+    pk, pv, _ = _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T, dk, dv, q_offset)
     _reduce_stage(pk, pv, inv, block_size, T, dk, dv)
     return dq, dk, dv
 
 
-def _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, dq, delta, pos=None):
+def _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, dq, delta, pos=None,
+              q_offset: int = 0):
     """The dq kernel into dq and delta (allocated by the caller; lse contiguous), over
     `_tile_union`'s tiles made with T["dq"]["TQ"] and the same pos (contiguous, or None).
     Returns the launch's result, like `_fwd_stage`."""
@@ -746,14 +763,14 @@ def _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, d
     return dq_kernel[(NT, B * G, _cdiv(cfg["TQ"] * h, cfg["ROWS"]))](
         q, k, v, block_idx, u, count, grad_o, o, lse, delta, dq, pos,
         *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *grad_o.stride(), *o.stride(), *dq.stride(),
-        S, G, n, block_size, NT, scale, scale * math.log2(math.e),
+        S, G, n, block_size, NT, scale, scale * math.log2(math.e), k.shape[2], q_offset,
         HPG=h, N_P=max(2, _next_pow2(n)), DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"],
         CPB=_cdiv(block_size, cfg["BLOCK_N"]), PREC=_dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype),
         HAS_POS=pos is not None, **cfg,
     )  # fmt: skip
 
 
-def _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T, dk, dv):
+def _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T, dk, dv, q_offset: int = 0):
     """The dk/dv kernel over the work items of `inv` (`_inverted_selection`'s result at this
     `segment`): writes dk/dv of single-item blocks, returns the fp32 partials (pk, pv) of the
     others (no rows when no block can need two items), and the launch's result. Packed documents
@@ -770,7 +787,7 @@ def _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T,
         q, k, v, grad_o, lse, delta, dk, dv, pk, pv,
         item_key, item_seg, qoff, nseg, qtok, qstart,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
-        S, G, NB, block_size, segment, scale, scale * math.log2(math.e),
+        S, G, NB, block_size, segment, scale, scale * math.log2(math.e), k.shape[2], q_offset,
         HPG=h, DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], CPB=cpb, PREC=_dot_precision(q.dtype),
         UPCAST=upcast_dots(q.dtype), HAS_POS=qstart is not None, **T["dkdv"],
     )  # fmt: skip
