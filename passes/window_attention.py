@@ -41,6 +41,13 @@ one sequence per document, at one host sync per call) on CUDA in fp16/bf16 with 
 <= 256, else `reference` (memory-bounded PyTorch, exact); `explain` shows which and why not the
 ones before it.
 
+lucidrains' bucketed local attention (buckets of b queries scoring the previous and their own
+bucket's keys, then reshaped back and cut to S: the window of w = b + 1 tokens in another layout)
+is read by BucketedWindow where the dense reading refuses a softmax that is not [B, H, S, S]:
+the region from q, K, V to the output is evaluated on float64 probes, w and the scale are read
+from it and the result must equal the op's reference (see there). Its refusals follow the dense
+reason: `<dense reason>; read as bucketed local attention: <why>`.
+
 Refuses (graph unchanged), with the reason shown by `explain`:
 - a mask that depends on data, is not [S, S] over the last two dims, is non-causal, or is not a
   window (off by one, a band that does not reach the diagonal, ...), or S beyond what is verified;
@@ -56,6 +63,7 @@ Refuses (graph unchanged), with the reason shown by `explain`:
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 
 import torch
@@ -63,14 +71,17 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
+from nsa_compile import probe as region_probe
 from nsa_compile.ops.window import WINDOW, choose_backend
+from nsa_compile.ops.window import window_attention as window_attention_op
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, keep_mask, only_user, strip_upcast, unrepeat
-from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.fx import MATMULS, arg, call, contiguous_if_read_by_layout, op_name, value
 from nsa_compile.mask_rows import CHUNK_ELEMENTS, RowChunks, mask_nodes, real_device
 from nsa_compile.rewrite import PassContext, RewritePass
-from nsa_compile.sizes import Sizes
+from nsa_compile.sizes import Sizes, is_size
 
 from .compressed_attention import unbatched
+from .selected_attention import OUT_MOVES, constant, same
 
 KERNEL = "nsa.window_attention[{backend}] (w={window}{docs}, GQA-native, no S x S tensor{why})"
 
@@ -378,27 +389,311 @@ def document_window_of(mask: fx.Node, leaf: fx.Node, keep_where_true: bool, B: i
     return window
 
 
+# --- lucidrains' bucketed local attention, read as a computation --------------------------------
+
+BUCKETED_KERNEL = ("nsa.window_attention[{backend}] (w={window}: bucketed local attention read on probe values, "
+                   "distances 0..{reach}; {heads}, no bucket scores{why})")
+# the most elements (summed over the region's tensors) a float64 probe of the bucketed window evaluates
+BUCKETED_PROBE_CAP = 2**28
+_PRODUCTS = MATMULS + ("einsum",)
+
+
+def _product_operands(node: fx.Node) -> list:
+    """The tensor operands of a matmul / bmm (left, right) or an einsum (in its equation's order)."""
+    if op_name(node) == "einsum":
+        rest = node.args[1:]
+        return list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else list(rest)
+    return [arg(node, 0, "input"), arg(node, 1, "other", arg(node, 1, "mat2"))]
+
+
+def _dead_size(node: fx.Node) -> bool:
+    """A size read from a tensor that nothing uses (a sym_size a rewrite before left behind)."""
+    return is_size(node) and not node.users
+
+
+class BucketedWindow:
+    """lucidrains' sliding window (tests/corpus/lucidrains_shared_kv.py `local_attention`): the
+    sequence padded to a multiple of the bucket size b, viewed as [B, H, S / b, b, D]; each
+    bucket's queries score the previous bucket's and their own keys (look-around: pad, narrow,
+    cat), under a mask from positions (padding -1, dist < 0, dist > b) filled with -finfo.max; the
+    softmax, p @ V, and back to [B, H, S, Dv] with the padding cut off ([..., :S, :]). The same
+    function as the window op of w = b + 1 tokens (distances 0..b), in another layout.
+
+    Read as a computation, in any spelling (canonicalize's rewrites of the einsums included): from
+    a softmax whose probabilities multiply V, the output is p @ v followed forward through data
+    movement (squeeze, unflatten, permute, reshape, the [:S] cut) to a [B, H, S, Dv] tensor. Its
+    inputs are q [B, H, S, Dk], K [B, G, S, Dk] and V [B, G, S, Dv]: among the nodes that only the
+    output uses (and the tensors they read), the earliest 4-D float tensor [B, heads, S, D] (S the
+    output's) that reaches only the scores' left operand, only their right one, only p @ v's V.
+    The region is every node between them and the output that only the output uses, and it must
+    read nothing else but sizes. The K/V repeat per head (repeat_kv) is inside the region where
+    only it uses the copy; a repeat_interleave(h, 1) input is read through (the op takes the
+    un-repeated K/V); else K/V are taken as given (G = H).
+    The window and the scale are read from the region by evaluating it at compile time on float64
+    probes: with q = 0 every kept key weighs the same, so V = s + 1 gives each row's mean kept
+    position, hence the widest window w; with one query/key direction and V = [s == 1] row 1
+    gives sigmoid(scale), hence the scale (the graph's constant multiply where it agrees). Then two
+    random probes must equal nsa.window_attention(q, K, V, w, scale, 'reference') to 1e-9 (every
+    row, the padding cut off); at symbolic sizes at each probe size, with the same w and scale. A
+    check on probes, not a proof. A softmax in fp16/bf16 is refused as the dense reading refuses
+    it (the op computes it in float32): under autocast it runs in float32.
+    Only softmaxes that are not [B, H, S, S] over q's S are read this way (the dense window's
+    refusals stand as they are)."""
+
+    @staticmethod
+    def region_of(softmax: fx.Node) -> dict | None:
+        """{out, pv, nodes, q, k, v} where the softmax is followed by p @ v, the region computing
+        the output reads three float tensors besides sizes (q, K, V as the scores read them) and
+        the output is [B, H, S, Dv] over q's [B, H, S]; None for any other softmax."""
+        node, pv = softmax, None
+        for _ in range(4):  # softmax -> [cast] -> [unsqueeze] -> p @ v
+            users = list(node.users)
+            if len(users) != 1:
+                return None
+            prev, node = node, users[0]
+            if op_name(node) in _PRODUCTS:
+                operands = _product_operands(node)
+                pv = node if operands and operands[0] is prev else None
+                break
+        if pv is None:
+            return None
+        out = pv
+        while len(out.users) == 1 and op_name(next(iter(out.users))) in OUT_MOVES:
+            out = next(iter(out.users))
+        order = {n: i for i, n in enumerate(softmax.graph.nodes)}
+        scores = softmax
+        for _ in range(16):  # the scores product up the softmax's float-tensor argument chain
+            tensors = [x for x in scores.all_input_nodes if value(x) is not None and value(x).is_floating_point()]
+            scores = tensors[0] if tensors else None
+            if scores is None or op_name(scores) in _PRODUCTS:
+                break
+        if scores is None or op_name(scores) not in _PRODUCTS or len(_product_operands(scores)) != 2:
+            return None
+        ov, probs = value(out), value(softmax)
+        if ov is None or ov.dim() != 4 or probs is None:
+            return None
+        B, S = ov.shape[0], ov.shape[2]
+        if same(tuple(probs.shape), (B, ov.shape[1], S, S)):
+            return None  # the dense [B, H, S, S] form: the dense matcher's reading stands
+        # q, K, V: where the region starts, the earliest [B, heads, S, D] float tensor (S the
+        # output's) that reaches only the scores' left operand, only the right one, only p @ v's
+        region, region_leaves = BucketedWindow._exclusive(out, set(), order)
+        region |= set(region_leaves)
+        operands = (*_product_operands(scores), _product_operands(pv)[1])
+        reach = [ancestors([x], into_sizes=False) & region for x in operands]
+
+        def starts(i: int) -> fx.Node | None:
+            others = set().union(*(r for j, r in enumerate(reach) if j != i))
+            found = [n for n in reach[i] - others if (val := value(n)) is not None and val.is_floating_point()
+                     and val.dim() == 4 and same(val.shape[0], B) and same(val.shape[2], S)]
+            return min(found, key=order.__getitem__) if found else None
+
+        q, k, v = (starts(i) for i in range(3))
+        if q is None or k is None or v is None:
+            return None
+        inside, leaves = BucketedWindow._exclusive(out, {q, k, v}, order)
+        if {x for x in leaves if not is_size(x)} != {q, k, v} or not same(value(q).shape[:3], ov.shape[:3]):
+            return None
+        return {"out": out, "pv": pv, "nodes": sorted(inside, key=order.__getitem__), "q": q, "k": k, "v": v,
+                "scores": scores}
+
+    @staticmethod
+    def _exclusive(out: fx.Node, stops: set, order: dict) -> tuple[set, list]:
+        """(nodes, leaves): `out` and every call that only they use, not walking past `stops` (nor
+        past x[i] of a tensor x from outside: the one unpacked is the input); and the nodes they
+        read from outside."""
+        inside = {out}
+        for n in sorted(ancestors([out]) - {out}, key=order.__getitem__, reverse=True):
+            if (n not in stops and n.op in ("call_function", "call_method") and n.users
+                    and all(u in inside or _dead_size(u) for u in n.users)):
+                inside.add(n)
+        inside -= {n for n in inside if op_name(n) == "getitem" and isinstance(n.args[1], int)
+                   and n.args[0] not in inside and n is not out}
+        leaves = []
+        for n in inside:
+            leaves += [x for x in n.all_input_nodes if x not in inside and x not in leaves]
+        return inside, leaves
+
+    @staticmethod
+    def check(softmax: fx.Node, region: dict, requested: str, sizes: Sizes, verified: dict) -> dict:
+        q, k_in, v_in, out, nodes = region["q"], region["k"], region["v"], region["out"], region["nodes"]
+        # as the dense reading: the op's float32 softmax is eager's only where eager upcasts too
+        low = value(softmax)
+        if low is not None and low.dtype in (torch.float16, torch.bfloat16):
+            raise Refused(f"the softmax runs in {low.dtype}; the op computes it in torch.float32")
+        k, h_k = unrepeat(k_in)
+        v, h_v = unrepeat(v_in)
+        if h_k != h_v:
+            k, h_k, v, h_v = k_in, 1, v_in, 1  # repeated differently: K/V as given
+        qv, kv, vv = value(q), value(k), value(v)
+        H, G = qv.shape[1], kv.shape[1]
+        constant("query tensor", H=H, G=G, Dk=qv.shape[3], Dv=vv.shape[3])
+        if not (same(qv.shape[:1] + qv.shape[2:3], kv.shape[:1] + kv.shape[2:3]) and same(kv.shape[:3], vv.shape[:3])
+                and H % G == 0 and same(qv.shape[3], kv.shape[3])):
+            raise Refused(f"q {tuple(qv.shape)}, K {tuple(kv.shape)} and V {tuple(vv.shape)} do not fit as "
+                          "[B, H, S, Dk], [B, G, S, Dk], [B, G, S, Dv]")
+        if value(out).dtype != vv.dtype:
+            raise Refused(f"the branch gives {value(out).dtype} from V in {vv.dtype}: the op's output is in V's dtype")
+        key = (region_probe.fingerprint(nodes, [q, k_in, v_in]), sizes.shape(qv), sizes.shape(kv), sizes.shape(vv),
+               h_k)
+        if key not in verified:
+            verified[key] = BucketedWindow.verify(region, (q, k, v), h_k, sizes)
+        window, scale = verified[key]
+        try:
+            backend = choose_backend(qv, kv, vv, requested)
+        except ValueError as why:
+            raise Refused(f"OptimizeConfig(window_attention_backend={requested!r}): {why}") from None
+        heads = "GQA-native" if G < H else "K/V as given, one per query head"
+        text = BUCKETED_KERNEL.format(backend=backend, window=window, reach=window - 1, heads=heads,
+                                      why=why_not_faster(requested, backend, qv, kv, vv, None))
+        return {"out": out, "nodes": nodes, "q": q, "k": k, "v": v, "window": window, "scale": scale,
+                "backend": backend, "text": text}
+
+    @staticmethod
+    def graph_scale(scores: fx.Node) -> float | None:
+        """The constant c of `scores * c` (or / c) between the scores product and the softmax."""
+        for node in scores.users:
+            if op_name(node) in ("mul", "truediv", "div"):
+                try:
+                    _, c = split_scale(node)
+                except Refused:
+                    return None
+                return c
+            if op_name(node) in ("squeeze", "unsqueeze", "view", "reshape", "permute", "transpose", "float", "to"):
+                return BucketedWindow.graph_scale(node)
+        return None
+
+    @staticmethod
+    def verify(region: dict, leaves: tuple, h: int, sizes: Sizes) -> tuple[int, float]:
+        """(w, scale) read from the region on probe values (class docstring), or Refused."""
+        q, _, v = leaves
+        q_in, k_in, v_in, nodes, out = region["q"], region["k"], region["v"], region["nodes"], region["out"]
+        device = value(q).device
+        graph_c = BucketedWindow.graph_scale(region["scores"])
+        found = {}  # S at a probe -> (w, scale)
+        for at in sizes.probes():
+            where = f" at the probe sizes {at.describe()}" if sizes.symbolic else ""
+            cost = sum(math.prod(at.shape(value(x))) for x in nodes if value(x) is not None)
+            if cost > BUCKETED_PROBE_CAP:
+                raise Refused(f"verifying the bucketed window takes {cost:,} elements per probe, over the cap of "
+                              f"{BUCKETED_PROBE_CAP:,}: not verified at this size yet")
+            (B, H, S, Dk), (_, G, _, Dv) = at.shape(value(q)), at.shape(value(v))
+
+            sizes_at = at.size_nodes()
+
+            def run(qp, kp, vp, sizes_at=sizes_at, shape=(B, H, S, Dv), where=where):
+                env = {q_in: qp, k_in: kp.repeat_interleave(h, 1), v_in: vp.repeat_interleave(h, 1), **sizes_at}
+                got = region_probe.run(nodes, env, out, "the bucketed window", device=str(device))
+                if tuple(got.shape) != shape:
+                    raise Refused(f"the bucketed window gives {tuple(got.shape)} on probe values{where}, "
+                                  f"not [B, H, S, Dv] = {shape}")
+                return got
+
+            f64 = {"dtype": torch.float64, "device": device}
+            gen = torch.Generator().manual_seed(0)
+            # the window: q = 0 weighs every kept key alike, so row t's output is the mean of its kept s + 1
+            t = torch.arange(S, dtype=torch.float64, device=device)
+            mean = run(torch.zeros(B, H, S, Dk, dtype=torch.float64, device=device),
+                       torch.randn(B, G, S, Dk, generator=gen, device="cpu").to(**f64),
+                       (t + 1)[:, None].expand(B, G, S, Dv).contiguous())[..., 0]
+            widths = 2 * t - 2 * mean + 3  # t - lo + 1 for kept keys lo..t
+            if not bool(torch.isfinite(widths).all()):
+                raise Refused(f"the bucketed window gives non-finite rows on probe values{where}")
+            window = int(widths.max().round())
+            if window < 1:
+                raise Refused(f"the bucketed window keeps no key of a query on probe values{where}")
+            # the scale: row 1 keeps keys 0 and 1 (w >= 2); scores c * q1.k1 = c and c * q1.k0 = 0, V = [s == 1]
+            scale = 1.0
+            if window >= 2 and S >= 2:
+                qp = torch.zeros(B, H, S, Dk, dtype=torch.float64, device=device)
+                qp[..., 0] = 1
+                kp = torch.zeros(B, G, S, Dk, dtype=torch.float64, device=device)
+                kp[:, :, 1, 0] = 1
+                vp = torch.zeros(B, G, S, Dv, dtype=torch.float64, device=device)
+                vp[:, :, 1, :] = 1
+                p = run(qp, kp, vp)[0, 0, 1, 0]
+                if not 0 < float(p) < 1:
+                    raise Refused(f"the bucketed window's scale could not be read (row 1 weighs key 1 by {float(p)} "
+                                  f"on probe values{where})")
+                scale = math.log(float(p) / (1 - float(p)))
+                if graph_c is not None and math.isclose(scale, graph_c, rel_tol=1e-9):
+                    scale = graph_c
+            for seed in (1, 2):
+                gen = torch.Generator().manual_seed(seed)
+                qp, kp, vp = (torch.randn(*shape, generator=gen, device="cpu").to(**f64)
+                              for shape in ((B, H, S, Dk), (B, G, S, Dk), (B, G, S, Dv)))
+                got = run(qp, kp, vp)
+                want = window_attention_op(qp, kp, vp, window, scale, "reference")
+                if not torch.allclose(got, want, rtol=1e-9, atol=1e-12):
+                    bad = (got - want).abs().amax(dim=(0, 1, 3)).argmax()
+                    raise Refused(f"the bucketed window differs from nsa.window_attention (w={window}: distances "
+                                  f"0..{window - 1}, scale {scale:.6g}) on probe values{where}, first at query "
+                                  f"{int(bad)}")
+            found[S] = (window, scale)
+        windows = {w for n, (w, _) in found.items() if w < n}  # a window narrower than S shows its w
+        scale = next(iter(found.values()))[1]
+        if (len(windows) > 1 or any(not math.isclose(c, scale, rel_tol=1e-9) for _, c in found.values())
+                or (windows and any(w >= n > min(windows) for n, (w, _) in found.items()))):
+            raise Refused("at symbolic sizes the bucketed window differs between probe sizes: "
+                          + ", ".join(f"w={w}, scale {c:.6g} at S={n}" for n, (w, c) in sorted(found.items())))
+        if not windows and sizes.symbolic:
+            raise Refused("at symbolic sizes the bucketed window reaches past every probe size: w not read")
+        return (windows.pop() if windows else next(iter(found.values()))[0]), scale
+
+    @staticmethod
+    def rewrite(graph: fx.Graph, plan: dict) -> None:
+        out = plan["out"]
+        both = call(graph, torch.ops.nsa.window_attention, plan["q"], plan["k"], plan["v"], plan["window"],
+                    plan["scale"], plan["backend"], anchor=out)
+        new = call(graph, operator.getitem, both, 0, anchor=out)
+        out.replace_all_uses_with(contiguous_if_read_by_layout(graph, new, out, out))
+        for node in plan["nodes"]:  # sizes read from the region's tensors that nothing uses
+            for user in [u for u in node.users if _dead_size(u)]:
+                graph.erase_node(user)
+        erase_replaced(graph, list(reversed(plan["nodes"])), [])
+
+
 class WindowAttention(RewritePass):
     name = "window_attention"
     summary = "masked dense sliding-window (or causal) attention -> nsa.window_attention, no S x S tensor"
 
     def source_files(self) -> tuple[str, ...]:
-        return super().source_files() + (inspect.getfile(RowChunks),)  # the row-chunk evaluation of the masks
+        # the row-chunk evaluation of the masks; the probe evaluation and the helpers of the bucketed reading
+        return super().source_files() + (inspect.getfile(RowChunks), inspect.getfile(region_probe),
+                                         inspect.getfile(constant))
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         checked = {}  # packed masks already checked on probes in this graph -> their w
+        bucketed = {}  # bucketed windows already read on probes in this graph -> (w, scale)
         for softmax in list(graph.nodes):
-            if op_name(softmax) != "softmax" or softmax.graph is not graph:
+            if op_name(softmax) != "softmax" or softmax.graph is not graph or softmax._erased:
                 continue
             try:
                 plan = self.check(softmax, ctx.config.backend("window_attention"), checked)
             except Refused as why:
-                ctx.refused(softmax, str(why))
+                self.bucketed(graph, softmax, ctx, str(why), bucketed)
                 continue
             self.rewrite(graph, softmax, plan)
             why = plan["why_not_faster"]
             docs = "" if plan["pos"] is None else ", per document (pos)"
             ctx.matched(softmax, KERNEL.format(window=plan["window"], docs=docs, backend=plan["backend"], why=why))
+
+    def bucketed(self, graph: fx.Graph, softmax: fx.Node, ctx: PassContext, dense_reason: str, verified: dict) -> None:
+        """A softmax the dense reading refused (`dense_reason`): rewritten where it is lucidrains'
+        bucketed window (BucketedWindow), else refused with the dense reason (and, where the region
+        has the bucketed form's inputs, why the bucketed reading failed)."""
+        region = BucketedWindow.region_of(softmax)
+        if region is None:
+            ctx.refused(softmax, dense_reason)
+            return
+        try:
+            plan = BucketedWindow.check(softmax, region, ctx.config.backend("window_attention"), Sizes.of(graph),
+                                        verified)
+        except Refused as why:
+            ctx.refused(softmax, f"{dense_reason}; read as bucketed local attention: {why}")
+            return
+        BucketedWindow.rewrite(graph, plan)
+        ctx.matched(softmax, plan["text"])
 
     def check(self, softmax: fx.Node, requested: str = "auto", checked: dict | None = None) -> dict:
         probs = value(softmax)
