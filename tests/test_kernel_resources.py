@@ -3,7 +3,8 @@ with cuobjdump; and one fact it established, kept: block selection's rounded-imp
 (what training under CUDA autocast runs) costs about what the unrounded kernel costs in machine
 code. Its group sums once came out in a layout that held each key in 8 lanes, and the top-n merge
 then ran 8 times its integer work per thread (Triton 3.6 on the GPU: select_kernel 2.1x slower
-than unrounded; here 1,380 integer compares against 395)."""
+than unrounded; with Triton 3.9 at 77eee5f: 1,303 integer compares against 336, 3,616 instructions
+against 1,910)."""
 
 from __future__ import annotations
 
