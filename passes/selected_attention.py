@@ -1072,6 +1072,29 @@ OUT_MOVES = ("squeeze", "unsqueeze", "getitem", "flatten", "unflatten", "view", 
 LUCIDRAINS_PROBE_CAP = 2**28
 
 
+def product_after(softmax: fx.Node, products) -> tuple[fx.Node, fx.Node] | None:
+    """(its input, the node): the first op among `products` reached from the softmax through at
+    most 4 single-user links ([cast], [unsqueeze], p @ v), or None (a branch, or none in reach).
+    Shared by the regions read on probes (lucidrains' fine branch, the bucketed window)."""
+    node = softmax
+    for _ in range(4):
+        users = list(node.users)
+        if len(users) != 1:
+            return None
+        prev, node = node, users[0]
+        if op_name(node) in products:
+            return prev, node
+    return None
+
+
+def output_after(pv: fx.Node) -> fx.Node:
+    """The branch output: p @ v read forward through single-user data movement (OUT_MOVES)."""
+    out = pv
+    while len(out.users) == 1 and op_name(next(iter(out.users))) in OUT_MOVES:
+        out = next(iter(out.users))
+    return out
+
+
 def _lucidrains_ids(node: fx.Node) -> bool:
     return (node.op == "call_function" and node.target in (torch.ops.nsa.select_blocks,
                                                          torch.ops.nsa.select_blocks.default)
@@ -1100,20 +1123,11 @@ class LucidrainsFine:
     def region_of(softmax: fx.Node) -> dict | None:
         """{out, nodes, leaves} where the softmax is followed by p @ v and the region computing the
         output reads nsa.select_blocks(rule='lucidrains') ids; None for any other softmax."""
-        node, pv = softmax, None
-        for _ in range(4):  # softmax -> [cast] -> unsqueeze -> matmul
-            users = list(node.users)
-            if len(users) != 1:
-                return None
-            node = users[0]
-            if op_name(node) in MATMULS:
-                pv = node
-                break
-        if pv is None:
+        found = product_after(softmax, MATMULS)  # softmax -> [cast] -> unsqueeze -> matmul
+        if found is None:
             return None
-        out = pv
-        while len(out.users) == 1 and op_name(next(iter(out.users))) in OUT_MOVES:
-            out = next(iter(out.users))
+        pv = found[1]
+        out = output_after(pv)
         graph_order = {n: i for i, n in enumerate(softmax.graph.nodes)}
         inside, leaves = {out}, []
         for node in sorted(ancestors([out]) - {out}, key=graph_order.__getitem__, reverse=True):

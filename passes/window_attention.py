@@ -81,7 +81,7 @@ from nsa_compile.rewrite import PassContext, RewritePass
 from nsa_compile.sizes import Sizes, is_size
 
 from .compressed_attention import unbatched
-from .selected_attention import OUT_MOVES, constant, same
+from .selected_attention import constant, output_after, product_after, same
 
 KERNEL = "nsa.window_attention[{backend}] (w={window}{docs}, GQA-native, no S x S tensor{why})"
 
@@ -445,21 +445,14 @@ class BucketedWindow:
         """{out, pv, nodes, q, k, v} where the softmax is followed by p @ v, the region computing
         the output reads three float tensors besides sizes (q, K, V as the scores read them) and
         the output is [B, H, S, Dv] over q's [B, H, S]; None for any other softmax."""
-        node, pv = softmax, None
-        for _ in range(4):  # softmax -> [cast] -> [unsqueeze] -> p @ v
-            users = list(node.users)
-            if len(users) != 1:
-                return None
-            prev, node = node, users[0]
-            if op_name(node) in _PRODUCTS:
-                operands = _product_operands(node)
-                pv = node if operands and operands[0] is prev else None
-                break
-        if pv is None:
+        found = product_after(softmax, _PRODUCTS)  # softmax -> [cast] -> [unsqueeze] -> p @ v
+        if found is None:
             return None
-        out = pv
-        while len(out.users) == 1 and op_name(next(iter(out.users))) in OUT_MOVES:
-            out = next(iter(out.users))
+        prev, pv = found
+        operands = _product_operands(pv)
+        if not operands or operands[0] is not prev:
+            return None
+        out = output_after(pv)
         order = {n: i for i, n in enumerate(softmax.graph.nodes)}
         scores = softmax
         for _ in range(16):  # the scores product up the softmax's float-tensor argument chain
