@@ -29,7 +29,7 @@ from torch import fx
 
 from .attention_match import Refused
 
-__all__ = ["EXACT_BELOW", "decode", "fingerprint", "index_codes", "run", "run_all"]
+__all__ = ["EXACT_BELOW", "decode", "element_budget", "fingerprint", "index_codes", "run", "run_all"]
 
 _CASTS = {"float", "half", "bfloat16", "double"}
 # Index codes (integers) are exact in these dtypes below these numbers.
@@ -54,16 +54,33 @@ def _widen(dtype: torch.dtype, device: str | None = None):
     return wide
 
 
+# The most elements the tensors of one probe may hold on the CPU (2 GiB of float64).
+CPU_BUDGET = 2**28
+
+
+def element_budget(device: torch.device | str) -> int:
+    """The most elements (float64) the tensors of one verification probe may hold together: on the
+    CPU CPU_BUDGET; on a GPU a quarter of its free memory (a probe runs once per region structure,
+    at compile time, beside the model's own tensors), at most 2**31."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_BUDGET
+    free, _ = torch.cuda.mem_get_info(device)
+    return min(2**31, free // 4 // 8)
+
+
 def run(nodes: list[fx.Node], env: dict, keep: fx.Node, what: str, dtype=torch.float64,
-        device: str | None = None) -> torch.Tensor:
+        device: str | None = None, changes: dict | None = None) -> torch.Tensor:
     """The value of `keep` after running `nodes` (in graph order) on the values in `env` (a node
     -> tensor map holding every input the nodes read from outside them), every float in `dtype`
     (float32 halves the memory of a probe at a large shape; index codes stay exact below 2**24).
     `device` (e.g. "cpu", where env holds CPU tensors): every torch.device argument of the nodes
     (the constants the graph makes on its own device, CUDA on a GPU) becomes this one.
+    `changes`: node -> (args, kwargs) run in place of the node's own (batch_slice.one_row's sizes
+    for one batch row).
     The user's code failing on probe values refuses the rewrite, naming `what` and the node;
     running out of memory is raised (it says nothing of the code)."""
-    return _run(nodes, env, keep, what, dtype, device)[keep]
+    return _run(nodes, env, keep, what, dtype, device, changes)[keep]
 
 
 def run_all(nodes: list[fx.Node], env: dict, what: str, dtype=torch.float64) -> dict:
@@ -100,17 +117,17 @@ def _autocast_off() -> contextlib.ExitStack:
 
 
 def _run(nodes: list[fx.Node], env: dict, keep: fx.Node | None, what: str, dtype: torch.dtype,
-         device: str | None = None) -> dict:
+         device: str | None = None, changes: dict | None = None) -> dict:
     with _autocast_off():
-        return _run_nodes(nodes, env, keep, what, dtype, device)
+        return _run_nodes(nodes, env, keep, what, dtype, device, changes or {})
 
 
 def _run_nodes(nodes: list[fx.Node], env: dict, keep: fx.Node | None, what: str, dtype: torch.dtype,
-               device: str | None) -> dict:
+               device: str | None, changes: dict) -> dict:
     last = {i: n for n, node in enumerate(nodes) for i in node.all_input_nodes} if keep is not None else {}
     wide = _widen(dtype, device)
     for step, node in enumerate(nodes):
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+        args, kwargs = fx.node.map_arg(changes.get(node, (node.args, node.kwargs)), lambda n: env[n])
         args, kwargs = torch.utils._pytree.tree_map(wide, (args, kwargs))
         if node.op == "call_function":
             args, kwargs = _reference_backend(node, args, kwargs)

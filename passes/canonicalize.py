@@ -464,6 +464,13 @@ class GroupedHeads:
         g2, h2 = group_letters([tp, tv], out2)
         if ta.index(h) != ta.index(g) + 1:
             raise Refused("the grouped queries do not hold their heads right after their group dim")
+        for step in chain:  # heads share their group's mask; queries do not
+            mask = step.mask if step.kind == "mask" else step.bias
+            shape = shape_of(mask) if isinstance(mask, fx.Node) else None
+            if shape is not None and len(shape) >= len(out) - pos - 1 and not same(shape[pos + 1 - len(out)], 1):
+                raise Refused(f"the mask {mask.name} varies along '{h}', so '{h}' holds queries, not the heads of group "
+                              f"'{g}' (e.g. bucketed local attention: windows of queries against their keys); kept 5-D "
+                              "(4-D heads would copy K and V once per query)")
         region = [s.node for s in reversed(chain)] + [softmax, *post]
         zeros = {a for p_node in post if op_name(p_node) == "where" for a in p_node.args[1:] if is_zero(a)}
         order = {n: i for i, n in enumerate(graph.nodes)}

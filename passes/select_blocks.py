@@ -149,7 +149,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
-from nsa_compile import probe as region_probe
+from nsa_compile import batch_slice, probe as region_probe
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, evaluate_node, only_user
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.block_select import LUCIDRAINS_SINK, LUCIDRAINS_THRESHOLD, ROUNDINGS, choose_backend
@@ -1344,8 +1344,6 @@ LUCIDRAINS_PER_HEAD = ", per query head (each head its own group: the compressed
 # the data movement read from the scores' right operand back to the compressed keys [B, G, T, Dk]
 KEY_MOVES = ("view", "reshape", "flatten", "unflatten", "transpose", "permute", "movedim", "unsqueeze", "squeeze",
              "expand", "repeat_interleave", "contiguous")
-# the most score elements ([B, H, S, T]) a float64 probe of the region evaluates
-LUCIDRAINS_PROBE_CAP = 2**28
 
 
 def lucidrains_key(p: fx.Node) -> fx.Node | None:
@@ -1549,9 +1547,8 @@ class LucidrainsChoice:
         for at in sizes.probes():
             (B, H, S, Dk), (_, G, T, _), Jc = at.shape(value(q)), at.shape(value(k)), at.shape(value(p))[-1]
             where = f" at the probe sizes {at.describe()}" if sizes.symbolic else ""
-            if B * H * S * T > LUCIDRAINS_PROBE_CAP:
-                raise Refused(f"verifying the block choice takes {B * H * S * T:,} scores per probe, over the cap of "
-                              f"{LUCIDRAINS_PROBE_CAP:,}: not verified at this size yet")
+            one_row, changes = batch_slice.probe_rows(region, [q, k], p, at, "lucidrains' block choice")
+            B = one_row or B
             Tc = T - m
             if Jc < 1 or Tc < 1:
                 raise Refused(f"the choice has no selection block to rank{where} (S = {S})")
@@ -1565,7 +1562,7 @@ class LucidrainsChoice:
                 qp = (torch.randn(B, H, S, Dk, generator=gen, dtype=torch.float64, device="cpu") * spread).to(device)
                 kp = torch.randn(B, G, T, Dk, generator=gen, dtype=torch.float64, device="cpu").to(device)
                 env = {q: qp, k: kp, **at.size_nodes()}
-                got = region_probe.run(region, env, p, "lucidrains' block choice")
+                got = region_probe.run(region, env, p, "lucidrains' block choice", changes=changes)
                 k_op = (kp if per_head == 1 else kp.repeat_interleave(per_head, 1))[:, :, m:]
                 matching = []
                 for d, block in candidates:

@@ -125,7 +125,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
-from nsa_compile import probe as region_probe
+from nsa_compile import batch_slice, probe as region_probe
 from nsa_compile.attention_match import (
     Refused, ancestors, erase_replaced, evaluate_node, keep_mask, mask_fill, only_user, strip_upcast, unrepeat,
 )
@@ -1068,8 +1068,6 @@ LUCIDRAINS_KERNEL = ("nsa.selected_attention[{backend}] (lucidrains' fine branch
 # the data movement read forward from p @ v to the branch output
 OUT_MOVES = ("squeeze", "unsqueeze", "getitem", "flatten", "unflatten", "view", "reshape", "transpose", "permute",
              "contiguous")
-# the most elements (summed over the region's tensors) a float64 probe of the fine branch evaluates
-LUCIDRAINS_PROBE_CAP = 2**28
 
 
 def product_after(softmax: fx.Node, products) -> tuple[fx.Node, fx.Node] | None:
@@ -1221,11 +1219,9 @@ class LucidrainsFine:
         q, k, v, ids = leaves
         for at in sizes.probes():
             where = f" at the probe sizes {at.describe()}" if sizes.symbolic else ""
-            cost = sum(math.prod(at.shape(value(x))) for x in nodes if value(x) is not None)
-            if cost > LUCIDRAINS_PROBE_CAP:
-                raise Refused(f"verifying lucidrains' fine branch takes {cost:,} elements per probe, over the cap of "
-                              f"{LUCIDRAINS_PROBE_CAP:,}: not verified at this size yet")
+            one_row, changes = batch_slice.probe_rows(nodes, list(leaves), out, at, "lucidrains' fine branch")
             (B, H, S, Dk), (_, G, _, Dv), (_, rows, _, width) = (at.shape(value(x)) for x in (q, v, ids))
+            B = one_row or B
             device = value(q).device
             for seed in (0, 1):
                 gen = torch.Generator().manual_seed(seed)
@@ -1234,7 +1230,7 @@ class LucidrainsFine:
                 vp = torch.randn(B, G, S, Dv, generator=gen, dtype=torch.float64, device="cpu").to(device)
                 idp = LucidrainsFine.probe_ids(B, rows, S, width - 1, block, seed).to(device)
                 got = region_probe.run(nodes, {q: qp, k: kp, v: vp, ids: idp, **at.size_nodes()}, out,
-                                "lucidrains' fine branch")
+                                       "lucidrains' fine branch", changes=changes)
                 k_op, v_op = (x if per_head == 1 else x.repeat_interleave(per_head, 1) for x in (kp, vp))
                 want = selected_attention_op(qp, k_op, v_op, idp, block, scale, "reference")
                 if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-9, atol=1e-12):

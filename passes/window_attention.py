@@ -71,7 +71,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
-from nsa_compile import probe as region_probe
+from nsa_compile import batch_slice, probe as region_probe
 from nsa_compile.ops.window import WINDOW, choose_backend
 from nsa_compile.ops.window import window_attention as window_attention_op
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, keep_mask, only_user, strip_upcast, unrepeat
@@ -393,8 +393,6 @@ def document_window_of(mask: fx.Node, leaf: fx.Node, keep_where_true: bool, B: i
 
 BUCKETED_KERNEL = ("nsa.window_attention[{backend}] (w={window}: bucketed local attention read on probe values, "
                    "distances 0..{reach}; {heads}, no bucket scores{why})")
-# the most elements (summed over the region's tensors) a float64 probe of the bucketed window evaluates
-BUCKETED_PROBE_CAP = 2**28
 _PRODUCTS = MATMULS + ("einsum",)
 
 
@@ -566,17 +564,15 @@ class BucketedWindow:
         found = {}  # S at a probe -> (w, scale)
         for at in sizes.probes():
             where = f" at the probe sizes {at.describe()}" if sizes.symbolic else ""
-            cost = sum(math.prod(at.shape(value(x))) for x in nodes if value(x) is not None)
-            if cost > BUCKETED_PROBE_CAP:
-                raise Refused(f"verifying the bucketed window takes {cost:,} elements per probe, over the cap of "
-                              f"{BUCKETED_PROBE_CAP:,}: not verified at this size yet")
+            one_row, changes = batch_slice.probe_rows(nodes, [q_in, k_in, v_in], out, at, "the bucketed window")
             (B, H, S, Dk), (_, G, _, Dv) = at.shape(value(q)), at.shape(value(v))
+            B = one_row or B
 
             sizes_at = at.size_nodes()
 
-            def run(qp, kp, vp, sizes_at=sizes_at, shape=(B, H, S, Dv), where=where):
+            def run(qp, kp, vp, sizes_at=sizes_at, shape=(B, H, S, Dv), where=where, changes=changes):
                 env = {q_in: qp, k_in: kp.repeat_interleave(h, 1), v_in: vp.repeat_interleave(h, 1), **sizes_at}
-                got = region_probe.run(nodes, env, out, "the bucketed window", device=str(device))
+                got = region_probe.run(nodes, env, out, "the bucketed window", device=str(device), changes=changes)
                 if tuple(got.shape) != shape:
                     raise Refused(f"the bucketed window gives {tuple(got.shape)} on probe values{where}, "
                                   f"not [B, H, S, Dv] = {shape}")

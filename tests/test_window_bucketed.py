@@ -12,15 +12,16 @@ the graph unchanged and the reason; symbolic sizes fire in every graph.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import helpers
 from helpers import optimize_fresh
 
 import nsa_compile
-from nsa_compile.passes import window_attention as window_pass
 
 PASS = "window_attention"
 
@@ -182,16 +183,18 @@ def test_near_misses_are_refused_with_the_graph_unchanged(change, reason):
     torch.testing.assert_close(grads(opt, x)[0], want_out, rtol=1e-5, atol=1e-6)
 
 
-def test_a_probe_over_the_cap_is_refused_with_its_size(monkeypatch):
-    monkeypatch.setattr(window_pass, "BUCKETED_PROBE_CAP", 1000)
+def test_a_probe_over_the_budget_is_refused_with_its_size(monkeypatch):
+    """Over the probe budget whole and on one batch row (tests/test_batch_slice.py fires it where
+    one row fits): refused, the graph unchanged, the reason giving both sizes."""
+    monkeypatch.setattr(nsa_compile.probe, "CPU_BUDGET", 1000)
     torch.manual_seed(4)
     module = Bucketed()
     x = torch.randn(2, 45, 32)
     _, (record,) = compiled(module, x)
     log = log_of(record)
     assert not log.matches and log.code_after == code_before(record)
-    assert any("verifying the bucketed window takes" in r.reason and "over the cap of 1,000" in r.reason
-               for r in log.refusals), log.refusals
+    assert any("verifying the bucketed window takes" in r.reason and "over the budget of 1,000 on cpu" in r.reason
+               and "on one batch row: not verified at this size yet" in r.reason for r in log.refusals), log.refusals
 
 
 def test_symbolic_sizes_fire_in_every_graph():
@@ -208,3 +211,23 @@ def test_symbolic_sizes_fire_in_every_graph():
     for record in graphs:
         (match,) = log_of(record).matches
         assert "(w=9: " in match.kernel
+
+
+def test_canonicalize_keeps_the_buckets_five_dimensional():
+    """`b h w i d, b h w j d -> b h w i j` has the shape of grouped attention (groups w of i heads),
+    but the mask varies along i: queries. grouped_heads refuses it, naming the mask, and leaves no
+    K/V copy per query (repeat_interleave by the bucket size, bucket x the memory of K and V) in the
+    graph, here with the window pass off so the graph shows what canonicalize left; eager's output."""
+    torch.manual_seed(6)
+    module = Bucketed(bucket=8)
+    x = torch.randn(2, 45, 32)
+    config = helpers.FAST.replace(disabled_passes=(PASS,))
+    opt = optimize_fresh(copy.deepcopy(module), config)
+    torch.testing.assert_close(opt(x), module(x), rtol=1e-5, atol=1e-6)
+    (record,) = nsa_compile.api.state_of(opt).graphs
+    canon = log_of(record, "canonicalize")
+    assert any("grouped_heads: the mask" in r.reason and "varies along 'i', so 'i' holds queries" in r.reason
+               for r in canon.refusals), canon.refusals
+    assert not any(m.kernel.startswith("grouped_heads") for m in canon.matches), canon.matches
+    repeats = re.findall(r"repeat_interleave\([^,]+, (\d+)", canon.code_after)
+    assert repeats and set(repeats) == {"2"}, repeats  # repeat_kv's own copies (h = 2) only, none by 8

@@ -1,0 +1,196 @@
+"""Probes on one batch row (nsa_compile/batch_slice.py): a region that keeps its batch rows apart is
+verified at B = 1 where the whole batch would exceed the probe budget.
+
+- `one_row` on Dynamo graphs of small functions: attention-like regions (views, expands, gathers,
+  masks, softmax, matmuls, tensors made with the batch's size) are accepted, and running them on
+  one row with the returned changes gives row 0 of the whole result; every op that mixes rows
+  (flip(0), sum(0), softmax over dim 0, a view that merges the batch, transpose(0, 1), x[0], a
+  [B, ..] constant paired with the rows, a 2-D product that sums the batch, cat on dim 0) is
+  refused, naming the node.
+- lucidrains' three probed regions (block choice, fine branch, bucketed window) in the corpus
+  model: with the budget between one row's cost and the whole batch's, all three fire through one
+  row with eager's outputs and gradients; with the budget under one row's cost all three are
+  refused with both sizes in the reason and the graph unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from corpus import lucidrains_shared_kv
+from helpers import optimize_fresh
+from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it runs for this module)
+
+import nsa_compile
+from nsa_compile import batch_slice, probe
+from nsa_compile.attention_match import Refused
+from nsa_compile.fx import value
+
+
+def dynamo_graph(fn, *inputs):
+    """The Dynamo graph of fn(*inputs), with the fake values the passes read."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=keep, fullgraph=True)(*inputs)
+    (gm,) = graphs
+    return gm
+
+
+def region(gm):
+    """(nodes, inputs, out): every call of the graph, its tensor inputs, its one output."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    return nodes, inputs, out
+
+
+def attention_like(q, k, v, ids):
+    """q [B, H, S, D], k/v [B, H, S, D], ids [B, H, S, 2]: gathered keys per query, masks, softmax."""
+    B, H, S, D = q.shape
+    keys = k[:, :, None].expand(B, H, S, S, D).gather(3, ids[..., None].expand(B, H, S, 2, D))
+    vals = v[:, :, None].expand(-1, -1, S, -1, -1).gather(3, ids[..., None].expand(B, H, S, 2, D))
+    scores = (q.unsqueeze(-2) @ keys.transpose(-1, -2)).squeeze(-2) * D**-0.5
+    causal = ids <= torch.arange(S)[:, None]
+    extra = torch.zeros(B, H, S, 2).masked_fill(~causal, float("-inf"))
+    p = (scores + extra).softmax(-1)
+    dense = torch.tril(q @ k.transpose(-1, -2)).float().softmax(dim=-1) @ v
+    out = (p.unsqueeze(-2) @ vals).squeeze(-2) + dense
+    return F.pad(out, (0, 0, 0, 1))[:, :, :S].reshape(B, H, S * D).view(B, H, S, D)
+
+
+def attention_inputs(B=3, H=2, S=5, D=4):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, generator=gen) for _ in range(3))
+    ids = torch.randint(0, S, (B, H, S, 2), generator=gen)
+    ids[..., 0] = 0  # every row keeps a key
+    return q, k, v, ids
+
+
+def test_an_attention_like_region_runs_on_one_row():
+    inputs = attention_inputs()
+    gm = dynamo_graph(attention_like, *inputs)
+    nodes, placeholders, out = region(gm)
+    changes, batched = batch_slice.one_row(nodes, placeholders, out, batch=3)
+    assert changes and out in batched  # the expands and the zeros named B
+    whole = attention_like(*inputs)
+    by_name = dict(zip(("l_q_", "l_k_", "l_v_", "l_ids_"), inputs))  # Dynamo orders its inputs by first use
+    env = {p: by_name[p.name][:1].double() if p.name != "l_ids_" else by_name[p.name][:1] for p in placeholders}
+    row = probe.run(nodes, env, out, "the region", changes=changes)
+    assert row.shape == (1, *whole.shape[1:])
+    torch.testing.assert_close(row.float(), whole[:1], rtol=1e-5, atol=1e-5)
+    shape = lambda t: tuple(t.shape)  # noqa: E731
+    assert batch_slice.allocated_elements(nodes, shape, batched, 1) * 2 < batch_slice.allocated_elements(nodes, shape)
+
+
+CONSTANT = torch.randn(3, 2, 5, 4)
+
+
+@pytest.mark.parametrize("fn, shape, reason", [
+    (lambda x: x.flip(0), (3, 2, 5, 4), "flip"),
+    (lambda x: x.sum(0, keepdim=True).expand(3, -1, -1, -1) + x, (3, 2, 5, 4), "sum"),
+    (lambda x: x.softmax(0), (3, 2, 5, 4), "over dim 0, the batch"),
+    (lambda x: x.reshape(6, 5, 4).sum(-1).view(3, 2, 5), (3, 2, 5, 4), "does not give a [B = 3, ..] result"),
+    (lambda x: x.transpose(0, 1) * 2, (3, 3, 5, 4), "over dim 0, the batch"),  # B = G: shapes cannot tell
+    (lambda x: x[0].expand(3, 2, 5, 4), (3, 2, 5, 4), "does not give a [B = 3, ..] result"),
+    (lambda x: x[:3] * 2, (3, 2, 5, 4), "indexes dim 0"),
+    (lambda x: x + CONSTANT, (3, 2, 5, 4), "which is not batched"),
+    (lambda x: torch.ones(3, 3) @ x.flatten(1)[:, :3], (3, 2, 5, 4), "right operand of a 2-D product"),
+    (lambda x: torch.cat([x, x], dim=2).permute(1, 0, 2, 3).permute(1, 0, 2, 3), (3, 3, 5, 4), "moves dim 0"),
+    (lambda x: torch.cat([x, x], dim=0)[:3], (3, 2, 5, 4), "does not give a [B = 3, ..] result"),
+])
+def test_ops_that_mix_batch_rows_are_refused(fn, shape, reason):
+    x = torch.randn(shape)
+    gm = dynamo_graph(fn, x)
+    nodes, _, out = region(gm)
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "l_x_"]  # not CONSTANT
+    with pytest.raises(Refused, match="^.*" + reason.replace("[", r"\[").replace("(", r"\(")):
+        batch_slice.one_row(nodes, inputs, out, batch=3)
+
+
+# --- lucidrains' probed regions through one row ----------------------------------------------------
+
+PROBED = ("select_blocks", "selected_attention", "window_attention")
+
+
+def lucidrains(batch=6):
+    model, x = lucidrains_shared_kv.make()
+    return model, torch.randn(batch, *x.shape[1:], generator=torch.Generator().manual_seed(1))
+
+
+def probe_costs(monkeypatch) -> dict:
+    """Each probed region's (whole batch, one row) elements, by what it verifies: recorded at its
+    probe while compiling the model with the default budget."""
+    seen = {}
+    real = batch_slice.probe_rows
+
+    def spy(nodes, inputs, out, at, what):
+        _, batched = batch_slice.one_row(nodes, inputs, out, at.shape(value(inputs[0]))[0])
+        seen[what] = (batch_slice.allocated_elements(nodes, at.shape),
+                      batch_slice.allocated_elements(nodes, at.shape, batched, 1))
+        return real(nodes, inputs, out, at, what)
+
+    monkeypatch.setattr(batch_slice, "probe_rows", spy)
+    model, x = lucidrains()
+    optimize_fresh(model)(x)
+    monkeypatch.setattr(batch_slice, "probe_rows", real)
+    assert set(seen) == {"lucidrains' block choice", "lucidrains' fine branch", "the bucketed window"}, seen
+    return seen
+
+
+def counts(model) -> dict:
+    return {r["name"]: r["matches"] for r in nsa_compile.report(model) if r["name"] in PROBED}
+
+
+def budget_per_region(monkeypatch, budget_of) -> None:
+    """Each probed region verified under its own budget, budget_of(what)."""
+    real = batch_slice.probe_rows
+
+    def with_budget(nodes, inputs, out, at, what):
+        monkeypatch.setattr(probe, "CPU_BUDGET", budget_of(what))
+        return real(nodes, inputs, out, at, what)
+
+    monkeypatch.setattr(batch_slice, "probe_rows", with_budget)
+
+
+def test_lucidrains_regions_fire_on_one_row_with_eager_gradients(monkeypatch):
+    """Each region's budget exactly its one-row probe's elements: under the whole batch's."""
+    costs = probe_costs(monkeypatch)
+    assert all(one < whole for whole, one in costs.values()), costs
+    budget_per_region(monkeypatch, lambda what: costs[what][1])
+    model, x = lucidrains()
+    opt = optimize_fresh(copy.deepcopy(model))
+    out = opt(x)
+    assert counts(opt) == {name: 1 for name in PROBED}
+    want = model(x)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    out.square().mean().backward()
+    want.square().mean().backward()
+    for (name, p), (_, p_opt) in zip(model.named_parameters(), opt.named_parameters()):
+        torch.testing.assert_close(p_opt.grad, p.grad, rtol=1e-3, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("what, name", [("lucidrains' block choice", "select_blocks"),
+                                        ("lucidrains' fine branch", "selected_attention"),
+                                        ("the bucketed window", "window_attention")])
+def test_a_region_over_the_budget_on_one_row_is_refused(monkeypatch, what, name):
+    """The budget one element under the region's one-row probe (every other region's whole: the fine
+    branch still sees the block choice's op): that region is refused with both sizes, eager's outputs."""
+    costs = probe_costs(monkeypatch)
+    budget = costs[what][1] - 1
+    budget_per_region(monkeypatch, lambda w: budget if w == what else costs[w][0])
+    model, x = lucidrains()
+    opt = optimize_fresh(copy.deepcopy(model))
+    torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    assert counts(opt)[name] == 0
+    (record,) = nsa_compile.api.state_of(opt).graphs
+    reasons = [why for r in nsa_compile.report(opt) if r["name"] == name for why in r["reasons"]]
+    assert any(f"verifying {what} takes {costs[what][0]:,} elements per probe, over the budget of {budget:,} on cpu, "
+               f"{costs[what][1]:,} on one batch row: not verified at this size yet" in why for why in reasons), reasons
