@@ -34,7 +34,9 @@ sdpa
     packed form `(s <= t) & (t - s < w) & (s >= t - pos[:, :, None])` on constant positions pos
     [B, T] derived from the evaluated mask (equal to it element for element); another key count
     with a position mask whose rows keep growing prefixes of the keys (compressed blocks, memory
-    slots first), where rows that keep no key get SDPA's 0 through the zero fill and `* keep`; 5-D
+    slots first), where rows that keep no key get SDPA's 0 through the zero fill and `* keep`, or
+    whose row r keeps the columns r + d - w + 1 .. r + d (a chunk of queries' sliding window over a
+    slice of the keys, `shifted_window`: the window pass reads the offsets from the slices); 5-D
     per-query SDPA ([B, H, S, 1, D] against gathered [B, H, S, n, D], the selected branch) with a
     bool mask, followed by `nan_to_num(p)` (SDPA's 0 for a row with no key, which the selected op
     gives too). Other masked SDPA calls stay (SDPA's own kernels are their fast path) with the
@@ -1445,6 +1447,22 @@ def causal_window(keep: torch.Tensor) -> bool:
     return w >= 1 and torch.equal(grid, (s <= t) & (t - s < w))
 
 
+def shifted_window(keep: torch.Tensor) -> tuple[int, int] | None:
+    """(d, w) when keep [.., L, C] is one pattern whose row r keeps the columns r + d - w + 1 ..
+    r + d that exist, for some d >= 0 and w >= 1: a causal sliding window of a chunk of queries
+    over a slice of the keys (row r at key column r + d; d and w from the first row and the widest
+    one). None otherwise. The window pass proves the rest from the slices (their offsets)."""
+    grid = keep.reshape(-1, *keep.shape[-2:])
+    if grid.shape[0] != 1 or not bool(grid[0, 0].any()):
+        return None
+    grid = grid[0].cpu()
+    d = int(grid[0].nonzero().max())
+    w = int(grid.sum(-1).max())
+    r = torch.arange(grid.shape[0], device="cpu")[:, None] + d
+    s = torch.arange(grid.shape[1], device="cpu")[None, :]
+    return (d, w) if torch.equal(grid, (s <= r) & (r - s < w)) else None
+
+
 def constant(graph: fx.Graph, target, *args, like: fx.Node, anchor: fx.Node, **kwargs) -> fx.Node:
     """Insert `target(*args, **kwargs)`, a tensor made from python values only (torch.tensor,
     torch.arange), before `anchor`, its fake value made in the fake mode of `like`'s value."""
@@ -1498,8 +1516,10 @@ class SDPADecomposition:
       constant bounds (`document_windows`), its mask rewritten from constant positions
       (`documents`, marked CONSTANT_POSITIONS for the window pass);
     - 4-D, another key count, a mask from positions only whose rows keep growing prefixes of the
-      keys (compressed blocks, memory slots first); rows that keep no key are 0 in SDPA (bool or
-      -inf masks), written as the compressed form's zero fill and final mask;
+      keys (compressed blocks, memory slots first), or a sliding window shifted along them
+      (`shifted_window`: a chunk of queries over a slice of the keys; static sizes only); rows
+      that keep no key are 0 in SDPA (bool or -inf masks), written as the compressed form's zero
+      fill and final mask;
     - 5-D with one query row per token ([B, H, S, 1, D] against gathered [B, H, S, n, D]: the
       selected branch), any bool mask: the rows with no key are 0 in SDPA, so the probabilities
       are followed by nan_to_num (0 there, the selected op's own result).
@@ -1525,7 +1545,7 @@ class SDPADecomposition:
             if reads_data(call_.mask):
                 raise Refused("SDPA's mask reads data (not positions only): the window and compressed passes "
                               "read position masks")
-            has_empty_row = finite = False
+            has_empty_row = finite = chunk = False
             for probe, got in self.masks.evaluate(call_.mask, "SDPA mask"):
                 at = f"at the probe sizes {probe.describe()}: " if probe.symbolic else ""
                 keep = got if got.dtype == torch.bool else got == 0
@@ -1546,7 +1566,13 @@ class SDPADecomposition:
                     return (f"sdpa: F.scaled_dot_product_attention (window of {found[1]} tokens within {found[0]} "
                             "documents of constant bounds) -> scores, mask from constant positions, softmax, @ v")
                 if not self_attention and not staircase_like(keep):
-                    raise Refused(f"{at}SDPA's mask does not keep a growing prefix of the keys per query: SDPA stays")
+                    if shifted_window(keep) is None:
+                        raise Refused(f"{at}SDPA's mask does not keep a growing prefix of the keys per query, nor a "
+                                      "sliding window of a chunk of queries over a slice of them: SDPA stays")
+                    if probe.symbolic:
+                        raise Refused(f"{at}SDPA's mask is a sliding window over a slice of the keys: at symbolic "
+                                      "sizes (dynamic shapes) the window pass does not read chunks; SDPA stays")
+                    chunk = True
                 finite |= got.dtype != torch.bool and bool((got != 0).any()) and bool(torch.isfinite(got).all())
                 has_empty_row |= not bool(keep.any(-1).all())
             # SDPA gives 0 where a bool / -inf mask keeps no key. At symbolic sizes a prefix mask's
@@ -1557,7 +1583,8 @@ class SDPADecomposition:
         elif mask_val.dtype != torch.bool:
             raise Refused("5-D SDPA with an additive mask")
         self.rewrite(graph, node, call_, per_query, empty_rows)
-        what = "per-query 5-D" if per_query else ("window" if self_attention else "prefix mask")
+        what = "per-query 5-D" if per_query else ("window" if self_attention else
+                                                  "window over a key slice" if chunk else "prefix mask")
         return f"sdpa: F.scaled_dot_product_attention ({what}) -> scores, mask, softmax, @ v"
 
     @staticmethod

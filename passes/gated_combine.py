@@ -41,6 +41,17 @@ more: [B, G, h, S, Dv]) or packed tokens [N, H, Dv], each in its own, the result
   the gate's token sizes as sizes (statically_known_true, no guard added) and constants
   elsewhere. The rewrite writes no size: views take B and S from the gate input (sym_size).
 
+A gate cut into chunks of tokens (a model's loop over query chunks, unrolled by Dynamo; issue 17,
+tests/corpus/chunked_queries.py): every use of T, through views, is a token slice `gc = g[:, :,
+s0:s1]` whose chunk's weighted sum is one of the chunks a cat joins. The whole gate then reads
+more than three tensors; instead each chunk gets its own gate, the normalization and views of
+the logits' token slice z[:, s0:s1] (inserted before the chunk's slice and checked equal to it
+on random logits), and is read as above: one op per chunk with the chunk's logits, the cat
+staying (it writes the output once, as eager). All chunks or none (the gate is computed once
+for all of them): one chunk refused leaves the graph as it was, with `<whole reason>; read per
+chunk of tokens: tokens a..b-1: <why>`. Static sizes only. Why per chunk and not one op over
+the cat of each branch's chunks: that copies the three branch outputs once more.
+
 Becomes `torch.ops.nsa.gated_combine(v or u (or z) as [B, S, R, m, Din], w1, b1, w2, b2, o_cmp,
 o_sel, o_win, act, normalize, backend)[0]` (nsa_compile/ops/gated_combine.py; the branches viewed
 as [B, S, H, Dv], the result viewed back as O was laid out), cast to O's dtype when that differs
@@ -123,6 +134,30 @@ def token_sizes(t: torch.Tensor, n: int) -> tuple:
     B = 1, S = N (ints, or SymInts in a graph with symbolic sizes)."""
     return tuple(t.shape[:2]) if n == 2 else (1, t.shape[0])
 
+
+
+def token_slice(node: fx.Node, x: fx.Node, dim: int, n: int, numbers: dict) -> tuple[int, int] | None:
+    """(a, b) where `node` is x[..., a:b, ...] on dim `dim` (of n tokens) only (constant bounds, or
+    size nodes of a static graph given by `numbers`, step 1, every other dim whole) or
+    x.narrow(dim, a, b - a); else None."""
+    number = lambda e: numbers.get(e) if isinstance(e, fx.Node) else e
+    if op_name(node) == "narrow" and arg(node, 0, "input") is x:
+        d, start, length = arg(node, 1, "dim"), number(arg(node, 2, "start")), number(arg(node, 3, "length"))
+        if isinstance(d, int) and d % value(x).dim() == dim and isinstance(start, int) and isinstance(length, int):
+            return start, start + length
+        return None
+    if op_name(node) != "getitem" or node.args[0] is not x or not isinstance(node.args[1], tuple):
+        return None
+    index = node.args[1]
+    whole = slice(None, None, None)
+    if (len(index) <= dim or not isinstance(index[dim], slice)
+            or any(i != whole for i in index[:dim] + index[dim + 1:])):
+        return None
+    cut = slice(number(index[dim].start), number(index[dim].stop), index[dim].step)
+    if cut.step not in (None, 1) or not all(isinstance(e, (int, type(None))) for e in (cut.start, cut.stop)):
+        return None
+    a, b, _ = cut.indices(n)
+    return (a, b) if a < b else None
 
 
 def is_three(d) -> bool:
@@ -214,16 +249,143 @@ class GatedCombine(RewritePass):
             if gate._erased or not self.is_gate(gate):
                 continue
             try:
-                plan = self.check_at_probe_sizes(gate, requested, verified, sizes)
+                plans = [self.check_at_probe_sizes(gate, requested, verified, sizes)]
             except Refused as why:
-                ctx.refused(gate, str(why))
-                continue
-            self.rewrite(graph, plan)
-            why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
-            ctx.matched(plan["out"], KERNEL.format(
-                backend=plan["backend"], gate=plan["gate"], norm=plan["normalize"], share=plan["share"],
-                layout=", heads-first" if plan["out_layout"] == "heads-first" else "", why=why))
+                try:
+                    plans = self.chunked(graph, gate, str(why), requested, verified, sizes)
+                except Refused as chunk_why:
+                    ctx.refused(gate, str(chunk_why))
+                    continue
+            for plan in plans:
+                self.rewrite(graph, plan)
+                why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
+                ctx.matched(plan["out"], KERNEL.format(
+                    backend=plan["backend"], gate=plan["gate"], norm=plan["normalize"], share=plan["share"],
+                    layout=", heads-first" if plan["out_layout"] == "heads-first" else "", why=why))
+            cuts = [plan["cut"] for plan in plans if "cut" in plan]
+            if cuts:  # chunks: the whole gate, its views and slices, now read by none
+                erase_replaced(graph, cuts, [])
 
+    # --- a gate cut into chunks of tokens -------------------------------------------------------
+
+    def chunked(self, graph: fx.Graph, gate: fx.Node, whole: str, requested: str, verified: dict,
+                sizes: Sizes) -> list[dict]:
+        """A gate whose every use is a token slice of it (through views): a model's loop over query
+        chunks (tests/corpus/chunked_queries.py), each chunk's gated sum reading
+        `gc = g[:, :, s0:s1]`, the chunks' results concatenated after. Each chunk becomes the gate
+        of its own tokens: the normalization and the same views of the logits' token slice
+        z[:, s0:s1] (built here, before the chunk's slice; on a random z they must equal the slice
+        exactly), then `check` as for any gate, whose op reads that slice as its logits; one plan
+        per chunk, each with the slice it replaces ("cut"). Any chunk refused: every node built is
+        erased (the graph as it was) and Refused with `whole`, the whole gate's reason, and the
+        chunk's. Static sizes, gates over [B, S, ...] only."""
+        if sizes.symbolic:  # a loop over chunks is unrolled at static sizes only
+            raise Refused(whole)
+        found = self.token_chunks(gate, sizes)
+        if found is None:
+            raise Refused(whole)
+        views, cuts, dims = found
+        z = arg(gate, 0, "input")
+        made, replaced, plans = [], [], []  # the nodes built; (slice, its chunk gate's view)
+        try:
+            for cut, (a, b) in cuts:
+                gate_c, end = self.chunk_gate(graph, gate, z, views, dims, cut, a, b, made, sizes)
+                cut.replace_all_uses_with(end)
+                replaced.append((cut, end))
+                try:
+                    plans.append(self.check(gate_c, requested, verified, sizes) | {"cut": cut})
+                except Refused as why:
+                    raise Refused(f"{whole}; read per chunk of tokens: tokens {a}..{b - 1}: {why}") from None
+        except Refused:
+            for cut, end in replaced:
+                end.replace_all_uses_with(cut)
+            for node in reversed(made):
+                graph.erase_node(node)
+            raise
+        return plans
+
+    @staticmethod
+    def token_chunks(gate: fx.Node, sizes: Sizes) -> tuple[list[fx.Node], list, list[int]] | None:
+        """(views, cuts, dims): the gate [B, S, ...] (token dim 1) followed by a chain of views, each
+        the only user of the one before (reshape / view keeping the token dim whole, transpose,
+        permute), whose result is used only by token slices `x[:, :, a:b]` (any dim, constant
+        bounds, the other dims whole) or `x.narrow(dim, a, n)`; cuts: (slice node, (a, b)) in graph
+        order; dims: the token dim after each view. None for any other gate. Static sizes
+        (`sizes`: their numbers)."""
+        val = value(gate)
+        if val is None or val.dim() < 3:
+            return None
+        views, dims, node, dim = [], [], gate, 1
+        while len(node.users) == 1:
+            user = next(iter(node.users))
+            if arg(user, 0, "input") is not node or value(user) is None:
+                break
+            before, after, name = sizes.shape(value(node)), sizes.shape(value(user)), op_name(user)
+            if name in ("view", "reshape"):
+                lead = math.prod(before[:dim])
+                at = [i for i in range(len(after)) if math.prod(after[:i]) == lead and after[i] == before[dim]]
+                if not at:
+                    return None
+                dim = at[0]
+            elif name in ("transpose", "swapaxes") and len(user.args) == 3 and not user.kwargs:
+                pair = [d % len(before) for d in user.args[1:3]]
+                dim = pair[1] if dim == pair[0] else pair[0] if dim == pair[1] else dim
+            elif name == "permute" and len(user.args) >= 2 and not user.kwargs:
+                order = user.args[1] if isinstance(user.args[1], (list, tuple)) else user.args[1:]
+                dim = [d % len(before) for d in order].index(dim)
+            else:
+                break
+            views.append(user)
+            dims.append(dim)
+            node = user
+        cuts = []
+        numbers = sizes.size_nodes()
+        for user in node.users:
+            bounds = token_slice(user, node, dim, sizes.int(value(node).shape[dim]), numbers)
+            if bounds is None:
+                return None
+            cuts.append((user, bounds))
+        return (views, cuts, dims) if cuts else None
+
+    def chunk_gate(self, graph: fx.Graph, gate: fx.Node, z: fx.Node, views: list[fx.Node], dims: list[int],
+                   cut: fx.Node, a: int, b: int, made: list, sizes: Sizes) -> tuple[fx.Node, fx.Node]:
+        """(the gate of tokens a..b-1, the last of its views): z[:, a:b], normalized as `gate` is,
+        then `views` with b - a tokens, inserted before `cut` and appended to `made`; Refused
+        unless the views' result equals `cut` on a random z."""
+        zv = value(z)
+        if zv is None or zv.dim() != value(gate).dim():
+            raise Refused("the gate is not computed from logits of its own shape")
+        node = call(graph, operator.getitem, z, (slice(None), slice(a, b)), anchor=cut)
+        made.append(node)
+        if op_name(gate) == "softmax":
+            node = call(graph, torch.softmax, node, arg(gate, 1, "dim"), anchor=cut)
+        else:
+            node = call(graph, torch.sigmoid, node, anchor=cut)
+        made.append(node)
+        gate_c = node
+        for view, dim in zip(views, dims):
+            name = op_name(view)
+            if name in ("view", "reshape"):
+                shape = list(sizes.shape(value(view)))
+                shape[dim] = b - a
+                node = call(graph, torch.reshape, node, shape, anchor=cut)
+            elif name in ("transpose", "swapaxes"):
+                node = call(graph, torch.transpose, node, *view.args[1:3], anchor=cut)
+            else:
+                order = view.args[1] if isinstance(view.args[1], (list, tuple)) else view.args[1:]
+                node = call(graph, torch.permute, node, list(order), anchor=cut)
+            made.append(node)
+        gen = torch.Generator().manual_seed(0)
+        logits = torch.randn(sizes.shape(zv), generator=gen, dtype=torch.float64, device="cpu").to(zv.device)
+        numbers = sizes.size_nodes()
+        want = probe.run([gate, *views, cut], {**numbers, z: logits}, cut, "the gate's chunk")
+        got = probe.run(made[-len(views) - 2:], {**numbers, z: logits}, node, "the gate's chunk")
+        if want.shape != got.shape or not torch.equal(want, got):
+            raise Refused(f"the gate of tokens {a}..{b - 1} computed from z[:, {a}:{b}] differs from its slice "
+                          f"{cut.name}")
+        return gate_c, node
+
+    # --- anchor ---------------------------------------------------------------------------------
     # --- anchor ---------------------------------------------------------------------------------
 
     @staticmethod

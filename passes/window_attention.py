@@ -33,7 +33,7 @@ window w at each; a mask causal at every probe (w >= S there) is probed at doubl
 the window shows, and one still causal at CAUSAL_UP_TO is written as w = the longest probe with a
 guard S <= it (window_at_probe_sizes). Packed positions at symbolic sizes are refused.
 
-Becomes `torch.ops.nsa.window_attention(q, k, v, w, c, backend[, pos])[0]` on the un-repeated
+Becomes `torch.ops.nsa.window_attention(q, k, v, w, c, backend[, pos][, q_offset])[0]` on the un-repeated
 K/V: no [S, S] scores, no K/V copy (nsa_compile/ops/window.py). The backend is chosen here, from
 the fake tensors, and written into the graph: `triton` (this project's window kernels, packed
 documents too) on CUDA in fp16/bf16, else `flash` (FA-2 with a window; with pos its varlen form,
@@ -48,6 +48,17 @@ the region from q, K, V to the output is evaluated on float64 probes, w and the 
 from it and the result must equal the op's reference (see there). Its refusals follow the dense
 reason: `<dense reason>; read as bucketed local attention: <why>`.
 
+A chunk of queries (a model's Python loop over query chunks, unrolled by Dynamo; issue 17,
+tests/corpus/chunked_queries.py): scores [B, H, S, C] with C != S, q = q_full[:, :, a:b] and
+K, V = k_full[:, :, a':b'], v_full[:, :, a':b'] (either may be whole), the mask from positions only
+(canonicalize's sdpa rule writes SDPA out where its mask is a window shifted along the keys).
+The mask is evaluated for real (whole: a chunk is a few rows) and, widened back to all the keys
+K was cut from, must be exactly the window of its widest row at row tokens a + r: every key of
+every row's window is inside the slice, so the op reads the whole K/V with q_offset = a (the
+op's docstring says why no k_offset). A band off by one token, or a slice that starts after a
+key some row's window holds, is refused with the first differing element. Static sizes (a
+length Dynamo fixed by a guard included: sizes read as numbers), no packed documents.
+
 Refuses (graph unchanged), with the reason shown by `explain`:
 - a mask that depends on data, is not [S, S] over the last two dims, is non-causal, or is not a
   window (off by one, a band that does not reach the diagonal, ...), or S beyond what is verified;
@@ -56,6 +67,9 @@ Refuses (graph unchanged), with the reason shown by `explain`:
   for all heads), or one that differs from the packed window on a probe (a document term off by
   one, a row that ignores pos, ...; the reason names the probe and the first differing element),
   or B * S * S beyond MAX_VERIFIED_PACKED;
+- a chunk of queries whose mask is not the window at the slices' offsets, whose K and V are cut
+  differently, at symbolic sizes or with packed documents (`<dense reason>; read as a chunk of
+  queries: <why>`);
 - scores, probabilities or the masked tensor used anywhere else (the dense tensor is needed);
 - q, k, v not [B, heads, S, D], or K/V heads that do not divide the query heads.
 """
@@ -80,7 +94,7 @@ from nsa_compile.mask_rows import CHUNK_ELEMENTS, RowChunks, mask_nodes, real_de
 from nsa_compile.rewrite import PassContext, RewritePass
 from nsa_compile.sizes import Sizes, is_size
 
-from .compressed_attention import unbatched
+from .compressed_attention import first, query_rows, unbatched
 from .selected_attention import constant, output_after, product_after, same
 
 KERNEL = "nsa.window_attention[{backend}] (w={window}{docs}, GQA-native, no S x S tensor{why})"
@@ -177,6 +191,91 @@ def kept_rows(mask: fx.Node, keep_where_true: bool, S: int, sizes: Sizes | None 
     dropped set)."""
     chunk = mask_rows(mask, S, sizes=sizes)
     return chunk if keep_where_true else (lambda r0, r1: ~chunk(r0, r1))
+
+
+# --- a chunk of queries over a slice of the keys ------------------------------------------------
+
+
+# The most elements of a chunk's mask [S, C] that is evaluated (whole: a chunk is a few rows).
+MAX_VERIFIED_CHUNK = 2**28
+
+
+def chunk_mask(mask: fx.Node, keep_where_true: bool, S: int, C: int, sizes: Sizes) -> torch.Tensor:
+    """The kept entries [S, C] of a chunk's mask (static sizes; the size nodes the graph reads, e.g.
+    a slice's end min(s0 + chunk, S), as `sizes` gives them), computed for real, whole (its
+    subgraph from positions only: nsa_compile/mask_rows.mask_nodes); Refused where it reads data,
+    is not one [S, C] pattern for every batch row and head, or is over MAX_VERIFIED_CHUNK."""
+    if S * C > MAX_VERIFIED_CHUNK:
+        raise Refused(f"the mask has {S * C:,} elements, over the cap of {MAX_VERIFIED_CHUNK:,}: not verified at this "
+                      "size yet")
+    numbers = sizes.size_nodes()
+    got = region_probe.run(mask_nodes([mask], known=numbers), dict(numbers), mask, "the mask",
+                           device=str(real_device(value(mask))))
+    if got.dtype != torch.bool:
+        raise Refused(f"the mask is {got.dtype}, not bool")
+    if (got.dim() < 2 or any(d != 1 for d in got.shape[:-2]) or got.shape[-2] not in (1, S)
+            or got.shape[-1] not in (1, C)):
+        raise Refused(f"the mask is {list(got.shape)}, not one [S, C] = [{S}, {C}] pattern for all rows and heads")
+    keep = got.reshape(got.shape[-2:]).expand(S, C)
+    return keep if keep_where_true else ~keep
+
+
+def key_slice(x: fx.Node, shape) -> tuple[fx.Node, int]:
+    """(the tensor K or V was cut from, the token of its first key): `full[:, :, a:b]` (or
+    `full.narrow(2, a, n)`, a constant a) -> (full, a); any other x -> (x, 0). `shape`: a fake
+    tensor's sizes as numbers (Sizes.shape)."""
+    start, length = query_rows(x, shape)
+    return (x, 0) if length is None else (first(x), start)
+
+
+def _chunk_difference(keep: torch.Tensor, want: torch.Tensor, t: torch.Tensor, r0: int, k_offset: int, C: int,
+                      w: int) -> str:
+    """How the kept entries `keep` [c, L] of query rows r0.. (tokens t [c, 1]) over all L keys
+    (False outside the slice k_offset .. k_offset + C - 1) differ from the window `want`, in words:
+    the band shifted by a token either way (these rows are that window, one token off), else the
+    first differing element."""
+    s = torch.arange(keep.shape[1], device=keep.device)[None, :]
+    for shift, what in ((1, "t - w + 2 .. t + 1: the next token, not t - w + 1"),
+                        (-1, "t - w .. t - 1: not itself, but t - w")):
+        if torch.equal(keep, (s <= t + shift) & (t + shift - s < w) & (s >= k_offset) & (s < k_offset + C)):
+            return f"the band is shifted by one token: query t sees the keys {what} (w = {w})"
+    row, key = (int(i) for i in (keep != want).nonzero()[0])
+    token = int(t[row, 0])
+    at = f"query row {r0 + row} (token {token}) "
+    if bool(want[row, key]) and not k_offset <= key < k_offset + C:
+        end = f"starts at token {k_offset}, after" if key < k_offset else f"ends before token {k_offset + C}, at"
+        return (f"the key slice {end} key {key}, which {at}sees in a window of {w} (tokens {token - w + 1}..{token}): "
+                "the slice misses keys of the window")
+    if bool(want[row, key]):
+        return f"{at}does not see key {key} of its window of {w} (tokens {token - w + 1}..{token})"
+    if key > token:
+        return f"{at}sees the later key {key} (non-causal)"
+    return f"{at}sees key {key}, outside its window of {w} (tokens {token - w + 1}..{token})"
+
+
+def chunk_window_of(keep: torch.Tensor, q_offset: int, k_offset: int, L: int) -> int:
+    """The w of the mask of a chunk of queries over a slice of the keys, or Refused naming the first
+    differing element. `keep` [S, C]: the kept entries of query rows r (tokens q_offset + r) over
+    key columns j (tokens k_offset + j of the L tokens K/V were cut from). Widened back to all L
+    keys (nothing kept outside the slice), it must be exactly the window (s <= t) & (t - s < w), w
+    its widest row: so every key that any row's window holds lies inside the slice, and the op may
+    read the whole K/V. Checked CHUNK_ELEMENTS at a time (O(rows * L) memory)."""
+    S, C = keep.shape
+    w = int(keep.sum(-1).max()) if S else 0
+    if w == 0:
+        raise Refused("the mask hides every key from every query")
+    step = max(1, CHUNK_ELEMENTS // max(L, 1))
+    for r0 in range(0, S, step):
+        r1 = min(S, r0 + step)
+        widened = torch.zeros(r1 - r0, L, dtype=torch.bool, device=keep.device)
+        widened[:, k_offset:k_offset + C] = keep[r0:r1]
+        t = q_offset + torch.arange(r0, r1, device=keep.device)[:, None]
+        s = torch.arange(L, device=keep.device)[None, :]
+        want = (s <= t) & (t - s < w)
+        if not torch.equal(widened, want):
+            raise Refused(f"a chunk of queries from token {q_offset} over keys {k_offset}..{k_offset + C - 1}: the "
+                          f"mask is not a sliding window: {_chunk_difference(widened, want, t, r0, k_offset, C, w)}")
+    return w
 
 
 # Under symbolic sizes a mask that is causal at every probe size (w >= S) has not shown its
@@ -664,7 +763,8 @@ class WindowAttention(RewritePass):
                 continue
             self.rewrite(graph, softmax, plan)
             why = plan["why_not_faster"]
-            docs = "" if plan["pos"] is None else ", per document (pos)"
+            docs = ("" if plan["pos"] is None else ", per document (pos)") + (
+                f", query rows from token {plan['q_offset']} over the whole K/V" if plan["chunk"] else "")
             ctx.matched(softmax, KERNEL.format(window=plan["window"], docs=docs, backend=plan["backend"], why=why))
 
     def bucketed(self, graph: fx.Graph, softmax: fx.Node, ctx: PassContext, dense_reason: str, verified: dict) -> None:
@@ -689,17 +789,98 @@ class WindowAttention(RewritePass):
         dim = arg(softmax, 1, "dim")
         if probs is None or probs.dim() != 4 or dim is None or dim % 4 != 3:
             raise Refused(unbatched(probs, dim) or "not a softmax over the last dim of [B, H, S, S] scores")
-        masked = softmax.args[0]
+        cast, pv = self.product(softmax)
+        B, _, S, S2 = probs.shape
+        if not statically_known_true(S == S2):
+            return self.check_chunk(softmax, cast, pv, requested)
+        found = self.read(softmax, cast, pv)
+        mask, keep_where_true, (qv, kv, vv) = found["mask"], found["keep_where_true"], found["shapes"]
+        sizes = Sizes.of(softmax.graph)
+        pos = positions_of(mask, B, S)
+        if pos is None and sizes.symbolic:  # positions only, at symbolic sizes: on probe sizes
+            window = window_at_probe_sizes(mask, keep_where_true, S, sizes)
+        elif pos is None:  # positions only: evaluated once, every element (a proof for this S)
+            if S > MAX_VERIFIED_S:
+                raise Refused(f"S = {S} > {MAX_VERIFIED_S}: the mask is not verified at this length yet")
+            window = window_of(kept_rows(mask, keep_where_true, S), S)
+        else:  # packed documents: checked on probe positions
+            window = document_window_of(mask, pos, keep_where_true, B, S, {} if checked is None else checked)
+        try:  # from the fake tensors: device, dtype, head dims
+            backend = choose_backend(qv, kv, vv, requested, value(pos))
+        except ValueError as why:  # a backend named in the config that cannot run these tensors
+            raise Refused(f"OptimizeConfig(window_attention_backend={requested!r}): {why}") from None
+        return {**found, "window": window, "backend": backend, "pos": pos, "q_offset": 0, "chunk": False,
+                "why_not_faster": why_not_faster(requested, backend, qv, kv, vv, value(pos))}
+
+    def check_chunk(self, softmax: fx.Node, cast: fx.Node | None, pv: fx.Node, requested: str) -> dict:
+        """A softmax over [B, H, S, C] scores (C != S): a chunk of queries over a slice of the keys
+        (a model's loop over query chunks), or Refused with the dense reason. q = q_full[:, :, a:b]
+        gives q_offset = a (`query_rows`; else 0), K = k_full[:, :, a':b'] the key offset a' (else
+        0, K whole), V cut as K; the mask, from positions only, evaluated for real, must be the
+        window at those offsets with every key of every row's window inside the slice
+        (`chunk_window_of`). The op then reads the whole K/V it was cut from, with q_offset.
+        Static sizes only; not with packed documents."""
+        _, _, S, C = value(softmax).shape
+        dense = f"scores are {S} x {C}: queries and keys differ (not self-attention)"
+        try:
+            found = self.read(softmax, cast, pv)
+        except Refused:
+            raise Refused(dense) from None
+        # sizes as numbers: a graph Dynamo compiled again at a new length may hold sizes that its
+        # guards fixed (SymInts of no symbol, the slices' ends `min(s0 + chunk, S)` among them)
+        sizes = Sizes.of(softmax.graph)
+        q, k, v, mask = found["q"], found["k"], found["v"], found["mask"]
+        q_offset, rows_of = query_rows(q, sizes.shape)
+        (k_full, k_offset), (v_full, v_offset) = key_slice(k, sizes.shape), key_slice(v, sizes.shape)
+        if rows_of is None and k_full is k:  # neither cut from a longer sequence
+            raise Refused(dense)
+        why = f"{dense}; read as a chunk of queries"
+        if sizes.symbolic:
+            raise Refused(f"{why}: at symbolic sizes (dynamic shapes) chunks are not read")
+        kf, vf = value(k_full), value(v_full)
+        ks, vs = sizes.shape(kf), sizes.shape(vf)
+        if k_offset != v_offset or len(ks) != 4 or len(vs) != 4 or ks[:3] != vs[:3]:
+            raise Refused(f"{why}: K and V are cut differently (keys from token {k_offset} of {ks}, values from token "
+                          f"{v_offset} of {vs})")
+        S, C, L = sizes.int(S), sizes.int(C), ks[2]
+        if rows_of is not None and rows_of != L:
+            raise Refused(f"{why}: the queries are rows {q_offset}..{q_offset + S - 1} of {rows_of} tokens, the keys "
+                          f"{L} tokens")
+        if q_offset + S > L:
+            raise Refused(f"{why}: query rows up to token {q_offset + S - 1} past the keys' {L} tokens")
+        B = value(q).shape[0]
+        if positions_of(mask, B, S) is not None:
+            raise Refused(f"{why}: the mask reads positions (packed documents are matched over the whole sequence)")
+        try:
+            window = chunk_window_of(chunk_mask(mask, found["keep_where_true"], S, C, sizes), q_offset, k_offset, L)
+        except Refused as err:
+            raise Refused(f"{why}: {err}") from None
+        qv = found["shapes"][0]
+        try:
+            backend = choose_backend(qv, kf, vf, requested)
+        except ValueError as err:
+            raise Refused(f"OptimizeConfig(window_attention_backend={requested!r}): {err}") from None
+        return {**found, "k": k_full, "v": v_full, "window": window, "backend": backend, "pos": None,
+                "q_offset": q_offset, "chunk": True,
+                "why_not_faster": why_not_faster(requested, backend, qv, kf, vf, None)}
+
+    @staticmethod
+    def product(softmax: fx.Node) -> tuple[fx.Node | None, fx.Node]:
+        """(the cast of p, or None; p @ v) after the softmax, each the only user; else Refused."""
         nxt = single_user(softmax, "probability tensor")
         cast = None
         if op_name(nxt) in ("to", "type_as"):
             cast, nxt = nxt, single_user(nxt, "probability tensor")
         if op_name(nxt) not in MATMULS or nxt.args[0] is not (cast or softmax):
             raise Refused("the probabilities are not multiplied by V (p @ v)")
-        pv = nxt
-        B, H, S, S2 = probs.shape
-        if not statically_known_true(S == S2):
-            raise Refused(f"scores are {S} x {S2}: queries and keys differ (not self-attention)")
+        return cast, nxt
+
+    def read(self, softmax: fx.Node, cast: fx.Node | None, pv: fx.Node) -> dict:
+        """The dense window's region before its softmax (whose `product`: cast, pv): the masked,
+        scaled (and upcast) q @ K^T, K/V un-repeated; Refused where the chain has another form or
+        a tensor in it is used elsewhere."""
+        H = value(softmax).shape[1]
+        masked = softmax.args[0]
         scaled = masked.args[0] if op_name(masked) == "masked_fill" else arg(masked, 1, "input")
         mask, keep_where_true = keep_mask(masked, scaled)
         single_user(masked, "masked score tensor")
@@ -729,32 +910,18 @@ class WindowAttention(RewritePass):
         (qv, kv, vv) = shapes
         if h_k != h_v or kv.shape[1] != vv.shape[1] or qv.shape[1] != kv.shape[1] * h_k or qv.shape[1] != H:
             raise Refused(f"K/V heads {kv.shape[1]} (x{h_k}) and {vv.shape[1]} (x{h_v}) do not serve {H} query heads")
-        sizes = Sizes.of(softmax.graph)
-        pos = positions_of(mask, B, S)
-        if pos is None and sizes.symbolic:  # positions only, at symbolic sizes: on probe sizes
-            window = window_at_probe_sizes(mask, keep_where_true, S, sizes)
-        elif pos is None:  # positions only: evaluated once, every element (a proof for this S)
-            if S > MAX_VERIFIED_S:
-                raise Refused(f"S = {S} > {MAX_VERIFIED_S}: the mask is not verified at this length yet")
-            window = window_of(kept_rows(mask, keep_where_true, S), S)
-        else:  # packed documents: checked on probe positions
-            window = document_window_of(mask, pos, keep_where_true, B, S, {} if checked is None else checked)
-        try:  # from the fake tensors: device, dtype, head dims
-            backend = choose_backend(qv, kv, vv, requested, value(pos))
-        except ValueError as why:  # a backend named in the config that cannot run these tensors
-            raise Refused(f"OptimizeConfig(window_attention_backend={requested!r}): {why}") from None
-        return {"q": q, "k": k, "v": v, "window": window, "scale": scale, "pv": pv, "backend": backend, "pos": pos,
-                "why_not_faster": why_not_faster(requested, backend, qv, kv, vv, value(pos)),
-                "chain": [pv, cast, softmax, masked, scaled, raw, qk, kt], "mask": mask}
+        return {"q": q, "k": k, "v": v, "scale": scale, "pv": pv, "mask": mask, "keep_where_true": keep_where_true,
+                "shapes": shapes, "chain": [pv, cast, softmax, masked, scaled, raw, qk, kt]}
 
     def rewrite(self, graph: fx.Graph, softmax: fx.Node, plan: dict) -> None:
         pv = plan["pv"]
-        packed = () if plan["pos"] is None else (plan["pos"],)  # without pos, the call as it always was
+        # without pos and q_offset, the call as it always was
+        extra = (None, plan["q_offset"]) if plan["q_offset"] else () if plan["pos"] is None else (plan["pos"],)
         both = call(graph, torch.ops.nsa.window_attention, plan["q"], plan["k"], plan["v"], plan["window"],
-                    plan["scale"], plan["backend"], *packed, anchor=pv)
+                    plan["scale"], plan["backend"], *extra, anchor=pv)
         out = call(graph, operator.getitem, both, 0, anchor=pv)  # o; the log-sum-exp is for the backward
         pv.replace_all_uses_with(out)
-        # erase the dense chain, then whatever only it used (the K/V copies, the mask arithmetic)
+        # erase the dense chain, then whatever only it used (the K/V copies and slices, the mask arithmetic)
         erase_replaced(graph, plan["chain"], [plan["mask"]])
 
 PASS = WindowAttention()

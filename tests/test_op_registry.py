@@ -29,10 +29,10 @@ SCHEMAS = {
                                 'SymInt[] head_dims, str style, str backend="auto", bool full_tables=False, '
                                 "int[] plain=[]) -> Tensor",
     "window_attention": "nsa::window_attention(Tensor q, Tensor k, Tensor v, SymInt window, float scale, "
-                        'str backend="auto", Tensor? pos=None) -> (Tensor, Tensor)',
+                        'str backend="auto", Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor)',
     "window_attention_backward": "nsa::window_attention_backward(Tensor grad_o, Tensor q, Tensor k, Tensor v, "
                                  'Tensor o, Tensor lse, SymInt window, float scale, str backend="auto", '
-                                 "Tensor? pos=None) -> (Tensor, Tensor, Tensor)",
+                                 "Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor, Tensor)",
     "compressed_attention": "nsa::compressed_attention(Tensor q, Tensor k, Tensor v, SymInt block, SymInt stride, "
                             'float scale, str backend="auto", Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor)',
     "compressed_attention_backward": "nsa::compressed_attention_backward(Tensor grad_o, Tensor q, Tensor k, "

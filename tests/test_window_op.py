@@ -252,10 +252,10 @@ def test_public_surface():
         "selected_attention_backward", "window_attention", "window_attention_backward"])
     assert nsa_compile.ops.window_attention is window_attention
     schema = torch.ops.nsa.window_attention.default._schema
-    assert [a.name for a in schema.arguments] == ["q", "k", "v", "window", "scale", "backend", "pos"]
+    assert [a.name for a in schema.arguments] == ["q", "k", "v", "window", "scale", "backend", "pos", "q_offset"]
     assert len(schema.returns) == 2  # o and the log-sum-exp
     backward = torch.ops.nsa.window_attention_backward.default._schema
-    assert [a.name for a in backward.arguments][-2:] == ["backend", "pos"]
+    assert [a.name for a in backward.arguments][-3:] == ["backend", "pos", "q_offset"]
 
 
 # --- packed documents (pos) ---------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Sliding-window causal attention with GQA as a functional custom op (NSA section 4).
 
-    o, lse = torch.ops.nsa.window_attention(q, k, v, window, scale, backend, pos)
-    o = window_attention(q, k, v, window, scale, backend="auto", pos=None)      # the output only
+    o, lse = torch.ops.nsa.window_attention(q, k, v, window, scale, backend, pos, q_offset)
+    o = window_attention(q, k, v, window, scale, backend="auto", pos=None, q_offset=0)   # the output only
 
 q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv] with H = G * h: query head j reads KV head
 j // h (GQA-native: K and V are never repeated). Query t attends to keys s with s <= t and
@@ -18,23 +18,39 @@ each token's position in its own document (0 at a document start), the tensor th
 takes. Query t then also needs s >= t - pos[t]: it sees only keys of its own document (the eager
 `window_attention(..., pos)` of models/nsa.py, whose mask is [B, 1, S, S]).
 
+A chunk of queries (`q_offset`, an int, default 0; issue 17): query row r of q is token
+q_offset + r, and k, v hold the sequence's first Sk >= q_offset + S tokens (key s is token s):
+row r attends to the keys s <= q_offset + r with q_offset + r - s < window. A model that loops
+over query chunks, each chunk attending to a slice of K/V that starts at or before its first
+row's first key, becomes one call per chunk on the whole K/V with the chunk's first token as
+q_offset. Why the whole K/V and not a second `k_offset` for a key slice: the op's default call
+(q_offset 0, Sk = S) is exactly the one before; the pass proves the slice reaches back at least
+as far as the window (passes/window_attention.py widens it to the tensor it was cut from); the
+key index stays the key's token in every backend, so the offset is one int added to a row's
+token where it is compared with a key's; and dk, dv have K/V's shape, as the slice's gradient
+has after autograd scatters it back. Keys past the last row's token are never read (dk, dv are 0
+there). Not with pos (ValueError): packed documents are matched over the whole sequence only,
+where S = Sk.
+
 Backward is a second op, `nsa::window_attention_backward(grad_o, q, k, v, o, lse, window,
-scale, backend, pos) -> (dq, dk, dv)`, with dk and dv summed over each group's h query heads;
-pos gets no gradient.
+scale, backend, pos, q_offset) -> (dq, dk, dv)`, with dk and dv summed over each group's h query
+heads; pos gets no gradient.
 
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
 - `triton` (auto takes it on CUDA in fp16/bf16, with or without pos): this project's kernels
   (nsa_compile/ops/window_triton.py), GQA-native, any head dims <= 256, the flash backend's
   numerics (fp32 scores, fp32 softmax), and no atomics (its backward is bitwise repeatable).
   Measured faster than FA-2 with a window on an H100 at the seed and the paper shapes
-  (BENCHMARKS.md, "Window branch"). Packed documents: each kernel reads pos on the device and
+  (BENCHMARKS.md, "Window branch"). A chunk of queries: the kernels take Sk and q_offset as
+  int arguments (see window_triton.py). Packed documents: each kernel reads pos on the device and
   masks s >= t - pos[t] per query (no host sync, capturable in a CUDA graph, one compiled
   kernel for every packing), so with pos auto takes it before flash, whose varlen form reads
   the documents back to the host on every call. Where pos is not a position it applies the same
   mask: pos[t] > t keeps every key of the window, and a row left with no key (pos[t] < 0) gets
   o 0, lse -inf and zero gradients (where the eager formula and reference give NaN).
 - `flash`: FlashAttention-2 with a window (left w - 1, right 0), GQA-native, through PyTorch's
-  own kernels (nsa_compile/ops/flash.py): CUDA, fp16/bf16, Dk == Dv <= 256. Scores are
+  own kernels (nsa_compile/ops/flash.py): CUDA, fp16/bf16, Dk == Dv <= 256, the whole sequence
+  only (S = Sk: FA-2 aligns fewer queries to the keys' end, not to q_offset). Scores are
   accumulated in fp32 (eager rounds q @ k^T to fp16/bf16 first): closer to the exact result.
   With pos it runs FA-2's varlen form with one sequence per document (`flash.document_seqlens`:
   cut at every row start and every pos == 0). FA-2 needs the number of documents and the
@@ -43,8 +59,9 @@ Backends (`backend="auto"` takes the first that can run; naming one that cannot 
   pos counts up by one within each document (ValueError otherwise), the condition under which
   its sequences are exactly the eager mask term.
 - `reference` (every device and dtype): PyTorch, chunked over query rows, the eager arithmetic
-  step for step. A chunk of C queries [t0, t1) reads only the keys [t0 - window + 1, t1), so
-  memory is O(B * H * C * (C + window)) and no [S, S] tensor is built (with pos, the document
+  step for step. A chunk of C queries at tokens [t0, t1) (q_offset + its rows) reads only the
+  keys [t0 - window + 1, t1), so memory is O(B * H * C * (C + window)) and no [S, S] tensor is
+  built (with pos, the document
   mask is made per chunk too: [B, C, C + window - 1]). The group's h heads are folded into the
   rows of one matmul per (batch, group), so K and V are read once per group. The backward
   recomputes each chunk's probabilities and applies the formulas autograd applies to the eager
@@ -58,8 +75,8 @@ import torch
 
 from . import flash, window_triton
 from .common import (
-    bshd_empty, check_grad_o, check_positive_int, check_qkv, empty_attention_grads, empty_attention_outputs,
-    upcast_dtype, why_not_triton_on,
+    bshd_empty, check_gqa, check_grad_o, check_offset, check_positive_int, check_qkv, empty_attention_grads,
+    empty_attention_outputs, upcast_dtype, why_not_triton_on,
 )
 from .registry import Backend, Op, declare
 
@@ -70,11 +87,19 @@ REFERENCE_CHUNK = 128
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, backend: str,
-           pos: torch.Tensor | None = None) -> str:
+           pos: torch.Tensor | None = None, q_offset: int = 0) -> str:
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
-    dtypes, window, positions and backend are valid."""
-    check_qkv("window_attention", q, k, v, **({} if pos is None else {"pos": pos}))
-    check_positive_int("window_attention", "window", window, " (the query itself)")
+    dtypes, window, positions, offset and backend are valid."""
+    op = "window_attention"
+    check_offset(op, q_offset, pos)
+    if pos is not None or (q_offset == 0 and k.shape[2] == q.shape[2]):
+        check_qkv(op, q, k, v, **({} if pos is None else {"pos": pos}))
+    else:  # a chunk of queries: K/V of the sequence up to (at least) the chunk's last row
+        check_gqa(op, q, k, v)
+        if k.shape[2] != v.shape[2] or k.shape[2] < q_offset + q.shape[2]:
+            raise ValueError(f"{op}: a chunk of queries needs k and v of Sk >= q_offset + S = "
+                             f"{q_offset + q.shape[2]} tokens, got {k.shape[2]} and {v.shape[2]}")
+    check_positive_int(op, "window", window, " (the query itself)")
     B, S = q.shape[0], q.shape[2]
     if pos is not None and (pos.dtype != torch.int64 or tuple(pos.shape) != (B, S)):
         raise ValueError(f"window_attention: pos must be an int64 tensor of shape [B, S] = [{B}, {S}] "
@@ -93,18 +118,21 @@ def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: s
 def why_not_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None) -> str | None:
     """Why 'auto' does not take the triton backend (None: it does): off CUDA, what the kernels
     cannot run, or fp32 (where auto keeps the eager arithmetic: reference). Packed documents
-    (pos) change nothing: the kernels take them with no host sync, where flash needs one."""
+    (pos) change nothing: the kernels take them with no host sync, where flash needs one; nor
+    does a chunk of queries (the kernels take any q_offset)."""
     why = why_not_triton_on(q.device, lambda: window_triton.unsupported_reason(q, k, v, pos))
     if why is None and q.dtype not in (torch.float16, torch.bfloat16):
         why = f"auto takes the Triton window kernels in fp16/bf16 only ({str(q.dtype).removeprefix('torch.')}: reference)"
     return why
 
 
-def _chunk_bounds(S: int, window: int, chunk: int):
-    """(t0, t1, s0) per chunk: queries [t0, t1) read keys [s0, t1)."""
-    for t0 in range(0, S, chunk):
-        t1 = min(S, t0 + chunk)
-        yield t0, t1, max(0, t0 - window + 1)
+def _chunk_bounds(S: int, window: int, chunk: int, q_offset: int = 0):
+    """(r0, r1, t0, t1, s0) per chunk: query rows [r0, r1), at tokens [t0, t1) = q_offset + the
+    rows, read keys [s0, t1)."""
+    for r0 in range(0, S, chunk):
+        r1 = min(S, r0 + chunk)
+        t0 = q_offset + r0
+        yield r0, r1, t0, q_offset + r1, max(0, t0 - window + 1)
 
 
 def _chunk_probs(qc, kc, t0, t1, s0, window, scale, pos=None):
@@ -134,21 +162,22 @@ def _rows(x: torch.Tensor, G: int, t0: int, t1: int) -> torch.Tensor:
     return x.unflatten(1, (G, H // G))[:, :, :, t0:t1].reshape(B, G, (H // G) * (t1 - t0), D)
 
 
-def _reference_forward(q, k, v, window: int, scale: float, chunk: int | None = None, pos=None):
+def _reference_forward(q, k, v, window: int, scale: float, chunk: int | None = None, pos=None, q_offset: int = 0):
     """o [B, H, S, Dv] (in [B, S, H, Dv] memory) and lse [B, H, S] in float32."""
     B, H, S, _ = q.shape
     G, Dv = k.shape[1], v.shape[3]
     chunk = chunk or REFERENCE_CHUNK
     out, lse = empty_attention_outputs(q, v)
-    for t0, t1, s0 in _chunk_bounds(S, window, chunk):
-        p, _, row_lse = _chunk_probs(_rows(q, G, t0, t1), k[:, :, s0:t1], t0, t1, s0, window, scale, pos)
+    for r0, r1, t0, t1, s0 in _chunk_bounds(S, window, chunk, q_offset):
+        p, _, row_lse = _chunk_probs(_rows(q, G, r0, r1), k[:, :, s0:t1], t0, t1, s0, window, scale, pos)
         o = p.to(v.dtype) @ v[:, :, s0:t1]  # [B, G, h*c, Dv]
-        out[:, :, t0:t1] = o.view(B, H, t1 - t0, Dv)
-        lse[:, :, t0:t1] = row_lse.view(B, H, t1 - t0)
+        out[:, :, r0:r1] = o.view(B, H, r1 - r0, Dv)
+        lse[:, :, r0:r1] = row_lse.view(B, H, r1 - r0)
     return out, lse
 
 
-def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int | None = None, pos=None):
+def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int | None = None, pos=None,
+                        q_offset: int = 0):
     """dq, dk, dv by recomputing each chunk and applying autograd's formulas for the eager graph.
 
     Autograd itself cannot run here: a custom op's kernel runs with the autograd dispatch keys
@@ -162,20 +191,21 @@ def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int |
         a = q @ k^T         ->  dq = da @ k,  dk = da^T @ q              (q's dtype)
     dk and dv of one chunk are already summed over the group's heads (the h*c rows contract in
     one matmul); across chunks they accumulate in the upcast dtype and are cast once at the end.
+    With q_offset, dk and dv have K/V's Sk tokens: 0 at keys no row reads.
     """
     B, H, S, Dk = q.shape
-    G, Dv = k.shape[1], v.shape[3]
+    G, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     h = H // G
     chunk = chunk or REFERENCE_CHUNK
     up = upcast_dtype(q.dtype)
     dq = bshd_empty(B, H, S, Dk, q)
     # accumulators in the upcast dtype, laid out like the outputs: the final cast keeps the layout
-    dk = bshd_empty(B, G, S, Dk, k, upcast_dtype(k.dtype)).zero_()
-    dv = bshd_empty(B, G, S, Dv, v, upcast_dtype(v.dtype)).zero_()
-    for t0, t1, s0 in _chunk_bounds(S, window, chunk):
+    dk = bshd_empty(B, G, Sk, Dk, k, upcast_dtype(k.dtype)).zero_()
+    dv = bshd_empty(B, G, Sk, Dv, v, upcast_dtype(v.dtype)).zero_()
+    for r0, r1, t0, t1, s0 in _chunk_bounds(S, window, chunk, q_offset):
         c, L = t1 - t0, t1 - s0
-        qc, kc, vc = _rows(q, G, t0, t1), k[:, :, s0:t1], v[:, :, s0:t1]
-        g = _rows(grad_o, G, t0, t1).to(v.dtype)  # [B, G, h*c, Dv]
+        qc, kc, vc = _rows(q, G, r0, r1), k[:, :, s0:t1], v[:, :, s0:t1]
+        g = _rows(grad_o, G, r0, r1).to(v.dtype)  # [B, G, h*c, Dv]
         p, in_window, _ = _chunk_probs(qc, kc, t0, t1, s0, window, scale, pos)  # [B, G, h*c, L]
         pv = p.to(v.dtype)
         dv[:, :, s0:t1] += pv.transpose(-1, -2) @ g  # [B, G, L, Dv]
@@ -183,7 +213,7 @@ def _reference_backward(grad_o, q, k, v, window: int, scale: float, chunk: int |
         d_sm = torch._softmax_backward_data(dp, p, -1, up)
         d_sm = d_sm.view(B, G, h, c, L).masked_fill(~in_window, 0).view(B, G, h * c, L)
         da = (d_sm * scale).to(q.dtype)
-        dq[:, :, t0:t1] = (da @ kc).view(B, H, c, Dk)
+        dq[:, :, r0:r1] = (da @ kc).view(B, H, c, Dk)
         dk[:, :, s0:t1] += da.transpose(-1, -2) @ qc  # [B, G, L, Dk]
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
@@ -199,48 +229,61 @@ def _documents(pos: torch.Tensor | None) -> dict:
     return {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
 
 
-def _check_backward(grad_o, q, k, v, o, lse, window, scale, backend="auto", pos=None) -> str:
-    chosen = _check(q, k, v, window, scale, backend, pos)
+def _check_backward(grad_o, q, k, v, o, lse, window, scale, backend="auto", pos=None, q_offset=0) -> str:
+    chosen = _check(q, k, v, window, scale, backend, pos, q_offset)
     check_grad_o("window_attention_backward", grad_o, q, v)
     return chosen
 
 
 def _gradients(saved, grad_o, _grad_lse) -> dict:
     s = saved
-    # without pos, the call (and so the backward graph) stays as it was before pos existed
-    packed = () if s.pos is None else (s.pos,)
+    # without pos and q_offset, the call (and so the backward graph) stays as it was before they existed
+    packed = (s.pos, s.q_offset) if s.q_offset else () if s.pos is None else (s.pos,)
     dq, dk, dv = torch.ops.nsa.window_attention_backward(grad_o, s.q, s.k, s.v, s.o, s.lse, s.window, s.scale,
                                                          s.backend, *packed)
     return {"q": dq, "k": dk, "v": dv}
 
 
+def flash_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None) -> str | None:
+    """Why the flash backend cannot run these inputs (None: it can). Packed documents never rule it
+    out (it takes them as its varlen sequences); a chunk of queries does, and shows in the shapes:
+    the op checks Sk >= q_offset + S, so any q_offset > 0 has Sk > S, and a chunk at 0 of a longer
+    K/V has too. FA-2 would align such queries to the keys' end, not to q_offset."""
+    if k.shape[2] != q.shape[2]:
+        return (f"a chunk of queries ({q.shape[2]} queries, {k.shape[2]} keys): FA-2 aligns the queries to the "
+                "keys' end, not to q_offset")
+    return flash.unsupported_reason(q, k, v)
+
+
 WINDOW = declare(Op(
     name="window_attention",
-    schema='(Tensor q, Tensor k, Tensor v, SymInt window, float scale, str backend="auto", Tensor? pos=None) '
-           "-> (Tensor, Tensor)",
+    schema='(Tensor q, Tensor k, Tensor v, SymInt window, float scale, str backend="auto", Tensor? pos=None, '
+           "int q_offset=0) -> (Tensor, Tensor)",
     config_field="window_attention_backend",
+    # q_offset is not among them: a chunk shows in the shapes (Sk != S), which is all flash needs
     choice_args=("q", "k", "v", "pos"),
     backends=(
         Backend("triton", cannot_run=window_triton.unsupported_reason, auto_reason=why_not_triton,
-                forward=lambda q, k, v, window, scale, pos: window_triton.window_forward(q, k, v, window, scale, pos),
-                backward=lambda grad_o, q, k, v, o, lse, window, scale, pos: window_triton.window_backward(
-                    grad_o, q, k, v, o, lse, window, scale, pos)),
-        # packed documents never rule flash out: it takes them as its varlen sequences
-        Backend("flash", cannot_run=lambda q, k, v, pos: flash.unsupported_reason(q, k, v),
-                forward=lambda q, k, v, window, scale, pos: flash.flash_forward(
+                forward=lambda q, k, v, window, scale, pos, q_offset: window_triton.window_forward(
+                    q, k, v, window, scale, pos, q_offset),
+                backward=lambda grad_o, q, k, v, o, lse, window, scale, pos, q_offset: window_triton.window_backward(
+                    grad_o, q, k, v, o, lse, window, scale, pos, q_offset)),
+        Backend("flash", cannot_run=flash_reason,
+                forward=lambda q, k, v, window, scale, pos, q_offset: flash.flash_forward(
                     q, k, v, scale, window, **_documents(pos)),
-                backward=lambda grad_o, q, k, v, o, lse, window, scale, pos: flash.flash_backward(
+                backward=lambda grad_o, q, k, v, o, lse, window, scale, pos, q_offset: flash.flash_backward(
                     grad_o, q, k, v, o, lse, scale, window, **_documents(pos)),
                 nondeterministic="FA-2's backward accumulates dQ with atomic adds (not bitwise repeatable)"),
         Backend("reference",
-                forward=lambda q, k, v, window, scale, pos: _reference_forward(q, k, v, window, scale, pos=pos),
-                backward=lambda grad_o, q, k, v, o, lse, window, scale, pos: _reference_backward(
-                    grad_o, q, k, v, window, scale, pos=pos)),
+                forward=lambda q, k, v, window, scale, pos, q_offset: _reference_forward(
+                    q, k, v, window, scale, pos=pos, q_offset=q_offset),
+                backward=lambda grad_o, q, k, v, o, lse, window, scale, pos, q_offset: _reference_backward(
+                    grad_o, q, k, v, window, scale, pos=pos, q_offset=q_offset)),
     ),
     check=_check,
     fake=lambda q, k, v, *_: empty_attention_outputs(q, v),
     backward_schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, SymInt window, float scale, "
-                    'str backend="auto", Tensor? pos=None) -> (Tensor, Tensor, Tensor)',
+                    'str backend="auto", Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor, Tensor)',
     check_backward=_check_backward,
     backward_fake=lambda grad_o, q, k, v, *_: empty_attention_grads(q, k, v),
     outputs=("o", "lse"),
@@ -252,9 +295,11 @@ window_attention_backward = WINDOW.backward_op
 
 def window_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, backend: str = "auto",
-    pos: torch.Tensor | None = None,
+    pos: torch.Tensor | None = None, q_offset: int = 0,
 ) -> torch.Tensor:
     """The output o of `torch.ops.nsa.window_attention` (see the module docstring)."""
+    if q_offset:
+        return torch.ops.nsa.window_attention(q, k, v, window, scale, backend, pos, q_offset)[0]
     if pos is None:
         return torch.ops.nsa.window_attention(q, k, v, window, scale, backend)[0]
     return torch.ops.nsa.window_attention(q, k, v, window, scale, backend, pos)[0]

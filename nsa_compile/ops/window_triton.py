@@ -1,8 +1,8 @@
 """Triton kernels for sliding-window causal GQA attention: the `triton` backend of
 `nsa::window_attention` (nsa_compile/ops/window.py), forward and backward.
 
-    o, lse = window_forward(q, k, v, window, scale, pos=None)
-    dq, dk, dv = window_backward(grad_o, q, k, v, o, lse, window, scale, pos=None)
+    o, lse = window_forward(q, k, v, window, scale, pos=None, q_offset=0)
+    dq, dk, dv = window_backward(grad_o, q, k, v, o, lse, window, scale, pos=None, q_offset=0)
     why = unsupported_reason(q, k, v, pos)        # None when the kernels can run
 
 Semantics of the op: q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv], H = G * h; query t of
@@ -12,6 +12,17 @@ keys of its own document (t - pos[t] is its document's first token). o [B, H, S,
 dtype, lse [B, H, S] float32 (natural log). q, k, v and grad_o may be any strided views (the
 model passes [B, S, heads, D] memory transposed); o, dq, dk, dv come back as [B, heads, S, D]
 views of [B, S, heads, D] memory, the op's layout.
+
+A chunk of queries (the op's q_offset; not with pos): q holds S rows, k and v SK >= q_offset + S
+tokens, and row r is token q_offset + r. The kernels take SK and Q_OFF as int arguments (one
+compiled kernel for every chunk): key bounds are K/V's (SK), Q_OFF is added to a row's index where
+it becomes the token compared with a key's (t = Q_OFF + r), and every load and store of a row
+(q, o, lse, delta, dO, dq) stays at r. Both are read under the CHUNK constexpr (SK != S or
+q_offset != 0), as pos under HAS_POS: the whole sequence (CHUNK False) compiles to the machine
+code it had before chunks existed (tools/kernel_resources.py, Triton 3.9, sm_90: the same
+registers and SASS at the seed and paper shapes). The chunk kernels, for the record (bf16, no
+spills): forward / dk,dv / dq 228 / 204 / 108 registers at the seed shape (whole sequence: 236 /
+198 / 122) and 172 / 244 / 167 at the paper's (175 / 254 / 225).
 
 Packed documents without a host sync: pos is read only by the kernels (never on the host, no
 data-dependent shape), as an optional POS pointer with the HAS_POS constexpr. Without pos,
@@ -32,16 +43,17 @@ fp32 inputs use IEEE dots (no TF32). No atomics: every kernel is deterministic.
 Kernels (tile sizes from `_tiles`):
 - forward, grid (ceil(S / BLOCK_M), B * H): BLOCK_M consecutive queries of one head walk the key
   tiles from the first key any of them sees (t0 - window + 1, rounded down to BLOCK_N) to the
-  last query, about (window + BLOCK_M) / BLOCK_N tiles whatever S; an online softmax in fp32.
+  last query's token, about (window + BLOCK_M) / BLOCK_N tiles whatever S; an online softmax in fp32.
   The running max starts at a finite floor (-1e30), so a tile masked for a row leaves its state
   unchanged instead of making NaN; a row that sees no key at all (only with pos[t] < 0) gets
   o 0 and lse -inf, and zero gradients in the backward.
 - delta (attention_tiles.delta_kernel), the same grid: rowsum(dO * O) in fp32 per row, for both
   backward kernels (no [B, H, S, Dv] fp32 temporary).
-- dk/dv, grid (ceil(S / BLOCK_N), B * G): BLOCK_N keys of one KV head walk, for each of the
+- dk/dv, grid (ceil(SK / BLOCK_N), B * G): BLOCK_N keys of one KV head walk, for each of the
   group's h query heads in turn, the query tiles that see them (from the keys' own first token to
-  window - 1 tokens past their last), accumulating dk and dv in fp32 in registers: the sum over
-  the group's heads happens in the program, in a fixed order (no atomics, no partials).
+  window - 1 tokens past their last; none for keys no row of a chunk reads: dk, dv 0),
+  accumulating dk and dv in fp32 in registers: the sum over the group's heads happens in the
+  program, in a fixed order (no atomics, no partials).
 - dq, grid as the forward: recomputes p from the saved lse over the forward's key tiles and
   accumulates dq = scale * ds @ k in fp32.
 
@@ -119,24 +131,37 @@ def _tiles(Dk: int, Dv: int, fp32: bool, override: dict | None = None) -> dict:
 
 @jit
 def _query_tile(S, G, HPG: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The forward's and dq's program: BLOCK_M consecutive queries t [BLOCK_M] (row_ok: t < S) of
-    one head; also its tile index, batch b and head (int64), and KV head g."""
+    """The forward's and dq's program: BLOCK_M consecutive query rows r [BLOCK_M] (row_ok: r < S)
+    of one head; also its tile index, batch b and head (int64), and KV head g."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // (G * HPG)).to(tl.int64)
     head = (bh % (G * HPG)).to(tl.int64)
     g = head // HPG
-    t = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = t < S
-    return tile, b, head, g, t, row_ok
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < S
+    return tile, b, head, g, r, row_ok
 
 
 @jit
-def _key_range(tile, S, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tokens(r, S, SK, Q_OFF, CHUNK: tl.constexpr):
+    """The tokens t of query rows r and the number of keys: Q_OFF + r and SK for a chunk of
+    queries, r and S for the whole sequence (CHUNK False: no offset in the code)."""
+    if CHUNK:
+        return Q_OFF + r, SK
+    return r, S
+
+
+@jit
+def _key_range(tile, keys, Q_OFF, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     """The keys [lo, hi) that query tile `tile` walks in tiles of BLOCK_N: from the first key any
-    of its queries sees (t0 - W + 1, rounded down to BLOCK_N) to its last query."""
-    lo = tl.maximum(tile * BLOCK_M - W + 1, 0) // BLOCK_N * BLOCK_N
-    hi = tl.minimum(tile * BLOCK_M + BLOCK_M, S)
+    of its queries sees (t0 - W + 1 for its first token t0, rounded down to BLOCK_N) to its last
+    query's token (at most `keys`)."""
+    t0 = tile * BLOCK_M
+    if CHUNK:
+        t0 += Q_OFF
+    lo = tl.maximum(t0 - W + 1, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(t0 + BLOCK_M, keys)
     return lo, hi
 
 
@@ -154,25 +179,26 @@ def _document_keys(POS, b, t64, row_ok, S, lo, BLOCK_N: tl.constexpr):
 def fwd_kernel(
     Q, K, V, O, LSE, POS,  # POS: [B, S] int64 positions in the documents (None without HAS_POS)
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sob, soh, sos, sod,
-    S, G, W, qk_scale,  # qk_scale = scale * log2(e)
+    S, SK, Q_OFF, G, W, qk_scale,  # S query rows, SK keys, row r at token Q_OFF + r; qk_scale = scale * log2(e)
     HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    HAS_POS: tl.constexpr,
+    HAS_POS: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    tile, b, head, g, t, row_ok = _query_tile(S, G, HPG, BLOCK_M)
+    tile, b, head, g, r, row_ok = _query_tile(S, G, HPG, BLOCK_M)
     dk, dv, dk_ok, dv_ok = dim_ranges(DK, DV, DK_P, DV_P)
-    t64 = t.to(tl.int64)
-    q = load_tile(Q + b * sqb + head * sqh, t64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)  # [BLOCK_M, DK_P]
+    r64 = r.to(tl.int64)
+    t, keys = _tokens(r, S, SK, Q_OFF, CHUNK)  # the rows' tokens, the keys' count
+    q = load_tile(Q + b * sqb + head * sqh, r64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)  # [BLOCK_M, DK_P]
     k_base = K + b * skb + g * skg
     v_base = V + b * svb + g * svg
     cols = tl.arange(0, BLOCK_N)
     m_i, l_i, acc = softmax_state(BLOCK_M, DV_P)
-    lo, hi = _key_range(tile, S, W, BLOCK_M, BLOCK_N)
-    if HAS_POS:
-        doc, lo = _document_keys(POS, b, t64, row_ok, S, lo, BLOCK_N)
+    lo, hi = _key_range(tile, keys, Q_OFF, W, BLOCK_M, BLOCK_N, CHUNK)
+    if HAS_POS:  # not with CHUNK: rows are tokens
+        doc, lo = _document_keys(POS, b, r64, row_ok, S, lo, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         s = start + cols
-        col_ok = s < S
+        col_ok = s < keys
         s64 = s.to(tl.int64)
         k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
         v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
@@ -187,8 +213,8 @@ def fwd_kernel(
     # every query sees itself (with valid positions): only rows past S are empty; a row that
     # sees no key (pos[t] < 0) gets o 0 and lse -inf
     o, lse = softmax_finish(acc, m_i, l_i)
-    store_tile(O + b * sob + head * soh, t64, dv, sos, sod, o, row_ok, dv_ok)
-    tl.store(LSE + (b * G * HPG + head) * S + t64, lse, mask=row_ok)
+    store_tile(O + b * sob + head * soh, r64, dv, sos, sod, o, row_ok, dv_ok)
+    tl.store(LSE + (b * G * HPG + head) * S + r64, lse, mask=row_ok)
 
 
 @jit
@@ -196,17 +222,18 @@ def dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, POS,
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sdob, sdoh, sdos, sdod,
     sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
-    S, G, W, scale, qk_scale,
+    S, SK, Q_OFF, G, W, scale, qk_scale,
     HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    HAS_POS: tl.constexpr,
+    HAS_POS: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     ktile = tl.program_id(0)
     bg = tl.program_id(1)
     b = (bg // G).to(tl.int64)
     g = (bg % G).to(tl.int64)
     s = ktile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = s < S
+    _, keys = _tokens(s, S, SK, Q_OFF, CHUNK)
+    col_ok = s < keys
     s64 = s.to(tl.int64)
     dk = tl.arange(0, DK_P)
     dv = tl.arange(0, DV_P)
@@ -219,24 +246,30 @@ def dkdv_kernel(
         v = v.to(tl.float32)
     acc_k = tl.full([BLOCK_N, DK_P], 0.0, tl.float32)
     acc_v = tl.full([BLOCK_N, DV_P], 0.0, tl.float32)
-    # the queries that see these keys: t >= the first key, t - s < W for the last key
-    q_lo = ktile * BLOCK_N // BLOCK_M * BLOCK_M
-    q_hi = tl.minimum(ktile * BLOCK_N + BLOCK_N - 1 + W, S)
+    # the queries that see these keys: t >= the first key, t - s < W for the last key; with CHUNK
+    # as rows r = t - Q_OFF in [0, S) (none, n_tiles <= 0, for keys no row of the chunk reads)
+    if CHUNK:
+        q_lo = tl.maximum(ktile * BLOCK_N - Q_OFF, 0) // BLOCK_M * BLOCK_M
+        q_hi = tl.minimum(ktile * BLOCK_N + BLOCK_N - 1 + W - Q_OFF, S)
+    else:
+        q_lo = ktile * BLOCK_N // BLOCK_M * BLOCK_M
+        q_hi = tl.minimum(ktile * BLOCK_N + BLOCK_N - 1 + W, S)
     n_tiles = (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M
     rows = tl.arange(0, BLOCK_M)
     for it in range(0, HPG * n_tiles):  # the group's heads in turn, each over its query tiles
         j = it // n_tiles
         head = g * HPG + j
-        t = q_lo + (it - j * n_tiles) * BLOCK_M + rows
-        row_ok = t < S
-        t64 = t.to(tl.int64)
-        q = load_tile(Q + b * sqb + head * sqh, t64, dk, sqs, sqd, row_ok, dk < DK_, UPCAST)  # [BLOCK_M, DK_P]
-        do = load_tile(DO + b * sdob + head * sdoh, t64, dv, sdos, sdod, row_ok, dv < DV_, UPCAST)  # [BLOCK_M, DV_P]
-        lse2, delta = row_stats(LSE, DELTA, (b * G * HPG + head) * S + t64, row_ok)
+        r = q_lo + (it - j * n_tiles) * BLOCK_M + rows
+        row_ok = r < S
+        r64 = r.to(tl.int64)
+        t = _tokens(r, S, SK, Q_OFF, CHUNK)[0]  # the rows' tokens
+        q = load_tile(Q + b * sqb + head * sqh, r64, dk, sqs, sqd, row_ok, dk < DK_, UPCAST)  # [BLOCK_M, DK_P]
+        do = load_tile(DO + b * sdob + head * sdoh, r64, dv, sdos, sdod, row_ok, dv < DV_, UPCAST)  # [BLOCK_M, DV_P]
+        lse2, delta = row_stats(LSE, DELTA, (b * G * HPG + head) * S + r64, row_ok)
         qk_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
         valid = row_ok[None, :] & col_ok[:, None] & (s[:, None] <= t[None, :]) & (t[None, :] - s[:, None] < W)
-        if HAS_POS:  # each query's own document: keys from its start on
-            valid = valid & (s[:, None] >= document_start(POS, b, t64, row_ok, S)[None, :])
+        if HAS_POS:  # each query's own document: keys from its start on (rows are tokens)
+            valid = valid & (s[:, None] >= document_start(POS, b, r64, row_ok, S)[None, :])
         p_t = tl.where(valid, tl.exp2(qk_t - lse2[None, :]), 0.0)
         pv = p_t.to(DO.dtype.element_ty)
         if UPCAST:
@@ -259,27 +292,28 @@ def dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, POS,
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sdob, sdoh, sdos, sdod,
     sdqb, sdqh, sdqs, sdqd,
-    S, G, W, scale, qk_scale,
+    S, SK, Q_OFF, G, W, scale, qk_scale,
     HPG: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    HAS_POS: tl.constexpr,
+    HAS_POS: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    tile, b, head, g, t, row_ok = _query_tile(S, G, HPG, BLOCK_M)
-    t64 = t.to(tl.int64)
+    tile, b, head, g, r, row_ok = _query_tile(S, G, HPG, BLOCK_M)
+    r64 = r.to(tl.int64)
+    t, keys = _tokens(r, S, SK, Q_OFF, CHUNK)  # the rows' tokens, the keys' count
     dk, dv, dk_ok, dv_ok = dim_ranges(DK, DV, DK_P, DV_P)
-    q = load_tile(Q + b * sqb + head * sqh, t64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)
-    do = load_tile(DO + b * sdob + head * sdoh, t64, dv, sdos, sdod, row_ok, dv_ok, UPCAST)
-    lse2, delta = row_stats(LSE, DELTA, (b * G * HPG + head) * S + t64, row_ok)
+    q = load_tile(Q + b * sqb + head * sqh, r64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)
+    do = load_tile(DO + b * sdob + head * sdoh, r64, dv, sdos, sdod, row_ok, dv_ok, UPCAST)
+    lse2, delta = row_stats(LSE, DELTA, (b * G * HPG + head) * S + r64, row_ok)
     k_base = K + b * skb + g * skg
     v_base = V + b * svb + g * svg
     cols = tl.arange(0, BLOCK_N)
     acc = tl.full([BLOCK_M, DK_P], 0.0, tl.float32)
-    lo, hi = _key_range(tile, S, W, BLOCK_M, BLOCK_N)
-    if HAS_POS:
-        doc, lo = _document_keys(POS, b, t64, row_ok, S, lo, BLOCK_N)
+    lo, hi = _key_range(tile, keys, Q_OFF, W, BLOCK_M, BLOCK_N, CHUNK)
+    if HAS_POS:  # not with CHUNK: rows are tokens
+        doc, lo = _document_keys(POS, b, r64, row_ok, S, lo, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         s = start + cols
-        col_ok = s < S
+        col_ok = s < keys
         s64 = s.to(tl.int64)
         k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)
         v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)
@@ -293,7 +327,7 @@ def dq_kernel(
         if UPCAST:
             ds = ds.to(tl.float32)
         acc += tl.dot(ds, k, input_precision=PREC)
-    tl.store(DQ + b * sdqb + head * sdqh + t64[:, None] * sdqs + dk[None, :] * sdqd,
+    tl.store(DQ + b * sdqb + head * sdqh + r64[:, None] * sdqs + dk[None, :] * sdqd,
              (acc * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok[None, :])
 
 
@@ -303,49 +337,54 @@ def _require(q, k, v, pos) -> None:
         raise ValueError(f"window_attention (triton): cannot run these inputs: {why}")
 
 
-def _launch_config(q, k, v, tiles, pos):
+def _launch_config(q, k, v, tiles, pos, q_offset: int = 0):
     """`_tiles` for these inputs, the constexprs every kernel but delta takes, and the kernels'
     POS argument: pos made contiguous (a [B, S] view with other strides is copied), None without
-    packed documents (a None argument is a constexpr: the kernels compile as they did before pos)."""
+    packed documents (a None argument is a constexpr: the kernels compile as they did before pos).
+    CHUNK: a chunk of queries (K/V of other than q's S tokens, or an offset)."""
     T = _tiles(q.shape[3], v.shape[3], q.dtype == torch.float32, tiles)
     consts = {"HPG": q.shape[1] // k.shape[1], "DK_P": T["DK_P"], "DV_P": T["DV_P"], "PREC": _dot_precision(q.dtype),
-              "HAS_POS": pos is not None}
+              "HAS_POS": pos is not None, "CHUNK": q_offset != 0 or k.shape[2] != q.shape[2]}
     return T, consts, None if pos is None else pos.contiguous()
 
 
-def window_forward(q, k, v, window: int, scale: float, pos=None, *, tiles: dict | None = None):
+def window_forward(q, k, v, window: int, scale: float, pos=None, q_offset: int = 0, *, tiles: dict | None = None):
     """o [B, H, S, Dv] (v's dtype, [B, S, H, Dv] memory) and lse [B, H, S] float32 (natural log).
-    pos: [B, S] int64 positions in the documents (packed documents), or None. `tiles`: an
-    override of `_tiles` (tools/bench_window.py); None, the defaults."""
+    pos: [B, S] int64 positions in the documents (packed documents), or None. q_offset: a chunk
+    of queries, row r is token q_offset + r of k and v's SK >= q_offset + S tokens (the op checks
+    it). `tiles`: an override of `_tiles` (tools/bench_window.py); None, the defaults."""
     _require(q, k, v, pos)
     B, H, S, Dk = q.shape
+    SK = k.shape[2]
     o, lse = empty_attention_outputs(q, v)
     if B * H * S == 0:
         return o, lse
-    T, consts, pos = _launch_config(q, k, v, tiles, pos)
+    T, consts, pos = _launch_config(q, k, v, tiles, pos, q_offset)
     cfg = T["fwd"]
     fwd_kernel[(_cdiv(S, cfg["BLOCK_M"]), B * H)](
         q, k, v, o, lse, pos, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        S, k.shape[1], min(window, S), scale * math.log2(math.e),  # a window past S is S: int32-safe bounds
+        S, SK, q_offset, k.shape[1], min(window, SK), scale * math.log2(math.e),  # a window past SK is SK: int32-safe
         DK=Dk, DV=v.shape[3], UPCAST=upcast_dots(q.dtype), **consts, **cfg,
     )  # fmt: skip
     return o, lse
 
 
-def window_backward(grad_o, q, k, v, o, lse, window: int, scale: float, pos=None, *, tiles: dict | None = None):
+def window_backward(grad_o, q, k, v, o, lse, window: int, scale: float, pos=None, q_offset: int = 0, *,
+                    tiles: dict | None = None):
     """dq (like q), dk (like k), dv (like v), each in [B, S, heads, D] memory; dk and dv summed
-    over the group's heads in fp32 inside the dk/dv kernel. pos as for `window_forward`."""
+    over the group's heads in fp32 inside the dk/dv kernel (0 at keys no row reads). pos and
+    q_offset as for `window_forward`."""
     _require(q, k, v, pos)
     B, H, S, Dk = q.shape
-    G, Dv = k.shape[1], v.shape[3]
+    G, SK, Dv = k.shape[1], k.shape[2], v.shape[3]
     dq, dk, dv = empty_attention_grads(q, k, v)
-    if B * H * S == 0:
-        return dq, dk, dv
+    if B * H * S == 0:  # no row: no key is read (a chunk of no rows still has K/V of SK tokens)
+        return dq, dk.zero_(), dv.zero_()
     if grad_o.dtype != v.dtype:
         grad_o = grad_o.to(v.dtype)
     lse = lse.contiguous()
-    T, consts, pos = _launch_config(q, k, v, tiles, pos)
-    W = min(window, S)  # a window past S is S: int32-safe bounds in the kernels
+    T, consts, pos = _launch_config(q, k, v, tiles, pos, q_offset)
+    W = min(window, SK)  # a window past SK is SK: int32-safe bounds in the kernels
     delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     bm = T["delta"]["BLOCK_M"]
     delta_kernel[(_cdiv(S, bm), B * H)](
@@ -354,15 +393,15 @@ def window_backward(grad_o, q, k, v, o, lse, window: int, scale: float, pos=None
     upcast = upcast_dots(q.dtype)
     qk_scale = scale * math.log2(math.e)
     cfg = T["dkdv"]
-    dkdv_kernel[(_cdiv(S, cfg["BLOCK_N"]), B * G)](
+    dkdv_kernel[(_cdiv(SK, cfg["BLOCK_N"]), B * G)](
         q, k, v, grad_o, lse, delta, dk, dv, pos,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
-        S, G, W, scale, qk_scale, DK_=Dk, DV_=Dv, UPCAST=upcast, **consts, **cfg,
+        S, SK, q_offset, G, W, scale, qk_scale, DK_=Dk, DV_=Dv, UPCAST=upcast, **consts, **cfg,
     )  # fmt: skip
     cfg = T["dq"]
     dq_kernel[(_cdiv(S, cfg["BLOCK_M"]), B * H)](
         q, k, v, grad_o, lse, delta, dq, pos,
         *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dq.stride(),
-        S, G, W, scale, qk_scale, DK=Dk, DV=Dv, UPCAST=upcast, **consts, **cfg,
+        S, SK, q_offset, G, W, scale, qk_scale, DK=Dk, DV=Dv, UPCAST=upcast, **consts, **cfg,
     )  # fmt: skip
     return dq, dk, dv
