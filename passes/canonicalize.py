@@ -122,6 +122,9 @@ scores
       masked) stays finite, as the softmax sees it, while the rest of the chain is rewritten
       (selected_attention takes a finite fill where select_blocks's op gives every row a key);
       with nothing else to rewrite, that is a refusal.
+    - `x.masked_fill_(m, f)` reads as `x.masked_fill(m, f)` where x is a new tensor (a product, a
+      scale, another mask's result: no view, input or alias) that only the in-place op reads:
+      nothing else sees x change (xunhaolai's `qk.masked_fill_(~mask, -inf)`).
     Refused: a negative or non-constant scale, two scales, a cast down, a fill other than -inf, 0
     or a large negative, a bias that reads data or holds other values.
 
@@ -689,6 +692,41 @@ def reads_data(node: fx.Node) -> bool:
                for n in ancestors([node], into_sizes=False))
 
 
+# Ops whose result is a new tensor (never a view or the input itself, as `.float()` of a float32
+# tensor is): an in-place op on such a result that no one else reads is the out-of-place op.
+_FRESH = {"mul", "add", "sub", "truediv", "div", "matmul", "bmm", "baddbmm", "einsum", "masked_fill", "where"}
+
+
+def in_place_is_fresh(node: fx.Node) -> bool:
+    """`node` is an in-place op (x.masked_fill_(m, f)) on an x that a fresh-result op computed
+    (`_FRESH`: no view, no graph input, no alias) and that only `node` reads: no one sees x before
+    or after the change, so the out-of-place op (x.masked_fill(m, f), a new tensor of x's shape:
+    the in-place op only runs where m broadcasts to x) computes the same."""
+    x = first(node)
+    return (isinstance(x, fx.Node) and x.op in ("call_function", "call_method")
+            and cmp.name_of(x) in _FRESH and list(x.users) == [node])
+
+
+def read_through_write(x: fx.Node) -> fx.Node:
+    """x, or the in-place mask written into it: where x is fresh (`_FRESH`) and its first user is
+    its only write, `w = x.masked_fill_(m, f)` (the statement form `s.masked_fill_(m, f)`, whose
+    result nothing names), every later reader of x reads the tensor w returns (x itself, changed):
+    they are made to read w, which the graph then shows as the dataflow (the same values). Then
+    `in_place_is_fresh(w)` holds where w's result has one reader."""
+    if not (x.op in ("call_function", "call_method") and cmp.name_of(x) in _FRESH):
+        return x
+    order = {n: i for i, n in enumerate(x.graph.nodes)}
+    users = sorted(x.users, key=order.__getitem__)
+    writes = [u for u in users if (op_name(u) or "").endswith("_") and not (op_name(u) or "").startswith("_")
+              or u.op == "call_function" and u.target is operator.setitem]
+    if len(users) < 2 or len(writes) != 1 or users[0] is not writes[0] or op_name(writes[0]) != "masked_fill_" \
+            or first(writes[0]) is not x:
+        return x
+    for user in users[1:]:
+        user.replace_input_with(x, writes[0])
+    return writes[0]
+
+
 def read_step(node: fx.Node) -> Step | None:
     """The chain step `node` is, or None (then it is not part of a score chain)."""
     name = cmp.name_of(node)
@@ -699,7 +737,7 @@ def read_step(node: fx.Node) -> Step | None:
     for operand in node.args[:2]:
         if isinstance(operand, fx.Node) and (c := scale_of(node, operand)) is not None:
             return Step(node, "scale", operand, scale=c)
-    if name == "masked_fill" and isinstance(x, fx.Node):
+    if (name == "masked_fill" or name == "masked_fill_" and in_place_is_fresh(node)) and isinstance(x, fx.Node):
         mask, fill = arg(node, 1, "mask"), arg(node, 2, "value")
         if isinstance(mask, fx.Node) and is_number(fill):
             return Step(node, "mask", x, mask=mask, fill_where_true=True, fill=float(fill))
@@ -738,15 +776,18 @@ def read_chain(softmax: fx.Node) -> Chain | None:
     if probs is None or not isinstance(x, fx.Node) or not isinstance(dim, int) or probs.dim() < 2 \
             or dim % probs.dim() != probs.dim() - 1:
         return None
-    steps, node = [], x
+    steps, node = [], read_through_write(x)
     while node.op in ("call_function", "call_method") and not is_product(node):
         step = read_step(node) if len(node.users) == 1 else None
         if step is None:
             return None
         steps.append(step)
-        node = step.source
+        node = read_through_write(step.source)
     if not is_product(node) or value(node) is None or not value(node).is_floating_point():
         return None
+    if any(first(u) is node and ((op_name(u) or "").endswith("_") and not (op_name(u) or "").startswith("_")
+                                 or u.op == "call_function" and u.target is operator.setitem) for u in node.users):
+        return None  # the product is changed in place (`s.mul_(c)`, `s[..] = ..`): the chain does not show it
     dtype = softmax_dtype(softmax)
     return Chain(softmax, node, steps[::-1], dtype if dtype is not None else value(x).dtype, dtype)
 
@@ -795,6 +836,8 @@ def is_normal(chain: Chain, finite_ok: bool = False) -> bool:
         return False
     kinds = []
     for step in chain.steps:
+        if (op_name(step.node) or "").endswith("_"):
+            return False  # an in-place mask (`in_place_is_fresh`): written out of place
         if step.kind == "cast":
             kinds.append("cast")
         elif step.kind == "scale":
@@ -917,6 +960,8 @@ class ScoreChains:
                 notes.append("additive mask -> masked_fill")
         if chain.softmax_dtype is not None:
             notes.append(f"softmax dtype={chain.softmax_dtype} -> cast first")
+        if any((op_name(s.node) or "").endswith("_") for s in chain.steps):
+            notes.append("in-place masked_fill_ -> masked_fill (its input has no other reader)")
         low = value(chain.product).dtype
         if chain.scale is not None and chain.scale_before_cast:
             exact = math.frexp(chain.scale)[0] == 0.5
@@ -1043,6 +1088,10 @@ def in_place_step(softmax: fx.Node, depth: int = 8) -> fx.Node | None:
         name = op_name(node) or ""
         if name.endswith("_") and not name.startswith("_"):
             return node
+        writes = [u for u in node.users if (op_name(u) or "").endswith("_") and not (op_name(u) or "").startswith("_")
+                  and first(u) is node]
+        if writes:  # written in place by a statement (`s.masked_fill_(m, f)`), or through a view of it
+            return writes[0]
         node = first(node)
     return None
 

@@ -71,6 +71,25 @@ to MAX_VERIFIED_ELEMENTS. The reasons name what the whole masks would show first
 chunks. Up to B * S * Tc = MAX_VERIFIED_PACKED (2^35) elements per probe; one verdict per mask
 structure and graph serves every layer, and select_blocks, which checks the masks it reads again.
 
+Packed [T, H, D] tokens (varlen, tests/corpus/xunhaolai_varlen.py; `verify_varlen`): 3-D scores
+[H, T, N] = q [H, T, Dk] @ K^T over N compressed keys [G, N, Dk] that each document pooled on its
+own and the model concatenated (per-document Python loops over cu_seqlens, unrolled), read as
+[1, H, T, N]. The T tokens are one packed row of the op's packed form. K and V are probed
+(`varlen_windows`: float64 noise on tokens VARLEN_PROBE_PERIOD apart, each residue in turn): key j
+must depend on one window of l tokens [slot_j, slot_j + l), the same for K and V. The -inf mask
+is evaluated at compile time with the in-place writes that build it (`written_region`: a
+`zeros` filled by `mask[a:b, c:d] = ...`) and must equal, element for element, NSA's packed
+visibility of slot_j for positions pos [T] and a stride d: the window op's constant positions (the
+documents of its mask) where they fit, else those the keys and the mask show
+(`varlen_documents`: a key's document ends where its rows end and starts at its first key's
+window; d the gcd of the keys' positions), with no other slot visible; the zeroing and the
+final mask as above. Refused, naming the query: a key pooled one token late (it reads a token
+after the query that first sees it), a mask that shows a key to another document's queries or
+a block one token late. The op then gets q[None], K and V copied into T - l + 1 slots
+(`index_copy` at the constant slot_j, zeros elsewhere: no query sees them) and the constant
+positions [1, T]; o[0] replaces p @ v. Static sizes only (a length change compiles a graph with
+other constant documents).
+
 A chunk of queries (a model's loop over query chunks, issue 17; `query_rows`): q = q_full[:, :,
 a:b] with the keys pooled from q_full's whole sequence; the masks are verified with row r at token
 a + r (the staircase at that offset; off by one either way is refused, naming it), and the op gets
@@ -277,6 +296,18 @@ def ungroup(node: fx.Node) -> tuple[fx.Node, int]:
     if not same_shape(big, (B, G, h, T, D)) or not same_shape(out, (B, G * h, T, D)):
         return node, 1
     return x, h
+
+
+def unrepeat_heads(node: fx.Node) -> tuple[fx.Node, int]:
+    """3-D K/V expanded for the query heads, x.repeat_interleave(h, dim=0) of x [G, N, D] (packed
+    tokens, heads first) -> (x, h); (node, 1) for anything else."""
+    x = arg(node, 0, "input")
+    repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
+    if (op_name(node) == "repeat_interleave" and isinstance(x, fx.Node) and value(x) is not None
+            and value(x).dim() == 3 and isinstance(repeats, int) and not isinstance(repeats, bool)
+            and isinstance(dim, int) and dim % 3 == 0 and arg(node, 3, "output_size") is None):
+        return x, repeats
+    return node, 1
 
 
 # --- position-only subgraphs ----------------------------------------------------------------
@@ -937,11 +968,15 @@ def read_probabilities(softmax: fx.Node) -> Probabilities:
     masks are checked by `verify_probabilities`), or Refused."""
     probs = value(softmax)
     dim = arg(softmax, 1, "dim")
-    if probs is None or probs.dim() != 4 or not isinstance(dim, int) or dim % 4 != 3:
+    if probs is not None and probs.dim() == 3 and isinstance(dim, int) and dim % 3 == 2:
+        rank = 3  # packed [T, H, D] tokens: scores [H, T, N] (`verify_varlen`), read as [1, H, T, N]
+    elif probs is None or probs.dim() != 4 or not isinstance(dim, int) or dim % 4 != 3:
         raise Refused(unbatched(probs, dim) or "not a softmax over the last dim of [B, H, S, Tc] scores")
+    else:
+        rank = 4
     if arg(softmax, 2, "dtype") is not None:
         raise Refused("the softmax has a dtype argument")
-    B, H, S, Tc = probs.shape  # SymInts in a graph with symbolic sizes: compared with `same` only
+    B, H, S, Tc = probs.shape if rank == 4 else (1, *probs.shape)  # SymInts at symbolic sizes: `same` only
     masks = {}
     node = first(softmax)
     if not isinstance(node, fx.Node):
@@ -983,14 +1018,16 @@ def read_probabilities(softmax: fx.Node) -> Probabilities:
     q, kt = qk.args[0], qk.args[1]
     swapped = (arg(kt, 1, "dim0"), arg(kt, 2, "dim1")) if isinstance(kt, fx.Node) else ()
     if (not swapped or op_name(kt) not in ("transpose", "swapaxes") or not all(isinstance(x, int) for x in swapped)
-            or {x % 4 for x in swapped} != {2, 3}):
+            or {x % rank for x in swapped} != {rank - 2, rank - 1}):
         raise Refused("the keys are not transposed over their last two dims (q @ k.transpose(-1, -2))")
-    k, h = ungroup(first(kt))
+    k, h = ungroup(first(kt)) if rank == 4 else unrepeat_heads(first(kt))
     qv, kv = value(q), value(k)
-    if qv is None or kv is None or qv.dim() != 4 or kv.dim() != 4:
-        raise Refused("q and the compressed keys are not [B, heads, S or Tc, D]")
-    if (not same_shape(qv.shape[:3], (B, H, S)) or not same(kv.shape[0], B) or not same(kv.shape[2], Tc)
-            or not same(kv.shape[1] * h, H)):
+    if qv is None or kv is None or qv.dim() != rank or kv.dim() != rank:
+        raise Refused("q and the compressed keys are not [B, heads, S or Tc, D]" if rank == 4 else
+                      "q and the compressed keys of the 3-D scores are not [heads, T or N, D]")
+    qs, ks = (tuple(qv.shape), tuple(kv.shape)) if rank == 4 else ((1, *qv.shape), (1, *kv.shape))
+    if (not same_shape(qs[:3], (B, H, S)) or not same(ks[0], B) or not same(ks[2], Tc)
+            or not same(ks[1] * h, H)):
         raise Refused(f"q {tuple(qv.shape)} and the compressed keys {tuple(kv.shape)} (x{h}) do not make "
                       f"[B, H, S, Tc] = {(B, H, S, Tc)} scores")
     if same(Tc, 0):
@@ -1541,16 +1578,425 @@ def output_product(probs: Probabilities) -> tuple[fx.Node, fx.Node | None, fx.No
             candidates += [(user, mm) for mm in user.users]
         else:
             candidates.append((None, user))
+    rank = value(probs.softmax).dim()  # 3: packed [T, H, D] tokens, no batch dim
     for cast, mm in candidates:
         if op_name(mm) not in MATMULS or mm.args[0] is not (cast or probs.p) or not isinstance(mm.args[1], fx.Node):
             continue
         v_rep = value(mm.args[1])
-        if v_rep is not None and v_rep.dim() == 4 and same_shape(v_rep.shape[:3], (B, H, Tc)):
+        if v_rep is not None and v_rep.dim() == rank and same_shape(v_rep.shape[:rank - 1], (B, H, Tc)[4 - rank:]):
             found.append((mm, cast, mm.args[1]))
     if len(found) != 1:
         raise Refused("the probabilities are not multiplied by V (p @ v)" if not found else
                       f"the probabilities are multiplied by {len(found)} V tensors")
     return found[0]
+
+
+# --- packed [T, H, D] tokens (varlen): 3-D scores over per-document compressed keys ------------
+
+# Aliasing views: an in-place write into one of them writes into the tensor it views.
+_ALIASES = _VIEWS | {"narrow", "select", "detach", "diagonal", "view_as", "contiguous"}
+# Calls that write into their first operand (`x[i] = y`, `x += y`; methods ending in `_`).
+_WRITES = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand,
+           operator.ior, operator.ixor}
+# Tokens perturbed together in the pooling probe (`varlen_windows`) are this far apart (the whole
+# sequence when it is shorter): a pooled key's window must be at most half of it.
+VARLEN_PROBE_PERIOD = 128
+
+
+def writes_into(node: fx.Node, before: int, order: dict) -> list[fx.Node]:
+    """The in-place writes into node's memory that run before graph position `before`: calls
+    that write into node, and those that write into a view of it (with the views)."""
+    found = []
+    for user in node.users:
+        if order[user] >= before:
+            continue
+        name = op_name(user) or ""
+        if ((user.op == "call_function" and user.target in _WRITES) or
+                (name.endswith("_") and not name.startswith("_"))) and first(user) is node:
+            found.append(user)
+        elif name in _ALIASES and first(user) is node and (inner := writes_into(user, before, order)):
+            found += [user, *inner]
+    return found
+
+
+def concrete(shape, what: str = "packed [T, H, D] tokens") -> tuple[int, ...]:
+    """A shape as ints: SymInts a guard fixed to one number (Dynamo's graph after a length change
+    of a model whose documents are constants) as that number; Refused for a symbolic size (the
+    varlen checks run at static sizes only)."""
+    dims = []
+    for n in shape:
+        if isinstance(n, torch.SymInt):
+            if not n.node.expr.is_number:
+                raise Refused(f"{what} at symbolic sizes ({n}): verified at static sizes only")
+            n = int(n.node.expr)
+        dims.append(int(n))
+    return tuple(dims)
+
+
+def written_region(roots: list[fx.Node], what: str, leaves=(), before: int | None = None) -> list[fx.Node]:
+    """The nodes that compute `roots` from `leaves` and positions, in graph order: what they read,
+    and every in-place write into those (or into a view of them) before graph position `before`
+    (default: the last root's), again with what those read. Refused where they read data (a graph
+    input or attribute that is no leaf) or random numbers."""
+    order = {n: i for i, n in enumerate(roots[0].graph.nodes)}
+    before = max(order[r] for r in roots) if before is None else before
+    nodes, stack, data = set(), list(roots), []
+    while stack:
+        node = stack.pop()
+        if node in nodes or node in leaves:
+            continue
+        nodes.add(node)
+        if node.op not in ("call_function", "call_method"):
+            data.append(node)
+            continue
+        name = op_name(node) or ""
+        if any(word in name for word in _RANDOM):
+            raise Refused(f"the {what} uses {name} (random, not positions)")
+        stack += node.all_input_nodes + writes_into(node, before, order)
+    if data:  # named by the first graph input it reads (the model's input before its buffers)
+        first_input = min(data, key=order.__getitem__)
+        raise Refused(f"the {what} depends on {first_input.op} {first_input.name} (data, not positions)")
+    return sorted(nodes, key=order.__getitem__)
+
+
+def run_written(nodes: list[fx.Node], what: str, inputs: dict | None = None) -> dict:
+    """The values of `nodes` (`written_region`'s, in graph order: the writes run where the graph
+    runs them) from `inputs` (leaf node -> tensor); Refused at symbolic sizes or over
+    MAX_VERIFIED_ELEMENTS materialized."""
+    cost = sum(math.prod(concrete(value(n).shape, f"the {what}")) for n in nodes
+               if isinstance(value(n), torch.Tensor) and op_name(n) not in _VIEWS)
+    if cost > MAX_VERIFIED_ELEMENTS:
+        raise Refused(f"verifying the {what} takes {cost:,} elements, over the cap of {MAX_VERIFIED_ELEMENTS:,}")
+    env = dict(inputs or {})
+    for node in nodes:
+        env[node] = evaluate_node(node, env, f"the {what}")
+    return env
+
+
+def evaluate_written(root: fx.Node, what: str) -> torch.Tensor:
+    """root's value at compile time where its subgraph reads positions only, in-place writes
+    included (xunhaolai's masks are zeros filled by `mask[a:b, c:d] = ...` per document, which a
+    walk over root's inputs alone would not see; `written_region`)."""
+    value_of = run_written(written_region([root], what), what)[root]
+    if not isinstance(value_of, torch.Tensor):
+        raise Refused(f"the {what} is not a tensor")
+    return value_of
+
+
+def erase_dead(graph: fx.Graph, candidates) -> None:
+    """Erase the `candidates` whose results nothing live reads: a node is live when a node outside
+    the candidates (or a live one) reads it, and so is every in-place write into a live node or
+    into a view of it (a write into a dead tensor is dead with it)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    candidates = {n for n in candidates if not n._erased}
+    stack = [u for n in candidates for u in n.users if u not in candidates]
+    live = set()
+    while stack:
+        node = stack.pop()
+        if node in live:
+            continue
+        live.add(node)
+        stack += node.all_input_nodes + writes_into(node, len(order), order)
+    for node in sorted(candidates - live, key=order.__getitem__, reverse=True):
+        graph.erase_node(node)
+
+
+def token_source(kv: fx.Node, T: int, what: str) -> tuple[fx.Node, list[fx.Node]]:
+    """(the [T, ..] floating-point node through which alone the compressed kv reads sequence data,
+    the region's nodes from it to kv in graph order): the nearest such node to kv. Its other inputs
+    may be parameters and tensors of fewer than T elements (inv_freq): no per-token data."""
+    order = {n: i for i, n in enumerate(kv.graph.nodes)}
+
+    def per_token(node: fx.Node) -> bool:  # data that can hold a value per token
+        val = value(node)
+        return (node.op in ("placeholder", "get_attr") and isinstance(val, torch.Tensor)
+                and not isinstance(val, torch.nn.Parameter) and math.prod(concrete(val.shape)) >= T)
+
+    candidates = [n for n in ancestors([kv]) if isinstance(val := value(n), torch.Tensor) and val.dim() >= 1
+                  and concrete(val.shape)[0] == T and val.is_floating_point() and not isinstance(val, torch.nn.Parameter)
+                  and n.op in ("call_function", "call_method", "placeholder")]
+    for source in sorted(candidates, key=order.__getitem__, reverse=True):
+        region = ancestors([kv], stop=source) - {source}
+        leaves = [n for n in region if n.op not in ("call_function", "call_method")]
+        if not any(per_token(n) for n in leaves):
+            ops = sorted((n for n in region if n.op in ("call_function", "call_method")), key=order.__getitem__)
+            return source, ops
+    raise Refused(f"the compressed {what} of the packed tokens read no single [T = {T}, ..] sequence (not probed)")
+
+
+def varlen_windows(kv: fx.Node, T: int, seen_at: torch.Tensor, what: str) -> tuple[torch.Tensor, int]:
+    """(start [N] int64, l): the compressed kv [G, N, D] of packed tokens (per-document
+    pooling, concatenated: xunhaolai's `avg_pool1d` per cu_seqlens slice) read on float64 probes
+    of its token source (`token_source`): tokens perturbed P = min(T, VARLEN_PROBE_PERIOD) apart,
+    each residue in turn, move the keys whose window holds one; key j must depend on one run of l
+    consecutive tokens [start_j, start_j + l), l the same for every key (the run placed nearest
+    the first query that sees it, `seen_at` [N], where P < T). A check on probes, as
+    `probe_pooling`'s."""
+    source, ops = token_source(kv, T, what)
+    order = {n: i for i, n in enumerate(kv.graph.nodes)}
+    for node in [source, *ops]:
+        if writes_into(node, order[kv], order):  # a value the region's inputs alone do not give
+            raise Refused(f"the compressed {what} read {node.name}, which is written in place: not probed")
+    for node in ops:
+        name = op_name(node) or ""
+        if any(word in name for word in _RANDOM) or (name.endswith("_") and not name.startswith("_")) or (
+                node.op == "call_function" and node.target in _WRITES):
+            raise Refused(f"the compressed {what} use {name} (random or in place): not probed")
+    gen = torch.Generator().manual_seed(0)
+    env = {}
+    for node in ops:
+        for x in node.all_input_nodes:
+            if x not in env and x not in ops:
+                val = value(x)
+                if not isinstance(val, torch.Tensor):
+                    raise Refused(f"the compressed {what} read {x.name}, not a tensor (not probed)")
+                env[x] = (torch.randn(concrete(val.shape), generator=gen, dtype=torch.float64, device="cpu")
+                          if val.is_floating_point() else
+                          evaluate_written(x, f"input {x.name} of the pooled {what}").cpu())
+    from nsa_compile import probe  # float64 evaluation of a region
+
+    def pooled(values: dict) -> torch.Tensor:  # [N], per key: its largest value (changes are compared)
+        out = probe.run(ops, dict(values), kv, f"the compressed {what}", device="cpu") if ops else values[source]
+        return out.transpose(0, 1).reshape(out.shape[1], -1) if out.dim() == 3 else out.reshape(out.shape[0], -1)
+
+    base = pooled(env)
+    N = base.shape[0]
+    scale = float(base.abs().max()) + 1.0
+    period = min(T, VARLEN_PROBE_PERIOD)
+    t = torch.arange(T, device="cpu")
+    shape = concrete(value(source).shape)
+    moved = []
+    for r in range(period):
+        noise = torch.randn(shape, generator=gen, dtype=torch.float64, device="cpu")
+        hit = (t % period == r).to(torch.float64).view(T, *([1] * (len(shape) - 1)))
+        shifted = {**env, source: env[source] + noise * hit}
+        moved.append(((pooled(shifted) - base).abs().amax(-1) > PROBE_TOLERANCE * scale))
+    runs = torch.stack(moved, dim=1)  # [N, period]: the residues key j depends on
+    starts, lengths = [], set()
+    for j in range(N):
+        count = int(runs[j].sum())
+        first_residue = (runs[j] & ~runs[j].roll(1)).nonzero().flatten()
+        if count == 0:
+            raise Refused(f"the compressed {what}: key {j} of the packed tokens depends on no token (probed)")
+        if count == period and period == T:
+            raise Refused(f"the compressed {what}: key {j} depends on every token (probed): not a pooled block")
+        if len(first_residue) != 1 or 2 * count > max(period, 2) and period < T:
+            raise Refused(f"the compressed {what}: key {j} does not depend on one run of consecutive tokens "
+                          f"(probed, tokens {period} apart perturbed together)")
+        start = int(first_residue[0])
+        if period < T:  # the run's place nearest the query that first sees the key (its last token there)
+            last = start + count - 1
+            start += round((int(seen_at[j]) - last) / period) * period
+        starts.append(start)
+        lengths.add(count)
+    if len(lengths) != 1:
+        raise Refused(f"the compressed {what} of the packed tokens pool windows of {sorted(lengths)} tokens (probed), "
+                      "not blocks of one length l")
+    return torch.tensor(starts, dtype=torch.int64, device="cpu"), lengths.pop()
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """What `verify_varlen` proved for 3-D scores [H, T, N] over packed tokens: compressed key j
+    pools tokens [slot_j, slot_j + l), and the masks are NSA's packed visibility (`packed_visibility`)
+    for (l, d) on positions `pos` [T] with key j in slot slot_j of the op's slot per token."""
+
+    block: int
+    stride: int
+    pos: tuple  # each token's position in its document, as this branch shows the documents
+    slots: tuple  # slot_j per compressed key
+    pos_node: fx.Node | None = None  # the window op's constant positions [1, T] where they are pos
+
+
+def varlen_documents(keep: torch.Tensor, starts: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    """(pos [T], d) that the -inf mask keep [T, N] and the keys' windows [starts_j, starts_j + l)
+    show: key j's document ends where its rows end (the last query that sees it, + 1) and starts at
+    the first window of the keys that end there; the positions count from there, 0 for tokens of no
+    such document (documents with no complete block: no query there sees a key, as with a document
+    per token); d is the gcd of the keys' positions in their documents (T when each holds one)."""
+    T, N = keep.shape
+    seen = keep.any(0)
+    if not bool(seen.all()):
+        j = int((~seen).nonzero()[0])
+        raise Refused(f"compressed key {j} of the packed tokens is visible to no query")
+    first_row = keep.int().argmax(0)  # [N]
+    ends = T - keep.flip(0).int().argmax(0)  # [N]: one past the last query that sees each key
+    gaps = keep.sum(0) != ends - first_row  # the rows that see a key are not one run
+    if bool(gaps.any()):
+        j = int(gaps.nonzero()[0])
+        t = int(first_row[j]) + int((~keep[int(first_row[j]):, j]).int().argmax())
+        s = int(starts[j])
+        raise Refused(f"compressed key {j} (pooled from tokens [{s}, {s + block})) is seen by queries {int(first_row[j])}.."
+                      f"{t - 1}, hidden from {t} and seen again later: not the queries of one document (a mask that "
+                      "crosses documents)")
+    pos = torch.zeros(T, dtype=torch.int64, device="cpu")
+    stride, bounds = 0, []
+    for end in sorted(set(ends.tolist())):
+        keys = (ends == end).nonzero().flatten()
+        start = int(starts[keys].min())
+        if bounds and start < bounds[-1][1] or start + block > end:
+            raise Refused(f"the compressed keys seen up to token {end - 1} are pooled from tokens {start}.. that "
+                          f"overlap another document or end after it (not per-document blocks)")
+        bounds.append((start, end))
+        pos[start:end] = torch.arange(end - start, device="cpu")
+        for offset in (starts[keys] - start).tolist():
+            stride = math.gcd(stride, offset)
+    return pos, stride or T
+
+
+def varlen_reason(keep: torch.Tensor, want: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, block: int,
+                  stride: int) -> str:
+    """Why keep [T, N] is not NSA's packed visibility `want` [T, N] of the keys' slots: the first
+    query that sees a key it must not (and why), else the first that misses one."""
+    l, d = block, stride
+    head = f"the compressed mask of the packed tokens is not NSA's per-document visibility (l={l}, d={d})"
+    extra = keep & ~want
+    if bool(extra.any()):
+        t, j = (int(x) for x in extra.nonzero()[0])
+        s = int(slots[j])
+        if s + l - 1 > t:
+            why = f"its last token {s + l - 1} comes after t (a later token leaks in)"
+        elif s < t - int(pos[t]):
+            why = f"it lies in an earlier document (t's document starts at token {t - int(pos[t])})"
+        else:
+            why = f"it starts at position {int(pos[s])} of its document, not a multiple of d = {d}"
+        return f"{head}: query t={t} sees compressed key {j} (pooled from tokens [{s}, {s + l})), but {why}"
+    t, j = (int(x) for x in (want & ~keep).nonzero()[0])
+    s = int(slots[j])
+    return (f"{head}: query t={t} misses compressed key {j} (pooled from tokens [{s}, {s + l})), a block of its own "
+            "document in its past")
+
+
+def varlen_mismatch(keep: torch.Tensor, starts: torch.Tensor, block: int, pos: torch.Tensor, stride: int) -> str | None:
+    """Why keep [T, N] is not NSA's packed visibility (`packed_visibility`, the columns of the
+    slots `starts` [N]) for (l, d) = (block, stride) on positions pos [T], every element compared,
+    or why another slot would be visible (a block of a document that no key pools); None where
+    it is. O(T * N) memory: the slots of the keys only, and the other slots' block test [Tc]."""
+    T, N = keep.shape
+    Tc = T - block + 1
+    start = pos[:Tc]
+    is_block = (start % stride == 0) & (pos[block - 1 : block - 1 + Tc] == start + block - 1)  # [Tc]
+    t = torch.arange(T, device="cpu")[:, None]
+    slots = starts[None, :]
+    want = (slots + block - 1 <= t) & (slots >= t - pos[:, None]) & is_block[starts][None, :]  # [T, N]
+    if not torch.equal(keep, want):
+        return varlen_reason(keep, want, pos, starts, block, stride)
+    others = is_block.clone()
+    others[starts] = False
+    if bool(others.any()):  # a block of its document: visible to its last token at least
+        s = int(others.nonzero()[0])
+        return (f"the packed visibility (l={block}, d={stride}) shows query t={s + block - 1} the block of tokens "
+                f"[{s}, {s + block}) of its document, which no compressed key pools")
+    return None
+
+
+def constant_positions(graph: fx.Graph, T: int) -> list[tuple[fx.Node, torch.Tensor]]:
+    """(node, pos [T]) for the positions [1, T] of the varlen window: the pos argument of an
+    nsa.window_attention (which runs before this pass) that is computed from no data (canonicalize's
+    constant of the documents the window's mask shows, every token's)."""
+    targets = (torch.ops.nsa.window_attention, torch.ops.nsa.window_attention.default)
+    found = []
+    for node in graph.nodes:
+        pos = node.args[6] if node.op == "call_function" and node.target in targets and len(node.args) > 6 else None
+        if isinstance(pos, fx.Node) and isinstance(val := value(pos), torch.Tensor) and val.dtype == torch.int64 \
+                and concrete(val.shape) == (1, T):
+            try:
+                found.append((pos, evaluate_written(pos, "window positions")[0].cpu()))
+            except Refused:  # positions from data (a pos input): not constant
+                continue
+    return found
+
+
+def verify_varlen(probs: Probabilities, v: fx.Node) -> Varlen:
+    """Refused unless the 3-D branch of `probs` ([1, H, T, N] read from scores [H, T, N] over packed
+    [T, H, D] tokens) is NSA's compressed branch over documents: K and V pooled per key from one
+    window of l tokens (the same windows, probed: `varlen_windows`), the -inf mask (evaluated at
+    compile time, in-place writes included) equal to NSA's packed visibility with key j in the
+    slot where its window starts and no other slot visible (`varlen_mismatch`: every element
+    compared, exact at this shape) for positions pos and a stride d: those of the window op's
+    constant positions (the documents of the window's mask) where they fit, else the ones the keys
+    and the mask show (`varlen_documents`); and the rows without a visible key zeroed and cleared
+    (`check_row_masks`)."""
+    _, _, T, N = probs.shape
+    if N == T:
+        raise Refused(f"3-D scores [H, T, T] over the packed tokens themselves (T = {T}): dense or windowed "
+                      "attention, not compressed keys")
+    mask, sense = probs.masks["inf"]
+    filled = evaluate_written(mask, "visibility mask")
+    if filled.dtype != torch.bool:
+        raise Refused(f"the visibility mask is {filled.dtype}, not bool")
+    keep = as_grid(~filled if sense else filled, T, N, "visibility mask").cpu()
+    seen_at = keep.int().argmax(0)  # [N]: the first query that sees each key
+    starts, l = varlen_windows(probs.k, T, seen_at, "keys")
+    v_starts, v_l = varlen_windows(v, T, seen_at, "values")
+    if v_l != l or not torch.equal(v_starts, starts):
+        j = int((v_starts != starts).nonzero()[0]) if v_l == l else 0
+        raise Refused(f"the compressed keys and values of the packed tokens are pooled from different windows (key "
+                      f"{j}: tokens [{int(starts[j])}, {int(starts[j]) + l}) and [{int(v_starts[j])}, "
+                      f"{int(v_starts[j]) + v_l}); probed)")
+    if len(set(starts.tolist())) != N:
+        raise Refused("two compressed keys of the packed tokens are pooled from the same window")
+    found, why = None, None
+    for node, pos in constant_positions(probs.softmax.graph, T):
+        stride = math.gcd(*pos[starts].tolist()) or T
+        if varlen_mismatch(keep, starts, l, pos, stride) is None:
+            found = (node, pos, stride)
+            break
+    if found is None:
+        pos, stride = varlen_documents(keep, starts, l)
+        why = varlen_mismatch(keep, starts, l, pos, stride)
+        if why is not None:
+            raise Refused(why)
+        found = (None, pos, stride)
+
+    def grid(node: fx.Node, what: str) -> torch.Tensor:
+        return as_grid(evaluate_written(node, what), T, N, what).cpu()[None]
+
+    check_row_masks(probs, grid, keep[None], f"rows without a visible key (the first {l - 1} tokens of each document)")
+    node, pos, stride = found
+    return Varlen(l, stride, tuple(pos.tolist()), tuple(starts.tolist()), node)
+
+
+def constant(graph: fx.Graph, target, *args, like: fx.Node, anchor: fx.Node, **kwargs) -> fx.Node:
+    """Insert `target(*args, **kwargs)`, a tensor made from python values only, before `anchor`,
+    its fake value made in the fake mode of `like`'s value."""
+    with graph.inserting_before(anchor):
+        node = graph.call_function(target, args, kwargs)
+    with value(like).fake_mode:
+        node.meta["example_value"] = target(*args, **kwargs)
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in anchor.meta:
+            node.meta[key] = anchor.meta[key]
+    return node
+
+
+def rewrite_varlen(graph: fx.Graph, plan: dict) -> None:
+    """p @ v over packed tokens -> the op's packed form on one row of T tokens: q [1, H, T, D] (a
+    view), K/V [1, G, T - l + 1, D] with key j copied into its slot (zeros elsewhere: no query
+    sees them), the constant positions [1, T]; o [1, H, T, Dv][0] replaces p @ v [H, T, Dv]."""
+    probs, pv, seen = plan["probs"], plan["pv"], plan["varlen"]
+    T = probs.shape[2]
+    Tc = T - seen.block + 1
+    device = value(probs.q).device
+    slots = constant(graph, torch.tensor, list(seen.slots), like=probs.q, anchor=pv, dtype=torch.int64, device=device)
+    pos = seen.pos_node or constant(graph, torch.tensor, [list(seen.pos)], like=probs.q, anchor=pv, dtype=torch.int64,
+                                    device=device)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    if order[pos] > order[pv]:  # the window's constant (it reads nothing) may come later: before its new use
+        pv.prepend(pos)
+
+    def in_slots(x: fx.Node) -> fx.Node:  # [G, N, D] -> [1, G, Tc, D]
+        G, _, D = concrete(value(x).shape)
+        zeros = call(graph, torch.Tensor.new_zeros, x, (G, Tc, D), anchor=pv)
+        return call(graph, torch.unsqueeze, call(graph, torch.index_copy, zeros, 1, slots, x, anchor=pv), 0,
+                    anchor=pv)
+
+    q = call(graph, torch.unsqueeze, probs.q, 0, anchor=pv)
+    both = call(graph, torch.ops.nsa.compressed_attention, q, in_slots(probs.k), in_slots(plan["v"]), seen.block,
+                seen.stride, probs.scale, plan["backend"], pos, anchor=pv)
+    out = call(graph, operator.getitem, call(graph, operator.getitem, both, 0, anchor=pv), 0, anchor=pv)
+    pv.replace_all_uses_with(out)
+    erase_replaced(graph, [pv], [plan["cast"] or probs.p])
 
 
 class CompressedAttention(RewritePass):
@@ -1581,9 +2027,11 @@ class CompressedAttention(RewritePass):
     def check(self, softmax: fx.Node, subgraphs: PositionSubgraphs, data: set, requested: str = "auto") -> dict:
         probs = read_probabilities(softmax)
         pv, cast, v_rep = output_product(probs)
-        v, h_v = ungroup(v_rep)
+        rank = value(softmax).dim()  # 3: packed [T, H, D] tokens
+        v, h_v = ungroup(v_rep) if rank == 4 else unrepeat_heads(v_rep)
         vv = value(v)
-        if h_v != probs.h or vv is None or vv.dim() != 4 or not same_shape(vv.shape[:3], value(probs.k).shape[:3]):
+        if (h_v != probs.h or vv is None or vv.dim() != rank
+                or not same_shape(vv.shape[:rank - 1], value(probs.k).shape[:rank - 1])):
             raise Refused(f"the compressed values {None if vv is None else tuple(vv.shape)} (x{h_v}) do not match "
                           f"the keys {tuple(value(probs.k).shape)} (x{probs.h})")
         if not vv.is_floating_point():
@@ -1594,6 +2042,8 @@ class CompressedAttention(RewritePass):
             raise Refused(f"the {value(probs.p).dtype} probabilities multiply {vv.dtype} V without a cast")
         if value(probs.q).dtype != value(probs.k).dtype:
             raise Refused("q and the compressed keys differ in dtype")
+        if rank == 3:
+            return self.check_varlen(probs, pv, cast, v, requested)
         seen = verify_at_probe_sizes(probs, v, data, subgraphs)
         fakes = (value(probs.q), value(probs.k), vv, seen.intercept, seen.stride)
         pos = None if seen.pos is None else value(seen.pos)
@@ -1613,7 +2063,35 @@ class CompressedAttention(RewritePass):
                 "why_not_triton": why_not_triton(*fakes, pos, seen.q_offset) if requested == "auto"
                 else f"compressed_attention_backend={requested!r} in OptimizeConfig"}
 
+    @staticmethod
+    def check_varlen(probs: Probabilities, pv: fx.Node, cast: fx.Node | None, v: fx.Node, requested: str) -> dict:
+        """The plan for 3-D scores over packed tokens (`verify_varlen`), the backend chosen for the
+        tensors the rewrite makes (one row of T tokens, a slot per token)."""
+        probs = dataclasses.replace(probs, shape=concrete(probs.shape))
+        seen = verify_varlen(probs, v)
+        _, H, T, _ = probs.shape
+        (G, _, Dk), Dv = concrete(value(probs.k).shape), concrete(value(v).shape)[-1]
+        qv, kv, vv = value(probs.q), value(probs.k), value(v)
+        with qv.fake_mode:  # the op's inputs as the rewrite makes them
+            fakes = (qv.new_empty(1, H, T, Dk), kv.new_empty(1, G, T - seen.block + 1, Dk),
+                     vv.new_empty(1, G, T - seen.block + 1, Dv), seen.block, seen.stride)
+            pos = torch.zeros(1, T, dtype=torch.int64, device=qv.device)
+        try:
+            backend = choose_backend(*fakes, requested, pos)
+        except ValueError as why:
+            raise Refused(f"OptimizeConfig(compressed_attention_backend={requested!r}): {why}") from None
+        documents = len({s - seen.pos[s] for s in seen.slots})  # the document starts of the keys
+        return {"probs": probs, "v": v, "pv": pv, "cast": cast, "block": seen.block, "stride": seen.stride,
+                "varlen": seen, "backend": backend, "pos": None,
+                "variant": f", packed [T, H, D] tokens (3-D scores, {len(seen.slots)} per-document keys in slots of "
+                           f"{T - seen.block + 1}, {documents} documents with a block)",
+                "why_not_triton": why_not_triton(*fakes, pos) if requested == "auto"
+                else f"compressed_attention_backend={requested!r} in OptimizeConfig"}
+
     def rewrite(self, graph: fx.Graph, plan: dict) -> None:
+        if "varlen" in plan:
+            rewrite_varlen(graph, plan)
+            return
         probs, pv = plan["probs"], plan["pv"]
         args = (probs.q, probs.k, plan["v"], plan["intercept"], plan["stride"], probs.scale, plan["backend"])
         if plan["pos"] is not None:  # packed documents: the positions go with it

@@ -38,6 +38,11 @@ lucidrains' rule (the op's rule='lucidrains'; tests/corpus/lucidrains_*.py): a t
 only by `> 1e-10`. Read as a computation (`LucidrainsChoice`): the region from q and the compressed
 keys is evaluated on probe values against the op's `lucidrains_probabilities`; see that class.
 
+Packed [T, H, D] tokens (tests/corpus/xunhaolai_varlen.py): a topk over a 3-D key [G, T, Ns]
+computed from the 3-D compressed probabilities that compressed_attention rewrote into the op's
+packed form is read as a computation (`VarlenChoice`): the region from p to the block ids is run
+on probes against `nsa.select_blocks(.., pos)` and replaced by it.
+
 Casts and autocast (issue 17: the rounding is a parameter of the op, not a refusal). Casts of p
 that keep its dtype (fp32 `.to(float32)`, `.float()`) are read through. Under torch.autocast (bf16
 or fp16) eager's `p @ overlap` runs in the autocast dtype, and canonicalize writes autocast's casts
@@ -132,8 +137,9 @@ Refuses (graph unchanged), with the reason shown by `explain`:
 - a key over an unmasked softmax whose +-inf fills hide no block after block 0 in any query row
   (t = 0 then ranks blocks of later tokens: the choice reads the future, non-causal; the masks are
   evaluated at compile time, zeros_like / ones_like taken as the constants they are);
-- a sort or topk over a 3-D key computed from 3-D softmax probabilities (varlen [H, T, ..] scores
-  with no batch dim: compressed_attention's `unbatched` reason);
+- a topk over a 3-D key computed from 3-D softmax probabilities (varlen [H, T, ..] scores with no
+  batch dim) that `VarlenChoice` does not read: its compressed branch not rewritten, data other
+  than p read, or a choice that differs from the op's on a probe (named: probe, group, token);
 - packed: a block map or mask that reads data other than the compressed op's pos, or that differs
   from NSA's per-document rules on a probe (slots counted from the row start instead of pos[s];
   forced or candidate blocks from t instead of pos[t]; an off-by-one).
@@ -536,6 +542,7 @@ class SelectBlocks(RewritePass):
 
     def __init__(self):
         self.lucidrains = LucidrainsChoice()
+        self.varlen = VarlenChoice()
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         subgraphs, data, probes = cmp.PositionSubgraphs(Sizes.of(graph)), cmp.data_nodes(graph), PackedProbes()
@@ -547,7 +554,16 @@ class SelectBlocks(RewritePass):
                 continue
             key = value(first_arg(node))
             if key is not None and key.is_floating_point() and (why := unbatched_key(node)) is not None:
-                ctx.refused(node, why)
+                try:  # packed [T, H, D] tokens: read as a computation
+                    plan = self.varlen.check(node, requested)
+                except Refused as varlen_why:
+                    ctx.refused(node, f"{why}; read as a varlen choice: {varlen_why}")
+                    continue
+                self.varlen.rewrite(graph, plan)
+                data = cmp.data_nodes(graph)
+                why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
+                ctx.matched(node, KERNEL.format(block=plan["block"], n=plan["n"], backend=plan["backend"],
+                                                packed=VARLEN, note=TOPK_NOTE, why=why))
                 continue
             if key is None or key.dim() != 4 or not key.is_floating_point():
                 continue  # the ascending sort of the chosen ids, or a sort of something else
@@ -1595,6 +1611,163 @@ class LucidrainsChoice:
         plan["keep"].replace_all_uses_with(call(graph, torch.ge, top, 0, anchor=ranking))
         plan["selected"].replace_all_uses_with(call(graph, torch.clamp, top, anchor=ranking, min=0))
         erase_replaced(graph, [plan["keep"], plan["values"], plan["selected"], ranking], [plan["p"]])
+
+
+# --- packed [T, H, D] tokens (varlen): a block choice over 3-D compressed probabilities -----------
+
+# A varlen block choice is verified on this many random probes of q and the compressed keys.
+VARLEN_PROBES = 2
+VARLEN = ", packed [T, H, D] tokens (3-D: the choice evaluated on probes against the op, per document (pos))"
+
+
+class VarlenChoice:
+    """A block choice over the 3-D compressed probabilities p [H, T, N] of packed tokens
+    (tests/corpus/xunhaolai_varlen.py: the group sum `p.view(G, h, T, N).sum(1)`, each document's
+    keys scattered into per-document columns by `x[:, a:b, :n] = ...`, the overlap weights as
+    strided sums written in place, the forced blocks by boolean-mask assignments, then
+    `topk(n).indices.sort(-1).values` and `ids[ids > q_block] = -1`) after compressed_attention
+    rewrote that branch into the op's packed form (one row of T tokens, a slot per token, pos).
+
+    Read as a computation, not a spelling: the region from p to the block ids the rest of the
+    graph reads (the ids after the in-place writes into them; `cmp.written_region`, the writes
+    included) may read nothing but p and positions. It is run on VARLEN_PROBES random float64
+    probes of q and the compressed keys (p from the graph's own compressed branch, run on the same
+    probes) and must give exactly `nsa.select_blocks(q, k_slots, lse, l, d, l', n, scale,
+    'reference', pos)` (lse from `nsa.compressed_attention` on the same probes), with n the
+    top-k's k and l' the block size whose count ceil(longest document / l') is the key's width
+    (each candidate tried; the first that matches every probe). A check on probes: float64
+    probabilities have no ties but exact zeros, and the op's importance is exp(s - lse) with a
+    float32 lse (~1e-7 relative), so a probe can differ only on near ties, which random probes
+    do not hold; at the model's own float32 values the choice differs from eager's where eager's
+    softmax and exp(s - lse) rank two blocks within float32 rounding the other way (the topk
+    note). Static sizes only (the documents are constants of the graph)."""
+
+    def check(self, ranking: fx.Node, requested: str) -> dict:
+        if op_name(ranking) != "topk":
+            raise Refused("a varlen block choice is read from its topk (a sort of a 3-D key is not)")
+        key, n = first_arg(ranking), arg(ranking, 1, "k")
+        if not isinstance(n, int) or arg(ranking, 3, "largest", True) is not True:
+            raise Refused("the varlen topk does not take the n largest keys (k a constant, largest=True)")
+        softmaxes = [s for s in block_choice.written_from(key) if op_name(s) == "softmax"
+                     and value(s) is not None and value(s).dim() == 3]
+        if len(softmaxes) != 1:
+            raise Refused(f"the 3-D ranking key is computed from {len(softmaxes)} 3-D softmaxes, not one")
+        probs = cmp.read_probabilities(softmaxes[0])
+        comp = varlen_compressed_op(probs)
+        final = varlen_ids(ranking)
+        order = {node: i for i, node in enumerate(ranking.graph.nodes)}
+        writes = cmp.writes_into(final, len(order), order)  # ids[ids > q_block] = -1
+        feeds_writes = ancestors(writes, stop=final) - {final}
+        consumers = [u for u in final.users if u not in feeds_writes and u not in writes]
+        if not consumers:
+            raise Refused("the varlen block ids are read by nothing")
+        anchor = min(consumers, key=order.__getitem__)
+        if any(order[w] > order[anchor] for w in writes):
+            raise Refused("the varlen block ids are written in place after they are first read")
+        region = cmp.written_region([final], "varlen block choice", leaves={probs.p}, before=order[anchor])
+        G, T, width = cmp.concrete(value(key).shape)
+        if cmp.concrete(value(final).shape) != (G, T, n) or value(final).dtype != torch.int64:
+            raise Refused(f"the varlen block ids are {tuple(value(final).shape)} {value(final).dtype}, not int64 "
+                          f"[G, T, n] = {(G, T, n)}")
+        block = self.verify(probs, comp, region, final, n, width)
+        q4, k4, _, l, d, scale, _, pos = comp.args
+        lse = next((u for u in comp.users if op_name(u) == "getitem" and u.args[1] == 1), None)
+        with value(q4).fake_mode:
+            fake_lse = value(q4).new_empty(cmp.concrete(value(q4).shape)[:3], dtype=torch.float32)
+        try:
+            backend = choose_backend(value(q4), value(k4), fake_lse, l, d, block, n, requested, value(pos))
+        except ValueError as why:
+            raise Refused(f"OptimizeConfig(select_blocks_backend={requested!r}): {why}") from None
+        return {"comp": comp, "lse": lse, "final": final, "consumers": consumers, "anchor": anchor, "block": block,
+                "n": n, "backend": backend, "region": region, "p": probs.p,
+                "why_not_triton": why_not_triton(value(q4), value(k4), fake_lse, l, d, block, n, value(pos))
+                if requested == "auto" else f"select_blocks_backend={requested!r} in OptimizeConfig"}
+
+    @staticmethod
+    def verify(probs: cmp.Probabilities, comp: fx.Node, region: list, final: fx.Node, n: int, width: int) -> int:
+        """l': the block size for which the region gives the op's ids on every probe (Refused
+        naming the first probe and query that differ)."""
+        _, k4, _, l, d, scale, _, pos_node = comp.args
+        # on the graph's device: the region makes its constants there (torch.zeros(.., device=..))
+        slots = cmp.evaluate_written(k4.args[0].args[2], "compressed key slots")
+        pos = cmp.evaluate_written(pos_node, "positions")
+        longest = int(pos.max()) + 1
+        blocks = [b for b in range(1, longest + 1) if -(-longest // b) == width] or \
+                 [b for b in range(d, longest + 1, d)]
+        p_region = cmp.written_region([probs.p], "compressed probabilities", leaves={probs.q, probs.k})
+        gen = torch.Generator().manual_seed(0)
+        (H, T, Dk), (G, N, _) = cmp.concrete(value(probs.q).shape), cmp.concrete(value(probs.k).shape)
+        failures = {}
+        for i in range(VARLEN_PROBES):
+            q = torch.randn(H, T, Dk, generator=gen, dtype=torch.float64, device="cpu").to(pos.device)
+            k = torch.randn(G, N, Dk, generator=gen, dtype=torch.float64, device="cpu").to(pos.device)
+            p = cmp.run_written(p_region, "compressed probabilities", {probs.q: q, probs.k: k})[probs.p]
+            got = cmp.run_written(region, "varlen block choice", {probs.p: p})[final]
+            k_slots = k.new_zeros(G, T - l + 1, Dk).index_copy(1, slots, k)[None]
+            lse = torch.ops.nsa.compressed_attention(q[None], k_slots, k_slots, l, d, scale, "reference", pos)[1]
+            for block in list(blocks):
+                want = torch.ops.nsa.select_blocks(q[None], k_slots, lse, l, d, block, n, scale, "reference", pos)[0]
+                if not torch.equal(got, want):
+                    if block not in failures:
+                        g, t = (int(x) for x in (got != want).any(-1).nonzero()[0])
+                        failures[block] = (f"on probe {i}, group {g}, token {t} (position {int(pos[0, t])}): "
+                                           f"{got[g, t].tolist()}, the op's {want[g, t].tolist()}")
+                    blocks.remove(block)
+        if not blocks:
+            tried = "; ".join(f"l'={b}: {why}" for b, why in failures.items())
+            raise Refused(f"the varlen block choice differs from nsa.select_blocks (l={l}, d={d}, n={n}, per document) "
+                          f"for every l' that gives its {width} blocks ({tried})")
+        return blocks[0]
+
+    @staticmethod
+    def rewrite(graph: fx.Graph, plan: dict) -> None:
+        comp, anchor = plan["comp"], plan["anchor"]
+        q4, k4, _, l, d, scale, _, pos = comp.args
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        lse = plan["lse"]
+        if lse is None or order[lse] > order[anchor]:
+            lse = call(graph, operator.getitem, comp, 1, anchor=anchor)
+        chosen = call(graph, torch.ops.nsa.select_blocks, q4, k4, lse, l, d, plan["block"], plan["n"], scale,
+                      plan["backend"], pos, anchor=anchor)
+        ids = call(graph, operator.getitem, chosen, 0, anchor=anchor)  # [G, T, n]
+        for user in plan["consumers"]:
+            user.replace_input_with(plan["final"], ids)
+        # the choice, then the compressed probabilities and scores (the op computes them from the lse)
+        cmp.erase_dead(graph, set(plan["region"]) | {n for n in block_choice.written_from(plan["p"])
+                                                       if n.op in ("call_function", "call_method")})
+
+
+def varlen_compressed_op(probs: cmp.Probabilities) -> fx.Node:
+    """The nsa.compressed_attention node compressed_attention wrote for these 3-D probabilities:
+    q [1, H, T, D] = q.unsqueeze(0), K the slots index_copy'd from these compressed keys."""
+    targets = (torch.ops.nsa.compressed_attention, torch.ops.nsa.compressed_attention.default)
+    for view in probs.q.users:
+        if op_name(view) != "unsqueeze":
+            continue
+        for op in view.users:
+            k4 = op.args[1] if op.op == "call_function" and op.target in targets and len(op.args) == 8 else None
+            copy = first_arg(k4) if isinstance(k4, fx.Node) and op_name(k4) == "unsqueeze" else None
+            if (op.args[0] is view and isinstance(copy, fx.Node) and op_name(copy) == "index_copy"
+                    and copy.args[3] is probs.k and op.args[5] == probs.scale):
+                return op
+    raise Refused("compressed_attention did not rewrite the 3-D compressed branch this choice reads (its reason is "
+                  "in explain)")
+
+
+def varlen_ids(ranking: fx.Node) -> fx.Node:
+    """The block ids node: topk(..).indices, optionally `.sort(-1).values` (the ids ascending);
+    the in-place writes into it are read with the region."""
+    indices = [u for u in ranking.users if op_name(u) == "getitem" and u.args[1] == 1]
+    if len(indices) != 1 or any(op_name(u) != "getitem" or u.args[1] not in (0, 1) for u in ranking.users):
+        raise Refused("the varlen topk's indices are not read once (its values elsewhere)")
+    node = indices[0]
+    users = list(node.users)
+    if len(users) == 1 and op_name(users[0]) == "sort":
+        values = [u for u in users[0].users if op_name(u) == "getitem" and u.args[1] == 0]
+        if len(values) != 1 or len(users[0].users) != 1:
+            raise Refused("the sorted varlen block ids are not read once")
+        node = values[0]
+    return node
 
 
 PASS = SelectBlocks()

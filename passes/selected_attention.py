@@ -32,6 +32,11 @@ Also read (issue 17: fla's and Hugging Face's code, tests/corpus):
   g): the rewrite orders q's heads by group for the op (g * h + r) and the output back, and the
   probes check the mask per tiled group.
 
+Packed [T, H, D] tokens (tests/corpus/xunhaolai_varlen.py; `VarlenSelected`): dense 3-D scores
+[H, T, T] under a bool mask built from `nsa.select_blocks`' packed ids (select_blocks rewrote the
+model's choice) and positions, checked on probe block choices drawn as that op draws them, becomes
+the op on q[None], K[None], V[None] with the ids and the select_blocks op's positions.
+
 A chunk of queries (issue 17): q = q_full[:, :, a:b] (`compressed_attention.query_rows`) with K/V
 gathered by torch.gather from q_full's whole sequence [B, G, L, D]: the probes then put row r at
 token a + r (ids up to ceil(L / l') + 1, kept tokens <= a + r, the gather inside [0, L)), and the
@@ -136,6 +141,7 @@ from nsa_compile.ops.selection import selected_attention as selected_attention_o
 from nsa_compile.rewrite import PassContext, RewritePass
 from nsa_compile.sizes import Sizes, is_size
 
+from . import compressed_attention as cmp
 from .compressed_attention import query_rows
 
 # The probes evaluate the position-only subgraphs at the real shape, on the device of the graph's
@@ -771,6 +777,17 @@ class SelectedAttention(RewritePass):
             if op_name(softmax) != "softmax" or softmax.graph is not graph or softmax._erased:
                 continue
             order = {node: i for i, node in enumerate(graph.nodes)}  # graph positions (rewrites add nodes)
+            if value(softmax) is not None and value(softmax).dim() == 3:  # packed [T, H, D] tokens
+                try:
+                    plan = VarlenSelected.check(softmax, ctx.config.backend("selected_attention"))
+                    VarlenSelected.rewrite(graph, plan)
+                except Refused as why:
+                    ctx.refused(softmax, f"3-D scores over packed tokens: {why}")
+                    continue
+                why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
+                ctx.matched(softmax, KERNEL.format(block=plan["block"], n=plan["n"], backend=plan["backend"],
+                                                   heads=GQA_NATIVE, packed=VARLEN_TEXT, empty="", why=why))
+                continue
             try:
                 fine = LucidrainsFine.region_of(softmax)  # lucidrains' fine branch over his choice's ids
                 if fine is not None:
@@ -1248,6 +1265,150 @@ class LucidrainsFine:
                     plan["scale"], plan["backend"], anchor=out)
         out.replace_all_uses_with(call(graph, operator.getitem, both, 0, anchor=out))
         erase_replaced(graph, list(reversed(plan["nodes"])), [])
+
+
+# --- packed [T, H, D] tokens (varlen): dense 3-D attention under a mask built from the block ids ----
+
+# A varlen selected branch is checked on this many probe block choices.
+VARLEN_PROBES = 3
+INF = float("inf")
+VARLEN_TEXT = ", packed [T, H, D] tokens (3-D scores under a block mask, checked on probe block choices)"
+
+
+class VarlenSelected:
+    """The selected branch over packed tokens (tests/corpus/xunhaolai_varlen.py): dense 3-D scores
+    [H, T, T] = q [H, T, D] @ K^T (K [G, T, D] repeat_interleave'd over the group's heads) under
+    a bool mask [H, T, T] built from the block ids of `nsa.select_blocks` (select_blocks rewrote
+    the model's choice: its [1, G, T, n] output, read as ids[0]) and positions (per document: the
+    ids scattered into per-document block masks, repeated over each block's l' tokens, written
+    into the [G, T, T] mask by `mask[:, a:b, a:b] = ...`, then `tril` and the heads' repeat),
+    softmax, p @ V.
+
+    Read as a computation: the mask's region (`cmp.written_region`: the writes into it included)
+    may read nothing but those ids and positions; it is evaluated on VARLEN_PROBES block choices
+    drawn as the op draws them (block 0 and the query's current and previous blocks of its
+    document forced, the other blocks up to the current one ranked by random importance, the
+    first n kept, ascending, -1 padded: so block 0 is always there, and a model that maps -1 to
+    block 0, as this one does by clamp(min=0), attends as the op does) and must be, for every
+    head of each group, exactly the op's visibility: token s for query t iff s <= t and s lies in
+    a chosen block of t's document, (s - (t - pos[t])) // l' in ids (the select_blocks op's pos).
+    A check on probe choices, exact for the documents at this shape (static sizes only). Every
+    row keeps its own document's first token (block 0), so no row is empty and eager has no NaN.
+    Becomes `nsa.selected_attention(q[None], K[None], V[None], ids, l', scale, backend, pos)[0][0]`."""
+
+    @staticmethod
+    def check(softmax: fx.Node, requested: str) -> dict:
+        probs = cmp.read_probabilities(softmax)
+        if set(probs.masks) != {"inf"}:
+            raise Refused("the 3-D scores over packed tokens have a zero fill or a mask after the softmax: rows "
+                          "without a key (not a selected branch over nsa.select_blocks' ids, which keep a token each)")
+        pv, cast, v_rep = cmp.output_product(probs)
+        v, h_v = cmp.unrepeat_heads(v_rep)
+        _, H, T, keys = cmp.concrete(probs.shape)
+        kv, vv = value(probs.k), value(v)
+        if (h_v != probs.h or vv is None or vv.dim() != 3 or keys != T
+                or cmp.concrete(vv.shape)[:2] != cmp.concrete(kv.shape)[:2]):
+            raise Refused(f"the 3-D scores [H, T, {keys}] are not over the packed tokens' K/V [G, T = {T}, D] "
+                          "(repeated alike)")
+        if cast is not None and value(cast).dtype != vv.dtype or cast is None and value(probs.p).dtype != vv.dtype:
+            raise Refused(f"the probabilities multiply {vv.dtype} V without a cast to it")
+        mask, sense = probs.masks["inf"]
+        ids, region = VarlenSelected.block_ids(mask)
+        block, n, pos = ids.args[5], ids.args[6], ids.args[9]
+        VarlenSelected.verify(region, mask, sense, ids, H, probs.h, T, block, n, pos)
+        with value(probs.q).fake_mode:  # the op's inputs as the rewrite makes them
+            fakes = (value(probs.q)[None], kv[None], vv[None], value(ids), block)
+        try:
+            backend = choose_backend(*fakes, requested, value(pos))
+        except ValueError as why:
+            raise Refused(f"OptimizeConfig(selected_attention_backend={requested!r}): {why}") from None
+        return {"probs": probs, "v": v, "pv": pv, "cast": cast, "ids": ids, "block": block, "n": n, "pos": pos,
+                "region": region, "backend": backend,
+                "why_not_triton": why_not_triton(*fakes, value(pos)) if requested == "auto"
+                else f"selected_attention_backend={requested!r} in OptimizeConfig"}
+
+    @staticmethod
+    def block_ids(mask: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+        """(the nsa.select_blocks node, packed form, whose ids the mask reads; the mask's region
+        from it, `cmp.written_region`): Refused where the mask reads no such ids, or other data."""
+        targets = (torch.ops.nsa.select_blocks, torch.ops.nsa.select_blocks.default)
+        choosers = {n for n in mask.graph.nodes if n.op == "call_function" and n.target in targets}
+        if not choosers:
+            raise Refused("no nsa.select_blocks ids are in the graph for the mask of the 3-D scores over packed tokens "
+                          "to read (select_blocks did not rewrite a block choice: its reason is in explain)")
+        region = cmp.written_region([mask], "mask of the 3-D scores over packed tokens", leaves=choosers)
+        found = {x for node in region for x in node.all_input_nodes if x in choosers}
+        if len(found) != 1:
+            raise Refused("the mask of the 3-D scores over packed tokens reads " + (
+                "no nsa.select_blocks ids (select_blocks did not rewrite the block choice: its reason is in explain)"
+                if not found else f"{len(found)} nsa.select_blocks results"))
+        chooser = found.pop()
+        if len(chooser.args) != 10 or not isinstance(chooser.args[9], fx.Node) or chooser.kwargs:
+            raise Refused("the block ids the mask reads are not nsa.select_blocks' packed form (pos, rule 'nsa')")
+        return chooser, region
+
+    @staticmethod
+    def probe_ids(pos: torch.Tensor, G: int, block: int, n: int, gen: torch.Generator) -> torch.Tensor:
+        """[1, G, T, n] block ids as nsa.select_blocks draws them with random importance (rule
+        'nsa': blocks 0, cur, cur - 1 forced, the candidates j <= cur ranked, first n, ascending,
+        -1 padded), cur = pos[t] // l'."""
+        T = pos.shape[1]
+        cur = (pos[0] // block)[:, None]  # [T, 1]
+        Ns = int(cur.max()) + 1
+        j = torch.arange(max(Ns, n), device="cpu")[None, :]
+        key = torch.rand(G, T, j.shape[1], generator=gen, dtype=torch.float64, device="cpu")
+        forced = (j == 0) | (j == cur) | (j == cur - 1)
+        key = torch.where(forced, INF, torch.where(j <= cur, key, -INF))
+        values, order = torch.sort(key, dim=-1, descending=True, stable=True)
+        chosen = torch.where(values[..., :n] > -INF, order[..., :n], Ns + n)
+        chosen = torch.sort(chosen, dim=-1).values
+        return torch.where(chosen == Ns + n, -1, chosen)[None]
+
+    @staticmethod
+    def verify(region: list, mask: fx.Node, sense, ids: fx.Node, H: int, h: int, T: int, block: int, n: int,
+               pos_node: fx.Node) -> None:
+        """Refused unless the mask on every probe choice is the op's visibility for every head."""
+        pos = cmp.evaluate_written(pos_node, "positions").cpu()
+        G = H // h
+        gen = torch.Generator().manual_seed(0)
+        t = torch.arange(T, device="cpu")[:, None]
+        s = torch.arange(T, device="cpu")[None, :]
+        start = t - pos[0][:, None]  # [T, 1]: each query's document start
+        for i in range(VARLEN_PROBES):
+            chosen = VarlenSelected.probe_ids(pos, G, block, n, gen)
+            # on the graph's device: the region makes its constants there (torch.zeros(.., device=..))
+            filled = cmp.run_written(region, "selected branch's mask", {ids: chosen.to(value(ids).device)})[mask]
+            if filled.dtype != torch.bool:
+                raise Refused(f"the mask of the 3-D scores is {filled.dtype}, not bool")
+            try:
+                keep = torch.broadcast_to(~filled if sense else filled, (H, T, T)).cpu()
+            except RuntimeError:
+                raise Refused(f"the mask {tuple(filled.shape)} is not [H, T, T] = {(H, T, T)}") from None
+            offset = s - start  # [T, T]: token s's position in t's document (< 0 before it)
+            picked = chosen[0][:, :, None, :] >= 0  # [G, T, 1, n]
+            in_block = (offset[None, :, :, None] // block == chosen[0][:, :, None, :]) & (offset >= 0)[None, :, :, None]
+            want = ((in_block & picked).any(-1) & (s <= t)[None]).repeat_interleave(h, 0)  # [H, T, T]
+            if not torch.equal(keep, want):
+                head, query, key = (int(x) for x in (keep != want).nonzero()[0])
+                seen = "sees" if bool(keep[head, query, key]) else "hides"
+                raise Refused(f"the mask of the 3-D scores over packed tokens differs from nsa.selected_attention's "
+                              f"visibility (l'={block}, per document) on probe block choice {i}: head {head}, query "
+                              f"t={query} (position {int(pos[0, query])}, blocks {chosen[0, head // h, query].tolist()}) "
+                              f"{seen} token {key}")
+
+    @staticmethod
+    def rewrite(graph: fx.Graph, plan: dict) -> None:
+        probs, pv = plan["probs"], plan["pv"]
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        if order[plan["ids"]] > order[pv]:
+            raise Refused("the block ids are computed after the selected branch")
+        q, k, v = (call(graph, torch.unsqueeze, x, 0, anchor=pv) for x in (probs.q, probs.k, plan["v"]))
+        both = call(graph, torch.ops.nsa.selected_attention, q, k, v, plan["ids"], plan["block"], probs.scale,
+                    plan["backend"], plan["pos"], anchor=pv)
+        out = call(graph, operator.getitem, call(graph, operator.getitem, both, 0, anchor=pv), 0, anchor=pv)
+        pv.replace_all_uses_with(out)
+        erase_replaced(graph, [pv], [plan["cast"] or probs.p])
+        cmp.erase_dead(graph, set(plan["region"]))
 
 
 PASS = SelectedAttention()

@@ -403,8 +403,9 @@ class VarlenChoice(nn.Module):
 
 def test_a_varlen_key_without_batch_dim_is_refused_with_its_reason():
     """Issue 17.4: a top-k over 3-D varlen block scores is a near miss of select_blocks with
-    compressed_attention's reason for 3-D softmaxes (not 'no pass recognized this form'); the
-    graph keeps its topk."""
+    compressed_attention's reason for 3-D softmaxes (not 'no pass recognized this form'), then why
+    it is not read as a varlen choice (tests/test_varlen_3d.py: here its softmax is no compressed
+    branch, no p @ v); the graph keeps its topk."""
     gen = torch.Generator().manual_seed(0)
     args = tuple(torch.randn(16, 2, 8, generator=gen) for _ in range(2))
     want, got, optimized = run_both(VarlenChoice(), args)
@@ -413,7 +414,8 @@ def test_a_varlen_key_without_batch_dim_is_refused_with_its_reason():
     (why,) = r["reasons"]
     assert why.startswith("the ranking key [2, 16, 4] is computed from 3-D scores [2, 16, 4] with no batch dim "
                           "(packed [T, H, D] tokens, as in a varlen layout with cu_seqlens"), why
-    assert why.endswith("select_blocks reads a [B, G, S, Ns] key"), why
+    assert why.endswith("select_blocks reads a [B, G, S, Ns] key; read as a varlen choice: compressed_attention did "
+                        "not rewrite the 3-D compressed branch this choice reads (its reason is in explain)"), why
     record = only_graph(optimized)
     assert record.code_after.count("topk(") == 1 and "select_blocks" not in record.code_after
     assert torch.equal(got, want)
