@@ -88,6 +88,12 @@ gqa_expand
     At symbolic sizes the shapes are compared as sizes (equal for every value of the symbols); h
     must be a number.
 
+gqa_cast
+    A float cast of a `repeat_interleave` copy (`kc.repeat_interleave(h, 1).to(torch.bfloat16)`, the
+    cast CUDA autocast makes on a float32 K/V copy before its matmul) is moved before the copy:
+    `kc.to(torch.bfloat16).repeat_interleave(h, 1)`, exact (a cast is elementwise), so the copy sits
+    next to the product where the passes read it.
+
 key_layout
     Scores `q @ k.permute(0, 2, 3, 1)`, whose permute also swaps the last two dims, become
     `q @ k.permute(0, 2, 1, 3).transpose(-1, -2)`: the same tensor.
@@ -1397,6 +1403,29 @@ def key_transpose(graph: fx.Graph, softmax: fx.Node) -> str | None:
     return "key_layout: keys permuted with their last two dims swapped -> permute, then transpose(-1, -2)"
 
 
+def cast_past_copy(graph: fx.Graph, node: fx.Node) -> str | None:
+    """The `gqa_cast` rule: x.repeat_interleave(h, d).to(dtype) -> x.to(dtype).repeat_interleave(h, d)
+    for a float-to-float cast (CUDA autocast casts a float32 K/V copy to bf16 right before its
+    matmul): the copy then sits next to the product, where the passes read it. Exact: a cast is
+    elementwise, so it commutes with the copy (and reads 1/h of the elements). The copy stays for
+    its other users."""
+    rep = first(node)
+    if op_name(node) not in ("to", "float", "half", "bfloat16", "double") or op_name(rep) != "repeat_interleave":
+        return None
+    repeats, dim, x = arg(rep, 1, "repeats"), arg(rep, 2, "dim"), first(rep)
+    out, src = value(node), value(rep)
+    if (not (isinstance(repeats, int) or isinstance(repeats, fx.Node) and is_size(repeats)) or not isinstance(dim, int)
+            or not isinstance(x, fx.Node) or arg(rep, 3, "output_size") is not None or out is None or src is None
+            or not out.is_floating_point() or not src.is_floating_point() or out.device != src.device
+            or out.dtype == src.dtype):
+        return None
+    moved = call(graph, torch.Tensor.to, x, out.dtype, anchor=node)
+    new = call(graph, torch.repeat_interleave, moved, repeats, dim, anchor=node)
+    node.replace_all_uses_with(new)
+    erase_replaced(graph, [node], [])
+    return f"gqa_cast: cast to {str(out.dtype).removeprefix('torch.')} after repeat_interleave -> before it"
+
+
 def layout_past_copy(graph: fx.Graph, node: fx.Node) -> str | None:
     """The `gqa_layout` rule: permute(x.repeat_interleave(h, d)) -> permute(x).repeat_interleave(h, d'),
     where the permute moves the repeated dim d (a layout change of K/V after its GQA copy: the copy
@@ -1836,7 +1865,7 @@ class Canonicalize(RewritePass):
         sizes_off_copies(graph)
         masks = ProbeMasks()
         rules = (("autocast", ExplicitAutocast()), ("sdpa", SDPADecomposition(masks)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort),
-                 ("softmax", handwritten_softmax), ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("key_layout", key_transpose),
+                 ("softmax", handwritten_softmax), ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("gqa_cast", cast_past_copy), ("key_layout", key_transpose),
                  ("gqa_layout", layout_past_copy), ("scores", ScoreChains(masks)),
                  ("empty_rows", EmptyRows(masks)))
         for name, rule in rules:

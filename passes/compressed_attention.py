@@ -885,7 +885,13 @@ def pooling_of(probs: Probabilities, kv: fx.Node, what: str, data: set, subgraph
 def split_memory(kv: fx.Node, what: str, data: set) -> tuple[fx.Node, int]:
     """(pooled, M) for kv = torch.cat((mem, pooled), dim=2) [B, G, M + Tc, D] whose first operand
     reads no sequence data (learned memory slots: parameters, expanded over the batch); (kv, 0)
-    for anything else. Refused for memory slots computed from the sequence."""
+    for anything else. Refused for memory slots computed from the sequence. A float cast of that cat
+    (autocast's `.to(bf16)` before the score product) is the cat of the casts: read through."""
+    inner = first(kv) if op_name(kv) in ("to", "float", "half", "bfloat16") else None
+    if (isinstance(inner, fx.Node) and op_name(inner) in ("cat", "concat", "concatenate")
+            and value(kv) is not None and value(inner) is not None
+            and value(kv).is_floating_point() and value(inner).is_floating_point()):
+        kv = inner
     if op_name(kv) not in ("cat", "concat", "concatenate"):
         return kv, 0
     parts, dim = arg(kv, 0, "tensors"), arg(kv, 1, "dim", 0)
@@ -986,6 +992,11 @@ def read_probabilities(softmax: fx.Node) -> Probabilities:
         masks["zero"] = zeroed[1:]
         only_user(node, "zeroed score tensor", "the dense tensor is needed")
         node, zeroed_node = zeroed[0], node
+    up = None  # CUDA autocast: scores masked in fp16/bf16, then cast up to float32 for the softmax
+    if (name_of(node) in ("float", "to") and value(node) is not None and value(first(node)) is not None
+            and value(node).dtype == torch.float32 and value(first(node)).dtype in (torch.float16, torch.bfloat16)
+            and (fill_of(first(node), float("-inf")) is not None or large_negative_fill_of(first(node)) is not None)):
+        up, node = node, first(node)
     masked, finite_fill = fill_of(node, float("-inf")), None
     if masked is None and (large := large_negative_fill_of(node)) is not None:
         # a finite fill hides a key as -inf does on every row that keeps one (LARGE_NEGATIVE); the
@@ -1004,7 +1015,7 @@ def read_probabilities(softmax: fx.Node) -> Probabilities:
     qk = strip_upcast(raw)
     # the scores, masked or not, may have other users (lucidrains' block choice reads the masked
     # logits): they keep their [B, H, S, Tc] tensor, the op replaces the softmax and p @ v
-    chain = list(dict.fromkeys((qk, raw, scaled, node)))
+    chain = list(dict.fromkeys(n for n in (qk, raw, scaled, node, up) if n is not None))
     score_users = tuple(u for n in chain for u in n.users if u not in chain and u is not zeroed_node
                         and u is not softmax)
     if op_name(qk) not in MATMULS:
@@ -1012,7 +1023,13 @@ def read_probabilities(softmax: fx.Node) -> Probabilities:
     low, high = value(qk), value(scaled)
     if low is None or high is None:
         raise Refused("the score dtypes are unknown")
-    if high.dtype != upcast_dtype(low.dtype):
+    if up is not None:  # scaled and masked in low precision, cast up after the mask
+        if high.dtype != low.dtype or upcast_dtype(low.dtype) != torch.float32:
+            raise Refused(f"the scores are {high.dtype} from {low.dtype} q @ k^T before the cast up to float32")
+        if scale is not None and math.frexp(scale)[0] != 0.5:
+            raise Refused(f"the scores are scaled by {scale:g} in {low.dtype} before the cast up to float32: eager "
+                          "rounds s * c once more than the op (exact for a power of two only)")
+    elif high.dtype != upcast_dtype(low.dtype):
         raise Refused(f"the softmax runs in {high.dtype} on {low.dtype} scores; the op computes it in "
                       f"{upcast_dtype(low.dtype)}")
     q, kt = qk.args[0], qk.args[1]

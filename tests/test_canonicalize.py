@@ -865,3 +865,62 @@ def test_unbatched_varlen_scores_are_refused_with_their_layout(compressed):
         "compressed keys"])), r
     _, log = canonical_log(model)
     assert [r.reason for r in log.refusals if r.reason.startswith("empty_rows")] == []
+
+
+# --- gqa_cast: a float cast after a GQA copy (CUDA autocast's cast of float32 pooled keys) ----------
+
+
+class CastAfterCopy(nn.Module):
+    """The compressed branch with the casts CUDA bf16 autocast makes: q bf16, pooled K float32 (RoPE
+    with float32 tables, as tests/corpus/chunked_queries.py), copied per head, then cast to bf16 for
+    the product; V bf16. cast="sized": the copy given its output_size."""
+
+    def __init__(self, cast="bf16"):
+        super().__init__()
+        self.cast = cast
+
+    def forward(self, q, k, v):
+        kc = k.unfold(2, L, STRIDE).mean(-1).repeat_interleave(h, dim=1)
+        vc = v.to(torch.bfloat16).unfold(2, L, STRIDE).mean(-1).repeat_interleave(h, dim=1)
+        Tc, t = kc.shape[2], torch.arange(q.shape[2])
+        visible = torch.arange(Tc)[None, :] * STRIDE + L - 1 <= t[:, None]
+        if self.cast == "sized":  # the copy with output_size: not the plain copy the rule reads
+            kc = k.unfold(2, L, STRIDE).mean(-1).repeat_interleave(h, dim=1, output_size=G * h)
+        k_mm = kc.to(torch.bfloat16)
+        s = (q @ k_mm.transpose(-1, -2)).to(torch.float32) * D**-0.5
+        p = s.masked_fill(~visible, float("-inf")).softmax(-1)
+        p = p.masked_fill(~visible.any(-1, keepdim=True), 0.0)
+        return p.to(torch.bfloat16) @ vc
+
+
+def cast_inputs():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, S, D, generator=gen).to(torch.bfloat16)
+    return q, torch.randn(B, G, S, D, generator=gen), torch.randn(B, G, S, D, generator=gen)
+
+
+def test_a_cast_after_the_gqa_copy_moves_before_it_and_the_branch_fires():
+    """gqa_cast fires once (the copy of kc then feeds the product, un-repeated by the compressed
+    pass): the op present, the softmax gone, eager's output exactly (the reference backend is eager's
+    arithmetic)."""
+    module, inputs = CastAfterCopy(), cast_inputs()
+    opt = optimize_fresh(copy.deepcopy(module))
+    torch.testing.assert_close(opt(*inputs), module(*inputs), rtol=0, atol=0)
+    record, log = canonical_log(opt)
+    assert fired(opt).get("gqa_cast") == 1
+    assert re.search(r"(\w+) = torch_Tensor_to\(mean, torch\.bfloat16\).*\n\s*\w+ = torch\.repeat_interleave\(\1, 2, 1\)",
+                     log.code_after), log.code_after
+    cmp_log = log_of(record, "compressed_attention")
+    assert len(cmp_log.matches) == 1, cmp_log.refusals
+    assert "softmax" not in cmp_log.code_after and "nsa.compressed_attention" in cmp_log.code_after
+
+
+def test_a_cast_after_a_copy_with_an_output_size_stays():
+    """repeat_interleave given output_size (a form the rule does not read): no gqa_cast; the
+    compressed pass then sees keys it cannot un-repeat and refuses; eager's output."""
+    module, inputs = CastAfterCopy(cast="sized"), cast_inputs()
+    opt = optimize_fresh(copy.deepcopy(module))
+    torch.testing.assert_close(opt(*inputs), module(*inputs), rtol=0, atol=0)
+    assert "gqa_cast" not in fired(opt)
+    record, _ = canonical_log(opt)
+    assert not log_of(record, "compressed_attention").matches

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import helpers
 from helpers import only_graph, optimize_fresh, row
 from oracles import (
     assert_close_all, assert_kernel_matches_reference, assert_within_twice_eager, attention_inputs,
@@ -326,3 +327,70 @@ def test_memory_read_from_the_sequence_is_refused():
     (_, _, _), (_, _, optimized) = run_both(FromSequence(), branch_inputs())
     r = row(optimized, CMP)
     assert r["matches"] == 0 and any("not memory slots from parameters" in text for text in r["reasons"]), r["reasons"]
+
+
+# --- the casts CUDA autocast makes, written out (bench_corpus found them on the GPU) -----------------
+
+AUTOCAST_DTYPE = torch.bfloat16
+# the block choice off: its bf16 logits have ties that torch.topk breaks its own way (a row may then
+# read other blocks than eager's), which says nothing of the compressed branch
+COMPRESSED_ONLY = helpers.FAST.replace(disabled_passes=("select_blocks", "selected_attention"))
+
+
+def autocast_attend(scale_override=None):
+    """lucidrains' `attend` with the casts CUDA bf16 autocast makes, written out: the einsums'
+    operands cast to bf16 (the compressed keys and values are float32 there: cat with the float32
+    memory slots), the masked bf16 logits cast up to float32 for the softmax (autocast's float32
+    policy), the probabilities cast back for p @ v. CPU autocast keeps a bf16 softmax, so on the CPU
+    this spelling is the only way to give the passes the graph the GPU gives them."""
+    from corpus import lucidrains_shared_kv as lucid
+
+    def attend(q, k, v, mask, scale):
+        scale = scale if scale_override is None else scale_override
+        qh = q.shape[1] // k.shape[1]
+        q = q.view(q.shape[0], k.shape[1], qh, *q.shape[2:])
+        sim = torch.einsum("b h q i d, b h j d -> b h q i j", q.to(AUTOCAST_DTYPE), k.to(AUTOCAST_DTYPE)) * scale
+        sim = sim.masked_fill(~mask, lucid.max_neg_value(sim) // 10)
+        attn = sim.to(torch.float32).softmax(dim=-1)
+        out = torch.einsum("b h q i j, b h j d -> b h q i d", attn.to(AUTOCAST_DTYPE), v.to(AUTOCAST_DTYPE))
+        return out.flatten(1, 2).float(), sim.flatten(1, 2)
+
+    return lucid, attend
+
+
+def test_autocast_casts_around_the_masked_logits_are_read(monkeypatch):
+    """Logits scaled and masked in bf16, then cast up for the softmax, and memory slots cat'ed before
+    the cast of the keys: the compressed branch fires (the scale 0.25 is exact in bf16), eager's
+    outputs and gradients (bf16 rounding)."""
+    lucid, attend = autocast_attend()
+    monkeypatch.setattr(lucid, "attend", attend)
+    model, x = lucid.make()
+    opt = optimize_fresh(copy.deepcopy(model), COMPRESSED_ONLY)
+    out = opt(x)
+    (record,) = nsa_compile.api.state_of(opt).graphs
+    log = next(log for log in record.logs if log.pass_name == CMP)
+    assert len(log.matches) == 1, log.refusals
+    assert "1 memory slot" in log.matches[0].kernel
+    want = model(x)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    out.square().mean().backward()
+    want.square().mean().backward()
+    for (name, p), (_, p_opt) in zip(model.named_parameters(), opt.named_parameters()):
+        torch.testing.assert_close(p_opt.grad, p.grad, rtol=5e-2, atol=5e-3, msg=name)
+
+
+def test_a_scale_that_bf16_rounds_before_the_cast_up_is_refused(monkeypatch):
+    """The same with scale 0.3 (not a power of two): eager rounds s * 0.3 to bf16 before the cast
+    up, which the op does not: refused with that reason, the graph unchanged."""
+    lucid, attend = autocast_attend(scale_override=0.3)
+    monkeypatch.setattr(lucid, "attend", attend)
+    model, x = lucid.make()
+    opt = optimize_fresh(copy.deepcopy(model), COMPRESSED_ONLY)
+    torch.testing.assert_close(opt(x), model(x), rtol=2e-2, atol=2e-2)
+    (record,) = nsa_compile.api.state_of(opt).graphs
+    log = next(log for log in record.logs if log.pass_name == CMP)
+    assert not log.matches
+    assert any("scaled by 0.3 in torch.bfloat16 before the cast up to float32" in r.reason for r in log.refusals), \
+        log.refusals
+    names = [lg.pass_name for lg in record.logs]
+    assert log.code_after == record.logs[names.index(CMP) - 1].code_after
