@@ -1532,7 +1532,12 @@ def query_rows(q: fx.Node, shape=lambda val: tuple(val.shape)) -> tuple[int, int
     `q_full.narrow(2, a, S)`): a chunk of a model that loops over query chunks (issue 17); (0, None)
     for any other q. Only where the rows start is read here: the masks are then evaluated with row
     r at token q_offset + r (`verify_probabilities`), and a mask that is not the op's at that
-    offset is refused. `shape`: a fake tensor's sizes as numbers (at probe sizes)."""
+    offset is refused. `shape`: a fake tensor's sizes as numbers (at probe sizes). A float cast of the
+    chunk (CUDA autocast's `.to(bf16)` before the product) is read through: it keeps the rows."""
+    if (op_name(q) in ("to", "float", "half", "bfloat16") and isinstance(first(q), fx.Node)
+            and value(q) is not None and value(first(q)) is not None and value(q).is_floating_point()
+            and value(first(q)).is_floating_point() and same_shape(tuple(value(q).shape), tuple(value(first(q)).shape))):
+        q = first(q)
     full = value(first(q)) if op_name(q) in ("getitem", "narrow") and isinstance(first(q), fx.Node) else None
     if full is None or full.dim() != 4 or value(q) is None or value(q).dim() != 4:
         return 0, None

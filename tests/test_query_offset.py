@@ -19,6 +19,7 @@ softmaxes kept.
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -271,10 +272,11 @@ class ChunkedBranches(nn.Module):
     4, 16, n = 3, forced {0, current, previous}. `leak`: every chunk after the first sees a
     compression block one token early (i*d + l - 1 <= t + 1): a near miss."""
 
-    def __init__(self, dim=32, heads=4, kv_heads=2, l=8, d=4, l_sel=16, n=3, chunk=24, leak=False):
+    def __init__(self, dim=32, heads=4, kv_heads=2, l=8, d=4, l_sel=16, n=3, chunk=24, leak=False, casts=False):
         super().__init__()
         self.H, self.G, self.D = heads, kv_heads, dim // heads
         self.l, self.d, self.l_sel, self.n, self.chunk, self.leak = l, d, l_sel, n, chunk, leak
+        self.casts = casts  # the casts CUDA bf16 autocast makes around the compressed product, written out
         self.q_proj = nn.Linear(dim, dim, bias=False)
         self.kv_proj = nn.Linear(dim, 4 * kv_heads * self.D, bias=False)
         self.o_proj = nn.Linear(dim, dim, bias=False)
@@ -298,9 +300,16 @@ class ChunkedBranches(nn.Module):
             qc, t = q[:, :, s0:s1], torch.arange(s0, s1, device=x.device)
             early = 1 if self.leak and s0 else 0
             visible = i[None, :] * d + l - 1 <= t[:, None] + early  # [c, Tc]
-            p_cmp = ((qc @ kc.transpose(-1, -2)).float() * scale).masked_fill(~visible, NEG).softmax(-1)
+            if self.casts:  # q's chunk and the float32 K copy cast to bf16 for the product, p and V for p @ v
+                scores = qc.to(torch.bfloat16) @ kc.to(torch.bfloat16).transpose(-1, -2)
+            else:
+                scores = qc @ kc.transpose(-1, -2)
+            p_cmp = (scores.float() * scale).masked_fill(~visible, NEG).softmax(-1)
             p_cmp = p_cmp.masked_fill(~visible.any(-1, keepdim=True), 0.0)
-            o_cmp = p_cmp.to(vc.dtype) @ vc
+            if self.casts:
+                o_cmp = (p_cmp.to(torch.bfloat16) @ vc.to(torch.bfloat16)).float()
+            else:
+                o_cmp = p_cmp.to(vc.dtype) @ vc
             p_grp = (p_cmp @ overlap).view(B, G, h, s1 - s0, Ns).sum(2)  # [B, G, c, Ns]
             cur = (t // ls)[:, None]
             forced = (j == 0) | (j == cur) | (j == cur - 1)
@@ -390,3 +399,21 @@ def test_a_chunk_mask_one_token_early_is_refused_with_the_graph_unchanged():
     assert offsets_of(opt, "compressed_attention") == [0]
     # the leaking chunks' compressed and selected softmaxes and their sorts, as they were
     assert sorted(eager_ops_left(opt)).count("softmax") == 4 and "sort" in eager_ops_left(opt)
+
+
+def test_chunks_under_autocast_casts_keep_their_offsets():
+    """The compressed product with the casts CUDA autocast makes (found on the H200 in
+    tests/corpus/chunked_queries.py: the chunk of q and the float32 K copy cast to bf16): the q
+    chunk's cast is read through to its slice, the K copy's cast moves before the copy (canonicalize's
+    gqa_cast); every chunk's compressed branch fires at its offset, eager's outputs and gradients."""
+    torch.manual_seed(0)
+    model, x = ChunkedBranches(casts=True), torch.randn(2, 61, 32)  # float32 weights, as under autocast
+    opt = optimize_fresh(copy.deepcopy(model))
+    for m in (model, opt):
+        m.zero_grad(set_to_none=True)
+        m(x).square().mean().backward()
+    torch.testing.assert_close(opt(x), model(x), **TOL[torch.bfloat16])
+    for (name, p), (_, p_opt) in zip(model.named_parameters(), opt.named_parameters()):
+        torch.testing.assert_close(p_opt.grad, p.grad, **TOL[torch.bfloat16], msg=name)
+    assert matches(opt)["compressed_attention"] == 3
+    assert offsets_of(opt, "compressed_attention") == [0, 24, 48]
