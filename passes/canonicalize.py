@@ -94,6 +94,10 @@ gqa_cast
     `kc.to(torch.bfloat16).repeat_interleave(h, 1)`, exact (a cast is elementwise), so the copy sits
     next to the product where the passes read it.
 
+row_cast
+    A float cast of an unsqueeze that only it reads (`q.unsqueeze(-2).to(torch.bfloat16)`, CUDA
+    autocast's cast of the selected branch's per-query rows) is moved before it, exact.
+
 key_layout
     Scores `q @ k.permute(0, 2, 3, 1)`, whose permute also swaps the last two dims, become
     `q @ k.permute(0, 2, 1, 3).transpose(-1, -2)`: the same tensor.
@@ -1426,6 +1430,27 @@ def cast_past_copy(graph: fx.Graph, node: fx.Node) -> str | None:
     return f"gqa_cast: cast to {str(out.dtype).removeprefix('torch.')} after repeat_interleave -> before it"
 
 
+def cast_past_unsqueeze(graph: fx.Graph, node: fx.Node) -> str | None:
+    """The `row_cast` rule: x.unsqueeze(d).to(dtype) -> x.to(dtype).unsqueeze(d) for a float-to-float
+    cast whose unsqueeze only it reads (CUDA autocast casts the selected branch's per-query rows
+    `q.unsqueeze(-2)` and `p.unsqueeze(-2)` right before their products): the rows are then the
+    unsqueeze the passes read. Exact: a cast is elementwise."""
+    row = first(node)
+    if op_name(node) not in ("to", "float", "half", "bfloat16", "double") or op_name(row) != "unsqueeze":
+        return None
+    x, out, src = first(row), value(node), value(row)
+    if (not isinstance(x, fx.Node) or out is None or src is None or list(row.users) != [node]
+            or not out.is_floating_point() or not src.is_floating_point() or out.device != src.device
+            or out.dtype == src.dtype):
+        return None
+    dim = arg(row, 1, "dim")
+    moved = call(graph, torch.Tensor.to, x, out.dtype, anchor=node)
+    new = call(graph, torch.unsqueeze, moved, dim, anchor=node)
+    node.replace_all_uses_with(new)
+    erase_replaced(graph, [node], [])
+    return f"row_cast: cast to {str(out.dtype).removeprefix('torch.')} after unsqueeze({dim}) -> before it"
+
+
 def layout_past_copy(graph: fx.Graph, node: fx.Node) -> str | None:
     """The `gqa_layout` rule: permute(x.repeat_interleave(h, d)) -> permute(x).repeat_interleave(h, d'),
     where the permute moves the repeated dim d (a layout change of K/V after its GQA copy: the copy
@@ -1865,7 +1890,7 @@ class Canonicalize(RewritePass):
         sizes_off_copies(graph)
         masks = ProbeMasks()
         rules = (("autocast", ExplicitAutocast()), ("sdpa", SDPADecomposition(masks)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort),
-                 ("softmax", handwritten_softmax), ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("gqa_cast", cast_past_copy), ("key_layout", key_transpose),
+                 ("softmax", handwritten_softmax), ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("gqa_cast", cast_past_copy), ("row_cast", cast_past_unsqueeze), ("key_layout", key_transpose),
                  ("gqa_layout", layout_past_copy), ("scores", ScoreChains(masks)),
                  ("empty_rows", EmptyRows(masks)))
         for name, rule in rules:

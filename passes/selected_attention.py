@@ -123,6 +123,7 @@ from __future__ import annotations
 
 import math
 import operator
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -354,18 +355,22 @@ class Gathered:
     source_seq_first: bool
     roots: list[fx.Node]
     nodes: list[fx.Node]
+    cast: torch.dtype | None = None  # the gathered rows cast to this float dtype (CUDA autocast's cast)
 
     def for_op(self, graph: fx.Graph, layout: Layout, anchor: fx.Node) -> fx.Node:
-        """The source as the op reads it, [B, G, S, D] (a view)."""
+        """The source as the op reads it, [B, G, S, D] (a view; cast first where the rows were: a
+        cast is elementwise, so the rows of the cast source are the cast rows)."""
+        source = self.source if self.cast is None else call(graph, torch.Tensor.to, self.source, self.cast,
+                                                            anchor=anchor)
         if self.kind == "take_along_dim":
-            return call(graph, torch.squeeze, self.source, layout.seq, anchor=anchor)
+            return call(graph, torch.squeeze, source, layout.seq, anchor=anchor)
         if self.source_seq_first:
-            return call(graph, torch.transpose, self.source, 1, 2, anchor=anchor)
-        return self.source
+            return call(graph, torch.transpose, source, 1, 2, anchor=anchor)
+        return source
 
     def fake(self, layout: Layout):
         """The fake tensor of `for_op`'s result (for the backend choice)."""
-        val = value(self.source)
+        val = value(self.source) if self.cast is None else value(self.source).to(self.cast)
         if self.kind == "take_along_dim":
             return val.squeeze(layout.seq)
         return val.transpose(1, 2) if self.source_seq_first else val
@@ -396,7 +401,16 @@ class Gathered:
 def read_gathered(sel: fx.Node, what: str, layout: Layout, B, G: int, S, T: int, keys=None) -> Gathered:
     """The gathered K or V `sel` [*layout.slots(B, G, S, T), D] read as one of Gathered's kinds,
     or Refused. keys: the length of the sequence a chunk of S queries is cut from (`query_rows`),
-    which torch.gather's source may have in place of S; None for no chunk."""
+    which torch.gather's source may have in place of S; None for no chunk. A float cast of the
+    gathered rows (CUDA autocast's `.to(bf16)` before the product) is read through: the op then
+    reads the source cast (`Gathered.cast`)."""
+    outer, out, src = sel, value(sel), value(first(sel)) if isinstance(first(sel), fx.Node) else None
+    if (op_name(sel) in ("to", "float", "half", "bfloat16") and out is not None and src is not None
+            and out.is_floating_point() and src.is_floating_point() and out.device == src.device
+            and out.dtype != src.dtype and same(tuple(out.shape), tuple(src.shape))):
+        only_user(sel, f"gathered {what}")
+        found = read_gathered(first(sel), what, layout, B, G, S, T, keys)
+        return dataclasses.replace(found, cast=out.dtype, nodes=[outer, *found.nodes])
     only_user(sel, f"gathered {what}")
     D = dims(sel, f"gathered {what}", 5)[4]
     constant(f"gathered {what}", D=D)
@@ -891,15 +905,16 @@ class SelectedAttention(RewritePass):
                 reasons.append(why)
         else:
             raise reasons[0]
-        if value(k.source).dtype != value(q).dtype or not value(v.source).is_floating_point():
+        if (k.cast or value(k.source).dtype) != value(q).dtype or not value(v.source).is_floating_point():
             raise Refused("q and K differ in dtype, or V is not floating point")
         # the keys' length: S, or the sequence a chunk of queries is cut from (torch.gather only)
         Skv = dims(k.source, "K", 4)[2] if k.kind == "gather" else S
         if k.kind == "gather" and not same(dims(v.source, "V", 4)[2], Skv):
             raise Refused(f"K holds {Skv} tokens, V {dims(v.source, 'V', 4)[2]}")
         chunk = (q_offset, Skv) if not same(Skv, S) else (0, None)  # (rows' first token, keys' length)
-        if cast is not None and value(cast).dtype != value(v.source).dtype:
-            raise Refused(f"the probabilities are cast to {value(cast).dtype}, not to V's {value(v.source).dtype}")
+        v_dtype = v.cast or value(v.source).dtype
+        if cast is not None and value(cast).dtype != v_dtype:
+            raise Refused(f"the probabilities are cast to {value(cast).dtype}, not to V's {v_dtype}")
         # the selection: block_idx, positions and (packed documents) pos only, evaluated on probes
         roots = [mask, *k.roots, *v.roots]
         block_idx, pos, nodes = find_block_idx(roots, B, G, S, order)

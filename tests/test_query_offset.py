@@ -323,8 +323,14 @@ class ChunkedBranches(nn.Module):
             at = tok.flatten(-2).clamp(max=S - 1).flatten(2)[..., None].expand(-1, -1, -1, D)
             ks = torch.gather(k_sel, 2, at).view(B, G, s1 - s0, -1, D).repeat_interleave(h, dim=1)
             vs = torch.gather(v_sel, 2, at).view(B, G, s1 - s0, -1, D).repeat_interleave(h, dim=1)
-            s_sel = (qc.unsqueeze(-2) @ ks.transpose(-1, -2)).squeeze(-2).float() * scale
-            o_sel = (s_sel.masked_fill(~ok, NEG).softmax(-1).to(vs.dtype).unsqueeze(-2) @ vs).squeeze(-2)
+            if self.casts:  # the rows cast after their unsqueeze, the gathered K/V copies after the copy
+                s_sel = (qc.unsqueeze(-2).to(torch.bfloat16) @ ks.to(torch.bfloat16).transpose(-1, -2))
+                s_sel = s_sel.squeeze(-2).float() * scale
+                p_sel = s_sel.masked_fill(~ok, NEG).softmax(-1).unsqueeze(-2).to(torch.bfloat16)
+                o_sel = (p_sel @ vs.to(torch.bfloat16)).squeeze(-2).float()
+            else:
+                s_sel = (qc.unsqueeze(-2) @ ks.transpose(-1, -2)).squeeze(-2).float() * scale
+                o_sel = (s_sel.masked_fill(~ok, NEG).softmax(-1).to(vs.dtype).unsqueeze(-2) @ vs).squeeze(-2)
             outs.append(o_cmp + o_sel)
         o = torch.cat(outs, dim=2)  # [B, H, S, D]
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
@@ -402,10 +408,12 @@ def test_a_chunk_mask_one_token_early_is_refused_with_the_graph_unchanged():
 
 
 def test_chunks_under_autocast_casts_keep_their_offsets():
-    """The compressed product with the casts CUDA autocast makes (found on the H200 in
-    tests/corpus/chunked_queries.py: the chunk of q and the float32 K copy cast to bf16): the q
-    chunk's cast is read through to its slice, the K copy's cast moves before the copy (canonicalize's
-    gqa_cast); every chunk's compressed branch fires at its offset, eager's outputs and gradients."""
+    """The casts CUDA autocast makes (found on the H200 in tests/corpus/chunked_queries.py), written
+    out: the chunk of q and the float32 K copies cast to bf16 for the products, the selected
+    branch's rows cast after their unsqueeze. The q chunk's cast is read through to its slice, the
+    copies' casts move before the copies (canonicalize's gqa_cast), the rows' casts before the
+    unsqueeze (row_cast), the gathered K/V's cast is read through to its source (cast for the op):
+    every chunk's three branches fire at its offset, eager's outputs and gradients."""
     torch.manual_seed(0)
     model, x = ChunkedBranches(casts=True), torch.randn(2, 61, 32)  # float32 weights, as under autocast
     opt = optimize_fresh(copy.deepcopy(model))
@@ -415,5 +423,6 @@ def test_chunks_under_autocast_casts_keep_their_offsets():
     torch.testing.assert_close(opt(x), model(x), **TOL[torch.bfloat16])
     for (name, p), (_, p_opt) in zip(model.named_parameters(), opt.named_parameters()):
         torch.testing.assert_close(p_opt.grad, p.grad, **TOL[torch.bfloat16], msg=name)
-    assert matches(opt)["compressed_attention"] == 3
-    assert offsets_of(opt, "compressed_attention") == [0, 24, 48]
+    assert [matches(opt)[name] for name in OFFSET_AT] == [3, 3, 3]
+    for name in OFFSET_AT:
+        assert offsets_of(opt, name) == [0, 24, 48], name
