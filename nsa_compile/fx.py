@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["op_name", "arg", "value", "module_path", "call", "size", "MATMULS", "contiguous_if_read_by_layout"]
+__all__ = ["op_name", "arg", "value", "module_path", "call", "constant", "size", "MATMULS", "contiguous_if_read_by_layout"]
 
 # op_name() of every node that computes a (batched) matrix product.
 MATMULS = ("matmul", "bmm")
@@ -79,6 +79,19 @@ def call(graph: fx.Graph, target, *args, anchor: fx.Node, **kwargs) -> fx.Node:
         no_guards = shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()
         with mode, no_guards:
             node.meta["example_value"] = target(*fakes[0], **fakes[1])
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in anchor.meta:
+            node.meta[key] = anchor.meta[key]
+    return node
+
+
+def constant(graph: fx.Graph, target, *args, like: fx.Node, anchor: fx.Node, **kwargs) -> fx.Node:
+    """Insert `target(*args, **kwargs)`, a tensor made from python values only (torch.tensor,
+    torch.arange), before `anchor`, its fake value made in the fake mode of `like`'s value."""
+    with graph.inserting_before(anchor):
+        node = graph.call_function(target, args, kwargs)
+    with value(like).fake_mode:
+        node.meta["example_value"] = target(*args, **kwargs)
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in anchor.meta:
             node.meta[key] = anchor.meta[key]

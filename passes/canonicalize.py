@@ -174,7 +174,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from nsa_compile.attention_match import LARGE_NEGATIVE, Refused, ancestors, erase_replaced
-from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.fx import MATMULS, arg, call, constant, op_name, value
 from nsa_compile.fx import size as size_of
 from nsa_compile.rewrite import PassContext, RewritePass
 from nsa_compile.sizes import Sizes, is_size
@@ -1564,19 +1564,6 @@ def shifted_window(keep: torch.Tensor) -> tuple[int, int] | None:
     r = torch.arange(grid.shape[0], device="cpu")[:, None] + d
     s = torch.arange(grid.shape[1], device="cpu")[None, :]
     return (d, w) if torch.equal(grid, (s <= r) & (r - s < w)) else None
-
-
-def constant(graph: fx.Graph, target, *args, like: fx.Node, anchor: fx.Node, **kwargs) -> fx.Node:
-    """Insert `target(*args, **kwargs)`, a tensor made from python values only (torch.tensor,
-    torch.arange), before `anchor`, its fake value made in the fake mode of `like`'s value."""
-    with graph.inserting_before(anchor):
-        node = graph.call_function(target, args, kwargs)
-    with value(like).fake_mode:
-        node.meta["example_value"] = target(*args, **kwargs)
-    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-        if key in anchor.meta:
-            node.meta[key] = anchor.meta[key]
-    return node
 
 
 def document_windows(keep: torch.Tensor) -> tuple[int, int] | None:

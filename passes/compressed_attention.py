@@ -152,7 +152,7 @@ import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile.attention_match import (
     LARGE_NEGATIVE, Refused, ancestors, erase_replaced, evaluate_node, only_user, strip_upcast, unrepeat,
 )
-from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.fx import MATMULS, arg, call, constant, op_name, value
 from nsa_compile.mask_rows import CHUNK_ELEMENTS, RowChunks
 from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.ops.compressed import choose_backend, why_not_triton
@@ -1977,19 +1977,6 @@ def verify_varlen(probs: Probabilities, v: fx.Node) -> Varlen:
     check_row_masks(probs, grid, keep[None], f"rows without a visible key (the first {l - 1} tokens of each document)")
     node, pos, stride = found
     return Varlen(l, stride, tuple(pos.tolist()), tuple(starts.tolist()), node)
-
-
-def constant(graph: fx.Graph, target, *args, like: fx.Node, anchor: fx.Node, **kwargs) -> fx.Node:
-    """Insert `target(*args, **kwargs)`, a tensor made from python values only, before `anchor`,
-    its fake value made in the fake mode of `like`'s value."""
-    with graph.inserting_before(anchor):
-        node = graph.call_function(target, args, kwargs)
-    with value(like).fake_mode:
-        node.meta["example_value"] = target(*args, **kwargs)
-    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-        if key in anchor.meta:
-            node.meta[key] = anchor.meta[key]
-    return node
 
 
 def rewrite_varlen(graph: fx.Graph, plan: dict) -> None:

@@ -118,3 +118,33 @@ class BreaksNumbers(nsa_compile.RewritePass):
                     scaled = graph.call_function(torch.mul, (node.args[0], 1.1))
                 node.replace_input_with(node.args[0], scaled)
                 ctx.matched(node, "wrong")
+
+
+# the tolerances of the chunk tests (tests/test_query_offset.py, tests/test_window_offset.py)
+CHUNK_TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+             torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+def optimized_with_parity(model, x, dtype=torch.float32):
+    """The model optimized (aot_eager) in `dtype`, its output and every gradient of one step
+    checked against eager's (CHUNK_TOL)."""
+    model = model.to(dtype)
+    x = x.to(dtype)
+    opt = optimize_fresh(model)
+    outs, grads = [], []
+    for m in (model, opt):
+        m.zero_grad(set_to_none=True)
+        out = m(x)
+        out.float().square().mean().backward()
+        outs.append(out.detach())
+        grads.append({name: p.grad for name, p in m.named_parameters()})
+    tol = CHUNK_TOL[dtype]
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, **tol, msg=lambda m, n=name: f"grad {n}: {m}")
+    return opt
+
+
+def matches(model) -> dict:
+    """Each pass's match count in `model`'s report."""
+    return {r["name"]: r["matches"] for r in nsa_compile.report(model)}

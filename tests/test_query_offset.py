@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import optimize_fresh, only_graph
+from helpers import matches, only_graph, optimize_fresh, optimized_with_parity
 from oracles import attention_inputs, random_block_idx, triton_interpreter
 
 import nsa_compile
@@ -334,29 +334,6 @@ class ChunkedBranches(nn.Module):
             outs.append(o_cmp + o_sel)
         o = torch.cat(outs, dim=2)  # [B, H, S, D]
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
-
-
-def optimized_with_parity(model, x, dtype):
-    """The model optimized (aot_eager), its output and every gradient checked against eager's."""
-    model = model.to(dtype)
-    x = x.to(dtype)
-    opt = optimize_fresh(model)
-    outs, grads = [], []
-    for m in (model, opt):
-        m.zero_grad(set_to_none=True)
-        out = m(x)
-        out.float().square().mean().backward()
-        outs.append(out.detach())
-        grads.append({name: p.grad for name, p in m.named_parameters()})
-    tol = TOL[dtype] if dtype != torch.float32 else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(outs[1], outs[0], **tol)
-    for name, grad in grads[0].items():
-        torch.testing.assert_close(grads[1][name], grad, **tol, msg=lambda m, n=name: f"grad {n}: {m}")
-    return opt
-
-
-def matches(model) -> dict:
-    return {row["name"]: row["matches"] for row in nsa_compile.report(model)}
 
 
 # where q_offset sits among each op's arguments (its schema), as the ATen graph passes them all
