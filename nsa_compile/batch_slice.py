@@ -239,7 +239,9 @@ def _check_index(node: fx.Node, where: str) -> None:
 def _sizes(node: fx.Node) -> tuple[int, list, bool]:
     """(position, sizes, listed): where the sizes start in node.args, the sizes, and whether they
     are one list argument (`view((B, G, ..))`) rather than one argument each (`view(B, G, ..)`)."""
-    start = 1 if node.op == "call_method" or op_name(node) == "reshape" else 0
+    # a method (`x.view(..)`, or `torch.Tensor.view(x, ..)` as the passes insert it) or torch.reshape
+    # takes the tensor first; a factory (`torch.zeros(B, ..)`) takes the sizes first
+    start = 1 if node.args and isinstance(value(node.args[0]), torch.Tensor) else 0
     rest = node.args[start:]
     if rest and isinstance(rest[0], (tuple, list, torch.Size)):
         return start, list(rest[0]), True

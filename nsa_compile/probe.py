@@ -29,7 +29,7 @@ from torch import fx
 
 from .attention_match import Refused
 
-__all__ = ["EXACT_BELOW", "decode", "element_budget", "fingerprint", "index_codes", "run", "run_all"]
+__all__ = ["EXACT_BELOW", "decode", "element_budget", "fingerprint", "index_codes", "remembered", "run", "run_all"]
 
 _CASTS = {"float", "half", "bfloat16", "double"}
 # Index codes (integers) are exact in these dtypes below these numbers.
@@ -154,6 +154,20 @@ def index_codes(shape, device, dtype=torch.float64) -> torch.Tensor:
     for d in shape:
         n *= int(d)
     return torch.arange(1, n + 1, dtype=dtype, device=device).reshape(tuple(shape))
+
+
+def remembered(verdicts: dict, key, check):
+    """check()'s result for `key`, computed once (one probe per region structure: every layer's
+    copy shares it); a refusal is remembered too and raised again, with its reason, for the next
+    region of the same key."""
+    if key not in verdicts:
+        try:
+            verdicts[key] = check()
+        except Refused as why:
+            verdicts[key] = why
+    if isinstance(verdicts[key], Refused):
+        raise Refused(str(verdicts[key]))
+    return verdicts[key]
 
 
 def fingerprint(nodes: list[fx.Node], inputs: list[fx.Node]) -> str:

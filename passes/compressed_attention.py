@@ -1398,18 +1398,16 @@ def verify_packed(probs: Probabilities, pooling: Pooling, subgraphs: PositionSub
                  for name, (mask, sense) in probs.masks.items()]
     key = (repr(structure), l, str(value(pos).device))
     verdicts = _PACKED_VERDICTS.setdefault(probs.softmax.graph, {})
-    if key not in verdicts:
-        try:
-            one = torch.arange(S, device=value(pos).device).expand(B, S)
-            last_row = packed_rows(probs, subgraphs, pos, "one document", one)(S - 1, S)
-            d = stride_from_one_document(kept_slots(probs, last_row, Tc), l)
-            verify_packed_probabilities(probs, l, d, pos, subgraphs)
-            verdicts[key] = d
-        except Refused as why:
-            verdicts[key] = str(why)
-    if isinstance(verdicts[key], str):
-        raise Refused(verdicts[key])
-    return Visibility(l, verdicts[key], pos)
+
+    def check() -> int:
+        one = torch.arange(S, device=value(pos).device).expand(B, S)
+        last_row = packed_rows(probs, subgraphs, pos, "one document", one)(S - 1, S)
+        d = stride_from_one_document(kept_slots(probs, last_row, Tc), l)
+        verify_packed_probabilities(probs, l, d, pos, subgraphs)
+        return d
+
+    from nsa_compile import probe  # the verdict cache
+    return Visibility(l, probe.remembered(verdicts, key, check), pos)
 
 
 MASK_NAMES = {"inf": "visibility mask", "zero": "has_block mask", "final": "mask after the softmax"}

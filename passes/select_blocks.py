@@ -375,7 +375,7 @@ class PackedProbes:
     refusal) per structure: the layers of a model share their subgraphs."""
 
     def __init__(self):
-        self.verdicts: dict[tuple, int | str] = {}
+        self.verdicts: dict = {}  # structure -> the verified value, or its Refused (probe.remembered)
 
     @staticmethod
     def nodes(roots: list[fx.Node], pos: fx.Node, what: str) -> list[fx.Node]:
@@ -492,16 +492,8 @@ def verify_packed_key(probes: PackedProbes, pos: fx.Node, overlap: fx.Node, forc
     what = "block map and the key masks"
     nodes = probes.nodes(roots, pos, what)
     key = (probes.structure(nodes, pos, roots), forced_fill[2], cand_fill[2], forced_outside, dims, l, d, n)
-    if key not in probes.verdicts:
-        try:
-            probes.verdicts[key] = _verify_on_probes(probes, nodes, pos, roots, forced_fill[2], cand_fill[2],
-                                                     forced_outside, dims, l, d, n)
-        except Refused as why:
-            probes.verdicts[key] = str(why)
-    verdict = probes.verdicts[key]
-    if isinstance(verdict, str):
-        raise Refused(verdict)
-    return verdict
+    return region_probe.remembered(probes.verdicts, key, lambda: _verify_on_probes(
+        probes, nodes, pos, roots, forced_fill[2], cand_fill[2], forced_outside, dims, l, d, n))
 
 
 def _verify_on_probes(probes, nodes, pos, roots, forced_sense, cand_sense, forced_outside, dims, l, d, n) -> int:
@@ -1407,7 +1399,7 @@ class LucidrainsChoice:
     lower block."""
 
     def __init__(self):
-        self.verdicts: dict = {}  # fingerprint -> (d, l') or the refusal text
+        self.verdicts: dict = {}  # fingerprint -> (d, l'), or its Refused (probe.remembered)
 
     def check(self, ranking: fx.Node, subgraphs, data: set, requested: str) -> dict:
         p = first_arg(ranking)
@@ -1547,15 +1539,8 @@ class LucidrainsChoice:
         probe size, else Refused with the first difference. One verdict per region structure."""
         key = (region_probe.fingerprint(region, [q, k]), m, per_head, scale, sizes.shape(value(q)),
                sizes.shape(value(k)), sizes.shape(value(p)))
-        if key not in self.verdicts:
-            try:
-                self.verdicts[key] = self._verify(region, p, q, k, m, per_head, scale, sizes)
-            except Refused as why:
-                self.verdicts[key] = str(why)
-        verdict = self.verdicts[key]
-        if isinstance(verdict, str):
-            raise Refused(verdict)
-        return verdict
+        return region_probe.remembered(self.verdicts, key,
+                                       lambda: self._verify(region, p, q, k, m, per_head, scale, sizes))
 
     @staticmethod
     def _verify(region, p, q, k, m: int, per_head: int, scale: float, sizes: Sizes) -> tuple[int, int]:

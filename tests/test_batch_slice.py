@@ -194,3 +194,22 @@ def test_a_region_over_the_budget_on_one_row_is_refused(monkeypatch, what, name)
     reasons = [why for r in nsa_compile.report(opt) if r["name"] == name for why in r["reasons"]]
     assert any(f"verifying {what} takes {costs[what][0]:,} elements per probe, over the budget of {budget:,} on cpu, "
                f"{costs[what][1]:,} on one batch row: not verified at this size yet" in why for why in reasons), reasons
+
+
+def test_sizes_of_a_method_called_as_a_function_are_read_after_the_tensor():
+    """The passes insert methods as functions (`torch.Tensor.expand(x, sizes)`, fx.call): the batch
+    size is read after the tensor argument, and one row gives row 0 of the whole result."""
+    x = torch.randn(3, 5, 4)
+    gm = dynamo_graph(lambda t: t.unsqueeze(1) * 2, x)
+    nodes, placeholders, out = region(gm)
+    unsqueeze = next(n for n in nodes if n.target == "unsqueeze")
+    with gm.graph.inserting_after(unsqueeze):
+        expand = gm.graph.call_function(torch.Tensor.expand, (unsqueeze, [3, 2, 5, 4]))
+    with value(unsqueeze).fake_mode:
+        expand.meta["example_value"] = value(unsqueeze).expand(3, 2, 5, 4)
+    out.replace_input_with(unsqueeze, expand)
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    changes, _ = batch_slice.one_row(nodes, placeholders, out, batch=3)
+    assert changes[expand][0][1] == (1, 2, 5, 4)
+    row = probe.run(nodes, {placeholders[0]: x[:1].double()}, out, "the region", changes=changes)
+    torch.testing.assert_close(row.float(), (x.unsqueeze(1).expand(3, 2, 5, 4) * 2)[:1])
