@@ -14,6 +14,7 @@ import importlib
 import inspect
 import json
 import re
+import time
 import sys
 from pathlib import Path
 
@@ -403,6 +404,32 @@ def test_corpus_bench_reports_oom_and_halves_the_parity_length(monkeypatch, caps
     assert "parity: not checked (the float64 oracle ran out of memory down to seq-len 32)" in text
     # the reference ran out of memory too: no ratio, no verdict
     assert table_row(text, "paper_bhsd")[2:8] == ["OOM"] * 4 + ["-", "not checked"]
+
+
+def test_corpus_bench_stops_a_model_at_its_time_limit_and_goes_on(monkeypatch, tmp_path, capsys):
+    calls = []
+
+    def stalls_once(*args, **kwargs):  # the first model's timing never returns; the next one's does
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(300)
+        return None  # what time_training returns on OOM: fast, and a status the record shows
+
+    monkeypatch.setattr(bench_corpus, "time_training", stalls_once)
+    out = tmp_path / "corpus.jsonl"
+    started = time.perf_counter()
+    rc = bench_corpus.main(["--models", "paper_bhsd", "--seq-len", "64", "--batch", "1", "--parity-len", "64",
+                            "--model-limit", "15", "--out", str(out), *FAST])
+    text = capsys.readouterr().out
+    assert time.perf_counter() - started < 200, text  # the sleep was cut, not waited out
+    assert rc == 1, text  # a model stopped by its limit is not a result
+    stopped, after = read(out)
+    assert (stopped["model"], stopped["status"]) == ("reference", "time limit")
+    assert stopped["detail"].startswith("--model-limit 15 s ran out in timing: ") and "stalls_once" in stopped["detail"]
+    assert stopped["parity"]["ok"] is None
+    assert (after["model"], after["status"], after["parity"]["ok"]) == ("paper_bhsd", "OOM", True)
+    assert "  time limit: --model-limit 15 s ran out in timing" in text
+    assert table_row(text, "reference")[2] == "time limit"
 
 
 def test_corpus_bench_ratio_needs_both_parities_of_the_same_run():

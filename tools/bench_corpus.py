@@ -26,7 +26,9 @@ seq_len)` (the seed's sizes, or the nearest its semantics allow: its docstring s
 - the ratio: the model's tok/s over the reference's of the same run, shown only where both passed
   parity (issue 17's target: at least 0.9x).
 
-Per-model progress goes to stdout as it happens. Each model's record (one JSON line, with card,
+--model-limit SECONDS stops a model whose timing and parity together run longer (a compile that
+stalls): its record says 'time limit' and where it was (the innermost frames), and the next model
+runs. Per-model progress goes to stdout as it happens. Each model's record (one JSON line, with card,
 torch version, date, command and the run's id) is appended to --out as soon as it exists, so a call
 cut by its time limit keeps the models it finished. About six models are meant to fit one
 10-minute GPU call (each list: four that coverage.json has fully rewritten, then partly rewritten ones):
@@ -44,6 +46,7 @@ import argparse
 import importlib
 import os
 import shlex
+import signal
 import sys
 import time
 import traceback
@@ -183,13 +186,67 @@ def parity_text(p: dict) -> str:
     return parity_sentence(p, "the first step", where)
 
 
+class TimeLimit(BaseException):
+    """--model-limit ran out (a BaseException: the phases' `except Exception` must not take it)."""
+
+
+def where_stopped(err: BaseException) -> str:
+    """The innermost frames of err's traceback, short: where a model was when its time ran out."""
+    frames = traceback.extract_tb(err.__traceback__)[1:]  # [0] is run_model
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
+
+
+def time_limited(seconds: int):
+    """A context manager: TimeLimit after `seconds` (0: none), via SIGALRM in the main thread."""
+    class Limited:
+        def __enter__(self):
+            if seconds:
+                signal.signal(signal.SIGALRM, self.expire)
+                signal.alarm(seconds)
+
+        def __exit__(self, *exc):
+            if seconds:
+                signal.alarm(0)
+
+        @staticmethod
+        def expire(signum, frame):
+            raise TimeLimit(f"--model-limit {seconds} s ran out")
+    return Limited()
+
+
 def run_model(name: str, args, device: torch.device, env: dict, run: str) -> dict:
-    """Time and check one model, print its progress, append and return its record."""
+    """Time and check one model within --model-limit, print its progress, append and return its record."""
     started = time.perf_counter()
-    print(f"\n{name}: optimize, {args.batch} x {args.seq_len}, {args.warmup} warm-up and {args.steps} timed "
-          f"steps ...", flush=True)
     record = {"record": "corpus", **env, "run": run, "model": name, "seq_len": args.seq_len, "batch": args.batch,
-              "compiler": args.compiler, **time_model(name, args, device)}
+              "compiler": args.compiler}
+    phase = "timing"
+    try:
+        with time_limited(args.model_limit):
+            print(f"\n{name}: optimize, {args.batch} x {args.seq_len}, {args.warmup} warm-up and {args.steps} "
+                  f"timed steps ...", flush=True)
+            record.update(time_model(name, args, device))
+            report_timing(record)
+            phase = "parity"
+            print("  parity ...", flush=True)
+            record["parity"] = parity_of(name, args, device)
+    except TimeLimit as err:
+        detail = f"{err} in {phase}: {where_stopped(err)}"
+        print(f"  time limit: {detail}", flush=True)
+        if phase == "timing":
+            record.update(status="time limit", detail=detail, rewritten=None, matches={}, refused={}, reasons={},
+                          coverage=None)
+        record["parity"] = {"ok": None, "parity_len": None, "detail": detail}
+        torch._dynamo.reset()
+        free_memory()
+    record["seconds"] = round(time.perf_counter() - started, 1)
+    report_parity(record)
+    print(f"  ({record['seconds']:.0f} s)", flush=True)
+    append_record(args.out, record)
+    return record
+
+
+def report_timing(record: dict) -> None:
+    """Print a model's timing, coverage and refusals, as explain says them."""
     if record["status"] == "ok":
         print(f"  {record['tok_s']:,.0f} tok/s, step {record['step_ms']:.1f} ms, first step "
               f"{record['first_step_s']:.1f} s" + ("" if record["peak_gib"] is None else
@@ -201,9 +258,10 @@ def run_model(name: str, args, device: torch.device, env: dict, run: str) -> dic
     for pass_name, reasons in record["reasons"].items():  # why a branch stayed eager, as explain says it
         print(f"  {pass_name} refused {record['refused'][pass_name]}x: " + "; ".join(r[:240] for r in reasons[:3]),
               flush=True)
-    print("  parity ...", flush=True)
-    record["parity"] = parity_of(name, args, device)
-    record["seconds"] = round(time.perf_counter() - started, 1)
+
+
+def report_parity(record: dict) -> None:
+    """Print a model's parity verdict, and its worst tensors when it failed."""
     print(f"  {parity_text(record['parity'])}", flush=True)
     for line in record["parity"].get("summary", []):
         print(f"  {line}")
@@ -212,9 +270,6 @@ def run_model(name: str, args, device: torch.device, env: dict, run: str) -> dic
                         for r in record["parity"]["worst"]],
                        headers=["tensor (worst first)", "optimized err", "eager err", "bar"], tablefmt="github",
                        disable_numparse=True))
-    print(f"  ({record['seconds']:.0f} s)", flush=True)
-    append_record(args.out, record)
-    return record
 
 
 # --- the table ------------------------------------------------------------------------------------
@@ -317,6 +372,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "at most --seq-len)")
     ap.add_argument("--parity-min-len", type=int, default=64, help="halve the parity length on OOM no further than this (the first length always runs)")
     ap.add_argument("--no-parity", action="store_true", help="skip parity (ratios then print n/a)")
+    ap.add_argument("--model-limit", type=int, default=0, help="seconds one model (timing and parity) may take "
+                    "before it is stopped and recorded as 'time limit' with where it was (default: no limit)")
     ap.add_argument("--out", default=None, help="append JSON-line records here")
     ap.add_argument("--report-only", action="store_true", help="run nothing: the table of --out's records")
     args = ap.parse_args(argv)
@@ -352,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     warm_up_compiler(device)
     records = [run_model(name, args, device, env, run) for name in (REFERENCE, *args.models)]
     print_table(records)
-    failed = any(r["status"] == "error" or r["parity"]["ok"] is False for r in records)
+    failed = any(r["status"] in ("error", "time limit") or r["parity"]["ok"] is False for r in records)
     return 1 if failed else 0
 
 
