@@ -20,7 +20,13 @@ this reader cannot follow (a convolution, `avg_pool`, a weighted einsum, prefix 
 instead (`probe_pooling`): for the (l, d) the visibility mask shows, random float64 values with
 tokens perturbed 2l apart (each residue in turn) may change only the pooled tokens whose block
 holds a perturbed token, and every pooled token must change for some token (a check on probes).
-A pooling that fails both is refused.
+The probes perturb the nearest [B, S, ..] node through which alone the sequence reaches the
+pooling (the keys after their projection: `_unpooled_sources`), walking back towards the
+projection where a nearer one refuses (prefix sums read the token before each block, their
+differences do not); they run on one batch row where the region keeps its rows apart
+(nsa_compile/batch_slice.py) and on the graph's device, so their cost is the pooling's own (probes
+that ran the float64 projection at the seed shape took minutes). A pooling that fails both is
+refused.
 
 Verified, not assumed: the position-only subgraphs of the three masks (the -inf mask, the
 has_block zeroing, the final `* visible`) are evaluated at compile time (no inputs, so this is a
@@ -149,6 +155,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
+from nsa_compile import batch_slice
 from nsa_compile.attention_match import (
     LARGE_NEGATIVE, Refused, ancestors, erase_replaced, evaluate_node, only_user, strip_upcast, unrepeat,
 )
@@ -737,51 +744,46 @@ def staircase_of(probs: Probabilities, subgraphs: PositionSubgraphs, memory: int
     return first_seen[0] + 1, first_seen[1] - first_seen[0]
 
 
-def probe_pooling(kv: fx.Node, what: str, block: int, stride: int, S: int, sizes: Sizes | None = None) -> Pooling:
-    """The Pooling of kv [B, G, Tc, D] (block axis 2) from the sequence input it reads, checked on
-    random probes in float64: tokens perturbed 2l apart (every residue, so every token once) must
-    change exactly... at most the pooled tokens i whose window [i*d, i*d + l) holds a perturbed
-    token, and every pooled token must change for some perturbation. A check on probes, not a
-    proof: it is how poolings the structural reader cannot follow (convolutions, pooling ops,
-    weighted einsums, prefix sums) are accepted. In a graph with symbolic sizes the probes have
-    the shapes `sizes` gives (S is the number it gives the sequence), and the size nodes the
-    region reads enter as its numbers."""
-    source, probe_moved = _pooling_probe(kv, what, S, sizes)
+def probe_pooling(moved: "_Moved", what: str, block: int, stride: int) -> None:
+    """Refused unless the pooled kv [B, G, Tc, D] that `moved` probes is pooled in blocks (block,
+    stride) from the sequence it perturbs, checked on random probes in float64: tokens perturbed 2l
+    apart (every residue, so every token once) must change at most the pooled tokens i whose
+    window [i*d, i*d + l) holds a perturbed token, and every pooled token must change for some
+    perturbation. A check on probes, not a proof: it is how poolings the structural reader cannot
+    follow (convolutions, pooling ops, weighted einsums, prefix sums) are accepted."""
+    S = moved.S
     period = 2 * block
     t = torch.arange(S, device="cpu")
-    i = torch.arange(probe_moved.Tc, device="cpu")
-    reached = torch.zeros(probe_moved.Tc, dtype=torch.bool, device="cpu")
+    i = torch.arange(moved.Tc, device="cpu")
+    reached = torch.zeros(moved.Tc, dtype=torch.bool, device="cpu")
     for r in range(min(period, S)):
         perturbed = t % period == r
-        moved = probe_moved(perturbed)
+        changed = moved(perturbed)
         js = t[perturbed]
         window = ((js[None, :] >= i[:, None] * stride) & (js[None, :] < i[:, None] * stride + block)).any(-1)
-        if bool((moved & ~window).any()):
-            k = int((moved & ~window).nonzero()[0])
+        if bool((changed & ~window).any()):
+            k = int((changed & ~window).nonzero()[0])
             raise Refused(f"the compressed {what}: pooled token {k} depends on tokens outside its block "
                           f"[{k * stride}, {k * stride + block}) (probed, l={block}, d={stride})")
-        reached |= moved
+        reached |= changed
     if not bool(reached.all()):
         raise Refused(f"the compressed {what}: pooled token {int((~reached).nonzero()[0])} depends on no token "
                       "(probed)")
-    return Pooling(source, 1, block, stride)
 
 
-def probe_windows_ending(kv: fx.Node, what: str, seen_at: int, stride: int, S: int,
-                         sizes: Sizes | None = None) -> Pooling:
-    """The Pooling of kv whose blocks are windows ending at i*d + e for one e (lucidrains'
-    `F.pad` at the start + `nn.Unfold`: block i covers [(i+1)d - l, (i+1)d), the first ones
-    shortened by the padding), measured on probes: tokens perturbed P = 2 (seen_at + 1 + 2d)
-    apart, each residue in turn, give each pooled token the residues it depends on, which must be
-    one run of fewer than P (a window of consecutive tokens); its position follows from the run
+def probe_windows_ending(moved: "_Moved", what: str, seen_at: int, stride: int) -> Pooling:
+    """The Pooling of the kv that `moved` probes, whose blocks are windows ending at i*d + e for
+    one e (lucidrains' `F.pad` at the start + `nn.Unfold`: block i covers [(i+1)d - l, (i+1)d), the
+    first ones shortened by the padding), measured on probes: tokens perturbed P = 2 (seen_at + 1 +
+    2d) apart, each residue in turn, give each pooled token the residues it depends on, which must
+    be one run of fewer than P (a window of consecutive tokens); its position follows from the run
     and the mask's time seen_at + i*d at which block i becomes visible (the window nearest it).
     Every window must end at i*d + e for the same e and be at most P / 2 tokens long; `end` = e
     and `block` = the longest window. A check on probes, as `probe_pooling`."""
-    source, probe_moved = _pooling_probe(kv, what, S, sizes)
-    Tc = probe_moved.Tc
+    S, Tc = moved.S, moved.Tc
     period = min(2 * (seen_at + 1 + 2 * stride), S)
     t = torch.arange(S, device="cpu")
-    runs = torch.stack([probe_moved(t % period == r) for r in range(period)], dim=1)  # [Tc, P]
+    runs = torch.stack([moved(t % period == r) for r in range(period)], dim=1)  # [Tc, P]
     ends, longest = set(), 0
     for k in range(Tc):
         residues = runs[k]
@@ -801,83 +803,171 @@ def probe_windows_ending(kv: fx.Node, what: str, seen_at: int, stride: int, S: i
     if len(ends) != 1:
         raise Refused(f"the compressed {what}: the pooled windows end at i*d + e for several e ({sorted(ends)}; "
                       f"probed, d={stride}): not blocks at stride {stride}")
-    return Pooling(source, 1, longest, stride, ends.pop())
+    return Pooling(moved.source, moved.seq_dim, longest, stride, ends.pop())
 
 
 class _Moved:
-    """The pooled tokens [Tc] (bool) that random float64 noise on the perturbed tokens [S] moves."""
+    """The pooled tokens [Tc] (bool) that random float64 noise on the perturbed tokens [S] of the
+    source (its sequence at seq_dim) moves."""
 
-    def __init__(self, pooled, base, env, source, shape, gen, Tc):
-        self.pooled, self.base, self.env, self.source, self.shape, self.gen, self.Tc = (
-            pooled, base, env, source, shape, gen, Tc)
-        self.scale = float(base.abs().max()) + 1.0
+    def __init__(self, pooled, env, source, seq_dim, shape, gen, Tc):
+        self.pooled, self.env, self.source, self.seq_dim, self.shape, self.gen, self.Tc = (
+            pooled, env, source, seq_dim, shape, gen, Tc)
+        self.S = shape[seq_dim]
+        self.base = pooled(env)
+        self.scale = float(self.base.abs().max()) + 1.0
 
     def __call__(self, perturbed: torch.Tensor) -> torch.Tensor:
+        """perturbed [S] bool (CPU) -> moved [Tc] bool (CPU)."""
         shifted = dict(self.env)
-        noise = torch.randn(self.shape, generator=self.gen, dtype=torch.float64, device="cpu")
-        S = perturbed.shape[0]
-        shifted[self.source] = self.env[self.source] + noise * perturbed.view(1, S, *([1] * (len(self.shape) - 2)))
-        return (self.pooled(shifted) - self.base).abs().amax(dim=(0, 1, 3)) > PROBE_TOLERANCE * self.scale
+        base = self.env[self.source]
+        noise = torch.randn(self.shape, generator=self.gen, dtype=torch.float64, device="cpu").to(base.device)
+        along = [self.S if i == self.seq_dim else 1 for i in range(len(self.shape))]
+        shifted[self.source] = base + noise * perturbed.to(base.device).view(along)
+        moved = (self.pooled(shifted) - self.base).abs().amax(dim=(0, 1, 3)) > PROBE_TOLERANCE * self.scale
+        return moved.cpu()
 
 
-def _pooling_probe(kv: fx.Node, what: str, S: int, sizes: Sizes | None) -> tuple[fx.Node, _Moved]:
-    """(the one [B, S, ..] sequence input kv is pooled from, a `_Moved` on it) for the probes of
-    the pooling region, at the shapes `sizes` gives; Refused for a region that cannot be probed."""
-    sizes = sizes or Sizes.of(kv.graph)
-    numbers = sizes.size_nodes()
-    B, _, Tc, _ = sizes.shape(value(kv))
-    nodes = ancestors([kv])
-    sources = [n for n in nodes if n.op == "placeholder" and (val := value(n)) is not None and val.dim() >= 2
-               and sizes.shape(val)[:2] == (B, S) and val.is_floating_point()
+def _sequence_input(kv: fx.Node, what: str, B: int, S: int, sizes: Sizes) -> fx.Node:
+    """The one [B, S, ..] floating-point graph input (not a parameter) kv reads: the sequence."""
+    sources = [n for n in ancestors([kv]) if n.op == "placeholder" and (val := value(n)) is not None
+               and val.dim() >= 2 and sizes.shape(val)[:2] == (B, S) and val.is_floating_point()
                and not isinstance(val, torch.nn.Parameter)]
     if len(sources) != 1:
         raise Refused(f"the compressed {what} are not pooled by a form the pass reads, and they read "
                       f"{len(sources)} [B, S, ..] inputs, not one sequence to probe")
-    source = sources[0]
+    return sources[0]
+
+
+def _learned(node: fx.Node) -> bool:
+    """Whether node applies a learned matrix (a parameter of 2 or more dims: a projection)."""
+    return any(isinstance(val := value(x), torch.nn.Parameter) and val.dim() >= 2 for x in node.all_input_nodes)
+
+
+def _unpooled_sources(kv: fx.Node, what: str, S: int, sizes: Sizes) -> list[tuple[fx.Node, int]]:
+    """(node, seq_dim) for the probes of kv's pooling, nearest kv first: every [B, S, ..] or
+    [B, X, S, ..] floating-point node through which alone the sequence input reaches kv, from
+    the nearest back to the first learned projection (the keys' tokens are those after it), or to
+    the sequence input itself where no projection is on the way. Probing the nearest is cheap
+    (the pooling's ops alone); a farther one is tried where the nearer refuses (a prefix sum
+    between them reads tokens outside the blocks, the sums' differences do not)."""
+    B = sizes.shape(value(kv))[0]
+    sequence = _sequence_input(kv, what, B, S, sizes)
     order = {n: i for i, n in enumerate(kv.graph.nodes)}
-    ops = sorted((n for n in nodes if n.op in ("call_function", "call_method") and n not in numbers),
-                 key=order.__getitem__)
+
+    def seq_dim(node: fx.Node) -> int | None:
+        val = value(node)
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or isinstance(val, torch.nn.Parameter):
+            return None
+        shape = sizes.shape(val)
+        dims = [i for i in (1, 2) if len(shape) > i and shape[i] == S]
+        return dims[0] if len(shape) >= 3 and shape[0] == B and len(dims) == 1 else None
+
+    found, nearer = [], kv
+    for node in sorted(ancestors([kv]) - {kv}, key=order.__getitem__, reverse=True):
+        if node is not sequence and (node.op not in ("call_function", "call_method") or seq_dim(node) is None):
+            continue
+        if node is not sequence and sequence in ancestors([kv], stop=node, into_sizes=False):
+            continue  # another path reads the sequence: not through node alone
+        if nearer is not kv and any(_learned(n) for n in ancestors([nearer], stop=node, into_sizes=False)):
+            break  # a projection between: the tokens before it are not the keys' (the pooling's own MLP is kv's side)
+        found.append((node, 1 if node is sequence else seq_dim(node)))
+        nearer = node
+        if node is sequence:
+            break
+    return found
+
+
+def _pooling_probe(kv: fx.Node, what: str, source: fx.Node, seq_dim: int, sizes: Sizes) -> _Moved:
+    """A `_Moved` for kv [B, G, Tc, D] probed at `source` (its sequence at seq_dim): the region
+    between them in float64 on the CPU, at the shapes `sizes` gives, the size nodes it reads as
+    their numbers; Refused for a region that cannot be probed."""
+    numbers = sizes.size_nodes()
+    Tc = sizes.shape(value(kv))[2]
+    nodes = ancestors([kv], stop=source, into_sizes=False)
+    order = {n: i for i, n in enumerate(kv.graph.nodes)}
+    ops = sorted((n for n in nodes if n.op in ("call_function", "call_method") and n not in numbers
+                  and n is not source), key=order.__getitem__)
     for node in ops:
         name = op_name(node) or ""
         if any(word in name for word in _RANDOM) or (name.endswith("_") and not name.startswith("_")):
             raise Refused(f"the compressed {what} use {name} (random or in place): not probed")
+    # one batch row where the region keeps its rows apart (batch_slice): the probes' cost is then the
+    # pooling's on one sequence, whatever the batch
+    rows, changes, batched = None, {}, None
+    B = sizes.shape(value(source))[0]
+    if not sizes.symbolic and B > 1:
+        try:
+            changes, batched = batch_slice.one_row(ops, [source], kv, B)
+            rows = 1
+        except Refused:
+            pass  # rows read together (or an op the proof does not know): probed at the graph's batch
+    from nsa_compile import probe  # float64 evaluation of a region
+
+    device = value(kv).device
+    cost = batch_slice.allocated_elements([source, *ops], sizes.shape, batched, rows)
+    budget = probe.element_budget(device)
+    if cost > budget:
+        raise Refused(f"probing the compressed {what} takes {cost:,} elements, over the budget of {budget:,} on "
+                      f"{device.type}")
     gen = torch.Generator().manual_seed(0)
-    # on the CPU whatever the graph's device: in float64 the region's ops take their reference backends (a
-    # rewritten projection's CUDA backends take no float64), and its constants follow (probe.run's device)
+    # on the graph's device (a GPU runs the float64 region fast; probe.run gives this project's ops in it
+    # their reference backends, which take float64 anywhere), values drawn on the CPU (the same on any device)
     env = {n: numbers[n] for n in nodes if n in numbers}
     for n in nodes:
-        if (n.op == "placeholder" or n.op == "get_attr") and n not in numbers:
+        if (n.op in ("placeholder", "get_attr") or n is source) and n not in numbers:
             val = value(n)
             if val is None or not val.is_floating_point():
                 raise Refused(f"the compressed {what} read {n.name}, not a floating-point tensor (not probed)")
-            env[n] = torch.randn(sizes.shape(val), generator=gen, dtype=torch.float64, device="cpu")
-    from nsa_compile import probe  # float64 evaluation of a region
+            shape = sizes.shape(val)
+            env[n] = torch.randn((rows, *shape[1:]) if n is source and rows else shape, generator=gen,
+                                 dtype=torch.float64, device="cpu").to(device)
 
     def pooled(values: dict) -> torch.Tensor:
-        return probe.run(ops, dict(values), kv, f"the compressed {what}", device="cpu")
+        return probe.run(ops, dict(values), kv, f"the compressed {what}", device=str(device), changes=changes)
 
-    return source, _Moved(pooled, pooled(env), env, source, sizes.shape(value(source)), gen, Tc)
+    return _Moved(pooled, env, source, seq_dim, tuple(env[source].shape), gen, Tc)
+
+
+def probed_pooling(kv: fx.Node, what: str, block: int, stride: int, S: int, sizes: Sizes | None = None) -> Pooling:
+    """kv's Pooling for the (l, d) the visibility mask shows, probed (`probe_pooling`, then
+    `probe_windows_ending` for windows that end where NSA's do not: lucidrains' padding at the
+    start) at each of `_unpooled_sources`, nearest first; the nearest's reason where all refuse.
+    In a graph with symbolic sizes the probes have the shapes `sizes` gives (S is the number it
+    gives the sequence)."""
+    sizes = sizes or Sizes.of(kv.graph)
+    first_reason = None
+    for source, seq_dim in _unpooled_sources(kv, what, S, sizes):
+        try:
+            moved = _pooling_probe(kv, what, source, seq_dim, sizes)
+            try:
+                probe_pooling(moved, what, block, stride)
+                return Pooling(source, seq_dim, block, stride)
+            except Refused as fixed:
+                if "outside its block" not in str(fixed):
+                    raise
+                try:
+                    return probe_windows_ending(moved, what, block - 1, stride)
+                except Refused:
+                    raise fixed from None
+        except Refused as why:
+            first_reason = first_reason or why
+    if first_reason is None:
+        raise Refused(f"the compressed {what} read no [B, S, ..] sequence alone (not probed)")
+    raise first_reason
 
 
 def pooling_of(probs: Probabilities, kv: fx.Node, what: str, data: set, subgraphs: PositionSubgraphs,
                memory: int = 0) -> Pooling:
     """The pooling of kv: read from its code (`read_pooling`), or else probed for the (l, d) the
-    visibility mask shows (`probe_pooling`; the mask's first `memory` columns are memory slots,
+    visibility mask shows (`probed_pooling`; the mask's first `memory` columns are memory slots,
     not kv's); the reader's reason where both fail."""
     try:
         return read_pooling(kv, what, data)
     except Refused as why:
         try:
             block, stride = staircase_of(probs, subgraphs, memory)
-            try:
-                return probe_pooling(kv, what, block, stride, probs.shape[2], subgraphs.sizes)
-            except Refused as fixed:
-                if "outside its block" not in str(fixed):
-                    raise
-                try:  # windows that end where NSA's do not (lucidrains' padding at the start)
-                    return probe_windows_ending(kv, what, block - 1, stride, probs.shape[2], subgraphs.sizes)
-                except Refused:
-                    raise fixed from None
+            return probed_pooling(kv, what, block, stride, probs.shape[2], subgraphs.sizes)
         except Refused as probed:
             raise Refused(f"{why}; probed: {probed}") from None
 

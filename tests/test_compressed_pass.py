@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from helpers import optimize_fresh, only_graph, row, tokens
 
+from nsa_compile.fx import op_name
 from nsa_compile.api import state_of
 from nsa_compile.coverage import coverage_of
 
@@ -144,6 +145,10 @@ class Branch(nn.Module):
             B, S, G, Dh = x.shape
             Tc = S // l
             return x[:, :Tc * l].reshape(B, Tc, l, G, Dh).mean(2)
+        if self.change == "prefix-sums":  # block means as differences of prefix sums (read by probes)
+            Tc = (x.shape[1] - l) // d + 1
+            sums = F.pad(x.cumsum(1), (0, 0, 0, 0, 1, 0))  # [B, S + 1, G, D]: sums[j] = x[0] + .. + x[j - 1]
+            return (sums[:, l::d][:, :Tc] - sums[:, 0::d][:, :Tc]) / l
         blocks = x.unfold(1, l, d)  # [B, Tc, G, D, l]
         if self.change == "cumsum-pooling":
             return blocks.mean(-1).cumsum(1)
@@ -290,10 +295,10 @@ def run_both(module, args, config=nsa_compile.OptimizeConfig(compiler="aot_eager
      ("masked-fill-key", 2, torch.float32, False), ("as-strided", 2, torch.float32, False),
      ("view-blocks", 2, torch.float32, False), ("topk", 2, torch.float32, False), ("topk", 1, torch.float32, False),
      ("topk-cut-unsorted", 3, torch.bfloat16, False), ("topk-named-results", 2, torch.float32, False),
-     ("bf16-importance", 3, torch.float32, False)],
+     ("bf16-importance", 3, torch.float32, False), ("prefix-sums", 2, torch.float32, False)],
     ids=["model", "h1", "bf16-h3", "zero-keys-exact-ties", "where-mask", "expand-reshape-gqa", "masked-fill-key",
          "as-strided-pooling", "view-pooling-l-eq-d", "topk", "topk-h1", "bf16-h3-topk-method-cut-unsorted",
-         "topk-named-results", "user-bf16-importance"],
+         "topk-named-results", "user-bf16-importance", "prefix-sum-pooling"],
 )
 def test_accepted_forms_give_eager_block_ids_and_gradients(change, h, dtype, zero_keys):
     args = branch_inputs(h=h, dtype=dtype, zero_keys=zero_keys)
@@ -351,6 +356,51 @@ def test_inside_an_activation_checkpoint():
     grads = torch.autograd.grad(expected[0].square().sum(), eager_args)
     for a, b in zip(torch.autograd.grad(got[0].square().sum(), opt_args), grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def probes_tried(monkeypatch) -> list:
+    """(what, the source's op, its sequence dim, the probed source's shape) of every pooling probe."""
+    import nsa_compile.passes.compressed_attention as compressed
+
+    tried, real = [], compressed._pooling_probe
+
+    def spy(kv, what, source, seq_dim, sizes):
+        moved = real(kv, what, source, seq_dim, sizes)
+        tried.append((what, source.op if source.op == "placeholder" else op_name(source), seq_dim, moved.shape))
+        return moved
+
+    monkeypatch.setattr(compressed, "_pooling_probe", spy)
+    return tried
+
+
+def test_pooling_probes_walk_back_from_the_nearest_tokens_on_one_batch_row(monkeypatch):
+    """Block sums as differences of prefix sums: probed at the prefix sums (the nearest [B, S, ..]
+    node through which alone the keys arrive) the pooled token reads one token before its block, so
+    the probe walks back to the keys themselves, where it is accepted; both on one batch row (the
+    region keeps its rows apart)."""
+    tried = probes_tried(monkeypatch)
+    args = branch_inputs()
+    _, _, optimized = run_both(Branch("prefix-sums"), args)
+    assert row(optimized, CMP)["matches"] == 1
+    once = [(what, source, 1, (1, *x.shape[1:])) for what, x in (("keys", args[1]), ("values", args[2]))
+            for source in ("cumsum", "placeholder")]
+    assert tried[:4] == once and set(tried[4:]) <= set(once[:2]), tried  # the pass, then select_blocks' keys
+
+
+def test_pooling_probes_leave_the_projection_out(monkeypatch):
+    """tiled_gqa_fla pools with F.pad + view + mean, which the reader does not follow: the probes
+    start after the K/V projection (at the keys [B, G, S, D]), on one batch row, so their cost is the
+    pooling's, not a float64 projection's per perturbation (at the seed shape on the GPU that took
+    minutes)."""
+    from corpus import tiled_gqa_fla
+
+    tried = probes_tried(monkeypatch)
+    model, x = tiled_gqa_fla.make()
+    optimized = optimize_fresh(model, nsa_compile.OptimizeConfig(compiler="aot_eager"))
+    optimized(x)
+    assert row(optimized, CMP)["matches"] == 1
+    assert tried and all(source != "placeholder" and dim == 2 and shape[0] == 1 and shape[2] == x.shape[1]
+                         for _, source, dim, shape in tried), tried
 
 
 NO_GQA = nsa_compile.OptimizeConfig(compiler="aot_eager", disabled_passes=("gqa_grouped_matmul",))
