@@ -471,6 +471,10 @@ class GroupedHeads:
                 second = products[0]
                 break
             nxt = [u for u in node.users if cast_dtype(u) is not None or zeroing_of(u, node) is not None]
+            if not products and len(nxt) > 1:  # casts for other readers too (autocast casts p for each matmul)
+                leading = [u for u in nxt if cast_dtype(u) is not None
+                           and any(self.grouped_product(w, u, pos) for w in u.users)]
+                nxt = leading if len(leading) == 1 else nxt
             if products or len(nxt) != 1:
                 raise Refused(not_attention(softmax, chain))
             post.append(nxt[0])

@@ -807,6 +807,44 @@ def test_grouped_block_scores_are_refused_naming_the_unmasked_softmax(causal, re
     assert code.count("torch.softmax(") == 1 and "repeat_interleave" not in code  # not written on 4-D heads
 
 
+class GroupedTwoCasts(nn.Module):
+    """5-D grouped attention whose probabilities are cast to bf16 twice: for p @ v and for another
+    reader (CUDA autocast's casts written out: grouped5d_nograd's bf16 importance einsum reads the
+    compressed probabilities beside o_cmp's). `both_to_v`: the second cast multiplies a V as well."""
+
+    def __init__(self, both_to_v=False):
+        super().__init__()
+        self.both_to_v = both_to_v
+
+    def forward(self, q, k, v):
+        bf16 = torch.bfloat16
+        grouped = q.unflatten(1, (G, h))  # [B, G, h, S, D]
+        s = torch.einsum("bghsd,bgtd->bghst", grouped.to(bf16), k.to(bf16)).float() * D**-0.5
+        t = torch.arange(q.shape[2], device=q.device)
+        p = s.masked_fill(t[None, :] > t[:, None], float("-inf")).softmax(-1)
+        o = torch.einsum("bghst,bgtd->bghsd", p.to(bf16), v.to(bf16))
+        other = (torch.einsum("bghst,bgtd->bghsd", p.to(bf16), (2 * v).to(bf16)).flatten(2) if self.both_to_v
+                 else p.to(bf16).sum(2).flatten(2))  # the heads' sum [B, G, S * S]
+        return torch.cat([o.flatten(2), other], dim=2).float()
+
+
+def test_grouped_heads_follows_the_cast_that_reaches_p_at_v():
+    model = run(GroupedTwoCasts(), qkv(), only("canonicalize"), tol=2e-2)
+    assert fired(model).get("grouped_heads") == 1, fired(model)
+    code = code_after_canonicalize(model).split("def forward")[1]
+    assert "repeat_interleave" in code and code.count("softmax(") == 1  # one softmax, on 4-D heads
+
+
+def test_grouped_heads_refuses_two_casts_that_each_reach_a_p_at_v():
+    model = run(GroupedTwoCasts(both_to_v=True), qkv(), only("canonicalize"), tol=2e-2)
+    _, log = canonical_log(model)
+    assert "grouped_heads" not in fired(model)
+    assert [r.reason for r in log.refusals if r.reason.startswith("grouped_heads")] == [
+        "grouped_heads: the grouped probabilities are not multiplied by V once (p @ v as an einsum over the same "
+        "group and head dims)"]
+    assert "repeat_interleave" not in log.code_after.split("def forward")[1]
+
+
 def test_document_windows_reads_constant_documents_only_when_each_is_the_same_window():
     from nsa_compile.passes.canonicalize import document_windows
 
