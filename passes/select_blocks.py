@@ -60,6 +60,13 @@ in those places count the same). The same for the per-head form and for fla's ru
 naming the nodes and dtypes: p rounded and cast back up before a float32 matmul
 (p.to(bf16).float() @ overlap), the matmul's result cast before the group sum or the key, a key in
 another dtype than the rounded importance, a matmul in a lower dtype with no cast in the graph.
+The group's heads summed before the map (`torch.einsum('bghsc,cj->bgsj', p, map)`, which sums h
+out of p first, written that way by canonicalize; grouped5d_nograd):
+    p_grp = p.to(bf16).view(B, G, h, S, Tc).sum(2) @ overlap.to(bf16)   # the sum rounded, then the map
+is read with the casts on either side of the 5-D view; rounded, the op gets group_first=True (its
+reference backend: the Triton kernel maps each head first); in float32 the two orders differ by
+float32 rounding only and the op's usual order is used. A head sum with its own dtype argument
+(not rounded) is refused.
 
 Verified, not assumed: p must be exactly compressed_attention's probabilities (the same chain and
 mask checks as that pass, for the pooling's (l, d)), and an `nsa.compressed_attention` node must
@@ -587,6 +594,8 @@ class SelectBlocks(RewritePass):
                 packed += ROUNDED.format(dtype=str(plan["importance_dtype"]).removeprefix("torch."))
                 if plan.get("group_sum_dtype") is not None:
                     packed += ", the group sum in float32"
+                if plan.get("group_first"):
+                    packed += ", the group's heads summed (and rounded) before the block map"
             ctx.matched(node, KERNEL.format(block=block, n=plan["n"], backend=plan["backend"], packed=packed, note=note,
                                             why=why))
 
@@ -653,7 +662,14 @@ class SelectBlocks(RewritePass):
         single(p_slc, "importance per head")
         chain.append(p_slc)
         p, overlap = p_slc.args
+        summed_first = []  # the group's heads summed before the block map (torch.einsum's order for 'bghsc,cj->bgsj')
+        if h == 1 and op_name(p) == "sum":
+            p, h, summed_first = group_summed_first(p, B, G, S)
         p, casts, rounding = importance_casts(p, p_slc)
+        cast_view = bool(summed_first) and p is summed_first[-1]
+        if cast_view:  # the casts were on the 5-D view: the probabilities are its input
+            p = first_arg(p)
+        group_first = bool(summed_first) and rounding is not None  # in float32 the two orders differ by rounding only
         group_sum_dtype = None
         if rounding is not None:  # rounded by the matmul: it stays in that dtype up to the sort, or from the
             # group sum on in float32 (CUDA autocast runs sum in float32; or the user's .float() before it)
@@ -664,7 +680,11 @@ class SelectBlocks(RewritePass):
         elif widened is not None:
             raise Refused(f"the group sum {p_grp.name} reads the importance widened to float32 at {widened.name}, "
                           "but the importance was not rounded: nothing to widen")
-        chain += casts
+        if summed_first:  # users first: the sum, then the casts and the view in the order they read each other
+            chain += [summed_first[0], *casts, summed_first[-1]] if cast_view else [summed_first[0], summed_first[-1],
+                                                                                    *casts]
+        else:
+            chain += casts
         probs, op, sizes, (l, d, pos) = self.compressed_source(p, "(p @ overlap)", ranking, subgraphs, data,
                                                                 cmp_requested)
         Bp, H, Sp, Tc = probs.shape
@@ -674,7 +694,8 @@ class SelectBlocks(RewritePass):
         per_head = probs.h if h == 1 and probs.h > 1 and cmp.same(G, H) and cmp.same(Gk * probs.h, H) else 1
         if not cmp.same_shape((Bp, Sp, Gk * per_head, H), (B, S, G, G * h)) or h * per_head != probs.h:
             raise Refused(f"the importance groups {H} heads as {G} x {h}; the compressed keys have {Gk} groups")
-        others = [u for u in p.users if u is not (casts[-1] if casts else p_slc)]
+        reader = casts[-1] if casts and first_arg(casts[-1]) is p else (summed_first[-1] if summed_first else p_slc)
+        others = [u for u in p.users if u is not reader]
         if others:
             names = ", ".join(op_name(u) or u.op for u in others)
             raise Refused(f"the compressed probabilities are also used by {names}: the [B, H, S, Tc] tensor stays, "
@@ -700,16 +721,17 @@ class SelectBlocks(RewritePass):
         k_fake = value(probs.k) if per_head == 1 else value(probs.k).repeat_interleave(per_head, 1)
         fakes = (value(probs.q), k_fake, lse_fake, l, d, block, n)
         try:
-            backend = choose_backend(*fakes, requested, value(pos), "nsa", rounding)
+            backend = choose_backend(*fakes, requested, value(pos), "nsa", rounding, group_first)
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(select_blocks_backend={requested!r}): {why}") from None
         return {"probs": probs, "op": op, "final": final, "block": block, "Ns": sizes.int(Ns), "n": n, "l": l, "d": d,
                 "backend": backend, "pos": pos, "rule": "nsa", "q": probs.q, "k": probs.k, "tiled": None, "clamp": clamp,
                 "per_head": per_head, "importance_dtype": rounding, "group_sum_dtype": group_sum_dtype,
+                "group_first": group_first,
                 "q_offset": q_offset,
                 "chain": tail + [ranking] + ([padded] if padded is not key else []) + fillers + chain,
                 "roots": [overlap, forced_fill[1], cand_fill[1], p],
-                "why_not_triton": why_not_triton(*fakes, value(pos), "nsa", rounding) if requested == "auto"
+                "why_not_triton": why_not_triton(*fakes, value(pos), "nsa", rounding, group_first) if requested == "auto"
                 else f"select_blocks_backend={requested!r} in OptimizeConfig"}
 
     @staticmethod
@@ -1170,6 +1192,8 @@ class SelectBlocks(RewritePass):
             rule["importance_dtype"] = plan["importance_dtype"]
         if plan.get("group_sum_dtype") is not None:
             rule["group_sum_dtype"] = plan["group_sum_dtype"]
+        if plan.get("group_first"):
+            rule["group_first"] = True
         if plan["tiled"] is not None:  # heads of a tiled group made contiguous: head r*G + g -> g*h + r
             h, G = plan["tiled"]
             q, lse = (call(graph, torch.flatten, call(graph, torch.transpose, call(
@@ -1317,6 +1341,40 @@ def importance_casts(operand: fx.Node, p_slc: fx.Node) -> tuple[fx.Node, list[fx
     raise Refused(f"the importance {p_slc.name} ({op_name(p_slc)}) computes in {dtype_name(computes)} from "
                   f"{dtype_name(source)} probabilities with no cast in the graph ({path}): a rounding the pass cannot "
                   "read")
+
+
+def group_summed_first(total: fx.Node, B, G, S) -> tuple[fx.Node, int, list[fx.Node]]:
+    """(operand, h, nodes) for the importance's left operand `total` = x.sum(2) of the grouped
+    probabilities x [B, G, h, S, Tc] (a view of [B, G * h, S, Tc], cast on one side of it): the
+    group's heads summed before the block map, as torch.einsum computes 'bghsc,cj->bgsj'. operand:
+    where `importance_casts` starts (the cast after the view, or the view's input); nodes: the sum,
+    the casts after the view, the view."""
+    why = "the importance is not summed over the group's heads ([B, G, h, S, Tc].sum(2) before the block map)"
+    dims, x = arg(total, 1, "dim"), first_arg(total)
+    if arg(total, 3, "dtype") is not None:
+        raise Refused(f"the group's heads are summed with dtype={arg(total, 3, 'dtype')} before the block map, the sum "
+                      "not rounded: the op (group_first) rounds it to the importance dtype, as a sum in that dtype does")
+    if (arg(total, 2, "keepdim", False) or arg(total, 3, "dtype") is not None or not isinstance(dims, int)
+            or not isinstance(x, fx.Node) or value(x) is None or value(x).dim() != 5 or dims % 5 != 2):
+        raise Refused(why)
+    outer, view = [], x
+    while op_name(view) in CASTS and isinstance(first_arg(view), fx.Node):
+        outer.append(view)
+        view = first_arg(view)
+    if op_name(view) not in ("view", "reshape", "unflatten") or value(view) is None or value(view).dim() != 5:
+        raise Refused(why)
+    inner = first_arg(view)
+    if outer and op_name(inner) in CASTS:
+        raise Refused("the grouped probabilities are cast on both sides of their 5-D view (not read)")
+    h = value(view).shape[2]
+    if (not isinstance(h, int) or not isinstance(inner, fx.Node) or value(inner) is None
+            or not cmp.same_shape(value(view).shape[:4], (B, G, h, S))
+            or not cmp.same_shape(value(inner).shape[:3], (B, G * h, S))):
+        raise Refused(f"the heads are not grouped as [B, G, h, S, Tc]: {tuple(value(view).shape)}")
+    single(total, "group importance")
+    for node in [*outer, view]:
+        single(node, "grouped probabilities")
+    return (outer[0] if outer else inner), h, [total, *outer, view]
 
 
 def kept_rounding(rounding: torch.dtype, nodes: list[tuple[fx.Node, str]]) -> None:

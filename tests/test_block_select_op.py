@@ -283,7 +283,7 @@ def test_reference_rounds_the_scores_to_the_input_dtype_first(dtype):
 ROUNDINGS = (torch.bfloat16, torch.float16)
 
 
-def eager_rounded(p_cmp, S, G, n, dtype, l=L, d=D, ls=LS, pos=None, float32_sum=False):
+def eager_rounded(p_cmp, S, G, n, dtype, l=L, d=D, ls=LS, pos=None, float32_sum=False, group_first=False):
     """(block ids, importance [B, G, S, Ns] in dtype) of models/nsa.py `select_blocks` with its
     importance computed in `dtype`, written out as autocast runs it: p and the block map rounded to
     dtype, their matmul in dtype (float32 accumulation, the result rounded), the group sum in dtype,
@@ -296,7 +296,9 @@ def eager_rounded(p_cmp, S, G, n, dtype, l=L, d=D, ls=LS, pos=None, float32_sum=
     start = i * d if pos is None else pos[:, :Tc, None]  # [Tc, 1] or [B, Tc, 1]
     overlap = (torch.minimum(start + l, (j + 1) * ls) - torch.maximum(start, j * ls)).clamp(min=0).to(p_cmp.dtype) / l
     p_slc = p_cmp.to(dtype) @ (overlap if pos is None else overlap[:, None]).to(dtype)  # [B, H, S, Ns]
-    if float32_sum:  # CUDA autocast runs sum in float32: the rounded per-head importances summed unrounded
+    if group_first:  # torch.einsum('bghsc,cj->bgsj', p, map): the heads summed in dtype, then the map
+        p_grp = p_cmp.to(dtype).view(B, G, H // G, S, Tc).sum(2) @ overlap.to(dtype)
+    elif float32_sum:  # CUDA autocast runs sum in float32: the rounded per-head importances summed unrounded
         p_grp = p_slc.view(B, G, H // G, S, Ns).float().sum(2)
     else:
         p_grp = p_slc.view(B, G, H // G, S, Ns).sum(2)
@@ -1051,3 +1053,31 @@ def test_fla_rule_argument_validation(change, match):
     if "pos" in change:
         args["k"] = torch.randn(2, 2, 40 - L + 1, 16)
     assert_raises_eager_and_fake(select_blocks, args, match)
+
+
+# --- group_first: the group's heads summed (and rounded) before the block map ----------------------------
+
+
+def test_group_first_is_a_rounded_nsa_variant_and_the_reference_computes_it():
+    q, k, scale = make_case(2, 2, 3, 45, 16, torch.bfloat16, seed=5, grid=False)
+    _, lse = eager_p_cmp(q, k, L, D, scale)
+    for kwargs in ({}, {"importance_dtype": torch.bfloat16, "group_sum_dtype": torch.float32},
+                   {"importance_dtype": torch.bfloat16, "rule": "fla"}):
+        with pytest.raises(ValueError, match="group_first .* takes rule 'nsa' with an importance_dtype"):
+            select_blocks(q, k, lse, L, D, LS, 3, scale, "reference", group_first=True, **kwargs)
+    with pytest.raises(ValueError, match=r"backend 'triton' cannot run these inputs: the heads summed and rounded "
+                                         r"before the block map \(group_first\)"):
+        select_blocks(q, k, lse, L, D, LS, 3, scale, "triton", importance_dtype=torch.bfloat16, group_first=True)
+    assert bs_mod.why_not_triton(q, k, lse, L, D, LS, 3, None, "nsa", torch.bfloat16, True) == \
+        bs_mod.GROUP_FIRST_REASON
+    differ = 0
+    for S, h, n, dtype in itertools.product((45, 100, 131), (3, 6), (3, 5), ROUNDINGS):
+        q, k, scale = make_case(2, 2, h, S, 16, torch.bfloat16, seed=S + h + n, grid=False)
+        p, lse = eager_p_cmp(q, k, L, D, scale)
+        want, _ = eager_rounded(p, S, 2, n, dtype, group_first=True)
+        got = select_blocks(q, k, lse, L, D, LS, n, scale, "reference", importance_dtype=dtype, group_first=True)
+        assert got.shape == (2, 2, S, n) and got.dtype == torch.int64 and torch.equal(got, want), (S, h, n, dtype)
+        head_first = select_blocks(q, k, lse, L, D, LS, n, scale, "reference", importance_dtype=dtype)
+        differ += int((head_first != want).any(-1).sum())
+    assert differ >= 1, differ  # the order decides in some rows (1 of 5,472 when written; more at h 6, S 120 in
+    # test_block_selection_variants)

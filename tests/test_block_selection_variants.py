@@ -465,3 +465,97 @@ def test_the_cat_padding_reader_takes_minus_inf_columns_only(fill, refused):
     else:
         with pytest.raises(Refused, match=refused):
             SelectBlocks.read_cat_pad(cat)
+
+
+# --- the group's heads summed before the block map (torch.einsum's order) -------------------------
+
+
+class GroupFirstImportance(nn.Module):
+    """Compressed attention and the block choice of 5-D grouped queries q [B, G, h, S, D] against
+    compressed keys [B, G, Tc, D] (grouped5d_nograd's spelling), the importance one einsum that sums
+    the group's heads inside the block map ('bghsc,cj->bgsj'): torch.einsum sums h out first, then
+    maps. Under CUDA bf16 autocast p and the map enter that einsum in bf16; the casts are written out
+    here (CPU autocast keeps a bf16 softmax). `change`: 'float32-head-sum' sums the rounded heads with
+    dtype=torch.float32 and maps that sum in float32 (a near miss: the op rounds the sum to bf16)."""
+
+    def __init__(self, change=None, l=4, d=2, l_sel=8, n=3):
+        super().__init__()
+        self.change, self.l, self.d, self.l_sel, self.n = change, l, d, l_sel, n
+
+    def forward(self, q, k, v):  # q [B, G, h, S, D], k, v [B, G, S, D], all bf16
+        l, d, l_sel, bf16 = self.l, self.d, self.l_sel, torch.bfloat16
+        S, D = q.shape[3], q.shape[4]
+        kc, vc = k.unfold(2, l, d).mean(-1), v.unfold(2, l, d).mean(-1)  # [B, G, Tc, D]
+        Tc = kc.shape[2]
+        t, c = torch.arange(S, device=q.device), torch.arange(Tc, device=q.device)
+        visible = c[None, :] * d + l - 1 <= t[:, None]  # [S, Tc]
+        s = torch.einsum("bghsd,bgcd->bghsc", q, kc).float() * D**-0.5
+        p = s.masked_fill(~visible, -torch.finfo(torch.float32).max).softmax(-1)
+        p = torch.where(visible.any(-1, keepdim=True), p, torch.zeros_like(p))
+        o = torch.einsum("bghsc,bgcd->bghsd", p.to(bf16), vc)
+        with torch.no_grad():
+            Ns = -(-S // l_sel)
+            j = torch.arange(Ns, device=q.device)
+            overlap = (torch.minimum(c[:, None] * d + l, (j[None, :] + 1) * l_sel)
+                       - torch.maximum(c[:, None] * d, j[None, :] * l_sel)).clamp(min=0)
+            if self.change == "float32-head-sum":
+                importance = p.to(bf16).sum(2, dtype=torch.float32) @ (overlap.float() / l)
+            else:
+                importance = torch.einsum("bghsc,cj->bgsj", p.to(bf16), (overlap.float() / l).to(bf16))
+            cur = (t // l_sel)[:, None]
+            forced = (j == 0) | (j == cur) | (j == cur - 1)
+            score = torch.where(forced, torch.inf, torch.where(j * l_sel <= t[:, None], importance, -torch.inf))
+            values, blocks = torch.sort(score, dim=-1, descending=True, stable=True)  # bf16 ties: the lower block
+            values, blocks = values[..., :self.n], blocks[..., :self.n]
+            blocks = torch.where(values > -torch.inf, blocks, Ns).sort(-1).values
+            blocks = blocks.masked_fill(blocks == Ns, -1)  # [B, G, S, n]
+        return o.float(), blocks
+
+
+def group_first_inputs(B=2, G=2, h=3, S=53, D=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, G, h, S, D, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(B, G, S, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+
+
+def test_heads_summed_before_the_block_map_fire_with_eager_ids(monkeypatch):
+    """canonicalize writes the einsum as torch.einsum computes it (the heads summed, then the map);
+    select_blocks reads that order and gives the op group_first=True: p rounded to bf16, the group
+    sum rounded to bf16, then the map. The ids equal eager's (ties to the lower block, as eager's
+    stable sort), and the compressed output and its gradients too; the op mapping each head first
+    (group_first ignored) gives other ids in some rows here."""
+    module = GroupFirstImportance(n=5)
+    args = group_first_inputs(h=6, S=120)
+    (o_want, ids_want), (o_got, ids_got), optimized = run_both(module, args)
+    r = row(optimized, SEL)
+    assert (r["matches"], r["refused"]) == (1, 0), r
+    assert ("importance rounded to bfloat16 as eager computes it, the group's heads summed (and rounded) before "
+            "the block map") in r["kernels"][0], r
+    assert "the heads summed and rounded before the block map (group_first)" in r["kernels"][0], r  # why not triton
+    calls = [line for line in only_graph(optimized).code_after.splitlines() if "torch.ops.nsa.select_blocks(" in line]
+    assert len(calls) == 1 and "group_first = True" in calls[0] and "importance_dtype = torch.bfloat16" in calls[0]
+    assert torch.equal(ids_got, ids_want) and (ids_want >= 0).sum(-1).max() == 5
+    torch.testing.assert_close(o_got, o_want, rtol=2e-2, atol=2e-2)
+    grads_want = torch.autograd.grad(o_want.square().sum(), args)
+    for a, b in zip(torch.autograd.grad(o_got.square().sum(), args), grads_want):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+    import nsa_compile.ops.block_select as block_select
+
+    reference = block_select._reference
+    monkeypatch.setattr(block_select, "_reference", lambda *a, group_first=False, **kw: reference(*a, **kw))
+    _, (_, ids_head_first), _ = run_both(module, args)
+    assert (ids_head_first != ids_want).any(-1).sum() >= 3  # 5 of 480 rows when written
+
+
+def test_heads_summed_in_float32_before_the_map_are_refused():
+    module = GroupFirstImportance(change="float32-head-sum")
+    args = group_first_inputs()
+    (o_want, ids_want), (o_got, ids_got), optimized = run_both(module, args)
+    r = row(optimized, SEL)
+    assert (r["matches"], r["refused"]) == (0, 1), r
+    assert any("the group's heads are summed with dtype=torch.float32 before the block map, the sum not rounded"
+               in why for why in r["reasons"]), r
+    assert "select_blocks" not in only_graph(optimized).code_after
+    assert torch.equal(ids_got, ids_want)

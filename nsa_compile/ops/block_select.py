@@ -120,7 +120,12 @@ do. At S 1024 (Ns = n) every candidate is chosen and none differs. `group_sum_dt
 (with importance_dtype; CUDA autocast, which runs `sum` in float32): the group sum of the rounded
 per-head importances accumulated and kept in float32 (not rounded), the key float32. The triton backend takes it
 (one chunk of heads: h <= 16 in fp16/bf16), rounding at the same places; its sums run in another
-order than the reference's, with the same caveat.
+order than the reference's, with the same caveat. `group_first=True` (with importance_dtype, rule
+'nsa', no pos, no group_sum_dtype): the group's heads summed before the block map, as
+`torch.einsum('bghsc,cj->bgsj', p, map)` computes it in that dtype (it sums a letter of one operand
+out first; grouped5d_nograd under CUDA autocast): p rounded, its group sum accumulated in float32
+and rounded, then the map as above. In float32 the two orders differ by float32 rounding only
+(group_first=False computes it). The reference backend only (`why_not_triton` says so).
 
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error; only
 the reference backend runs rules "fla" and "lucidrains"):
@@ -160,6 +165,8 @@ FLA_REASON = ("rule 'fla' (the current block favoured, -1 after the top-n, rank 
 LUCIDRAINS_REASON = ("rule 'lucidrains' (averaged compressed logits, a softmax with a sink, the diagonal block "
                      "appended): the Triton kernel ranks the paper's probabilities only")
 RULE_REASONS = {"fla": FLA_REASON, "lucidrains": LUCIDRAINS_REASON}
+GROUP_FIRST_REASON = ("the heads summed and rounded before the block map (group_first): the Triton kernel maps each "
+                      "head's probabilities first")
 # rule 'lucidrains': the sink column's logit and the probability a chosen block must exceed
 LUCIDRAINS_SINK, LUCIDRAINS_THRESHOLD = -1e3, 1e-10
 # the importance dtypes the op rounds to (autocast's lower precisions)
@@ -173,19 +180,22 @@ _OP = "select_blocks"
 
 
 def choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, backend: str = "auto",
-                   pos=None, rule: str = "nsa", importance_dtype: torch.dtype | None = None) -> str:  # fmt: skip
+                   pos=None, rule: str = "nsa", importance_dtype: torch.dtype | None = None,
+                   group_first: bool = False) -> str:  # fmt: skip
     """`BLOCK_SELECT.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it
     cannot run these inputs), or for 'auto' triton where it can run on CUDA (with pos or without)
     and reference elsewhere (always reference with rule 'fla')."""
     return BLOCK_SELECT.choose(backend, q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos, rule,
-                               importance_dtype)
+                               importance_dtype, group_first)
 
 
 def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule: str = "nsa",
-                   importance_dtype: torch.dtype | None = None) -> str | None:  # fmt: skip
+                   importance_dtype: torch.dtype | None = None, group_first: bool = False) -> str | None:  # fmt: skip
     """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
     if rule != "nsa":  # the reasons on every device, not only on CUDA
         return RULE_REASONS[rule]
+    if group_first:
+        return GROUP_FIRST_REASON
     return why_not_triton_on(
         q.device,
         lambda: block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos,
@@ -195,9 +205,13 @@ def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=
 
 
 def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend="auto", pos=None,
-           rule="nsa", importance_dtype=None, group_sum_dtype=None, q_offset=0) -> str:  # fmt: skip
+           rule="nsa", importance_dtype=None, group_sum_dtype=None, q_offset=0, group_first=False) -> str:  # fmt: skip
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
     dtypes, block sizes, positions, rule, importance dtype and backend are valid."""
+    if group_first and (rule != "nsa" or pos is not None or importance_dtype is None or group_sum_dtype is not None):
+        raise ValueError(f"{_OP}: group_first (the heads summed before the block map, rounded) takes rule 'nsa' with "
+                         "an importance_dtype, no group_sum_dtype and no pos (in float32 the two orders differ by "
+                         "float32 rounding only: group_first=False computes it)")
     if rule not in RULES:
         raise ValueError(f"{_OP}: unknown rule {rule!r}; valid: {', '.join(RULES)}")
     if importance_dtype is not None and importance_dtype not in ROUNDINGS and rule != "lucidrains":
@@ -243,7 +257,7 @@ def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backe
             raise ValueError(f"{_OP}: with pos, k must hold a slot per token, Tc = max(0, S - cmp_block + 1) = "
                              f"{slots}, got {k.shape[2]}")
     return choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, backend, pos, rule,
-                          importance_dtype)
+                          importance_dtype, group_first)
 
 
 def overlap_band(Tc: int, Ns: int, cmp_block: int, cmp_stride: int, sel_block: int, device, dtype):
@@ -308,7 +322,8 @@ def accumulator(up: torch.dtype, importance_dtype: torch.dtype | None) -> torch.
 
 def _reference(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int, scale: float,
                budget: int | None = None, rule: str = "nsa", importance_dtype: torch.dtype | None = None,
-               group_sum_dtype: torch.dtype | None = None, q_offset: int = 0) -> torch.Tensor:  # fmt: skip
+               group_sum_dtype: torch.dtype | None = None, q_offset: int = 0,
+               group_first: bool = False) -> torch.Tensor:  # fmt: skip
     B, H, S, _ = q.shape
     G, Tc = k.shape[1], k.shape[2]
     h = H // G
@@ -334,6 +349,8 @@ def _reference(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_sel
         # where, not multiply: a row without a visible block has lse = -inf and exp(s - lse) = inf
         p = rounded(torch.where(visible, torch.exp(s - lse_g[:, :, :, t0:t1, None].to(up)), 0.0), importance_dtype)
         del s
+        if group_first:  # the group's heads summed first (accumulated in float32, rounded), then the block map
+            p = rounded(p.sum(2, keepdim=True), importance_dtype)
         p_slc = torch.zeros((*p.shape[:-1], Ns), dtype=acc, device=q.device)  # [B, G, h, c, Ns]
         if Tc:
             for w in range(index.shape[0]):  # ascending compression block: a matmul's order
@@ -457,10 +474,11 @@ def _reference_lucidrains(q, k, cmp_stride: int, sel_block: int, n_selected: int
 
 
 def _reference_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos=None, rule="nsa",
-                       importance_dtype=None, group_sum_dtype=None, q_offset=0):  # fmt: skip
-    if q_offset:  # pos and rule 'lucidrains' take no offset (_check)
+                       importance_dtype=None, group_sum_dtype=None, q_offset=0, group_first=False):  # fmt: skip
+    if q_offset or group_first:  # pos and rule 'lucidrains' take neither (_check)
         return _reference(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, rule=rule,
-                          importance_dtype=importance_dtype, group_sum_dtype=group_sum_dtype, q_offset=q_offset)
+                          importance_dtype=importance_dtype, group_sum_dtype=group_sum_dtype, q_offset=q_offset,
+                          group_first=group_first)
     if rule == "lucidrains":
         return _reference_lucidrains(q, k, cmp_stride, sel_block, n_selected, scale, softmax_dtype=importance_dtype)
     if pos is not None:
@@ -471,9 +489,11 @@ def _reference_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, 
 
 
 def _triton_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule="nsa",
-                   importance_dtype=None) -> str | None:  # fmt: skip
+                   importance_dtype=None, group_first=False) -> str | None:  # fmt: skip
     if rule != "nsa":
         return RULE_REASONS[rule]
+    if group_first:
+        return GROUP_FIRST_REASON
     return block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos,
                                                   importance_dtype)
 
@@ -483,13 +503,15 @@ BLOCK_SELECT = declare(Op(
     name="select_blocks",
     schema="(Tensor q, Tensor k, Tensor? lse, SymInt cmp_block, SymInt cmp_stride, SymInt sel_block, "
            'SymInt n_selected, float scale, str backend="auto", Tensor? pos=None, str rule="nsa", '
-           "ScalarType? importance_dtype=None, ScalarType? group_sum_dtype=None, int q_offset=0) -> Tensor",
+           "ScalarType? importance_dtype=None, ScalarType? group_sum_dtype=None, int q_offset=0, "
+           "bool group_first=False) -> Tensor",
     config_field="select_blocks_backend",
     choice_args=("q", "k", "lse", "cmp_block", "cmp_stride", "sel_block", "n_selected", "pos", "rule",
-                 "importance_dtype"),
+                 "importance_dtype", "group_first"),
     backends=(
         Backend("triton", cannot_run=_triton_reason, auto_reason=why_not_triton,
-                forward=lambda q, k, lse, l, d, ls, n, scale, pos, rule, importance_dtype, group_sum_dtype, q_offset:
+                forward=lambda q, k, lse, l, d, ls, n, scale, pos, rule, importance_dtype, group_sum_dtype, q_offset,
+                group_first:
                     block_select_triton.select_blocks_forward(q, k, lse, l, d, ls, n, scale, pos, importance_dtype,
                                                               group_sum_dtype, q_offset)),
         Backend("reference", forward=_reference_forward),
@@ -505,8 +527,9 @@ def select_blocks(
     q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor | None, cmp_block: int, cmp_stride: int, sel_block: int,
     n_selected: int, scale: float, backend: str = "auto", pos: torch.Tensor | None = None, rule: str = "nsa",
     importance_dtype: torch.dtype | None = None, group_sum_dtype: torch.dtype | None = None, q_offset: int = 0,
+    group_first: bool = False,
 ) -> torch.Tensor:
     """`torch.ops.nsa.select_blocks` (see the module docstring)."""
     return torch.ops.nsa.select_blocks(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backend,
                                        pos=pos, rule=rule, importance_dtype=importance_dtype,
-                                       group_sum_dtype=group_sum_dtype, q_offset=q_offset)
+                                       group_sum_dtype=group_sum_dtype, q_offset=q_offset, group_first=group_first)
