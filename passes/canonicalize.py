@@ -99,6 +99,17 @@ row_cast
     A float cast of an unsqueeze that only it reads (`q.unsqueeze(-2).to(torch.bfloat16)`, CUDA
     autocast's cast of the selected branch's per-query rows) is moved before it, exact.
 
+layout_cast
+    A float cast of a permute or transpose that only it reads (`kc.permute(0, 2, 3, 1).to(bf16)`, CUDA
+    autocast's cast of float32 pooled keys laid out for the product) is moved before it, exact, so
+    the layout sits next to the product where the passes read it.
+
+cast_chain
+    A float cast of a float cast that loses nothing (the same dtype, or wider: `p.to(p.dtype)`, bf16
+    -> float32) becomes one cast from the first tensor (`p_cmp.to(vc.dtype).to(torch.bfloat16)`,
+    where vc is float32 under CUDA autocast and autocast then casts p to bf16 for its matmul): exact,
+    the inner cast changes no value. A rounding inner cast (float32 -> bf16 -> float32) stays.
+
 key_layout
     Scores `q @ k.permute(0, 2, 3, 1)`, whose permute also swaps the last two dims, become
     `q @ k.permute(0, 2, 1, 3).transpose(-1, -2)`: the same tensor.
@@ -1456,6 +1467,59 @@ def cast_past_unsqueeze(graph: fx.Graph, node: fx.Node) -> str | None:
     return f"row_cast: cast to {str(out.dtype).removeprefix('torch.')} after unsqueeze({dim}) -> before it"
 
 
+FLOAT_CASTS = ("to", "float", "half", "bfloat16", "double")
+
+
+def float_cast(node: fx.Node) -> tuple[fx.Node, torch.dtype, torch.dtype] | None:
+    """(input, input dtype, output dtype) of a float-to-float cast on one device, else None."""
+    x, out = first(node), value(node)
+    src = value(x) if isinstance(x, fx.Node) else None
+    if (op_name(node) not in FLOAT_CASTS or out is None or src is None or not out.is_floating_point()
+            or not src.is_floating_point() or out.device != src.device):
+        return None
+    return x, src.dtype, out.dtype
+
+
+def cast_past_layout(graph: fx.Graph, node: fx.Node) -> str | None:
+    """The `layout_cast` rule: x.permute(..).to(dtype) -> x.to(dtype).permute(..) (or a transpose) for a
+    float-to-float cast whose layout change only it reads. Exact: a cast is elementwise."""
+    found = float_cast(node)
+    view = found[0] if found else None
+    if found is None or found[1] == found[2] or list(view.users) != [node] or layout_of(view) is None:
+        return None
+    x = first(view)
+    if not isinstance(x, fx.Node):
+        return None
+    perm = layout_of(view)
+    moved = call(graph, torch.Tensor.to, x, found[2], anchor=node)
+    new = call(graph, torch.permute, moved, perm, anchor=node)
+    node.replace_all_uses_with(new)
+    erase_replaced(graph, [node], [])
+    return f"layout_cast: cast to {str(found[2]).removeprefix('torch.')} after {op_name(view)} -> before it"
+
+
+def lossless(src: torch.dtype, mid: torch.dtype) -> bool:
+    """Whether casting src values to mid keeps every value (the same dtype, or a wider one)."""
+    if src == mid:
+        return True
+    wider = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64),
+             torch.float32: (torch.float64,)}
+    return mid in wider.get(src, ())
+
+
+def cast_of_cast(graph: fx.Graph, node: fx.Node) -> str | None:
+    """The `cast_chain` rule: x.to(mid).to(dtype) -> x.to(dtype) where the cast to mid loses nothing."""
+    outer = float_cast(node)
+    inner = float_cast(outer[0]) if outer else None
+    if outer is None or inner is None or not lossless(inner[1], inner[2]):
+        return None
+    new = call(graph, torch.Tensor.to, inner[0], outer[2], anchor=node)
+    node.replace_all_uses_with(new)
+    erase_replaced(graph, [node], [])
+    return (f"cast_chain: cast to {str(inner[2]).removeprefix('torch.')} then to "
+            f"{str(outer[2]).removeprefix('torch.')} -> one cast")
+
+
 def layout_past_copy(graph: fx.Graph, node: fx.Node) -> str | None:
     """The `gqa_layout` rule: permute(x.repeat_interleave(h, d)) -> permute(x).repeat_interleave(h, d'),
     where the permute moves the repeated dim d (a layout change of K/V after its GQA copy: the copy
@@ -1881,8 +1945,9 @@ class Canonicalize(RewritePass):
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         sizes_off_copies(graph)
         masks = ProbeMasks()
-        rules = (("autocast", ExplicitAutocast()), ("sdpa", SDPADecomposition(masks)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort),
-                 ("softmax", handwritten_softmax), ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("gqa_cast", cast_past_copy), ("row_cast", cast_past_unsqueeze), ("key_layout", key_transpose),
+        rules = (("autocast", ExplicitAutocast()), ("cast_chain", cast_of_cast), ("sdpa", SDPADecomposition(masks)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort),
+                 ("softmax", handwritten_softmax), ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("layout_cast", cast_past_layout), ("gqa_cast", cast_past_copy),
+                 ("row_cast", cast_past_unsqueeze), ("key_layout", key_transpose),
                  ("gqa_layout", layout_past_copy), ("scores", ScoreChains(masks)),
                  ("empty_rows", EmptyRows(masks)))
         for name, rule in rules:

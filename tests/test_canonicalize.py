@@ -868,6 +868,60 @@ def test_grouped_heads_refuses_two_casts_that_each_reach_a_p_at_v():
     assert "repeat_interleave" not in log.code_after.split("def forward")[1]
 
 
+class CastAfterLayout(nn.Module):
+    """Compressed-style scores whose keys are laid out for the product and then cast (CUDA autocast's
+    cast of float32 pooled keys: `q @ kc.permute(0, 2, 3, 1).to(bf16)`), and probabilities cast to
+    their own dtype and then to bf16 (`p.to(vc.dtype)` with vc float32, then autocast's cast), as
+    where_bias_spellings computes under CUDA autocast. `change`: 'shared-permute' lets another
+    reader use the permuted keys (the cast stays), 'rounding-chain' rounds p to bf16 and widens it
+    back for a float32 product (a rounding inner cast: the chain stays)."""
+
+    def __init__(self, change=None):
+        super().__init__()
+        self.change = change
+
+    def forward(self, q, k, v):  # q [B, H, S, D] bf16, k, v [B, S, H, D] float32
+        bf16 = torch.bfloat16
+        kt = k.permute(0, 2, 3, 1)  # [B, H, D, S]
+        s = torch.matmul(q, kt.to(bf16)).to(torch.float32) * D**-0.5
+        t = torch.arange(q.shape[2], device=q.device)
+        p = s.masked_fill(t[None, :] > t[:, None], float("-inf")).softmax(-1)
+        if self.change == "rounding-chain":  # p rounded to bf16, then widened: a float32 product of rounded p
+            o = torch.matmul(p.to(bf16).to(torch.float32), v.transpose(1, 2))
+        else:
+            o = torch.matmul(p.to(torch.float32).to(bf16), v.transpose(1, 2).to(bf16))
+        extra = kt.sum() if self.change == "shared-permute" else 0.0
+        return o.float() + extra
+
+
+def layout_cast_inputs():
+    g = torch.Generator().manual_seed(8)
+    return [torch.randn(B, H, S, D, generator=g).to(torch.bfloat16), torch.randn(B, S, H, D, generator=g),
+            torch.randn(B, S, H, D, generator=g)]
+
+
+def test_casts_after_a_layout_and_lossless_cast_chains_are_normalized():
+    model = run(CastAfterLayout(), layout_cast_inputs(), only("canonicalize"), tol=2e-2)
+    counts = fired(model)
+    assert (counts.get("layout_cast"), counts.get("cast_chain")) == (2, 1), counts
+    _, log = canonical_log(model)
+    assert "cast_chain: cast to float32 then to bfloat16 -> one cast" in [m.kernel for m in log.matches]
+    body = log.code_after.split("def forward")[1]
+    # the casts now read k and v themselves; the permute / transpose read the casts
+    assert body.count("torch.Tensor.to(l_k_, torch.bfloat16)") + body.count("torch_Tensor_to(l_k_, torch.bfloat16)") == 1
+    assert body.count("torch.Tensor.to(l_v_, torch.bfloat16)") + body.count("torch_Tensor_to(l_v_, torch.bfloat16)") == 1
+
+
+@pytest.mark.parametrize("change", ["shared-permute", "rounding-chain"])
+def test_casts_that_are_not_lossless_or_whose_layout_is_shared_stay(change):
+    model = run(CastAfterLayout(change), layout_cast_inputs(), only("canonicalize"), tol=2e-2)
+    counts = fired(model)
+    if change == "shared-permute":  # k's permute has two readers: its cast stays after it; v's moves
+        assert counts.get("layout_cast") == 1 and counts.get("cast_chain") == 1, counts
+    else:  # p.to(bf16).to(float32): both casts stay (k's cast still moves before its permute)
+        assert "cast_chain" not in counts and counts.get("layout_cast") == 1, counts
+
+
 def test_document_windows_reads_constant_documents_only_when_each_is_the_same_window():
     from nsa_compile.passes.canonicalize import document_windows
 
