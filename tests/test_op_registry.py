@@ -42,7 +42,7 @@ SCHEMAS = {
     "select_blocks": "nsa::select_blocks(Tensor q, Tensor k, Tensor? lse, SymInt cmp_block, SymInt cmp_stride, "
                      'SymInt sel_block, SymInt n_selected, float scale, str backend="auto", Tensor? pos=None, '
                      'str rule="nsa", ScalarType? importance_dtype=None, ScalarType? group_sum_dtype=None, '
-                     "int q_offset=0) -> Tensor",
+                     "int q_offset=0, bool group_first=False) -> Tensor",
     "selected_attention": "nsa::selected_attention(Tensor q, Tensor k, Tensor v, Tensor block_idx, "
                           'SymInt block_size, float scale, str backend="auto", Tensor? pos=None, int q_offset=0) '
                           "-> (Tensor, Tensor)",
