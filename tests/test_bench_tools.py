@@ -432,6 +432,27 @@ def test_corpus_bench_stops_a_model_at_its_time_limit_and_goes_on(monkeypatch, t
     assert table_row(text, "reference")[2] == "time limit"
 
 
+def test_a_time_limit_names_the_innermost_frame_and_the_pass_it_was_in():
+    def compiled(name: str, path: str) -> dict:  # a function that calls its argument, defined in `path`
+        namespace: dict = {}
+        exec(compile(f"def {name}(f):\n    return f()\n", path, "exec"), namespace)
+        return namespace[name]
+
+    pooling_probe = compiled("pooling_probe", "/x/nsa_compile/passes/compressed_attention.py")
+    run = compiled("run", "/x/nsa_compile/probe.py")
+
+    def expire():  # the alarm handler: the last frame, not shown
+        raise bench_corpus.TimeLimit("--model-limit 1 s ran out")
+
+    def run_model():
+        pooling_probe(lambda: run(expire))
+
+    with pytest.raises(bench_corpus.TimeLimit) as caught:
+        run_model()
+    # the innermost frame (a probe's evaluation), then the pass around it; the test's own frames are not ours
+    assert bench_corpus.where_stopped(caught.value) == "probe.py:2 run <- compressed_attention.py:2 pooling_probe"
+
+
 def test_corpus_bench_ratio_needs_both_parities_of_the_same_run():
     def rec(run, model, tok_s, parity_ok, status="ok"):
         return {"run": run, "model": model, "status": status, "tok_s": tok_s, "step_ms": 1.0, "first_step_s": 1.0,

@@ -191,9 +191,12 @@ class TimeLimit(BaseException):
 
 
 def where_stopped(err: BaseException) -> str:
-    """The innermost frames of err's traceback, short: where a model was when its time ran out."""
-    frames = traceback.extract_tb(err.__traceback__)[1:]  # [0] is run_model
-    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
+    """Where a model was when its time ran out, short: the innermost frame, then the innermost four
+    of this project's passes and ops (nsa_compile/; a probe's own frames name no pass)."""
+    frames = traceback.extract_tb(err.__traceback__)[1:-1]  # [0] is run_model, [-1] the alarm handler
+    ours = [f for f in frames if "nsa_compile" in Path(f.filename).parts and Path(f.filename).name != "probe.py"]
+    shown = frames[-1:] + [f for f in reversed(ours[-4:]) if f is not frames[-1]] if frames else []
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in shown)
 
 
 def time_limited(seconds: int):
