@@ -1740,27 +1740,34 @@ class VarlenChoice:
         p_region = cmp.written_region([probs.p], "compressed probabilities", leaves={probs.q, probs.k})
         gen = torch.Generator().manual_seed(0)
         (H, T, Dk), (G, N, _) = cmp.concrete(value(probs.q).shape), cmp.concrete(value(probs.k).shape)
+        probes = []  # (q, slots of k, lse, the region's ids) per probe, made when a candidate first needs it
+
+        def probe(i: int):
+            while len(probes) <= i:
+                q = torch.randn(H, T, Dk, generator=gen, dtype=torch.float64, device="cpu").to(pos.device)
+                k = torch.randn(G, N, Dk, generator=gen, dtype=torch.float64, device="cpu").to(pos.device)
+                p = cmp.run_written(p_region, "compressed probabilities", {probs.q: q, probs.k: k})[probs.p]
+                got = cmp.run_written(region, "varlen block choice", {probs.p: p})[final]
+                k_slots = k.new_zeros(G, T - l + 1, Dk).index_copy(1, slots, k)[None]
+                lse = torch.ops.nsa.compressed_attention(q[None], k_slots, k_slots, l, d, scale, "reference", pos)[1]
+                probes.append((q, k_slots, lse, got))
+            return probes[i]
+
         failures = {}
-        for i in range(VARLEN_PROBES):
-            q = torch.randn(H, T, Dk, generator=gen, dtype=torch.float64, device="cpu").to(pos.device)
-            k = torch.randn(G, N, Dk, generator=gen, dtype=torch.float64, device="cpu").to(pos.device)
-            p = cmp.run_written(p_region, "compressed probabilities", {probs.q: q, probs.k: k})[probs.p]
-            got = cmp.run_written(region, "varlen block choice", {probs.p: p})[final]
-            k_slots = k.new_zeros(G, T - l + 1, Dk).index_copy(1, slots, k)[None]
-            lse = torch.ops.nsa.compressed_attention(q[None], k_slots, k_slots, l, d, scale, "reference", pos)[1]
-            for block in list(blocks):
+        for block in blocks:  # the smallest l' that gives the op's ids on every probe (each checked until it fails)
+            for i in range(VARLEN_PROBES):
+                q, k_slots, lse, got = probe(i)
                 want = torch.ops.nsa.select_blocks(q[None], k_slots, lse, l, d, block, n, scale, "reference", pos)[0]
                 if not torch.equal(got, want):
-                    if block not in failures:
-                        g, t = (int(x) for x in (got != want).any(-1).nonzero()[0])
-                        failures[block] = (f"on probe {i}, group {g}, token {t} (position {int(pos[0, t])}): "
-                                           f"{got[g, t].tolist()}, the op's {want[g, t].tolist()}")
-                    blocks.remove(block)
-        if not blocks:
-            tried = "; ".join(f"l'={b}: {why}" for b, why in failures.items())
-            raise Refused(f"the varlen block choice differs from nsa.select_blocks (l={l}, d={d}, n={n}, per document) "
-                          f"for every l' that gives its {width} blocks ({tried})")
-        return blocks[0]
+                    g, t = (int(x) for x in (got != want).any(-1).nonzero()[0])
+                    failures[block] = (f"on probe {i}, group {g}, token {t} (position {int(pos[0, t])}): "
+                                       f"{got[g, t].tolist()}, the op's {want[g, t].tolist()}")
+                    break
+            else:
+                return block
+        tried = "; ".join(f"l'={b}: {why}" for b, why in failures.items())
+        raise Refused(f"the varlen block choice differs from nsa.select_blocks (l={l}, d={d}, n={n}, per document) "
+                      f"for every l' that gives its {width} blocks ({tried})")
 
     @staticmethod
     def rewrite(graph: fx.Graph, plan: dict) -> None:
