@@ -1423,27 +1423,38 @@ def key_transpose(graph: fx.Graph, softmax: fx.Node) -> str | None:
     return "key_layout: keys permuted with their last two dims swapped -> permute, then transpose(-1, -2)"
 
 
+# the casts the cast rules move or merge (cast_dtype reads type / type_as too)
+MOVABLE_CASTS = ("to", "float", "half", "bfloat16", "double")
+
+
+def movable_cast(node: fx.Node) -> torch.dtype | None:
+    """The dtype a float-to-float cast on one device (`x.to(dtype)`, `x.float()`, ...) makes, else None."""
+    return cast_dtype(node) if op_name(node) in MOVABLE_CASTS else None
+
+
+def cast_moved_before(graph: fx.Graph, node: fx.Node, x: fx.Node, dtype: torch.dtype, remake) -> None:
+    """node (a cast of remake(x)) -> remake(x.to(dtype)): the cast moved before the op remake repeats."""
+    new = remake(call(graph, torch.Tensor.to, x, dtype, anchor=node))
+    node.replace_all_uses_with(new)
+    erase_replaced(graph, [node], [])
+
+
 def cast_past_copy(graph: fx.Graph, node: fx.Node) -> str | None:
     """The `gqa_cast` rule: x.repeat_interleave(h, d).to(dtype) -> x.to(dtype).repeat_interleave(h, d)
     for a float-to-float cast (CUDA autocast casts a float32 K/V copy to bf16 right before its
     matmul): the copy then sits next to the product, where the passes read it. Exact: a cast is
     elementwise, so it commutes with the copy (and reads 1/h of the elements). The copy stays for
     its other users."""
-    rep = first(node)
-    if op_name(node) not in ("to", "float", "half", "bfloat16", "double") or op_name(rep) != "repeat_interleave":
+    rep, dtype = first(node), movable_cast(node)
+    if dtype is None or op_name(rep) != "repeat_interleave" or dtype == value(rep).dtype:
         return None
     repeats, dim, x = arg(rep, 1, "repeats"), arg(rep, 2, "dim"), first(rep)
-    out, src = value(node), value(rep)
     if (not (isinstance(repeats, int) or isinstance(repeats, fx.Node) and is_size(repeats)) or not isinstance(dim, int)
-            or not isinstance(x, fx.Node) or arg(rep, 3, "output_size") is not None or out is None or src is None
-            or not out.is_floating_point() or not src.is_floating_point() or out.device != src.device
-            or out.dtype == src.dtype):
+            or not isinstance(x, fx.Node) or arg(rep, 3, "output_size") is not None):
         return None
-    moved = call(graph, torch.Tensor.to, x, out.dtype, anchor=node)
-    new = call(graph, torch.repeat_interleave, moved, repeats, dim, anchor=node)
-    node.replace_all_uses_with(new)
-    erase_replaced(graph, [node], [])
-    return f"gqa_cast: cast to {str(out.dtype).removeprefix('torch.')} after repeat_interleave -> before it"
+    cast_moved_before(graph, node, x, dtype,
+                      lambda moved: call(graph, torch.repeat_interleave, moved, repeats, dim, anchor=node))
+    return f"gqa_cast: cast to {str(dtype).removeprefix('torch.')} after repeat_interleave -> before it"
 
 
 def cast_past_unsqueeze(graph: fx.Graph, node: fx.Node) -> str | None:
@@ -1451,51 +1462,27 @@ def cast_past_unsqueeze(graph: fx.Graph, node: fx.Node) -> str | None:
     cast whose unsqueeze only it reads (CUDA autocast casts the selected branch's per-query rows
     `q.unsqueeze(-2)` and `p.unsqueeze(-2)` right before their products): the rows are then the
     unsqueeze the passes read. Exact: a cast is elementwise."""
-    row = first(node)
-    if op_name(node) not in ("to", "float", "half", "bfloat16", "double") or op_name(row) != "unsqueeze":
-        return None
-    x, out, src = first(row), value(node), value(row)
-    if (not isinstance(x, fx.Node) or out is None or src is None or list(row.users) != [node]
-            or not out.is_floating_point() or not src.is_floating_point() or out.device != src.device
-            or out.dtype == src.dtype):
+    row, dtype = first(node), movable_cast(node)
+    if (dtype is None or op_name(row) != "unsqueeze" or dtype == value(row).dtype or list(row.users) != [node]
+            or not isinstance(first(row), fx.Node)):
         return None
     dim = arg(row, 1, "dim")
-    moved = call(graph, torch.Tensor.to, x, out.dtype, anchor=node)
-    new = call(graph, torch.unsqueeze, moved, dim, anchor=node)
-    node.replace_all_uses_with(new)
-    erase_replaced(graph, [node], [])
-    return f"row_cast: cast to {str(out.dtype).removeprefix('torch.')} after unsqueeze({dim}) -> before it"
-
-
-FLOAT_CASTS = ("to", "float", "half", "bfloat16", "double")
-
-
-def float_cast(node: fx.Node) -> tuple[fx.Node, torch.dtype, torch.dtype] | None:
-    """(input, input dtype, output dtype) of a float-to-float cast on one device, else None."""
-    x, out = first(node), value(node)
-    src = value(x) if isinstance(x, fx.Node) else None
-    if (op_name(node) not in FLOAT_CASTS or out is None or src is None or not out.is_floating_point()
-            or not src.is_floating_point() or out.device != src.device):
-        return None
-    return x, src.dtype, out.dtype
+    cast_moved_before(graph, node, first(row), dtype,
+                      lambda moved: call(graph, torch.unsqueeze, moved, dim, anchor=node))
+    return f"row_cast: cast to {str(dtype).removeprefix('torch.')} after unsqueeze({dim}) -> before it"
 
 
 def cast_past_layout(graph: fx.Graph, node: fx.Node) -> str | None:
     """The `layout_cast` rule: x.permute(..).to(dtype) -> x.to(dtype).permute(..) (or a transpose) for a
     float-to-float cast whose layout change only it reads. Exact: a cast is elementwise."""
-    found = float_cast(node)
-    view = found[0] if found else None
-    if found is None or found[1] == found[2] or list(view.users) != [node] or layout_of(view) is None:
-        return None
-    x = first(view)
-    if not isinstance(x, fx.Node):
+    view, dtype = first(node), movable_cast(node)
+    if (dtype is None or dtype == value(view).dtype or list(view.users) != [node] or layout_of(view) is None
+            or not isinstance(first(view), fx.Node)):
         return None
     perm = layout_of(view)
-    moved = call(graph, torch.Tensor.to, x, found[2], anchor=node)
-    new = call(graph, torch.permute, moved, perm, anchor=node)
-    node.replace_all_uses_with(new)
-    erase_replaced(graph, [node], [])
-    return f"layout_cast: cast to {str(found[2]).removeprefix('torch.')} after {op_name(view)} -> before it"
+    cast_moved_before(graph, node, first(view), dtype,
+                      lambda moved: call(graph, torch.permute, moved, perm, anchor=node))
+    return f"layout_cast: cast to {str(dtype).removeprefix('torch.')} after {op_name(view)} -> before it"
 
 
 def lossless(src: torch.dtype, mid: torch.dtype) -> bool:
@@ -1509,15 +1496,13 @@ def lossless(src: torch.dtype, mid: torch.dtype) -> bool:
 
 def cast_of_cast(graph: fx.Graph, node: fx.Node) -> str | None:
     """The `cast_chain` rule: x.to(mid).to(dtype) -> x.to(dtype) where the cast to mid loses nothing."""
-    outer = float_cast(node)
-    inner = float_cast(outer[0]) if outer else None
-    if outer is None or inner is None or not lossless(inner[1], inner[2]):
+    inner, dtype = first(node), movable_cast(node)
+    mid = movable_cast(inner) if dtype is not None else None
+    if mid is None or not lossless(value(first(inner)).dtype, mid):
         return None
-    new = call(graph, torch.Tensor.to, inner[0], outer[2], anchor=node)
-    node.replace_all_uses_with(new)
-    erase_replaced(graph, [node], [])
-    return (f"cast_chain: cast to {str(inner[2]).removeprefix('torch.')} then to "
-            f"{str(outer[2]).removeprefix('torch.')} -> one cast")
+    cast_moved_before(graph, node, first(inner), dtype, lambda moved: moved)
+    return (f"cast_chain: cast to {str(mid).removeprefix('torch.')} then to {str(dtype).removeprefix('torch.')} "
+            "-> one cast")
 
 
 def layout_past_copy(graph: fx.Graph, node: fx.Node) -> str | None:
@@ -1945,9 +1930,10 @@ class Canonicalize(RewritePass):
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         sizes_off_copies(graph)
         masks = ProbeMasks()
-        rules = (("autocast", ExplicitAutocast()), ("cast_chain", cast_of_cast), ("sdpa", SDPADecomposition(masks)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort),
-                 ("softmax", handwritten_softmax), ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("layout_cast", cast_past_layout), ("gqa_cast", cast_past_copy),
-                 ("row_cast", cast_past_unsqueeze), ("key_layout", key_transpose),
+        rules = (("autocast", ExplicitAutocast()), ("cast_chain", cast_of_cast), ("sdpa", SDPADecomposition(masks)),
+                 ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort), ("softmax", handwritten_softmax),
+                 ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("layout_cast", cast_past_layout),
+                 ("gqa_cast", cast_past_copy), ("row_cast", cast_past_unsqueeze), ("key_layout", key_transpose),
                  ("gqa_layout", layout_past_copy), ("scores", ScoreChains(masks)),
                  ("empty_rows", EmptyRows(masks)))
         for name, rule in rules:

@@ -1354,8 +1354,8 @@ def group_summed_first(total: fx.Node, B, G, S) -> tuple[fx.Node, int, list[fx.N
     if arg(total, 3, "dtype") is not None:
         raise Refused(f"the group's heads are summed with dtype={arg(total, 3, 'dtype')} before the block map, the sum "
                       "not rounded: the op (group_first) rounds it to the importance dtype, as a sum in that dtype does")
-    if (arg(total, 2, "keepdim", False) or arg(total, 3, "dtype") is not None or not isinstance(dims, int)
-            or not isinstance(x, fx.Node) or value(x) is None or value(x).dim() != 5 or dims % 5 != 2):
+    if (arg(total, 2, "keepdim", False) or not isinstance(dims, int) or not isinstance(x, fx.Node)
+            or value(x) is None or value(x).dim() != 5 or dims % 5 != 2):
         raise Refused(why)
     outer, view = [], x
     while op_name(view) in CASTS and isinstance(first_arg(view), fx.Node):

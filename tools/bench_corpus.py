@@ -43,6 +43,7 @@ Each call times its own reference; a ratio is always against the reference of th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import shlex
@@ -199,22 +200,24 @@ def where_stopped(err: BaseException) -> str:
     return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in shown)
 
 
+@contextlib.contextmanager
 def time_limited(seconds: int):
-    """A context manager: TimeLimit after `seconds` (0: none), via SIGALRM in the main thread."""
-    class Limited:
-        def __enter__(self):
-            if seconds:
-                signal.signal(signal.SIGALRM, self.expire)
-                signal.alarm(seconds)
+    """TimeLimit in the body after `seconds` (0: none), via SIGALRM in the main thread; the previous
+    handler is put back after it."""
+    if not seconds:
+        yield
+        return
 
-        def __exit__(self, *exc):
-            if seconds:
-                signal.alarm(0)
+    def expire(signum, frame):
+        raise TimeLimit(f"--model-limit {seconds} s ran out")
 
-        @staticmethod
-        def expire(signum, frame):
-            raise TimeLimit(f"--model-limit {seconds} s ran out")
-    return Limited()
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def run_model(name: str, args, device: torch.device, env: dict, run: str) -> dict:
