@@ -48,8 +48,14 @@ class Workload:
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens a step trains on: batch * S for presets (the targets' column excluded); for a
+        user's model, batch * S where its first input is a sequence (x [B, S, dim], or token ids
+        [B, S] of an integer dtype), else its first dim (rows)."""
         first = self.inputs[0]
-        return first.shape[0] * (first.shape[1] - 1) if self.is_lm else first.shape[0]
+        if self.is_lm:
+            return first.shape[0] * (first.shape[1] - 1)
+        sequence = first.dim() >= 3 or (first.dim() == 2 and not first.is_floating_point())
+        return first.shape[0] * first.shape[1] if sequence else first.shape[0]
 
     def to(self, device: torch.device) -> "Workload":
         self.model = self.model.to(device)

@@ -63,8 +63,8 @@ another dtype than the rounded importance, a matmul in a lower dtype with no cas
 The group's heads summed before the map (`torch.einsum('bghsc,cj->bgsj', p, map)`, which sums h
 out of p first, written that way by canonicalize; grouped5d_nograd):
     p_grp = p.to(bf16).view(B, G, h, S, Tc).sum(2) @ overlap.to(bf16)   # the sum rounded, then the map
-is read with the casts on either side of the 5-D view; rounded, the op gets group_first=True (its
-reference backend: the Triton kernel maps each head first); in float32 the two orders differ by
+is read with the casts on either side of the 5-D view; rounded, the op gets group_first=True (both
+backends compute it: 'auto' takes the Triton kernel on CUDA); in float32 the two orders differ by
 float32 rounding only and the op's usual order is used. A head sum with its own dtype argument
 (not rounded) is refused.
 

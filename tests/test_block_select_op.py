@@ -34,6 +34,12 @@ from nsa_compile.ops import select_blocks
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HAVE_TRITON = bst.triton is not None
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+# the compiled path built without a GPU: only where triton was imported compiled (its library functions,
+# tl.max and friends, are interpreted ones for good when TRITON_INTERPRET=1 was set at its import)
+compiles_here = pytest.mark.skipif(
+    not HAVE_TRITON or torch.cuda.is_available() or not isinstance(bst.tl.max, bst.triton.runtime.JITFunction),
+    reason="on CUDA the kernel tests launch the compiled kernel; triton imported under TRITON_INTERPRET=1 "
+           "cannot compile here")
 # l, d, l' of the tests: l' = 4 d as in the paper, l = 2 d; small, so S = 100 spans 6 selection blocks
 L, D, LS = 16, 8, 16
 NEAR_TIE = 1e-6  # relative difference of eager's p_grp that float32 rounding may swap
@@ -291,8 +297,8 @@ def eager_rounded(p_cmp, S, G, n, dtype, l=L, d=D, ls=LS, pos=None, float32_sum=
     forced and candidate blocks by document position)."""
     B, H, _, Tc = p_cmp.shape
     Ns = -(-S // ls)
-    i = torch.arange(Tc)[:, None]
-    j = torch.arange(Ns)[None, :]
+    i = torch.arange(Tc, device=p_cmp.device)[:, None]
+    j = torch.arange(Ns, device=p_cmp.device)[None, :]
     start = i * d if pos is None else pos[:, :Tc, None]  # [Tc, 1] or [B, Tc, 1]
     overlap = (torch.minimum(start + l, (j + 1) * ls) - torch.maximum(start, j * ls)).clamp(min=0).to(p_cmp.dtype) / l
     p_slc = p_cmp.to(dtype) @ (overlap if pos is None else overlap[:, None]).to(dtype)  # [B, H, S, Ns]
@@ -303,7 +309,7 @@ def eager_rounded(p_cmp, S, G, n, dtype, l=L, d=D, ls=LS, pos=None, float32_sum=
     else:
         p_grp = p_slc.view(B, G, H // G, S, Ns).sum(2)
         assert p_slc.dtype == p_grp.dtype == dtype
-    t = torch.arange(S)[:, None] if pos is None else pos[:, None, :, None]
+    t = torch.arange(S, device=p_cmp.device)[:, None] if pos is None else pos[:, None, :, None]
     forced = (j == 0) | (j == t // ls) | (j == t // ls - 1)
     key = torch.where(forced, float("inf"), torch.where(j * ls <= t, p_grp, float("-inf")))
     key = torch.nn.functional.pad(key, (0, max(0, n - Ns)), value=float("-inf"))
@@ -776,8 +782,7 @@ def test_unsupported_reason_with_pos(monkeypatch):
             select_blocks(q, k, lse, L, D, LS, 5, scale, "triton", pos=pos)
 
 
-@needs_triton
-@pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the kernel tests launch the compiled kernel")
+@compiles_here
 def test_the_packed_kernel_compiles_for_sm90_without_a_gpu(monkeypatch):
     """The compiled path of the kernel with pos (HAS_POS: a loop over the tile's document groups),
     which the interpreted tests never take: built as on the GPU (TRITON_INTERPRET off) and
@@ -1065,11 +1070,6 @@ def test_group_first_is_a_rounded_nsa_variant_and_the_reference_computes_it():
                    {"importance_dtype": torch.bfloat16, "rule": "fla"}):
         with pytest.raises(ValueError, match="group_first .* takes rule 'nsa' with an importance_dtype"):
             select_blocks(q, k, lse, L, D, LS, 3, scale, "reference", group_first=True, **kwargs)
-    with pytest.raises(ValueError, match=r"backend 'triton' cannot run these inputs: the heads summed and rounded "
-                                         r"before the block map \(group_first\)"):
-        select_blocks(q, k, lse, L, D, LS, 3, scale, "triton", importance_dtype=torch.bfloat16, group_first=True)
-    assert bs_mod.why_not_triton(q, k, lse, L, D, LS, 3, None, "nsa", torch.bfloat16, True) == \
-        bs_mod.GROUP_FIRST_REASON
     differ = 0
     for S, h, n, dtype in itertools.product((45, 100, 131), (3, 6), (3, 5), ROUNDINGS):
         q, k, scale = make_case(2, 2, h, S, 16, torch.bfloat16, seed=S + h + n, grid=False)
@@ -1081,3 +1081,151 @@ def test_group_first_is_a_rounded_nsa_variant_and_the_reference_computes_it():
         differ += int((head_first != want).any(-1).sum())
     assert differ >= 1, differ  # the order decides in some rows (1 of 5,472 when written; more at h 6, S 120 in
     # test_block_selection_variants)
+
+
+# group_first on the Triton kernel (CPU: interpreted). q and k in fp16: the interpreter truncates a
+# cast to bf16, so bf16 inputs would round their scores unlike the reference (the GPU test runs bf16).
+# (S, h, n, seed): h 1, 3, 6 at S not a multiple of the query tile (64, 32, 16 rows), S 300 spanning two
+# tiles of compression blocks (TC 32: 256 tokens)
+GROUP_FIRST_CASES = [(45, 1, 3, 0), (100, 1, 6, 1), (100, 3, 5, 2), (131, 3, 4, 3), (77, 6, 5, 4), (131, 6, 4, 5),
+                     (300, 3, 6, 6)]  # fmt: skip
+
+
+def group_first_case(B, G, h, S, seed, Dk=16):
+    """(q, k, lse, scale) on DEVICE: gaussian fp16 q and pooled keys, the eager lse."""
+    q, k, scale = make_case(B, G, h, S, Dk, torch.float16, seed=seed, grid=False)
+    lse = eager_p_cmp(q, k, L, D, scale)[1]
+    return q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), scale
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", ROUNDINGS)
+def test_triton_group_first_equals_the_reference(dtype):
+    """The triton backend with group_first: the reference backend's block ids exactly (p rounded per
+    head, the group sum in fp32 rounded, one map, rounded), at odd sizes, several seeds; a chunk of
+    queries (q_offset) the same rows as the whole sequence."""
+    for S, h, n, seed in GROUP_FIRST_CASES:
+        q, k, lse, scale = group_first_case(2, 2, h, S, seed)
+        args = (q, k, lse, L, D, LS, n, scale)
+        want = select_blocks(*args, "reference", importance_dtype=dtype, group_first=True)
+        got = select_blocks(*args, "triton", importance_dtype=dtype, group_first=True)
+        assert got.shape == (2, 2, S, n) and got.dtype == torch.int64 and torch.equal(got, want), (S, h, n, seed)
+    q, k, lse, scale = group_first_case(1, 2, 3, 131, seed=7)
+    whole = select_blocks(q, k, lse, L, D, LS, 5, scale, "reference", importance_dtype=dtype, group_first=True)
+    chunk = select_blocks(q[:, :, 60:], k, lse[:, :, 60:], L, D, LS, 5, scale, "triton", importance_dtype=dtype,
+                          q_offset=60, group_first=True)
+    assert torch.equal(chunk, whole[:, :, 60:])
+
+
+@needs_triton
+def test_triton_group_first_sums_over_chunks_of_heads():
+    """Only the group's rounded sums pass from tile to tile, so the heads may come in several chunks:
+    17 heads in chunks of 16 (the default tiles; the per-head rounding refuses them) and 5 heads in
+    chunks of 2 (a tile override, the last chunk partial) give the reference's ids."""
+    q, k, lse, scale = group_first_case(1, 1, 17, 70, seed=8)
+    args = (q, k, lse, L, D, LS, 4, scale)
+    assert bs_mod._triton_reason(*args[:7], None, "nsa", torch.bfloat16) is not None
+    assert bs_mod._triton_reason(*args[:7], None, "nsa", torch.bfloat16, True) is None
+    want = select_blocks(*args, "reference", importance_dtype=torch.bfloat16, group_first=True)
+    assert torch.equal(select_blocks(*args, "triton", importance_dtype=torch.bfloat16, group_first=True), want)
+    q, k, lse, scale = group_first_case(2, 1, 5, 100, seed=9)
+    args = (q, k, lse, L, D, LS, 5, scale)
+    want = select_blocks(*args, "reference", importance_dtype=torch.float16, group_first=True)
+    got = bst.select_blocks_forward(*args, importance_dtype=torch.float16, group_first=True,
+                                    tiles={"HC": 2, "BLOCK_M": 16})
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="5 heads in chunks of 2 .the rounded importance is kept per head"):
+        bst.select_blocks_forward(*args, importance_dtype=torch.float16, tiles={"HC": 2, "BLOCK_M": 16})
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,h,seed,rows", [(torch.bfloat16, 3, 0, 2), (torch.float16, 6, 2, 1)])
+def test_triton_group_first_reaches_the_kernel(dtype, h, seed, rows):
+    """Inputs where summing the heads first changes the choice (found with the reference backend):
+    the kernel with group_first gives the reference's group_first ids, without it the reference's
+    per-head ids, and the two differ in `rows` rows."""
+    q, k, lse, scale = group_first_case(1, 2, h, 120, seed, Dk=8)
+    args = (q, k, lse, L, D, LS, 4, scale)
+    first = select_blocks(*args, "triton", importance_dtype=dtype, group_first=True)
+    per_head = select_blocks(*args, "triton", importance_dtype=dtype)
+    assert torch.equal(first, select_blocks(*args, "reference", importance_dtype=dtype, group_first=True))
+    assert torch.equal(per_head, select_blocks(*args, "reference", importance_dtype=dtype))
+    assert int((first != per_head).any(-1).sum()) == rows
+
+
+@needs_triton
+def test_auto_takes_triton_for_group_first_where_it_can(monkeypatch):
+    """'auto' chooses for group_first as for the same inputs without it (triton on CUDA, the CUDA
+    reason elsewhere); where the kernel cannot run, the kernel's reason. The kernel module refuses
+    group_first without an importance_dtype, with pos, or with a float32 group sum."""
+    q, k, lse, scale = group_first_case(1, 2, 6, 40, seed=0)
+    choice = (q, k, lse, L, D, LS, 5)
+    for dtype in ROUNDINGS:
+        assert bs_mod._triton_reason(*choice, None, "nsa", dtype, True) is None
+        assert bs_mod.why_not_triton(*choice, None, "nsa", dtype, True) == bs_mod.why_not_triton(*choice)
+        assert bs_mod.choose_backend(*choice, "auto", None, "nsa", dtype, True) == \
+            ("triton" if DEVICE == "cuda" else "reference")
+    if DEVICE == "cpu":
+        assert bs_mod.why_not_triton(*choice, None, "nsa", torch.bfloat16, True) == \
+            "the Triton kernel runs on CUDA (tensors on cpu)"
+        monkeypatch.setattr(bs_mod, "why_not_triton_on", lambda device, unsupported, kernels: unsupported())
+        assert bs_mod.choose_backend(*choice, "auto", None, "nsa", torch.bfloat16, True) == "triton"
+    odd = (q, k, lse, L, D, 24, 5)  # l' / d = 3: no whole selection blocks in a tile
+    why = bs_mod._triton_reason(*odd, None, "nsa", torch.bfloat16, True)
+    assert "l' / d = 3" in why
+    if DEVICE == "cuda":
+        assert bs_mod.why_not_triton(*odd, None, "nsa", torch.bfloat16, True) == why
+    assert bs_mod.choose_backend(*odd, "auto", None, "nsa", torch.bfloat16, True) == "reference"
+    pos = torch.arange(40, device=DEVICE)[None]
+    for kwargs in ({}, {"pos": pos, "importance_dtype": torch.bfloat16}):
+        assert "group_first (the group's heads summed and rounded before the block map) takes an importance_dtype " \
+               "and no pos" in bst.unsupported_reason(*choice, group_first=True, **kwargs)
+    with pytest.raises(ValueError, match="group_first with group_sum_dtype torch.float32"):
+        bst.select_blocks_forward(q, k, lse, L, D, LS, 5, scale, importance_dtype=torch.bfloat16,
+                                  group_sum_dtype=torch.float32, group_first=True)
+
+
+@compiles_here
+def test_the_group_first_kernel_compiles_for_sm90_without_a_gpu(monkeypatch):
+    """The compiled path of GROUP_FIRST (bf16, the seed's h 6, Dk 64, l 32, d 16, l' 64, n 16): built as
+    on the GPU and compiled to PTX for an H100 by the Triton installed here."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    T = bst._tiles(6, 64, 16, 64, 16, False)
+    fn = bst.select_kernel.built()
+    pointers = {"Q": "*bf16", "KC": "*bf16", "LSE": "*fp32", "W": "*fp32", "OUT": "*i64", "POS": "*i64", "LO": "*i32",
+                "SLOT": "*i32"}  # fmt: skip
+    signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name) or ("fp32" if p.name == "scale" else "i32")
+                 for p in fn.params}  # fmt: skip
+    given = {"HPG": 6, "HC": T["HC"], "NHC": 1, "DK": 64, "DK_P": T["DK_P"], "BLOCK_M": T["BLOCK_M"], "TC": T["TC"],
+             "NS": T["TC"] // 4, "KS": T["KS"], "LOG_KS": T["KS"].bit_length() - 1, "PREC": "tf32", "ROUND": True,
+             "UPCAST": False, "HAS_POS": False, "IMP_DTYPE": bst.tl.bfloat16, "SUM_ROUND": True, "MAP_UPCAST": False,
+             "GROUP_FIRST": True}  # fmt: skip
+    compiled = bst.triton.compile(ASTSource(fn, signature, given), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": T["num_warps"]})
+    assert ".entry select_kernel(" in compiled.asm["ptx"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ROUNDINGS)
+def test_group_first_on_cuda_at_the_seed_shape(dtype):
+    """The seed's geometry (h 6, G 2, Dk 64, l 32, d 16, l' 64, n 16) at S 2048 on CUDA, bf16 q and k,
+    group_first: 'auto' takes triton; triton and the reference against the heads summed first under
+    CUDA (cuBLAS's bf16/fp16 matmul of the rounded group sum): the same ids but in a few rows (the
+    kernel's fused s * scale - lse and its sum orders move a rounded value near a boundary)."""
+    S, G, h, Dk = 2048, 2, 6, 64
+    q, k, scale = make_case(2, G, h, S, Dk, torch.bfloat16, seed=3, l=32, d=16, grid=False, device="cuda")
+    p, lse = eager_p_cmp(q, k, 32, 16, scale)
+    want, _ = eager_rounded(p, S, G, 16, dtype, l=32, d=16, ls=64, group_first=True)
+    args = (q, k, lse, 32, 16, 64, 16)
+    assert bs_mod.choose_backend(*args, "auto", None, "nsa", dtype, True) == "triton"
+    rows = 2 * G * S
+    got = {}
+    for backend in ("triton", "reference"):
+        got[backend] = select_blocks(*args, scale, backend, importance_dtype=dtype, group_first=True)
+        differ = int((got[backend] != want).any(-1).sum())
+        assert differ <= rows // 500, f"{backend}: {differ} of {rows} rows differ"
+    differ = int((got["triton"] != got["reference"]).any(-1).sum())
+    assert differ <= rows // 500, f"triton against reference: {differ} of {rows} rows differ"

@@ -476,3 +476,17 @@ def test_our_code_failing_when_called_by_the_users_code_is_an_internal_error(mon
     monkeypatch.setattr("nsa_compile.cli.get_workload", users_code)
     line = one_line_error(["explain", "--seq-len", "20"], capsys, code=3, prefix="internal error: ")
     assert line.startswith("internal error: TypeError: "), line
+
+
+def test_tokens_per_step_counts_batch_times_sequence_for_every_workload():
+    """profile_step's tok/s: a preset trains on B * S tokens (its targets' column excluded), a
+    user's [B, S, dim] module or one taking token ids [B, S] on B * S, a [B, dim] one on B rows."""
+    from torch import nn
+
+    from nsa_compile.workload import Workload
+
+    assert Workload("tiny", nn.Identity(), (torch.zeros(3, 9, dtype=torch.long),), True).tokens_per_step == 24
+    assert Workload("f.py:make", nn.Identity(), (torch.zeros(3, 8, 5),), False).tokens_per_step == 24
+    assert Workload("f.py:make", nn.Identity(), (torch.zeros(3, 5, dtype=torch.long),), False).tokens_per_step == 15
+    assert Workload("f.py:make", nn.Identity(), (torch.zeros(3, 5),), False).tokens_per_step == 3
+    assert Workload("f.py:make", nn.Identity(), (torch.zeros(7),), False).tokens_per_step == 7

@@ -125,27 +125,30 @@ order than the reference's, with the same caveat. `group_first=True` (with impor
 `torch.einsum('bghsc,cj->bgsj', p, map)` computes it in that dtype (it sums a letter of one operand
 out first; grouped5d_nograd under CUDA autocast): p rounded, its group sum accumulated in float32
 and rounded, then the map as above. In float32 the two orders differ by float32 rounding only
-(group_first=False computes it). The reference backend only (`why_not_triton` says so).
+(group_first=False computes it). The triton backend takes it (any number of heads: only the
+group's rounded sums are kept from tile to tile), rounding at the same places; its float32 sums
+(the heads', the map's) run in another order than the reference's, with the same caveat.
 
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error; only
 the reference backend runs rules "fla" and "lucidrains"):
 - `triton` (CUDA): nsa_compile/ops/block_select_triton.py, one program per (batch, group, query
   tile): the scores are recomputed tile by tile over the compression blocks, mapped onto the
   selection blocks and merged into a running top-n in registers. No [.., S, Tc] or [.., S, Ns]
-  tensor; extra memory is the output. With pos each query is the unpacked query pos[t] of its
-  document, whose blocks it reads from the compact list of the row's blocks
-  (compressed_triton.document_slots, built on the device: no host sync); a query tile takes one
-  pass over the blocks per document in it.
+  tensor; extra memory is the output. With importance_dtype it rounds where eager under autocast
+  does (each head mapped, then the group sum; group_first: the group sum, then one map). With pos
+  each query is the unpacked query pos[t] of its document, whose blocks it reads from the compact
+  list of the row's blocks (compressed_triton.document_slots, built on the device: no host sync);
+  a query tile takes one pass over the blocks per document in it.
 - `reference` (every device and dtype): PyTorch, chunked over query rows: a chunk's
   probabilities [B, H, c, Tc] and keys [B, G, c, max(Ns, n)], never all S rows at once (c is set
   so a chunk's largest tensor stays under REFERENCE_BUDGET elements). The overlap map is a sum
   over each selection block's band of compression blocks in ascending order (what a matmul with
-  the [Tc, Ns] overlap matrix does, without its zeros or TF32), then the heads are summed, and the
-  ranking is eager's code (torch.sort, stable). With pos the slots a selection block can overlap
-  are a band of l + l' - 1 document positions [j*l' - l + 1, (j + 1)*l') counted from the query's
-  document start (t - pos[t]); the chunk's probabilities are gathered at those slots in ascending
-  order (only every d-th when d divides l': the others are never blocks), so no [B, Tc, Ns] overlap
-  matrix is built.
+  the [Tc, Ns] overlap matrix does, without its zeros or TF32), then the heads are summed
+  (group_first: before the map), and the ranking is eager's code (torch.sort, stable). With pos
+  the slots a selection block can overlap are a band of l + l' - 1 document positions
+  [j*l' - l + 1, (j + 1)*l') counted from the query's document start (t - pos[t]); the chunk's
+  probabilities are gathered at those slots in ascending order (only every d-th when d divides l':
+  the others are never blocks), so no [B, Tc, Ns] overlap matrix is built.
 """
 
 from __future__ import annotations
@@ -165,8 +168,6 @@ FLA_REASON = ("rule 'fla' (the current block favoured, -1 after the top-n, rank 
 LUCIDRAINS_REASON = ("rule 'lucidrains' (averaged compressed logits, a softmax with a sink, the diagonal block "
                      "appended): the Triton kernel ranks the paper's probabilities only")
 RULE_REASONS = {"fla": FLA_REASON, "lucidrains": LUCIDRAINS_REASON}
-GROUP_FIRST_REASON = ("the heads summed and rounded before the block map (group_first): the Triton kernel maps each "
-                      "head's probabilities first")
 # rule 'lucidrains': the sink column's logit and the probability a chosen block must exceed
 LUCIDRAINS_SINK, LUCIDRAINS_THRESHOLD = -1e3, 1e-10
 # the importance dtypes the op rounds to (autocast's lower precisions)
@@ -194,12 +195,10 @@ def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=
     """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
     if rule != "nsa":  # the reasons on every device, not only on CUDA
         return RULE_REASONS[rule]
-    if group_first:
-        return GROUP_FIRST_REASON
     return why_not_triton_on(
         q.device,
         lambda: block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos,
-                                                       importance_dtype),
+                                                       importance_dtype, group_first),
         kernels="the Triton kernel runs",
     )
 
@@ -492,10 +491,8 @@ def _triton_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=
                    importance_dtype=None, group_first=False) -> str | None:  # fmt: skip
     if rule != "nsa":
         return RULE_REASONS[rule]
-    if group_first:
-        return GROUP_FIRST_REASON
     return block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos,
-                                                  importance_dtype)
+                                                  importance_dtype, group_first)
 
 
 # The block ids are integers: no gradient, no backward op.
@@ -513,7 +510,7 @@ BLOCK_SELECT = declare(Op(
                 forward=lambda q, k, lse, l, d, ls, n, scale, pos, rule, importance_dtype, group_sum_dtype, q_offset,
                 group_first:
                     block_select_triton.select_blocks_forward(q, k, lse, l, d, ls, n, scale, pos, importance_dtype,
-                                                              group_sum_dtype, q_offset)),
+                                                              group_sum_dtype, q_offset, group_first)),
         Backend("reference", forward=_reference_forward),
     ),
     check=_check,

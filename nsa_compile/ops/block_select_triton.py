@@ -64,7 +64,14 @@ per (query, head) row, each head's rows mapped by the rounded overlap matrix in 
 x [2 TC, KS] fp32 dot, rounded, summed over the group's heads in fp32 and rounded, then ranked as
 above (the heads are not summed first: eager rounds each head's map). One chunk of heads only
 (NHC == 1: h <= 16 in fp16/bf16), since each head's previous tile is kept. group_sum_dtype float32
-(CUDA autocast's sum): the group sum is kept in fp32, not rounded.
+(CUDA autocast's sum): the group sum is kept in fp32, not rounded. group_first (a GROUP_FIRST
+constexpr; eager's torch.einsum('bghsc,cj->bgsj', p, map) under autocast, which sums the heads
+before the map): p rounded per (query, head) row, the group's heads summed in fp32 (the head axis of
+the [BLOCK_M, HC, TC] view, added up over the chunks of heads) and rounded, then mapped as the
+unrounded importance is, by one IEEE fp32 dot of [previous tile's rounded sums | this tile's] with
+the rounded overlap matrix (exact products, fp32 accumulation), and rounded: the einsum's output,
+no group sum after it. Only the group's sums are kept from tile to tile, so any number of chunks
+of heads runs. Without GROUP_FIRST the kernel compiles as it did before the flag.
 
 KS = max(16, next power of two of n) >= n: the list keeps at least n, so its first n are eager's.
 Summation order: the heads are summed before the overlap map (eager maps each head, then sums),
@@ -80,7 +87,9 @@ functions that Triton's CPU interpreter cannot call from a kernel built after tr
 Supported (`unsupported_reason` says why not): CUDA tensors, or any device under TRITON_INTERPRET=1;
 q and k both fp16, bf16 or fp32; Dk <= 256; d divides l and l', m = l' / d a power of two <= 128
 (a tile of compression blocks must hold whole selection blocks), l <= (TC + 1) * d (the previous
-tile covers the first block's reach); n <= 128; S < 2^31; pos int64 [B, S] with Tc = S - l + 1.
+tile covers the first block's reach); n <= 128; S < 2^31; pos int64 [B, S] with Tc = S - l + 1;
+importance_dtype bf16 or fp16, with one chunk of heads unless group_first; group_first with an
+importance_dtype and without pos (group_sum_dtype None: the sum is rounded).
 
 CPU interpreter: the kernel and its helpers are module-level `triton_support.jit` functions, as in
 selection_triton.py (built for the mode Triton is in when launched); interpreted, bf16 dot operands
@@ -149,9 +158,10 @@ def _tiles(h: int, Dk: int, cmp_stride: int, sel_block: int, n_selected: int, fp
 
 
 def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None,
-                       importance_dtype=None) -> str | None:  # fmt: skip
+                       importance_dtype=None, group_first: bool = False) -> str | None:  # fmt: skip
     """Why the Triton kernel cannot run these inputs, or None when it can (pos: packed documents,
-    [B, S] int64, with k holding a slot per token; importance_dtype: None, bf16 or fp16)."""
+    [B, S] int64, with k holding a slot per token; importance_dtype: None, bf16 or fp16;
+    group_first: the group's rounded heads summed before the block map, with importance_dtype)."""
     if why := device_reason(q, k, lse, pos):
         return why
     if q.dtype != k.dtype or q.dtype not in KERNEL_DTYPES:
@@ -180,11 +190,14 @@ def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, 
         return f"l={l} > (TC + 1) * d = {(tc + 1) * d} (a selection block's reach back past one tile)"
     if q.shape[2] >= 2**31 or k.shape[2] >= 2**31:
         return f"S={q.shape[2]}, Tc={k.shape[2]} (block ids are packed into 31 bits)"
+    if group_first and (importance_dtype is None or pos is not None):
+        return ("group_first (the group's heads summed and rounded before the block map) takes an importance_dtype "
+                "and no pos (packed documents)")
     if importance_dtype is not None:
         if importance_dtype not in (torch.bfloat16, torch.float16):
             return f"importance_dtype {importance_dtype} (None, torch.bfloat16 or torch.float16)"
         hc = _tiles(h, q.shape[3], d, ls, n_selected, q.dtype == torch.float32)["HC"]
-        if h > hc:
+        if h > hc and not group_first:  # group_first keeps only the group's sums: any number of chunks
             return (f"importance rounded to {str(importance_dtype).removeprefix('torch.')} with {h} heads a group in "
                     f"chunks of {hc} (the rounded importance is kept per head for one chunk only)")
     if pos is not None:
@@ -241,7 +254,7 @@ def select_kernel(
     HPG: tl.constexpr, HC: tl.constexpr, NHC: tl.constexpr, DK: tl.constexpr, DK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, TC: tl.constexpr, NS: tl.constexpr, KS: tl.constexpr, LOG_KS: tl.constexpr,
     PREC: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr, HAS_POS: tl.constexpr,
-    IMP_DTYPE: tl.constexpr, SUM_ROUND: tl.constexpr, MAP_UPCAST: tl.constexpr,
+    IMP_DTYPE: tl.constexpr, SUM_ROUND: tl.constexpr, MAP_UPCAST: tl.constexpr, GROUP_FIRST: tl.constexpr,
 ):  # fmt: skip
     # heaviest (latest) query tiles first: a short tail for the causal imbalance
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -286,7 +299,7 @@ def select_kernel(
     jj = tl.arange(0, KS)
     w = tl.load(W + kk[:, None] * KS + jj[None, :])  # [2 TC, KS] overlap / l: previous | this tile
     ic = tl.arange(0, TC)
-    if IMP_DTYPE is not None:
+    if IMP_DTYPE is not None and not GROUP_FIRST:
         # the two halves apart, in the importance dtype (the weights are rounded to it): the per-head
         # map is two tensor-core dots, not a joined [ROWS, 2 TC] operand in IEEE fp32 (which ran the
         # kernel 6.4x slower at the seed shape, 32k: H200, 2026-11-27)
@@ -299,7 +312,7 @@ def select_kernel(
     run = tl.full([BLOCK_M, KS], -1, tl.int64)  # running top KS keys, descending (-1: none)
     for _ in range(n_groups):
         prev = tl.full([BLOCK_M, TC], 0.0, tl.float32)  # the previous tile's head sums (none before 0)
-        if IMP_DTYPE is not None:  # the previous tile's rounded p per (query, head) row
+        if IMP_DTYPE is not None and not GROUP_FIRST:  # the previous tile's rounded p per (query, head) row
             prev_r = tl.full([ROWS, TC], 0.0, tl.float32)
             if not MAP_UPCAST:
                 prev_r = prev_r.to(IMP_DTYPE)
@@ -349,13 +362,23 @@ def select_kernel(
                     vis = ok[:, None] & (i < Tc)[None, :] & (i[None, :] * D + L - 1 <= Q_OFF + t_row[:, None])
                 # where, not multiply: a row without a visible block has lse = -inf (exp = inf)
                 p = tl.where(vis, tl.exp(s * scale - lse[:, None]), 0.0)
-                if IMP_DTYPE is not None:  # one chunk (NHC == 1): p rounded per head, summed after the map
+                if GROUP_FIRST:  # p rounded per head, the group's heads summed in fp32 (over every chunk)
+                    psum += reduce_sum(tl.reshape(_rounded(p, IMP_DTYPE), [BLOCK_M, HC, TC]), 1)
+                elif IMP_DTYPE is not None:  # one chunk (NHC == 1): p rounded per head, summed after the map
                     p_r = _rounded(p, IMP_DTYPE)  # exact in IMP_DTYPE: the cast below only stores it so
                     if not MAP_UPCAST:
                         p_r = p_r.to(IMP_DTYPE)
                 else:
                     psum += reduce_sum(tl.reshape(p, [BLOCK_M, HC, TC]), 1)  # the group's heads summed
-            if IMP_DTYPE is not None:
+            if GROUP_FIRST:
+                # eager's einsum under autocast: the group sum rounded, then mapped by the rounded weights
+                # (w holds them in fp32) in one IEEE fp32 dot of [previous | this tile] in ascending
+                # compression block (the products exact, accumulated in fp32), rounded; no group sum after
+                psum = _rounded(psum, IMP_DTYPE)
+                both = tl.reshape(tl.permute(tl.join(prev, psum), (0, 2, 1)), [BLOCK_M, 2 * TC])
+                p_grp = _rounded(tl.dot(both, w, input_precision="ieee"), IMP_DTYPE)  # [BLOCK_M, KS]
+                prev = psum
+            elif IMP_DTYPE is not None:
                 # eager under autocast: each head's p (rounded) mapped by the rounded overlap weights,
                 # accumulated in fp32 and rounded; the group sum of those in fp32, rounded
                 # products of two IMP_DTYPE values are exact in fp32, accumulated in fp32 as
@@ -449,15 +472,20 @@ def _overlap_matrix(TC: int, NS: int, KS: int, cmp_block: int, cmp_stride: int, 
 
 def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int,
                           scale: float, pos=None, importance_dtype=None, group_sum_dtype=None, q_offset: int = 0,
-                          *, tiles: dict | None = None) -> torch.Tensor:  # fmt: skip
+                          group_first: bool = False, *, tiles: dict | None = None) -> torch.Tensor:  # fmt: skip
     """block_idx [B, G, S, n_selected] int64 (see the module docstring). pos: packed documents
     ([B, S] int64; k then holds a slot per token). importance_dtype: None, or bf16/fp16 for the
     importance rounded as eager computes it under autocast (the op's docstring). q_offset: query
     row t is token q_offset + t (a chunk of queries; not with pos), a kernel argument added to the
     row's token wherever it is a position (visibility, current block, candidates), never where it
-    addresses q, lse or the output. `tiles`: an override of `_tiles` (tools/bench_block_select.py);
-    None, the default tiles."""
-    why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos, importance_dtype)
+    addresses q, lse or the output. group_first: the group's heads summed (p rounded per head, the
+    sum in fp32, rounded) before the block map, as eager's einsum under autocast (the op's
+    docstring; with importance_dtype, without group_sum_dtype or pos). `tiles`: an override of
+    `_tiles` (tools/bench_block_select.py); None, the default tiles."""
+    why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos, importance_dtype,
+                             group_first)
+    if why is None and group_first and group_sum_dtype is not None:
+        why = f"group_first with group_sum_dtype {group_sum_dtype} (the group sum is rounded before the map)"
     if why is not None:
         raise ValueError(f"select_blocks (triton): cannot run these inputs: {why}")
     B, H, S, Dk = q.shape
@@ -469,6 +497,9 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
     T = _tiles(h, Dk, cmp_stride, sel_block, n_selected, q.dtype == torch.float32, tiles)
     if cmp_block > (T["TC"] + 1) * cmp_stride:
         raise ValueError(f"select_blocks (triton): tiles {T}: l={cmp_block} reaches back past one tile of TC blocks")
+    if importance_dtype is not None and not group_first and h > T["HC"]:
+        raise ValueError(f"select_blocks (triton): tiles {T}: {h} heads in chunks of {T['HC']} (the rounded importance "
+                         "is kept per head for one chunk only)")
     m = sel_block // cmp_stride
     NS = T["TC"] // m
     w = _overlap_matrix(T["TC"], NS, T["KS"], cmp_block, cmp_stride, sel_block, q.device, importance_dtype)
@@ -489,7 +520,7 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         ROUND=q.dtype != torch.float32, UPCAST=upcast_dots(q.dtype), HAS_POS=pos is not None,
         IMP_DTYPE=None if importance_dtype is None else _TL_DTYPES[importance_dtype], SUM_ROUND=group_sum_dtype is None,
-        MAP_UPCAST=importance_dtype is not None and upcast_dots(importance_dtype),
+        MAP_UPCAST=importance_dtype is not None and upcast_dots(importance_dtype), GROUP_FIRST=group_first,
         **launch,
     )  # fmt: skip
     return out
