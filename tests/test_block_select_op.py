@@ -782,12 +782,10 @@ def test_unsupported_reason_with_pos(monkeypatch):
             select_blocks(q, k, lse, L, D, LS, 5, scale, "triton", pos=pos)
 
 
-@compiles_here
-def test_the_packed_kernel_compiles_for_sm90_without_a_gpu(monkeypatch):
-    """The compiled path of the kernel with pos (HAS_POS: a loop over the tile's document groups),
-    which the interpreted tests never take: built as on the GPU (TRITON_INTERPRET off) and
-    compiled to PTX for an H100 by the Triton installed here (bf16, the seed's h 6, Dk 64, l 32,
-    d 16, l' 64, n 16)."""
+def sm90_ptx(monkeypatch, **flags) -> str:
+    """select_kernel built as on the GPU (TRITON_INTERPRET off) and compiled to PTX for an H100 by
+    the Triton installed here: bf16, the seed's h 6, Dk 64, l 32, d 16, l' 64, n 16; `flags` the
+    constexprs past UPCAST (HAS_POS, IMP_DTYPE, ...; those not given are None)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -800,10 +798,17 @@ def test_the_packed_kernel_compiles_for_sm90_without_a_gpu(monkeypatch):
                  for p in fn.params}  # fmt: skip
     given = {"HPG": 6, "HC": T["HC"], "NHC": 1, "DK": 64, "DK_P": T["DK_P"], "BLOCK_M": T["BLOCK_M"], "TC": T["TC"],
              "NS": T["TC"] // 4, "KS": T["KS"], "LOG_KS": T["KS"].bit_length() - 1, "PREC": "tf32", "ROUND": True,
-             "UPCAST": False, "HAS_POS": True}  # fmt: skip
+             "UPCAST": False, **flags}  # fmt: skip
     compiled = bst.triton.compile(ASTSource(fn, signature, given), target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": T["num_warps"]})
-    assert ".entry select_kernel(" in compiled.asm["ptx"]
+    return compiled.asm["ptx"]
+
+
+@compiles_here
+def test_the_packed_kernel_compiles_for_sm90_without_a_gpu(monkeypatch):
+    """The compiled path of the kernel with pos (HAS_POS: a loop over the tile's document groups),
+    which the interpreted tests never take, compiles for an H100."""
+    assert ".entry select_kernel(" in sm90_ptx(monkeypatch, HAS_POS=True)
 
 
 # --- the op's plumbing ------------------------------------------------------------------------------------
@@ -1187,25 +1192,10 @@ def test_auto_takes_triton_for_group_first_where_it_can(monkeypatch):
 
 @compiles_here
 def test_the_group_first_kernel_compiles_for_sm90_without_a_gpu(monkeypatch):
-    """The compiled path of GROUP_FIRST (bf16, the seed's h 6, Dk 64, l 32, d 16, l' 64, n 16): built as
-    on the GPU and compiled to PTX for an H100 by the Triton installed here."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    T = bst._tiles(6, 64, 16, 64, 16, False)
-    fn = bst.select_kernel.built()
-    pointers = {"Q": "*bf16", "KC": "*bf16", "LSE": "*fp32", "W": "*fp32", "OUT": "*i64", "POS": "*i64", "LO": "*i32",
-                "SLOT": "*i32"}  # fmt: skip
-    signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name) or ("fp32" if p.name == "scale" else "i32")
-                 for p in fn.params}  # fmt: skip
-    given = {"HPG": 6, "HC": T["HC"], "NHC": 1, "DK": 64, "DK_P": T["DK_P"], "BLOCK_M": T["BLOCK_M"], "TC": T["TC"],
-             "NS": T["TC"] // 4, "KS": T["KS"], "LOG_KS": T["KS"].bit_length() - 1, "PREC": "tf32", "ROUND": True,
-             "UPCAST": False, "HAS_POS": False, "IMP_DTYPE": bst.tl.bfloat16, "SUM_ROUND": True, "MAP_UPCAST": False,
-             "GROUP_FIRST": True}  # fmt: skip
-    compiled = bst.triton.compile(ASTSource(fn, signature, given), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": T["num_warps"]})
-    assert ".entry select_kernel(" in compiled.asm["ptx"]
+    """The kernel with GROUP_FIRST, which the other tests interpret on the CPU, compiles for an H100."""
+    ptx = sm90_ptx(monkeypatch, HAS_POS=False, IMP_DTYPE=bst.tl.bfloat16, SUM_ROUND=True, MAP_UPCAST=False,
+                   GROUP_FIRST=True)  # fmt: skip
+    assert ".entry select_kernel(" in ptx
 
 
 @pytest.mark.gpu

@@ -896,6 +896,7 @@ def test_triton_forward_and_backward_match_float64(interpreter, case, dtype, sty
     "case, dtype, style, full, plain",
     [("nsa-like-aligned", torch.bfloat16, "half", False, [0, 3]),  # aligned tiles
      ("partial-rotary", torch.float16, "interleaved", False, [0, 1]),  # pass-through columns
+     ("nsa-like-aligned", torch.float16, "interleaved", False, [0, 3]),  # pairs joined in registers
      ("odd-sizes", torch.float32, "half", True, [1])],  # masked columns, full-width tables
     ids=lambda v: str(v).replace("torch.", "") if not isinstance(v, bool) else {True: "full", False: "pairs"}[v],
 )
@@ -903,6 +904,20 @@ def test_triton_plain_outputs_match_float64(interpreter, case, dtype, style, ful
     """plain: the kernel also stores the rotated pieces' accumulators before the rotation, and
     its backward adds their gradients to the inverse rotation."""
     triton_against_float64(case, dtype, style, full, plain)
+
+
+def test_interleaved_pairs_are_joined_only_over_whole_heads_in_aligned_tiles():
+    """JOINED (one store of a tile's consecutive columns) holds for the aligned interleaved case
+    the tests above run, and not where pass-through columns or masked columns sit between pairs,
+    nor for rotate-half."""
+    from nsa_compile.ops import rope_triton as rt
+
+    def joined(case, style="interleaved"):
+        _, _, _, widths, head_dims, rot, _, _ = TRITON_CASES[case]
+        return rt._joined_pairs(style, True, rt._layout(widths, head_dims, rot // 2))
+
+    assert joined("nsa-like-aligned") and not joined("nsa-like-aligned", "half")
+    assert not joined("partial-rotary") and not joined("odd-sizes")
 
 
 def triton_against_float64(case: str, dtype, style: str, full: bool, plain=()) -> None:
@@ -971,7 +986,8 @@ def test_triton_writes_every_element(interpreter):
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the kernel tests launch the compiled kernels")
 @pytest.mark.parametrize("plain", [(), (0, 1)], ids=["no-plain", "plain"])
-def test_the_kernels_compile_for_sm90_without_a_gpu(monkeypatch, plain):
+@pytest.mark.parametrize("joined", [False, True], ids=["pairs-apart", "pairs-joined"])
+def test_the_kernels_compile_for_sm90_without_a_gpu(monkeypatch, plain, joined):
     """The compiled path (the interpreted tests here do not check what the compiler does, e.g. the
     branch on the tile's flag that stores and reads the plain outputs): both kernels built as on
     the GPU (TRITON_INTERPRET off) and compiled to PTX for an H100 by the Triton installed here,
@@ -989,7 +1005,8 @@ def test_the_kernels_compile_for_sm90_without_a_gpu(monkeypatch, plain):
     given = {"D": lay["D"], "R2": lay["R2"], "HT": lay["HT"], "NA": lay["NA"], "NP": lay["NP"], "JA": lay["JA"],
              "JP": lay["JP"], "HALF": False, "HAS_BIAS": False, "HAS_TABLE": True, "FULL": True,
              "NOUT": len(widths) + len(plain), "BK": cfg["fwd"]["BK"], "EVEN_K": True, "WIDE": False,
-             "ALIGNED": lay["ALIGNED"], "PREC": "tf32", "UPCAST": False, "HAS_PLAIN": bool(plain)}
+             "ALIGNED": lay["ALIGNED"], "PREC": "tf32", "UPCAST": False, "HAS_PLAIN": bool(plain),
+             "JOINED": joined and rt._joined_pairs("interleaved", True, lay)}
     pointers = {"COS": "*fp32", "SIN": "*fp32", "COS_B": "*fp32", "SIN_B": "*fp32", "TILES": "*i32"} | {
         name: "*bf16" for name in ("X", "W", "BIAS", "DY", *(f"O{i}" for i in range(8)), *(f"G{i}" for i in range(8)))}
     for kernel, launch in ((rt.fwd_kernel, cfg["fwd"]), (rt.grad_kernel, cfg["bwd"])):
