@@ -42,7 +42,7 @@ from .attention_match import Refused
 from .fx import op_name, value
 from .probe import element_budget
 
-__all__ = ["allocated_elements", "one_row", "probe_rows"]
+__all__ = ["one_row", "peak_elements", "probe_rows"]
 
 POINTWISE = {
     "add", "sub", "mul", "truediv", "div", "neg", "floordiv", "floor_divide", "mod", "remainder", "pow",
@@ -72,25 +72,56 @@ VIEWS = {"view", "reshape", "expand", "repeat"}
 FACTORIES = {"zeros", "ones", "full", "empty", "new_zeros", "new_ones", "new_full", "new_empty"}
 MATMULS = {"matmul", "bmm"}
 LAST_TWO = {"tril", "triu"}
-# ops that return a view of their input (no new memory): not counted by allocated_elements
+# ops that return a view of their input (no new memory): not counted by peak_elements
 VIEW_OPS = {"view", "expand", "permute", "transpose", "unsqueeze", "squeeze", "getitem", "select", "narrow",
             "unflatten", "detach", "t", "movedim", "split", "chunk", "unbind", "alias"}
 
 
-def allocated_elements(nodes: list[fx.Node], shape_of, batched: set | None = None, rows: int | None = None) -> int:
-    """The elements the tensors of `nodes` hold that are not views of another (an upper bound of a
-    probe's memory: probe.run frees each value after its last reader). `shape_of(tensor)` gives the
-    sizes (sizes.Sizes.shape); with `batched` and `rows`, the batched nodes count `rows` batch rows."""
+def peak_elements(nodes: list[fx.Node], shape_of, batched: set | None = None, rows: int | None = None) -> int:
+    """The most elements the tensors of `nodes` hold at once while probe.run evaluates them in
+    order, freeing each value after its last reader among `nodes` (those no node reads, the
+    output among them, are held to the end); a view (VIEW_OPS, an in-place op) holds its base's
+    memory until the base and all its views are freed, and adds none. The region's inputs are not
+    counted. `shape_of(tensor)` gives the sizes (sizes.Sizes.shape); with `batched` and `rows`, the
+    batched nodes count `rows` batch rows."""
+    inside = set(nodes)
+    last = {i: step for step, node in enumerate(nodes) for i in node.all_input_nodes if i in inside}
+    base, holders, size = {}, {}, {}  # node -> the node owning its memory; owner -> its live nodes; owner -> elements
+    live = peak = 0
+    for step, node in enumerate(nodes):
+        name = op_name(node) or ""
+        source = node.all_input_nodes[0] if node.all_input_nodes else None
+        if (name in VIEW_OPS or name.endswith("_")) and source is not None:
+            owner = base.get(source)  # None: a view of an input (not counted)
+        else:
+            owner, size[node] = node, _elements(node, shape_of, batched, rows)
+            live += size[node]
+        base[node] = owner
+        if owner is not None:
+            holders.setdefault(owner, set()).add(node)
+        peak = max(peak, live)
+        for i in set(node.all_input_nodes):
+            if last.get(i) == step and base.get(i) is not None:
+                held = holders[base[i]]
+                held.discard(i)
+                if not held:
+                    live -= size[base[i]]
+    return peak
+
+
+def _elements(node: fx.Node, shape_of, batched: set | None, rows: int | None) -> int:
+    """The elements of the node's tensor, or of the tensors of its tuple (topk, sort, split: their
+    getitems are views of it)."""
+    val = value(node)
+    tensors = [val] if isinstance(val, torch.Tensor) else \
+        [t for t in val if isinstance(t, torch.Tensor)] if isinstance(val, (tuple, list)) else []
     total = 0
-    for node in nodes:
-        val = value(node)
-        if val is None or op_name(node) in VIEW_OPS:
-            continue
-        shape = shape_of(val)
+    for t in tensors:
+        shape = shape_of(t)
         count = 1
         for d in shape:
             count *= d
-        if batched is not None and node in batched and shape and shape[0]:
+        if batched is not None and node in batched and shape and count:
             count = count // shape[0] * rows
         total += count
     return total
@@ -102,7 +133,7 @@ def probe_rows(nodes: list[fx.Node], inputs: list[fx.Node], out: fx.Node, at, wh
     and one row fits (probe.run takes the changes), else Refused saying why."""
     device = value(inputs[0]).device
     budget = element_budget(device)
-    cost = allocated_elements(nodes, at.shape)
+    cost = peak_elements(nodes, at.shape)
     if cost <= budget:
         return None, {}
     over = f"verifying {what} takes {cost:,} elements per probe, over the budget of {budget:,} on {device.type}"
@@ -112,7 +143,7 @@ def probe_rows(nodes: list[fx.Node], inputs: list[fx.Node], out: fx.Node, at, wh
         changes, batched = one_row(nodes, inputs, out, at.shape(value(inputs[0]))[0])
     except Refused as why:
         raise Refused(f"{over}, and it cannot run on one batch row: {why}") from None
-    one = allocated_elements(nodes, at.shape, batched, 1)
+    one = peak_elements(nodes, at.shape, batched, 1)
     if one > budget:
         raise Refused(f"{over}, {one:,} on one batch row: not verified at this size yet")
     return 1, changes

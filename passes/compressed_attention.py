@@ -905,7 +905,7 @@ def _pooling_probe(kv: fx.Node, what: str, source: fx.Node, seq_dim: int, sizes:
     from nsa_compile import probe  # float64 evaluation of a region
 
     device = value(kv).device
-    cost = batch_slice.allocated_elements([source, *ops], sizes.shape, batched, rows)
+    cost = batch_slice.peak_elements([source, *ops], sizes.shape, batched, rows)
     budget = probe.element_budget(device)
     if cost > budget:
         raise Refused(f"probing the compressed {what} takes {cost:,} elements, over the budget of {budget:,} on "

@@ -27,7 +27,7 @@ from oracles import one_thread  # noqa: F401  (an autouse fixture: imported, it 
 import nsa_compile
 from nsa_compile import batch_slice, probe
 from nsa_compile.attention_match import Refused
-from nsa_compile.fx import value
+from nsa_compile.fx import op_name, value
 
 
 def dynamo_graph(fn, *inputs):
@@ -87,7 +87,7 @@ def test_an_attention_like_region_runs_on_one_row():
     assert row.shape == (1, *whole.shape[1:])
     torch.testing.assert_close(row.float(), whole[:1], rtol=1e-5, atol=1e-5)
     shape = lambda t: tuple(t.shape)  # noqa: E731
-    assert batch_slice.allocated_elements(nodes, shape, batched, 1) * 2 < batch_slice.allocated_elements(nodes, shape)
+    assert batch_slice.peak_elements(nodes, shape, batched, 1) * 2 < batch_slice.peak_elements(nodes, shape)
 
 
 CONSTANT = torch.randn(3, 2, 5, 4)
@@ -133,8 +133,8 @@ def probe_costs(monkeypatch) -> dict:
 
     def spy(nodes, inputs, out, at, what):
         _, batched = batch_slice.one_row(nodes, inputs, out, at.shape(value(inputs[0]))[0])
-        seen[what] = (batch_slice.allocated_elements(nodes, at.shape),
-                      batch_slice.allocated_elements(nodes, at.shape, batched, 1))
+        seen[what] = (batch_slice.peak_elements(nodes, at.shape),
+                      batch_slice.peak_elements(nodes, at.shape, batched, 1))
         return real(nodes, inputs, out, at, what)
 
     monkeypatch.setattr(batch_slice, "probe_rows", spy)
@@ -213,3 +213,26 @@ def test_sizes_of_a_method_called_as_a_function_are_read_after_the_tensor():
     assert changes[expand][0][1] == (1, 2, 5, 4)
     row = probe.run(nodes, {placeholders[0]: x[:1].double()}, out, "the region", changes=changes)
     torch.testing.assert_close(row.float(), (x.unsqueeze(1).expand(3, 2, 5, 4) * 2)[:1])
+
+
+def test_the_probe_cost_is_the_peak_of_live_tensors_not_their_sum():
+    """probe.run frees each value after its last reader: a chain of large temporaries holds two at
+    a time, a view keeps its base alive until the view is read for the last time, and a tuple's
+    tensors (topk) count through its getitems."""
+    def chain(x):
+        a = x * 2          # 60 elements
+        b = a + 1          # 60; a freed after
+        v = b.view(-1)     # a view of b: no memory, holds b
+        c = v.exp()        # 60; b freed after (its view's last reader)
+        top = c.topk(3)    # values and indices: 6
+        return top.indices.float() + top.values  # 3
+
+    x = torch.randn(3, 4, 5)
+    gm = dynamo_graph(chain, x)
+    nodes, _, _ = region(gm)
+    shape = lambda t: tuple(t.shape)  # noqa: E731
+    assert batch_slice.peak_elements(nodes, shape) == 60 + 60  # b (held by its view v) beside c
+    # b not held by its view: a, b, c each freed after their reader, so at most two at a time as well;
+    # the topk's 6 elements count with c alive (c is read by topk): 66 < 120
+    assert sum(t.numel() for n in nodes for t in [value(n)] if isinstance(t, torch.Tensor)
+               and op_name(n) not in batch_slice.VIEW_OPS) == 3 * 60 + 3 + 3
