@@ -56,17 +56,22 @@ def _widen(dtype: torch.dtype, device: str | None = None):
 
 # The most elements the tensors of one probe may hold on the CPU (2 GiB of float64).
 CPU_BUDGET = 2**28
+# ... and on a GPU (32 GiB of float64), where a quarter of the free memory allows it. The probes'
+# cost is the peak of their live tensors (batch_slice.peak_elements): lucidrains_shared_kv's fine
+# branch at the seed shape (S 2048, one batch row) holds 2,153,250,816 at once, just over the
+# earlier cap of 2^31 (H200, 2026-11-27).
+GPU_BUDGET_CAP = 2**32
 
 
 def element_budget(device: torch.device | str) -> int:
     """The most elements (float64) the tensors of one verification probe may hold together: on the
     CPU CPU_BUDGET; on a GPU a quarter of its free memory (a probe runs once per region structure,
-    at compile time, beside the model's own tensors), at most 2**31."""
+    at compile time, beside the model's own tensors), at most GPU_BUDGET_CAP."""
     device = torch.device(device)
     if device.type != "cuda":
         return CPU_BUDGET
     free, _ = torch.cuda.mem_get_info(device)
-    return min(2**31, free // 4 // 8)
+    return min(GPU_BUDGET_CAP, free // 4 // 8)
 
 
 def run(nodes: list[fx.Node], env: dict, keep: fx.Node, what: str, dtype=torch.float64,

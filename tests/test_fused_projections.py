@@ -906,6 +906,25 @@ def test_triton_plain_outputs_match_float64(interpreter, case, dtype, style, ful
     triton_against_float64(case, dtype, style, full, plain)
 
 
+def test_triton_reads_the_real_and_imaginary_views_of_a_complex_table(interpreter):
+    """cos and sin as torch.real / torch.imag of one complex table (frequency stride 2, as
+    projection_rope's pass gives them for view_as_complex RoPE): the triton backend copies them
+    contiguous and gives the reference backend's outputs."""
+    from nsa_compile.ops import rope_triton
+
+    x, w, b, cos, sin, widths, head_dims = op_args(2, 9, 32, (64, 32, 32, 32), (16, 16, 0, 16), 16, False, None,
+                                                   torch.float32, DEVICE)
+    table = torch.complex(cos, sin)
+    real, imag = torch.real(table), torch.imag(table)
+    assert real.stride(-1) == 2
+    read, _ = rope_triton._readable_tables(real, imag)
+    assert read.stride(-1) == 1 and torch.equal(read, cos)
+    got = rope_op.projection_rope(x, w, b, real, imag, widths, head_dims, style="interleaved", backend="triton")
+    want = rope_op.projection_rope(x, w, b, cos, sin, widths, head_dims, style="interleaved", backend="reference")
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
 def test_interleaved_pairs_are_joined_only_over_whole_heads_in_aligned_tiles():
     """JOINED (one store of a tile's consecutive columns) holds for the aligned interleaved case
     the tests above run, and not where pass-through columns or masked columns sit between pairs,

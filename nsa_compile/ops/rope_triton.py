@@ -513,9 +513,12 @@ def _table_strides(cos) -> tuple[int, int, int]:
     return (0 if cos.shape[0] == 1 else cos.stride(0)), cos.stride(1), cos.stride(2)
 
 
-def _same_strides(cos, sin):
-    """The kernels index cos and sin with one set of strides."""
-    if cos is None or cos.stride() == sin.stride():
+def _readable_tables(cos, sin):
+    """cos and sin as the kernels read them: one set of strides for both, the frequencies
+    contiguous (copies of these small tables otherwise). The real and imaginary views of a
+    complex table (sdpa_complex_rope) have a frequency stride of 2: read in place they ran the
+    forward at 1.3-1.6x the time with contiguous tables (H200, bf16, M 65536, 2026-11-27)."""
+    if cos is None or (cos.stride() == sin.stride() and cos.stride(-1) == 1):
         return cos, sin
     return cos.contiguous(), sin.contiguous()
 
@@ -525,7 +528,7 @@ def _tables(cos, sin, style: str, full_tables: bool) -> tuple:
     full-width tables the partners' entries (views of the same tables: one set of strides)."""
     if cos is None:
         return None, None, None, None, 0
-    cos, sin = _same_strides(cos, sin)
+    cos, sin = _readable_tables(cos, sin)
     if not full_tables:
         return cos, sin, cos, sin, cos.shape[-1]
     R2 = cos.shape[-1] // 2
