@@ -782,10 +782,11 @@ def test_unsupported_reason_with_pos(monkeypatch):
             select_blocks(q, k, lse, L, D, LS, 5, scale, "triton", pos=pos)
 
 
-def sm90_ptx(monkeypatch, **flags) -> str:
+def sm90_ptx(monkeypatch, options: dict | None = None, **flags) -> str:
     """select_kernel built as on the GPU (TRITON_INTERPRET off) and compiled to PTX for an H100 by
     the Triton installed here: bf16, the seed's h 6, Dk 64, l 32, d 16, l' 64, n 16; `flags` the
-    constexprs past UPCAST (HAS_POS, IMP_DTYPE, ...; those not given are None)."""
+    constexprs past UPCAST (HAS_POS, IMP_DTYPE, ...; those not given are None); `options` compile
+    options besides num_warps (select_blocks_forward's FLA_OPTIONS)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -800,7 +801,7 @@ def sm90_ptx(monkeypatch, **flags) -> str:
              "NS": T["TC"] // 4, "KS": T["KS"], "LOG_KS": T["KS"].bit_length() - 1, "PREC": "tf32", "ROUND": True,
              "UPCAST": False, **flags}  # fmt: skip
     compiled = bst.triton.compile(ASTSource(fn, signature, given), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": T["num_warps"]})
+                                  options={"num_warps": T["num_warps"], **(options or {})})
     return compiled.asm["ptx"]
 
 
@@ -992,9 +993,9 @@ def fla_eager(q, k, scale, n, block, ranking="topk"):
     B, H, S, _ = q.shape
     G, Tc = k.shape[1], k.shape[2]
     p, lse = eager_p_cmp(q, k, block, block, scale)  # [B, H, S, Tc]: 0 on hidden blocks and empty rows
-    t = torch.arange(S)[:, None]
+    t = torch.arange(S, device=q.device)[:, None]
     current = t // block
-    key = p.masked_fill(current == torch.arange(Tc), 1.0).view(B, G, H // G, S, Tc).sum(2)
+    key = p.masked_fill(current == torch.arange(Tc, device=q.device), 1.0).view(B, G, H // G, S, Tc).sum(2)
     m = min(n, Tc)
     if ranking == "topk":
         idx = key.topk(m, dim=-1).indices
@@ -1037,7 +1038,9 @@ def test_fla_rule_matches_the_eager_formula_at_odd_sizes(B, G, h, S, block, n, d
     assert (got[..., :m][:, :, : (m - 1) * block] == -1).any()
 
 
-def test_fla_rule_differs_from_the_paper_rule_and_auto_takes_reference_with_the_reason():
+def test_fla_rule_differs_from_the_paper_rule_and_auto_chooses_as_for_it():
+    """Rule 'fla' is not the default rule; 'auto' chooses its backend as for the paper's rule (off
+    CUDA: the reference, with the CUDA reason; rule 'fla' itself is no reason)."""
     B, G, h, S, block, n = 1, 2, 2, 40, 4, 3
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(B, G * h, S, 8, generator=gen)
@@ -1047,10 +1050,11 @@ def test_fla_rule_differs_from_the_paper_rule_and_auto_takes_reference_with_the_
     paper = select_blocks(q, k, lse, block, block, block, n, 0.5)  # the default: today's rule, unchanged
     assert torch.equal(paper, select_blocks(q, k, lse, block, block, block, n, 0.5, rule="nsa"))
     assert not torch.equal(fla.sort(-1).values, paper.sort(-1).values)
-    assert bs_mod.choose_backend(q, k, lse, block, block, block, n, "auto", None, "fla") == "reference"
-    assert bs_mod.why_not_triton(q, k, lse, block, block, block, n, rule="fla") == bs_mod.FLA_REASON
-    with pytest.raises(ValueError, match="backend 'triton' cannot run these inputs: rule 'fla'"):
-        select_blocks(q, k, lse, block, block, block, n, 0.5, "triton", rule="fla")
+    choice = (q, k, lse, block, block, block, n)
+    assert bs_mod.choose_backend(*choice, "auto", None, "fla") == bs_mod.choose_backend(*choice, "auto") == "reference"
+    assert bs_mod.why_not_triton(*choice, rule="fla") == bs_mod.why_not_triton(*choice) == \
+        "the Triton kernel runs on CUDA (tensors on cpu)"
+    assert not hasattr(bs_mod, "FLA_REASON") and "fla" not in bs_mod.RULE_REASONS
     torch.library.opcheck(torch.ops.nsa.select_blocks.default, (q, k, lse, block, block, block, n, 0.5, "reference"),
                           {"rule": "fla"})
 
@@ -1063,6 +1067,165 @@ def test_fla_rule_argument_validation(change, match):
     if "pos" in change:
         args["k"] = torch.randn(2, 2, 40 - L + 1, 16)
     assert_raises_eager_and_fake(select_blocks, args, match)
+
+
+# rule 'fla' on the Triton kernel (CPU: interpreted). Entries of q and k are multiples of 1/2 in [-1, 1]
+# and Dk = 8, so every score q @ k^T is a multiple of 1/4 below 8: exact in fp32, fp16 and bf16 (the
+# interpreter truncates a cast to bf16 where the GPU and torch round; an exact score is the same either
+# way). (B, G, h, S, (l, d, l'), n, seed): h 1, 3, 6 at S not a multiple of the query tile; fla's l = d = l'
+# and the paper's overlapping l = 2d; S 100 (l' 4) and 300 (l' 16) span two tiles of compression blocks;
+# Ns < n at S 45; S 3 < l (no compression block: every row [0, -1, ..])
+FLA_CASES = [(2, 2, 1, 37, (4, 4, 4), 3, 0), (1, 2, 3, 100, (4, 4, 4), 5, 1), (1, 1, 6, 45, (L, D, LS), 9, 2),
+             (1, 1, 3, 300, (L, D, LS), 4, 3), (1, 2, 3, 3, (4, 4, 4), 2, 4)]  # fmt: skip
+FLA_IMPORTANCE = [(None, None), (torch.bfloat16, None), (torch.float16, None), (torch.bfloat16, torch.float32)]
+
+
+def fla_case(B, G, h, S, dtype, seed, l=4, d=4, Dk=8):
+    """(q, k, lse, scale) on DEVICE: q [B, H, S, Dk] and pooled keys k [B, G, Tc, Dk] with entries
+    multiples of 1/2 in [-1, 1] (exact scores, above), the eager lse."""
+    gen = torch.Generator().manual_seed(seed)
+    Tc = max(0, (S - l) // d + 1)
+    q = (torch.randint(-2, 3, (B, S, G * h, Dk), generator=gen) / 2).to(dtype).transpose(1, 2)
+    k = (torch.randint(-2, 3, (B, G, Tc, Dk), generator=gen) / 2).to(dtype)
+    lse = eager_p_cmp(q, k, l, d, Dk**-0.5)[1]
+    return q.to(DEVICE), k.to(DEVICE), lse.to(DEVICE), Dk**-0.5
+
+
+@needs_triton
+@pytest.mark.parametrize("importance_dtype,group_sum_dtype", FLA_IMPORTANCE, ids=["fp32", "bf16", "fp16", "bf16-sum32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_triton_fla_equals_the_reference(dtype, importance_dtype, group_sum_dtype):
+    """The triton backend with rule 'fla': the reference backend's block ids exactly, in rank order
+    (-1 after the chosen blocks and where Ns < n), with and without a rounded importance; a chunk of
+    queries (q_offset, starting inside a block, its rows' current blocks past the first tile of
+    compression blocks) the same rows as the whole sequence. fp32 inputs run one head per chunk,
+    so with a rounded importance only h = 1 runs (the others: the kernel's reason)."""
+    rounding = {"importance_dtype": importance_dtype, "group_sum_dtype": group_sum_dtype}
+    ran = 0
+    for B, G, h, S, (l, d, ls), n, seed in FLA_CASES:
+        q, k, lse, scale = fla_case(B, G, h, S, dtype, seed, l, d)
+        args = (q, k, lse, l, d, ls, n, scale)
+        want = select_blocks(*args, "reference", rule="fla", **rounding)
+        if why := bs_mod._triton_reason(*args[:7], None, "fla", importance_dtype):
+            assert dtype == torch.float32 and importance_dtype is not None and "in chunks of 1" in why, why
+            continue
+        got = select_blocks(*args, "triton", rule="fla", **rounding)
+        assert got.shape == (B, G, S, n) and got.dtype == torch.int64 and torch.equal(got, want), (S, h, n, seed)
+        ran += 1
+    assert ran == (1 if dtype == torch.float32 and importance_dtype is not None else len(FLA_CASES))
+    h = 1 if dtype == torch.float32 and importance_dtype is not None else 3
+    q, k, lse, scale = fla_case(1, 2, h, 300, dtype, seed=5)
+    whole = select_blocks(q, k, lse, 4, 4, 4, 5, scale, "reference", rule="fla", **rounding)
+    chunk = (q[:, :, 130:], k, lse[:, :, 130:], 4, 4, 4, 5, scale)
+    got = select_blocks(*chunk, "triton", rule="fla", q_offset=130, **rounding)
+    assert torch.equal(got, whole[:, :, 130:])
+    assert torch.equal(got, select_blocks(*chunk, "reference", rule="fla", q_offset=130, **rounding))
+
+
+@needs_triton
+def test_triton_fla_reaches_the_kernel():
+    """The same inputs through the kernel with rule 'fla' and the paper's rule: each gives its own
+    reference ids, and they differ (other blocks, and the order: fla's in rank order, not ascending)."""
+    q, k, lse, scale = fla_case(2, 2, 3, 100, torch.float16, seed=6, l=L, d=D)
+    args = (q, k, lse, L, D, LS, 4, scale)
+    fla, paper = select_blocks(*args, "triton", rule="fla"), select_blocks(*args, "triton")
+    assert torch.equal(fla, select_blocks(*args, "reference", rule="fla"))
+    assert torch.equal(paper, select_blocks(*args, "reference"))
+    ascending = lambda ids: (ids.masked_fill(ids < 0, 1 << 20).diff(dim=-1) >= 0).all(-1)  # -1 only at the end
+    assert ascending(paper).all() and (~ascending(fla)).float().mean() > 0.5, (~ascending(fla)).float().mean()
+    other = (fla.sort(-1).values != paper.sort(-1).values).any(-1).float().mean()
+    assert other > 0.2, other
+
+
+@needs_triton
+def test_triton_fla_reasons_and_auto(monkeypatch):
+    """'auto' takes triton for rule 'fla' where it takes it for the paper's rule (off CUDA: the CUDA
+    reason, rule 'fla' is none); the kernel module refuses rule 'fla' with pos or group_first (the op
+    refuses both first: test_fla_rule_argument_validation, test_group_first_is_a_rounded_...), and a
+    rounded importance in several chunks of heads as for the paper's rule."""
+    q, k, lse, scale = fla_case(1, 2, 3, 40, torch.bfloat16, seed=0)
+    choice = (q, k, lse, 4, 4, 4, 3)
+    for dtype in (None, *ROUNDINGS):
+        assert bs_mod._triton_reason(*choice, None, "fla", dtype) is None
+        assert bs_mod.why_not_triton(*choice, None, "fla", dtype) == bs_mod.why_not_triton(*choice)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(bs_mod, "why_not_triton_on", lambda device, unsupported, kernels: unsupported())
+    assert bs_mod.choose_backend(*choice, "auto", None, "fla") == "triton"
+    assert bs_mod.choose_backend(*choice, "auto", None, "fla", torch.bfloat16) == "triton"
+    refused = "rule 'fla' takes no pos (packed documents) and no group_first (the op's rule 'fla' has neither)"
+    pos = torch.arange(40, device=DEVICE)[None]
+    assert bst.unsupported_reason(q, k[:, :, :0], lse, 4, 4, 4, 3, pos, fla=True) == refused
+    assert bst.unsupported_reason(*choice, None, torch.bfloat16, True, fla=True) == refused
+    q17, k17, lse17, _ = fla_case(1, 1, 17, 40, torch.bfloat16, seed=0)
+    assert "with 17 heads a group in chunks of 16" in bs_mod._triton_reason(q17, k17, lse17, 4, 4, 4, 3, None, "fla",
+                                                                            torch.bfloat16)
+    assert bs_mod._triton_reason(q17, k17, lse17, 4, 4, 4, 3, None, "fla") is None
+
+
+@needs_triton
+def test_fla_kernels_compile_without_fused_multiply_adds(monkeypatch):
+    """select_blocks_forward launches the kernel with FLA_OPTIONS (no FP fusion: s * scale rounded
+    before - lse, as the reference) for rule 'fla' only; the interpreter ignores the option, so the
+    launch is recorded. Where a lone visible block's p is exactly 1 (lse its score), its key ties the
+    current block's h and goes first (the lower block), as the reference and eager order it."""
+    launches = []
+    kernel = bst.select_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append({name: kwargs.get(name) for name in ("FLA", "enable_fp_fusion")})
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(bst, "select_kernel", Recorder())
+    q, k, lse, scale = fla_case(1, 1, 3, 12, torch.float32, seed=0)
+    fla = select_blocks(q, k, lse, 4, 4, 4, 2, scale, "triton", rule="fla")
+    select_blocks(q, k, lse, 4, 4, 4, 2, scale, "triton")
+    assert launches == [{"FLA": True, "enable_fp_fusion": False}, {"FLA": False, "enable_fp_fusion": None}]
+    assert bst.FLA_OPTIONS == {"enable_fp_fusion": False}
+    # rows 4 .. 6 see block 0 alone (p = 1 per head, key 3) and are in block 1 (key 3): the tie, block 0 first
+    assert fla[0, 0, 3:8].tolist() == [[0, -1], [0, 1], [0, 1], [0, 1], [1, 0]]
+
+
+@compiles_here
+def test_the_fla_kernel_compiles_for_sm90_without_a_gpu(monkeypatch):
+    """The kernel with FLA (unrounded, and bf16-rounded importance), which the other tests interpret
+    on the CPU, compiles for an H100 with FLA_OPTIONS: s * scale - lse is a multiply and a subtract
+    (fused, as Triton 3.9 compiles the paper's rule's kernel by default, it is one multiply-add and
+    the kernel has no fp32 subtract)."""
+    plain = dict(HAS_POS=False, SUM_ROUND=True, MAP_UPCAST=False, GROUP_FIRST=False)
+    for flags in (plain, plain | {"IMP_DTYPE": bst.tl.bfloat16}):
+        ptx = sm90_ptx(monkeypatch, bst.FLA_OPTIONS, **flags, FLA=True)
+        assert ".entry select_kernel(" in ptx and re.search(r"\bsub(\.rn)?\.f32\b", ptx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("importance_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fla_on_cuda_at_the_seed_shape(importance_dtype):
+    """The fla corpus models' seed shape (tests/corpus/fla_naive_bthd.py make_seed: h 6, G 2, Dk 64,
+    l = d = l' = 64, n 16) at S 2048 on CUDA, bf16 q and k on the 1/32 grid (exact scores in any
+    summation order): 'auto' takes triton for rule 'fla'; triton and the reference differ in at most
+    1 row of 500, and each differs from fla's eager formula (a stable sort of its float32 key) only
+    by swapping blocks whose keys are within 1e-5 (relative; bf16 importance: 2e-2, each key within
+    two bf16 roundings of 2^-9: the rounded p, the rounded group sum)."""
+    S, G, h, Dk, block, n = 2048, 2, 6, 64, 64, 16
+    q, k, scale = make_case(2, G, h, S, Dk, torch.bfloat16, seed=3, l=block, d=block, device="cuda")
+    want, key, lse = fla_eager(q, k, scale, n, block, ranking="sort")
+    args = (q, k, lse, block, block, block, n)
+    assert bs_mod.choose_backend(*args, "auto", None, "fla", importance_dtype) == "triton"
+    rows, tol = 2 * G * S, 1e-5 if importance_dtype is None else 2e-2
+    got = {b: select_blocks(*args, scale, b, rule="fla", importance_dtype=importance_dtype)
+           for b in ("triton", "reference")}  # fmt: skip
+    differ = int((got["triton"] != got["reference"]).any(-1).sum())
+    assert differ <= rows // 500, f"triton against reference: {differ} of {rows} rows differ"
+    for backend, ids in got.items():
+        assert torch.equal(ids < 0, want < 0), backend  # the same number of blocks in every row (Tc >= n here)
+        ours, theirs = key.gather(-1, ids.clamp(min=0)), key.gather(-1, want.clamp(min=0))
+        gap = ((ours - theirs).abs() / theirs.abs().clamp(min=1e-30)).masked_fill(want < 0, 0)
+        assert gap.max() <= tol, f"{backend}: rank keys {gap.max().item():.2e} apart"
+        print(f"{backend}, importance {importance_dtype}: {int((ids != want).any(-1).sum())} of {rows} rows "
+              "differ from the eager formula")
 
 
 # --- group_first: the group's heads summed (and rounded) before the block map ----------------------------

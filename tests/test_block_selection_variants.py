@@ -111,7 +111,7 @@ def test_fla_rule_fires_with_eager_ids_outputs_and_gradients(tiled, T):
     assert (r["matches"], r["refused"]) == (1, 0), r
     n = min(3, -(-T // 4))  # the model's topk(min(n, C))
     assert r["kernels"][0].startswith(f"nsa.select_blocks[reference] (l'=4, n={n}, from the compressed lse"), r
-    assert "not triton: rule 'fla' (the current block favoured" in r["kernels"][0]
+    assert "not triton: the Triton kernel runs on CUDA (tensors on cpu)" in r["kernels"][0], r  # the rule is no reason
     record = only_graph(optimized)
     assert record.code_before.count("topk(") == 1 and "topk(" not in record.code_after
     calls = [line for line in record.code_after.splitlines() if "torch.ops.nsa.select_blocks(" in line]

@@ -38,7 +38,8 @@ overlap(i, j) is the number of tokens in both [i*d, i*d + l) and [j*l', j*l' + l
     block_idx = order where order <= t // l', else -1        # rank order, not ascending
 
   Ties go to the lower block (torch.topk leaves their order unspecified: this is one of its
-  results). Not with pos (ValueError).
+  results). With importance_dtype (and group_sum_dtype) as below; not with pos or group_first
+  (ValueError). Both backends compute it.
 - "lucidrains" (lucidrains' native-sparse-attention-pytorch; tests/corpus/lucidrains_shared_kv.py,
   lucidrains_per_head.py): the choice ranks the compressed *logits*, not probabilities, so lse
   must be None (the op computes everything from q and k); k holds the compressed keys without
@@ -72,7 +73,7 @@ overlap(i, j) is the number of tokens in both [i*d, i*d + l) and [j*l', j*l' + l
 A chunk of queries (`q_offset`, an int, default 0; issue 17): query row r of q (and of lse) is
 token q_offset + r of the sequence k was pooled from; t above is that token, Ns = ceil((q_offset +
 S) / l') (the blocks up to the last query's), block_idx [B, G, S, n] for the chunk's rows. Rules
-'nsa' and 'fla' (the triton backend: 'nsa', the offset added to each row's token where it is a
+'nsa' and 'fla' (the triton backend too, the offset added to each row's token where it is a
 position); not with pos or rule 'lucidrains' (ValueError).
 
 Packed documents (`pos` [B, S] int64, each token's position in its document; models/nsa.py): k
@@ -130,7 +131,7 @@ group's rounded sums are kept from tile to tile), rounding at the same places; i
 (the heads', the map's) run in another order than the reference's, with the same caveat.
 
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error; only
-the reference backend runs rules "fla" and "lucidrains"):
+the reference backend runs rule "lucidrains"):
 - `triton` (CUDA): nsa_compile/ops/block_select_triton.py, one program per (batch, group, query
   tile): the scores are recomputed tile by tile over the compression blocks, mapped onto the
   selection blocks and merged into a running top-n in registers. No [.., S, Tc] or [.., S, Ns]
@@ -138,7 +139,14 @@ the reference backend runs rules "fla" and "lucidrains"):
   does (each head mapped, then the group sum; group_first: the group sum, then one map). With pos
   each query is the unpacked query pos[t] of its document, whose blocks it reads from the compact
   list of the row's blocks (compressed_triton.document_slots, built on the device: no host sync);
-  a query tile takes one pass over the blocks per document in it.
+  a query tile takes one pass over the blocks per document in it. Rule 'fla' (an FLA constexpr; the
+  kernel without it is unchanged): the importance as above, the current block's group key h (the
+  sum of the heads' 1.0, exact in any order and rounding), no forced blocks, only the blocks up to
+  each query's current one ranked (a later block has key +0.0, so it ranks after all of them and
+  becomes -1: the same ids as ranking all Ns), the first n of the running list written in its rank
+  order. Compiled without fused multiply-adds (s * scale rounded, then - lse, as here), so a lone
+  visible block's p is exactly 1 wherever the reference's is (lse equal to that block's score): its
+  key ties the current block's h, the lower block first, as in the reference and eager.
 - `reference` (every device and dtype): PyTorch, chunked over query rows: a chunk's
   probabilities [B, H, c, Tc] and keys [B, G, c, max(Ns, n)], never all S rows at once (c is set
   so a chunk's largest tensor stays under REFERENCE_BUDGET elements). The overlap map is a sum
@@ -163,11 +171,9 @@ __all__ = ["BLOCK_SELECT", "REFERENCE_BUDGET", "choose_backend", "lucidrains_pro
            "why_not_triton"]
 
 RULES = ("nsa", "fla", "lucidrains")
-FLA_REASON = ("rule 'fla' (the current block favoured, -1 after the top-n, rank order): the Triton kernel "
-              "computes the paper's rule only")
 LUCIDRAINS_REASON = ("rule 'lucidrains' (averaged compressed logits, a softmax with a sink, the diagonal block "
                      "appended): the Triton kernel ranks the paper's probabilities only")
-RULE_REASONS = {"fla": FLA_REASON, "lucidrains": LUCIDRAINS_REASON}
+RULE_REASONS = {"lucidrains": LUCIDRAINS_REASON}  # the rules the Triton kernel does not compute
 # rule 'lucidrains': the sink column's logit and the probability a chosen block must exceed
 LUCIDRAINS_SINK, LUCIDRAINS_THRESHOLD = -1e3, 1e-10
 # the importance dtypes the op rounds to (autocast's lower precisions)
@@ -184,8 +190,8 @@ def choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, back
                    pos=None, rule: str = "nsa", importance_dtype: torch.dtype | None = None,
                    group_first: bool = False) -> str:  # fmt: skip
     """`BLOCK_SELECT.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it
-    cannot run these inputs), or for 'auto' triton where it can run on CUDA (with pos or without)
-    and reference elsewhere (always reference with rule 'fla')."""
+    cannot run these inputs), or for 'auto' triton where it can run on CUDA (with pos or without;
+    rules 'nsa' and 'fla') and reference elsewhere (always reference with rule 'lucidrains')."""
     return BLOCK_SELECT.choose(backend, q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos, rule,
                                importance_dtype, group_first)
 
@@ -193,12 +199,12 @@ def choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, back
 def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule: str = "nsa",
                    importance_dtype: torch.dtype | None = None, group_first: bool = False) -> str | None:  # fmt: skip
     """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
-    if rule != "nsa":  # the reasons on every device, not only on CUDA
+    if rule in RULE_REASONS:  # the reasons on every device, not only on CUDA
         return RULE_REASONS[rule]
     return why_not_triton_on(
         q.device,
         lambda: block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos,
-                                                       importance_dtype, group_first),
+                                                       importance_dtype, group_first, rule == "fla"),
         kernels="the Triton kernel runs",
     )
 
@@ -489,10 +495,10 @@ def _reference_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, 
 
 def _triton_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule="nsa",
                    importance_dtype=None, group_first=False) -> str | None:  # fmt: skip
-    if rule != "nsa":
+    if rule in RULE_REASONS:
         return RULE_REASONS[rule]
     return block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos,
-                                                  importance_dtype, group_first)
+                                                  importance_dtype, group_first, rule == "fla")
 
 
 # The block ids are integers: no gradient, no backward op.
@@ -510,7 +516,7 @@ BLOCK_SELECT = declare(Op(
                 forward=lambda q, k, lse, l, d, ls, n, scale, pos, rule, importance_dtype, group_sum_dtype, q_offset,
                 group_first:
                     block_select_triton.select_blocks_forward(q, k, lse, l, d, ls, n, scale, pos, importance_dtype,
-                                                              group_sum_dtype, q_offset, group_first)),
+                                                              group_sum_dtype, q_offset, group_first, rule == "fla")),
         Backend("reference", forward=_reference_forward),
     ),
     check=_check,

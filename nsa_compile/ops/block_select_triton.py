@@ -2,12 +2,16 @@
 branch's log-sum-exp, mapped onto selection blocks and ranked, in one pass, without storing
 the [B, H, S, Tc] probabilities or the [B, G, S, Ns] scores.
 
-    block_idx = select_blocks_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos=None)
-    why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None)   # None: it can run
+    block_idx = select_blocks_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos=None,
+                                      importance_dtype=None, group_sum_dtype=None, q_offset=0, group_first=False,
+                                      fla=False)
+    why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, importance_dtype=None,
+                             group_first=False, fla=False)   # None: it can run
 
 Same contract as the `reference` backend of `nsa::select_blocks` (nsa_compile/ops/block_select.py):
 q [B, H, S, Dk], pooled keys k [B, G, Tc, Dk] (H = G * h), lse [B, H, S] float32, any strides;
-block_idx [B, G, S, n] int64 (contiguous), ascending, -1 padded. With l = cmp_block, d = cmp_stride,
+block_idx [B, G, S, n] int64 (contiguous), ascending, -1 padded (rule 'fla': rank order, -1 after the
+blocks chosen). With l = cmp_block, d = cmp_stride,
 l' = sel_block, m = l' / d (compression strides per selection block).
 
 The kernel, grid (ceil(S / BLOCK_M), B * G): one program per (query tile of BLOCK_M tokens, batch,
@@ -73,11 +77,37 @@ the rounded overlap matrix (exact products, fp32 accumulation), and rounded: the
 no group sum after it. Only the group's sums are kept from tile to tile, so any number of chunks
 of heads runs. Without GROUP_FIRST the kernel compiles as it did before the flag.
 
+Rule 'fla' (an FLA constexpr; flash-linear-attention's choice, the op's docstring): no forced block
+and the current block favoured by each head's importance of it set to 1.0 before the group sum. The
+group's key of the current block is then HPG * 1.0 = h exactly, however its sum is ordered or
+rounded (h ones are exact in fp32 and, for h <= 16, in bf16/fp16), so the kernel writes h there
+after the importance is computed as above (unrounded: the heads summed first, then the map;
+rounded: each head mapped and rounded, the group sum rounded or, group_sum_dtype float32, not); the
+other blocks' keys are the paper's rule's candidates'. Every block competes in the rule, but only
+the blocks up to each query's current block get a key here (the candidates j*l' <= t above, the
+tiles walked up to the latest query's current block): no compression block that overlaps a block j
+after the current one is visible (it ends at i*d + l - 1 >= j*l' > t), so that block's importance
+is +0.0; in the stable descending order it comes after every earlier block (those of key > 0 by
+the key, those of key 0 by the lower index), and every later block in the top n becomes -1. So the
+rule's ids are the first n of the earlier blocks in rank order, then -1 (also where Ns < n): the
+first n keys of the running list in its own descending order, decoded without the ascending sort.
+With Q_OFF the current block is (Q_OFF + t) // l' as above. Not with pos or group_first (the op has
+neither for the rule). The rule's ties decide its rank order, and one is systematic: a lone visible
+block (one visible compression block; l = d = l': the rows t in [l', 2l') with block 0) has p
+exactly 1 in eager's softmax and in the reference wherever lse is that block's score, so its key
+ties the current block's h and the lower block goes first. FLA kernels are therefore compiled
+without fused multiply-adds (FLA_OPTIONS: Triton's enable_fp_fusion=False), so s * scale is
+rounded before - lse is subtracted, as the reference does (a fused s * scale - lse leaves the
+product's rounding error in the exponent: p one unit from 1, on either side of the tie); the paper's
+rule keeps its fused form (its ids are a set, ascending). Without FLA the kernel compiles as it did
+before the flag (the same sm_90 PTX but for line numbers).
+
 KS = max(16, next power of two of n) >= n: the list keeps at least n, so its first n are eager's.
 Summation order: the heads are summed before the overlap map (eager maps each head, then sums),
-and on the GPU s * scale - lse is one fused multiply-add: both are exact formulas rounded in fp32
-differently, so only near ties (within ~1e-6 relative) can be ranked differently. Every column
-of a tile is computed by the same operations, so exact ties stay exact and go to the lower block.
+and on the GPU s * scale - lse is one fused multiply-add (not with FLA, above): both are exact
+formulas rounded in fp32 differently, so only near ties (within ~1e-6 relative) can be ranked
+differently. Every column of a tile is computed by the same operations, so exact ties stay exact
+and go to the lower block.
 
 The bitonic network is this module's own (`_compare_swap` and friends), written with Triton's
 builtin reshape / min / max / where, not tl.sort / tl.topk: those are @triton.jit library
@@ -89,7 +119,8 @@ q and k both fp16, bf16 or fp32; Dk <= 256; d divides l and l', m = l' / d a pow
 (a tile of compression blocks must hold whole selection blocks), l <= (TC + 1) * d (the previous
 tile covers the first block's reach); n <= 128; S < 2^31; pos int64 [B, S] with Tc = S - l + 1;
 importance_dtype bf16 or fp16, with one chunk of heads unless group_first; group_first with an
-importance_dtype and without pos (group_sum_dtype None: the sum is rounded).
+importance_dtype and without pos (group_sum_dtype None: the sum is rounded); rule 'fla' without pos
+or group_first.
 
 CPU interpreter: the kernel and its helpers are module-level `triton_support.jit` functions, as in
 selection_triton.py (built for the mode Triton is in when launched); interpreted, bf16 dot operands
@@ -120,6 +151,9 @@ __all__ = ["select_blocks_forward", "unsupported_reason"]
 MAX_HEAD_DIM = 256
 MAX_SELECTED = 128
 _TL_DTYPES = {} if tl is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# rule 'fla' compiles without fused multiply-adds: s * scale is rounded before - lse, as the reference
+# computes it, so a lone visible block's p is exactly 1 where lse is its rounded score (the module docstring)
+FLA_OPTIONS = {"enable_fp_fusion": False}
 
 
 def _tiles(h: int, Dk: int, cmp_stride: int, sel_block: int, n_selected: int, fp32: bool,
@@ -158,10 +192,11 @@ def _tiles(h: int, Dk: int, cmp_stride: int, sel_block: int, n_selected: int, fp
 
 
 def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None,
-                       importance_dtype=None, group_first: bool = False) -> str | None:  # fmt: skip
+                       importance_dtype=None, group_first: bool = False, fla: bool = False) -> str | None:  # fmt: skip
     """Why the Triton kernel cannot run these inputs, or None when it can (pos: packed documents,
     [B, S] int64, with k holding a slot per token; importance_dtype: None, bf16 or fp16;
-    group_first: the group's rounded heads summed before the block map, with importance_dtype)."""
+    group_first: the group's rounded heads summed before the block map, with importance_dtype;
+    fla: the op's rule 'fla', without pos or group_first)."""
     if why := device_reason(q, k, lse, pos):
         return why
     if q.dtype != k.dtype or q.dtype not in KERNEL_DTYPES:
@@ -193,6 +228,8 @@ def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, 
     if group_first and (importance_dtype is None or pos is not None):
         return ("group_first (the group's heads summed and rounded before the block map) takes an importance_dtype "
                 "and no pos (packed documents)")
+    if fla and (pos is not None or group_first):
+        return "rule 'fla' takes no pos (packed documents) and no group_first (the op's rule 'fla' has neither)"
     if importance_dtype is not None:
         if importance_dtype not in (torch.bfloat16, torch.float16):
             return f"importance_dtype {importance_dtype} (None, torch.bfloat16 or torch.float16)"
@@ -255,6 +292,7 @@ def select_kernel(
     BLOCK_M: tl.constexpr, TC: tl.constexpr, NS: tl.constexpr, KS: tl.constexpr, LOG_KS: tl.constexpr,
     PREC: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr, HAS_POS: tl.constexpr,
     IMP_DTYPE: tl.constexpr, SUM_ROUND: tl.constexpr, MAP_UPCAST: tl.constexpr, GROUP_FIRST: tl.constexpr,
+    FLA: tl.constexpr,
 ):  # fmt: skip
     # heaviest (latest) query tiles first: a short tail for the causal imbalance
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -407,12 +445,21 @@ def select_kernel(
             real = (jj < NS)[None, :]
             if HAS_POS:  # the other groups' queries get no key here (-1 bits)
                 real = real & in_q[:, None]
-            forced = real & ((j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1))
+            if FLA:  # flash-linear-attention's rule: only the current block favoured, not forced (below)
+                forced = real & (j[None, :] == cur[:, None])
+            else:
+                forced = real & ((j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1))
             if HAS_POS:  # counted in the document
                 candidate = real & (j[None, :] * LS <= p_q[:, None])
             else:
                 candidate = real & (j[None, :] * LS <= Q_OFF + t_q[:, None])
-            bits = tl.where(forced, 0x7F800000, tl.where(candidate, p_grp.to(tl.int32, bitcast=True), -1))
+            if FLA:
+                # each head's importance of the current block is 1.0, so the group's key there is HPG,
+                # exactly (in any order and rounding). The later blocks (key +0.0: ranked after every
+                # earlier block, then -1) get no key: the ids are the earlier blocks' top n, -1 after
+                bits = tl.where(candidate, tl.where(forced, HPG * 1.0, p_grp).to(tl.int32, bitcast=True), -1)
+            else:
+                bits = tl.where(forced, 0x7F800000, tl.where(candidate, p_grp.to(tl.int32, bitcast=True), -1))
             key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)[None, :]  # [BLOCK_M, KS]
             # merge only when some key beats some query's running minimum (the list's last entry)
             beats = reduce_max(key, 1) > reduce_min(run, 1)  # [BLOCK_M]
@@ -420,11 +467,13 @@ def select_kernel(
                 run = _merge_top(run, key, BLOCK_M, KS, LOG_KS)
             kt = kt_next
 
-    # the first n keys of each query that are forced or candidates, as ascending block ids
+    # the first n keys of each query that are forced or candidates, as ascending block ids (rule 'fla': in
+    # rank order, the list's own descending order: its candidates first, then the -1 keys)
     col = tl.arange(0, KS)[None, :]
     none: tl.constexpr = 0x7FFFFFFF
     ids = tl.where((col < N_SEL) & (run >= 0), 0x7FFFFFFF - (run & 0x7FFFFFFF), none)
-    ids = _sort_rows(ids, BLOCK_M, KS, LOG_KS, False)
+    if not FLA:
+        ids = _sort_rows(ids, BLOCK_M, KS, LOG_KS, False)
     out_ptrs = OUT + b * sob + g.to(tl.int64) * sog + t_q.to(tl.int64)[:, None] * sos + col
     tl.store(out_ptrs, tl.where(ids == none, -1, ids), mask=(t_q < S)[:, None] & (col < N_SEL))
 
@@ -472,7 +521,8 @@ def _overlap_matrix(TC: int, NS: int, KS: int, cmp_block: int, cmp_stride: int, 
 
 def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int,
                           scale: float, pos=None, importance_dtype=None, group_sum_dtype=None, q_offset: int = 0,
-                          group_first: bool = False, *, tiles: dict | None = None) -> torch.Tensor:  # fmt: skip
+                          group_first: bool = False, fla: bool = False, *,
+                          tiles: dict | None = None) -> torch.Tensor:  # fmt: skip
     """block_idx [B, G, S, n_selected] int64 (see the module docstring). pos: packed documents
     ([B, S] int64; k then holds a slot per token). importance_dtype: None, or bf16/fp16 for the
     importance rounded as eager computes it under autocast (the op's docstring). q_offset: query
@@ -480,10 +530,12 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
     row's token wherever it is a position (visibility, current block, candidates), never where it
     addresses q, lse or the output. group_first: the group's heads summed (p rounded per head, the
     sum in fp32, rounded) before the block map, as eager's einsum under autocast (the op's
-    docstring; with importance_dtype, without group_sum_dtype or pos). `tiles`: an override of
-    `_tiles` (tools/bench_block_select.py); None, the default tiles."""
+    docstring; with importance_dtype, without group_sum_dtype or pos). fla: the op's rule 'fla' (the
+    current block favoured, no forced blocks, the ids in rank order, -1 after; without pos or
+    group_first). `tiles`: an override of `_tiles` (tools/bench_block_select.py); None, the default
+    tiles."""
     why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos, importance_dtype,
-                             group_first)
+                             group_first, fla)
     if why is None and group_first and group_sum_dtype is not None:
         why = f"group_first with group_sum_dtype {group_sum_dtype} (the group sum is rounded before the map)"
     if why is not None:
@@ -504,6 +556,7 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
     NS = T["TC"] // m
     w = _overlap_matrix(T["TC"], NS, T["KS"], cmp_block, cmp_stride, sel_block, q.device, importance_dtype)
     launch = {"num_warps": T["num_warps"]} | ({"num_stages": T["num_stages"]} if "num_stages" in T else {})
+    launch |= FLA_OPTIONS if fla else {}
     grid = (_cdiv(S, T["BLOCK_M"]), B * G)
     doc_pos = lo = slot = None
     if pos is not None:
@@ -520,7 +573,7 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         ROUND=q.dtype != torch.float32, UPCAST=upcast_dots(q.dtype), HAS_POS=pos is not None,
         IMP_DTYPE=None if importance_dtype is None else _TL_DTYPES[importance_dtype], SUM_ROUND=group_sum_dtype is None,
-        MAP_UPCAST=importance_dtype is not None and upcast_dots(importance_dtype), GROUP_FIRST=group_first,
+        MAP_UPCAST=importance_dtype is not None and upcast_dots(importance_dtype), GROUP_FIRST=group_first, FLA=fla,
         **launch,
     )  # fmt: skip
     return out
