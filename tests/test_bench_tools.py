@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 import nsa_compile
-from nsa_compile.bench import config_for, is_oom
+from nsa_compile.bench import StepTiming, config_for, is_oom
 from nsa_compile.parity import fit_parity
 from nsa_compile.models import NSAAttention, preset
 from nsa_compile.models.nsa import apply_rope, rope_tables
@@ -715,3 +715,36 @@ def test_packed_bench_times_both_columns_and_records_what_ran(tmp_path, capsys):
         assert ops <= {b.split(":")[0] for b in r["backends"]}, r["backends"]
     ratio = packed["tok_s"] / unpacked["tok_s"]
     assert re.search(rf"packed \({len(documents)} documents\) .*\| {ratio:.2f}x \(target >= 0.9: (met|missed)\)", text)
+
+
+def test_corpus_bench_repeats_each_timing_and_times_the_reference_after(monkeypatch, tmp_path, capsys):
+    """--repeats 3: three timings of each model in its process, the median of their medians recorded
+    with all three; --reference-after: the reference timed once more at the end, its ratio to the
+    first reference printed as the run's drift (no parity of its own, no target)."""
+    steps = iter([5.0, 9.0, 7.0, 4.0, 2.0, 3.0, 8.0, 6.0, 10.0])  # ms: reference, paper_bhsd, reference again
+
+    def timed(*args, **kwargs):
+        return StepTiming(1.0, next(steps), 0.5, None)
+
+    monkeypatch.setattr(bench_corpus, "time_training", timed)
+    out = tmp_path / "corpus.jsonl"
+    rc = bench_corpus.main(["--models", "paper_bhsd", "--seq-len", "64", "--batch", "1", "--parity-len", "64",
+                            "--repeats", "3", "--reference-after", "--out", str(out), *FAST])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    first, model, after = read(out)
+    assert [r["model"] for r in (first, model, after)] == ["reference", "paper_bhsd", "reference (after)"]
+    assert (first["step_ms_repeats"], first["step_ms"]) == ([5.0, 9.0, 7.0], 7.0)
+    assert (model["step_ms_repeats"], model["step_ms"]) == ([4.0, 2.0, 3.0], 3.0)
+    assert model["tok_s"] == pytest.approx(64 * 1000 / 3.0)
+    assert after["step_ms"] == 8.0 and after["parity"]["ok"] is None
+    assert "step 3.0 ms (median of 4.0, 2.0, 3.0 ms)" in text
+    assert table_row(text, "paper_bhsd")[6] == "2.33x (met)"  # 7.0 / 3.0, both parities passed
+    assert table_row(text, "reference (after)")[6] == "0.88x (drift)"  # 7.0 / 8.0
+
+
+def test_corpus_bench_refuses_zero_repeats(capsys):
+    with pytest.raises(SystemExit):
+        bench_corpus.main(["--models", "paper_bhsd", "--repeats", "0"])
+    err = capsys.readouterr().err
+    assert "--repeats must be positive" in err, err

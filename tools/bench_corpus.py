@@ -38,6 +38,11 @@ cut by its time limit keeps the models it finished. About six models are meant t
     python3 tools/bench_corpus.py --report-only --out corpus.jsonl      # both calls' table, no GPU needed
 
 Each call times its own reference; a ratio is always against the reference of the same run.
+The same model's median step has moved between about 12 and 22 ms from one run to the next on one
+host kind (H200, 2026-11-27; BENCHMARKS.md), so a single run's ratio is not to be trusted alone:
+--repeats R times each model R times in its process (the median of the medians, each printed) and
+--reference-after times the reference again after the last model (its ratio to the first is the
+run's drift), which tell a slow process from a slow moment.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ from nsa_compile.models.nsa import rope_tables
 from nsa_compile.parity import check_parity, choice_length, fit_parity, parity_sentence
 
 REFERENCE = "reference"
+# --reference-after: the reference timed once more after the last model, in the same process
+REFERENCE_AFTER = "reference (after)"
 SEED = preset("seed")
 # The six NSA rewrites a model's row counts (of nsa_compile.report's passes; canonicalize and
 # gqa_grouped_matmul serve them and are not counted).
@@ -102,7 +109,7 @@ def make_reference(batch: int = 32, seq_len: int = 2048) -> tuple[nn.Module, tor
 
 def build(name: str, batch: int, seq_len: int, device: torch.device) -> tuple[nn.Module, torch.Tensor]:
     """(module, x) of the reference or a corpus model (file stem) at the seed shape, on device."""
-    if name == REFERENCE:
+    if name in (REFERENCE, REFERENCE_AFTER):
         model, x = make_reference(batch, seq_len)
     else:
         model, x = importlib.import_module(f"corpus.{name}").make_seed(batch=batch, seq_len=seq_len)
@@ -133,8 +140,13 @@ def time_model(name: str, args, device: torch.device) -> dict:
         model, x = build(name, args.batch, args.seq_len, device)
         torch._dynamo.reset()
         model = nsa_compile.optimize(model, config_for(args.compiler))
-        timing = time_training(model, (x,), steps=args.steps, warmup=args.warmup, is_lm=False,
-                               autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)
+        timings = []
+        for _ in range(args.repeats):  # the first compiles; each repeat times its own steps
+            timings.append(time_training(model, (x,), steps=args.steps, warmup=args.warmup, is_lm=False,
+                                         autocast_dtype=torch.bfloat16 if device.type == "cuda" else None))
+            if timings[-1] is None:
+                break
+        timing = timings[0] if all(t is not None for t in timings) else None
         status, detail = ("ok", None) if timing is not None else ("OOM", "out of memory in a training step")
     except Exception as err:  # one model's failure must not cost the others their results
         timing = None
@@ -147,8 +159,13 @@ def time_model(name: str, args, device: torch.device) -> dict:
     except Exception:  # optimize itself failed: no record of the passes
         record.update(rewritten=None, matches={}, refused={}, reasons={}, coverage=None)
     if timing is not None:
-        record.update(tok_s=args.batch * args.seq_len * 1000 / timing.step_ms, step_ms=timing.step_ms,
-                      first_step_s=timing.first_step_s, peak_gib=timing.peak_memory_gib)
+        runs = [t.step_ms for t in timings]
+        step_ms = sorted(runs)[len(runs) // 2]  # the median of the repeats' medians
+        peaks = [t.peak_memory_gib for t in timings if t.peak_memory_gib is not None]
+        record.update(tok_s=args.batch * args.seq_len * 1000 / step_ms, step_ms=step_ms,
+                      first_step_s=timing.first_step_s, peak_gib=max(peaks) if peaks else None)
+        if len(runs) > 1:
+            record["step_ms_repeats"] = runs
     del model
     free_memory()
     return record
@@ -221,7 +238,8 @@ def time_limited(seconds: int):
 
 
 def run_model(name: str, args, device: torch.device, env: dict, run: str) -> dict:
-    """Time and check one model within --model-limit, print its progress, append and return its record."""
+    """Time and check one model within --model-limit, print its progress, append and return its record
+    (REFERENCE_AFTER: timed only, its parity is the first reference's)."""
     started = time.perf_counter()
     record = {"record": "corpus", **env, "run": run, "model": name, "seq_len": args.seq_len, "batch": args.batch,
               "compiler": args.compiler}
@@ -233,8 +251,11 @@ def run_model(name: str, args, device: torch.device, env: dict, run: str) -> dic
             record.update(time_model(name, args, device))
             report_timing(record)
             phase = "parity"
-            print("  parity ...", flush=True)
-            record["parity"] = parity_of(name, args, device)
+            if name == REFERENCE_AFTER:
+                record["parity"] = {"ok": None, "parity_len": None, "detail": "timing only: the reference again"}
+            else:
+                print("  parity ...", flush=True)
+                record["parity"] = parity_of(name, args, device)
     except TimeLimit as err:
         detail = f"{err} in {phase}: {where_stopped(err)}"
         print(f"  time limit: {detail}", flush=True)
@@ -254,7 +275,9 @@ def run_model(name: str, args, device: torch.device, env: dict, run: str) -> dic
 def report_timing(record: dict) -> None:
     """Print a model's timing, coverage and refusals, as explain says them."""
     if record["status"] == "ok":
-        print(f"  {record['tok_s']:,.0f} tok/s, step {record['step_ms']:.1f} ms, first step "
+        repeats = record.get("step_ms_repeats")
+        spread = "" if not repeats else " (median of " + ", ".join(f"{ms:.1f}" for ms in repeats) + " ms)"
+        print(f"  {record['tok_s']:,.0f} tok/s, step {record['step_ms']:.1f} ms{spread}, first step "
               f"{record['first_step_s']:.1f} s" + ("" if record["peak_gib"] is None else
                                                     f", peak {record['peak_gib']:.2f} GiB"), flush=True)
     else:
@@ -288,6 +311,8 @@ def ratio_cell(record: dict, reference: dict | None) -> str:
         return "1.00x" if record["status"] == "ok" else "-"
     if reference is None or reference["status"] != "ok":
         return "-"
+    if record["model"] == REFERENCE_AFTER:  # the reference's own drift over the run: no target
+        return f"{record['tok_s'] / reference['tok_s']:.2f}x (drift)" if record["status"] == "ok" else "-"
     if record["status"] == "OOM":  # the target: it fits wherever the reference fits
         return "OOM: missed"
     if record["status"] != "ok":
@@ -371,6 +396,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=None,
                     help=f"default {DEFAULT_TOKENS_PER_STEP} // seq-len (bench_e2e's tokens per step)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=1, help="time each model's --warmup and --steps this many "
+                    "times (the first compiles); its step is the median of the repeats' medians, each printed "
+                    "(default %(default)s)")
+    ap.add_argument("--reference-after", action="store_true", help="time the reference again after the last "
+                    "model (its tok/s over the first reference's is printed as the run's drift)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (default %(default)s)")
     ap.add_argument("--compiler", default="inductor", help="optimize's compiler (nsa_compile.config.COMPILERS)")
     ap.add_argument("--parity-len", type=int, default=choice_length(SEED),
@@ -390,8 +420,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         config_for(args.compiler)
     except ValueError as err:
         ap.error(str(err))
-    if min(args.steps, args.seq_len, args.parity_len, args.batch or 1) < 1 or args.warmup < 0:
-        ap.error("--steps, --seq-len, --batch and --parity-len must be positive, --warmup >= 0")
+    if min(args.steps, args.seq_len, args.parity_len, args.batch or 1, args.repeats) < 1 or args.warmup < 0:
+        ap.error("--steps, --seq-len, --batch, --parity-len and --repeats must be positive, --warmup >= 0")
     args.batch = args.batch or max(1, DEFAULT_TOKENS_PER_STEP // args.seq_len)
     return args
 
@@ -413,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(args.models)} corpus model(s) and the reference at {args.batch} x {args.seq_len}, "
           f"optimize ({args.compiler})", flush=True)
     warm_up_compiler(device)
-    records = [run_model(name, args, device, env, run) for name in (REFERENCE, *args.models)]
+    names = (REFERENCE, *args.models, *((REFERENCE_AFTER,) if args.reference_after else ()))
+    records = [run_model(name, args, device, env, run) for name in names]
     print_table(records)
     failed = any(r["status"] in ("error", "time limit") or r["parity"]["ok"] is False for r in records)
     return 1 if failed else 0
