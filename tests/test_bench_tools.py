@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import gc
 import json
 import re
 import time
@@ -723,7 +724,14 @@ def test_corpus_bench_repeats_each_timing_and_times_the_reference_after(monkeypa
     first reference printed as the run's drift (no parity of its own, no target)."""
     steps = iter([5.0, 9.0, 7.0, 4.0, 2.0, 3.0, 8.0, 6.0, 10.0])  # ms: reference, paper_bhsd, reference again
 
-    def timed(*args, **kwargs):
+    def timed(*args, progress=None, **kwargs):
+        assert kwargs["warmup"] >= 1
+        progress(1)  # the first step
+        gc.collect()  # during a warm-up step: not counted
+        for _ in range(kwargs["warmup"]):
+            progress(1)
+        gc.collect(1)  # during a timed step (not of the oldest generation): counted
+        progress(1)
         return StepTiming(1.0, next(steps), 0.5, None)
 
     monkeypatch.setattr(bench_corpus, "time_training", timed)
@@ -738,6 +746,9 @@ def test_corpus_bench_repeats_each_timing_and_times_the_reference_after(monkeypa
     assert (model["step_ms_repeats"], model["step_ms"]) == ([4.0, 2.0, 3.0], 3.0)
     assert model["tok_s"] == pytest.approx(64 * 1000 / 3.0)
     assert after["step_ms"] == 8.0 and after["parity"]["ok"] is None
+    # each timing: one full collection before its timed steps (not counted), one of generation 1 in them
+    assert model["gc_full"] == 0 and model["gc_ms_per_step"] > 0, model
+    assert "ms a timed step (0 full)" in text
     assert "step 3.0 ms (median of 4.0, 2.0, 3.0 ms)" in text
     assert table_row(text, "paper_bhsd")[6] == "2.33x (met)"  # 7.0 / 3.0, both parities passed
     assert table_row(text, "reference (after)")[6] == "0.88x (drift)"  # 7.0 / 8.0

@@ -42,13 +42,16 @@ The same model's median step has moved between about 12 and 22 ms from one run t
 host kind (H200, 2026-11-27; BENCHMARKS.md), so a single run's ratio is not to be trusted alone:
 --repeats R times each model R times in its process (the median of the medians, each printed) and
 --reference-after times the reference again after the last model (its ratio to the first is the
-run's drift), which tell a slow process from a slow moment.
+run's drift), which tell a slow process from a slow moment. Each timing also records how long
+Python's garbage collector ran in the timed steps (gc_ms_per_step, gc_full: a stall of the
+launching thread shows in a host-bound step whole).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import os
 import shlex
@@ -133,6 +136,31 @@ def rewrites_of(model: nn.Module) -> dict:
             "coverage": coverage(model).summary()}
 
 
+class GcClock:
+    """The time Python's garbage collector ran during the timed steps (a gc callback), and its
+    collections of the oldest generation: a host-bound step shows every stall of the launching
+    thread. `steps_before` steps of each timing (the first and the warm-up ones) are not counted;
+    `step()` is time_training's progress callback."""
+
+    def __init__(self, steps_before: int) -> None:
+        self.steps_before, self.done, self.seconds, self.full, self._start = steps_before, 0, 0.0, 0, None
+
+    def step(self, n: int) -> None:
+        self.done += n
+
+    def timing_again(self) -> None:  # a repeat starts its first and warm-up steps afresh
+        self.done = 0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            if self.done >= self.steps_before:
+                self.seconds += time.perf_counter() - self._start
+                self.full += info.get("generation") == 2
+            self._start = None
+
+
 def time_model(name: str, args, device: torch.device) -> dict:
     """Optimize the model at (args.batch, args.seq_len) and time its training steps: a record."""
     model = None
@@ -141,11 +169,18 @@ def time_model(name: str, args, device: torch.device) -> dict:
         torch._dynamo.reset()
         model = nsa_compile.optimize(model, config_for(args.compiler))
         timings = []
-        for _ in range(args.repeats):  # the first compiles; each repeat times its own steps
-            timings.append(time_training(model, (x,), steps=args.steps, warmup=args.warmup, is_lm=False,
-                                         autocast_dtype=torch.bfloat16 if device.type == "cuda" else None))
-            if timings[-1] is None:
-                break
+        clock = GcClock(1 + args.warmup)
+        gc.callbacks.append(clock)
+        try:
+            for _ in range(args.repeats):  # the first compiles; each repeat times its own steps
+                clock.timing_again()
+                timings.append(time_training(model, (x,), steps=args.steps, warmup=args.warmup, is_lm=False,
+                                             autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                                             progress=clock.step))
+                if timings[-1] is None:
+                    break
+        finally:
+            gc.callbacks.remove(clock)
         timing = timings[0] if all(t is not None for t in timings) else None
         status, detail = ("ok", None) if timing is not None else ("OOM", "out of memory in a training step")
     except Exception as err:  # one model's failure must not cost the others their results
@@ -166,6 +201,7 @@ def time_model(name: str, args, device: torch.device) -> dict:
                       first_step_s=timing.first_step_s, peak_gib=max(peaks) if peaks else None)
         if len(runs) > 1:
             record["step_ms_repeats"] = runs
+        record.update(gc_ms_per_step=1000 * clock.seconds / (args.steps * len(runs)), gc_full=clock.full)
     del model
     free_memory()
     return record
@@ -279,7 +315,8 @@ def report_timing(record: dict) -> None:
         spread = "" if not repeats else " (median of " + ", ".join(f"{ms:.1f}" for ms in repeats) + " ms)"
         print(f"  {record['tok_s']:,.0f} tok/s, step {record['step_ms']:.1f} ms{spread}, first step "
               f"{record['first_step_s']:.1f} s" + ("" if record["peak_gib"] is None else
-                                                    f", peak {record['peak_gib']:.2f} GiB"), flush=True)
+                                                    f", peak {record['peak_gib']:.2f} GiB")
+              + f", gc {record['gc_ms_per_step']:.2f} ms a timed step ({record['gc_full']} full)", flush=True)
     else:
         print(f"  {record['status']}: {record['detail']}", flush=True)
     if record["coverage"] is not None:
