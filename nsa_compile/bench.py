@@ -38,7 +38,8 @@ class StepTiming:
     tokens_per_s: float
     step_ms: float  # median of the timed steps
     first_step_s: float  # includes compilation for compiled models
-    peak_memory_gib: float | None  # CUDA only
+    peak_memory_gib: float | None  # CUDA only: over every step, the first (its compile) included
+    steps_peak_gib: float | None = None  # CUDA only: over the steps after the first (training alone)
 
 
 def _sync(device: torch.device) -> None:
@@ -94,6 +95,9 @@ def _time_training(model, inputs, steps, warmup, autocast_dtype, is_lm, progress
     _sync(device)
     first = time.perf_counter() - start
     progress(1)
+    if device.type == "cuda":  # the first step's peak (a compile's probes among it) is kept apart
+        first_peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
     for _ in range(warmup):
         step()
         progress(1)
@@ -108,8 +112,10 @@ def _time_training(model, inputs, steps, warmup, autocast_dtype, is_lm, progress
     median = sorted(times)[len(times) // 2]
     lead = inputs[0]
     tokens = lead.shape[0] * (lead.shape[1] - 1) if is_lm else lead.shape[0]
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return StepTiming(tokens / median, 1000 * median, first, peak)
+    if device.type != "cuda":
+        return StepTiming(tokens / median, 1000 * median, first, None)
+    steps_peak = torch.cuda.max_memory_allocated(device)
+    return StepTiming(tokens / median, 1000 * median, first, max(first_peak, steps_peak) / 2**30, steps_peak / 2**30)
 
 
 def time_training_of(model: nn.Module, wl: Workload, steps: int, autocast: torch.dtype | None,

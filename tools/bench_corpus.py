@@ -12,7 +12,9 @@ seq_len)` (the seed's sizes, or the nearest its semantics allow: its docstring s
   default), then training steps (forward, backward, fused AdamW) under bf16 autocast on CUDA, the
   loss the mean square of the output: the first step (which compiles), --warmup untimed steps,
   then the median of --steps timed ones. tok/s = batch * seq-len / median step; peak memory over
-  all of them (CUDA). A model that runs out of memory is reported as OOM (the target: it fits
+  all of them (CUDA; the table's column), and over the steps after the first (printed and
+  recorded as steps_peak_gib: the first step holds the compile and its float64 probes, e.g.
+  lucidrains' fine branch at 2.15e9 elements, 16 GiB). A model that runs out of memory is reported as OOM (the target: it fits
   wherever the reference fits). Batch: --batch, or bench_e2e's 65536 tokens per step // seq-len
   (32 at S 2048, the batch the seed preset trains at in bench_e2e).
 - rewritten: how many of the six NSA rewrites (projections + RoPE, window, compressed, block
@@ -197,8 +199,10 @@ def time_model(name: str, args, device: torch.device) -> dict:
         runs = [t.step_ms for t in timings]
         step_ms = sorted(runs)[len(runs) // 2]  # the median of the repeats' medians
         peaks = [t.peak_memory_gib for t in timings if t.peak_memory_gib is not None]
+        steps_peaks = [t.steps_peak_gib for t in timings if t.steps_peak_gib is not None]
         record.update(tok_s=args.batch * args.seq_len * 1000 / step_ms, step_ms=step_ms,
-                      first_step_s=timing.first_step_s, peak_gib=max(peaks) if peaks else None)
+                      first_step_s=timing.first_step_s, peak_gib=max(peaks) if peaks else None,
+                      steps_peak_gib=max(steps_peaks) if steps_peaks else None)
         if len(runs) > 1:
             record["step_ms_repeats"] = runs
         record.update(gc_ms_per_step=1000 * clock.seconds / (args.steps * len(runs)), gc_full=clock.full)
@@ -315,7 +319,8 @@ def report_timing(record: dict) -> None:
         spread = "" if not repeats else " (median of " + ", ".join(f"{ms:.1f}" for ms in repeats) + " ms)"
         print(f"  {record['tok_s']:,.0f} tok/s, step {record['step_ms']:.1f} ms{spread}, first step "
               f"{record['first_step_s']:.1f} s" + ("" if record["peak_gib"] is None else
-                                                    f", peak {record['peak_gib']:.2f} GiB")
+                                                    f", peak {record['peak_gib']:.2f} GiB (the steps after "
+                                                    f"the first: {record['steps_peak_gib']:.2f})")
               + f", gc {record['gc_ms_per_step']:.2f} ms a timed step ({record['gc_full']} full)", flush=True)
     else:
         print(f"  {record['status']}: {record['detail']}", flush=True)
