@@ -900,11 +900,14 @@ class ProjectionsRope(RewritePass):
         widths = [m.width for m in group]
         head_dims = [m.rope["head_dim"] if m.rope else 0 for m in group]
         plain = [i for i, m in enumerate(group) if m.rope and m.rope["plain"]]  # also returned unrotated
-        # consecutive pieces of one weight as one range; each cast before the cat, as autocast
-        # casts each weight (the cat then mixes no dtypes)
+        # consecutive pieces of one weight as one range (a fused qkv Linear cut in order: its weight
+        # itself, no narrow and cat, whose backward was a weight-sized slice_backward per piece);
+        # each cast before the cat, as autocast casts each weight (the cat then mixes no dtypes)
         spans = []
         for m in group:
-            if spans and spans[-1][0] is m and spans[-1][1] + spans[-1][2] == m.start:
+            last = spans[-1][0] if spans else None
+            if last is not None and last.weight is m.weight and last.bias is m.bias and \
+                    spans[-1][1] + spans[-1][2] == m.start:
                 spans[-1][2] += m.width
             else:
                 spans.append([m, m.start, m.width])

@@ -414,6 +414,10 @@ def test_rope_spellings_fire_with_parity(spelling, dtype):
     record = only_graph(model)
     before, after = record.code_before, record.code_after
     assert after.count("torch.ops.nsa.projection_rope(") == 1 and "torch._C._nn.linear(" not in after
+    if projections.endswith("of 1 Linear"):  # the pieces of one Linear in order: its weight itself, uncut
+        call = next(line for line in after.splitlines() if "torch.ops.nsa.projection_rope(" in line)
+        weight = call.split("torch.ops.nsa.projection_rope(")[1].split(", ")[1]
+        assert weight.endswith("_parameters_weight_") and "torch.narrow(" not in after, call
     # the RoPE arithmetic is gone (the tables' computation stays: the op reads them): no sign
     # flip or subtraction, no complex view, fewer products
     rotation = re.compile(r"= -[a-z_]|\w - \w|view_as_complex|view_as_real")
