@@ -415,9 +415,8 @@ def fwd_kernel(
         o_row = rows64[:, None] * width
     else:
         o_row = tl.where(row_ok, rows, 0)[:, None] * width
-    if JOINED:  # one store of consecutive columns (vectorized), the pairs interleaved in registers
-        cols = c0 + tl.arange(0, 2 * JA)
-        tl.store(out + o_row + cols[None, :], _joined(out_a, out_b, BM, JA).to(O0.dtype.element_ty),
+    if JOINED:  # one store of the tile's consecutive columns c_ab (vectorized), the pairs joined in registers
+        tl.store(out + o_row + c_ab[None, :], _joined(out_a, out_b, BM, JA).to(O0.dtype.element_ty),
                  mask=row_ok[:, None])
     else:
         tl.store(out + o_row + ca[None, :], out_a.to(O0.dtype.element_ty), mask=row_ok[:, None] & ok_a[None, :])
@@ -428,7 +427,7 @@ def fwd_kernel(
         if rot_flag >= 2:  # the piece before its rotation, into its plain output (same columns)
             plain = _piece_pointer(rot_flag - 2, O0, O1, O2, O3, O4, O5, O6, O7, NOUT)
             if JOINED:
-                tl.store(plain + o_row + cols[None, :], _joined(acc_a, acc_b, BM, JA).to(O0.dtype.element_ty),
+                tl.store(plain + o_row + c_ab[None, :], _joined(acc_a, acc_b, BM, JA).to(O0.dtype.element_ty),
                          mask=row_ok[:, None])
             else:
                 tl.store(plain + o_row + ca[None, :], acc_a.to(O0.dtype.element_ty),
@@ -517,7 +516,8 @@ def _readable_tables(cos, sin):
     """cos and sin as the kernels read them: one set of strides for both, the frequencies
     contiguous (copies of these small tables otherwise). The real and imaginary views of a
     complex table (sdpa_complex_rope) have a frequency stride of 2: read in place they ran the
-    forward at 1.3-1.6x the time with contiguous tables (H200, bf16, M 65536, 2026-11-27)."""
+    forward at 1.3-1.6x the time with contiguous tables (H200, bf16, M 65536, 2026-11-27; a scratch
+    script calling the op's triton backend with CUDA events, not in the repository)."""
     if cos is None or (cos.stride() == sin.stride() and cos.stride(-1) == 1):
         return cos, sin
     return cos.contiguous(), sin.contiguous()
@@ -542,7 +542,8 @@ def _joined_pairs(style: str, rotated: bool, lay: dict) -> bool:
     joined in registers: interleaved RoPE over whole heads (no pass-through columns) in ALIGNED
     tiles. The two stores of columns 2j and 2j + 1 each (a stride of 2) ran the forward at 2.4x
     and forward + backward at 2.1x rotate-half's time (H100, bf16, M 65536, widths 768 + 4 x 128
-    + 384, 2026-11-27)."""
+    + 384, 2026-11-27; a scratch script calling the op's triton backend with CUDA events, not in the
+    repository: `tools/bench_projections.py --rope interleaved` is the committed measurement)."""
     return rotated and style == "interleaved" and lay["NP"] == 0 and lay["ALIGNED"]
 
 
