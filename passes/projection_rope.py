@@ -847,8 +847,42 @@ class ProjectionsRope(RewritePass):
                     m.rope = None
                     continue
             rope["cos"], rope["sin"] = tables  # the same values (equal signatures): one pair for the op
+        kept, apart = self.aligned(kept, ctx)
         chunks = [kept[i : i + MAX_PIECES] for i in range(0, len(kept), MAX_PIECES)]
-        return [c for c in chunks if len(c) > 1 or (c and c[0].rope)]
+        return [c for c in chunks if len(c) > 1 or (c and c[0].rope)] + [[m] for m in apart]
+
+    @staticmethod
+    def aligned(members: list[Member], ctx: PassContext) -> tuple[list[Member], list[Member]]:
+        """(members, apart): the members without the unrotated ones whose width alone keeps the
+        op's tiles from being ALIGNED (rope_triton.tiles_aligned). Merged, such a projection (a gate
+        of 3 x heads columns) saves one read of x and makes every column access of the fused kernel
+        masked. A whole Linear of them is left to its own GEMM; a piece of a fused Linear is
+        returned in `apart`, to be computed by an op of its own (its rows of the weight), so that
+        the fused Linear is not computed again for it."""
+        rope = next((m.rope for m in members if m.rope), None)
+        if rope is None:
+            return members, []
+
+        def fits(group: list[Member]) -> bool:
+            return rope_triton.tiles_aligned([m.width for m in group],
+                                             [m.rope["head_dim"] if m.rope else 0 for m in group], rope["rotary"] // 2)
+
+        rotated = [m for m in members if m.rope]
+        if fits(members) or not fits(rotated):
+            return members, []
+        loose = [m for m in members if m.rope is None and not fits(rotated + [m])]
+        rest = [m for m in members if m not in loose]
+        if not loose or not fits(rest):
+            return members, []
+        apart = []
+        for m in loose:
+            if m.start == 0 and m.width == value(m.linear).shape[-1]:
+                ctx.refused(m.linear, f"left to its own GEMM: its {m.width} columns fit no column tile of the "
+                                      "rotated projections, and merged they would make every tile of the fused RoPE "
+                                      "kernel masked")
+            else:
+                apart.append(m)
+        return rest, apart
 
     @staticmethod
     def hoist(graph: fx.Graph, tables: list[fx.Node], anchor: fx.Node, linears: set) -> None:

@@ -362,6 +362,62 @@ def test_a_tied_weight_and_a_raw_output_used_elsewhere():
     assert r["reasons"] == []
 
 
+class WithGate(nn.Module):
+    """q, k (rotated) and v Linears and a gate of `gate` columns, all reading x; `fused`: the four
+    as the pieces of one Linear, cut in order (fused_qkv_per_head's spelling)."""
+
+    def __init__(self, gate: int, fused: bool = False, dim=32, H=4, G=2, D=16):
+        super().__init__()
+        self.H, self.G, self.D, self.fused = H, G, D, fused
+        self.widths = [H * D, G * D, G * D, gate]
+        if fused:
+            self.qkvg = nn.Linear(dim, sum(self.widths), bias=True)
+        else:
+            self.parts = nn.ModuleList(nn.Linear(dim, w, bias=True) for w in self.widths)
+
+    def forward(self, x, cos, sin):
+        B, S, _ = x.shape
+        q, k, v, g = self.qkvg(x).split(self.widths, -1) if self.fused else [p(x) for p in self.parts]
+        q = apply_rope(q.view(B, S, self.H, self.D), cos, sin, "half")
+        k = apply_rope(k.view(B, S, self.G, self.D), cos, sin, "half")
+        return torch.cat([q.flatten(2), k.flatten(2), v, g.sigmoid()], dim=-1)
+
+
+@pytest.mark.parametrize("gate, fused", [(36, False), (36, True), (64, False)])
+def test_a_projection_that_would_unalign_the_kernels_tiles_is_not_merged(gate, fused):
+    """A gate of 36 columns beside q, k and v (64, 32, 32) would make every column tile of the op's
+    Triton kernel masked (rope_triton.tiles_aligned): a whole Linear is left to its own GEMM (said in
+    the reasons), a piece of a fused Linear gets an op of its own (two matches, no Linear left); a
+    gate of 64 columns keeps the tiles aligned and is merged. Outputs and gradients equal eager's."""
+    x, cos, sin = projection_inputs(dim=32, rot=16)
+    module = WithGate(gate, fused)
+    expected, got, optimized = run_both(module, (x, cos, sin))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    got.square().sum().backward()
+    expected.square().sum().backward()
+    eager_grads = [p.grad for p in module.parameters()]
+    opt_grads = [p.grad for p in optimized.parameters()]
+    for a, b in zip(opt_grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    r = row(optimized, PASS)
+    code = only_graph(optimized).code_after
+    assert rope_op.rope_triton.tiles_aligned([64, 32, 32, 64], [16, 16, 0, 0], 8)
+    assert not rope_op.rope_triton.tiles_aligned([64, 32, 32, 36], [16, 16, 0, 0], 8)
+    if gate == 64:
+        assert r["matches"] == 1 and r["kernels"][0].startswith(
+            "nsa.projection_rope[reference] (4 projections -> 1 GEMM of 192 columns"), r
+        assert "linear(" not in code
+    elif not fused:
+        assert r["matches"] == 1 and r["kernels"][0].startswith(
+            "nsa.projection_rope[reference] (3 projections -> 1 GEMM of 128 columns"), r
+        assert any("left to its own GEMM: its 36 columns fit no column tile" in t for t in r["reasons"]), r
+        assert code.count("linear(") == 1  # the gate's own
+    else:
+        assert r["matches"] == 2 and r["kernels"][1].startswith(
+            "nsa.projection_rope[reference] (1 projection -> 1 GEMM of 36 columns"), r
+        assert "linear(" not in code
+
+
 def test_a_weight_computed_after_the_first_projection_is_left_out():
     x, cos, sin = projection_inputs(dim=16)
     expected, got, optimized = run_both(SharedUse(late_weight=True), (x, cos, sin))

@@ -87,7 +87,7 @@ except ImportError:  # the module still imports; unsupported_reason says why the
 
 from .triton_support import cdiv as _cdiv, device_reason, jit, next_pow2 as _next_pow2, upcast_dots
 
-__all__ = ["MAX_PIECES", "projection_rope_forward", "projection_rope_grad", "unsupported_reason"]
+__all__ = ["MAX_PIECES", "projection_rope_forward", "projection_rope_grad", "tiles_aligned", "unsupported_reason"]
 
 MAX_PIECES = 8
 MAX_HEAD_DIM = 256
@@ -140,6 +140,15 @@ def _aligned(widths, lay: dict) -> bool:
     kernels drop column masks and hint 16-alignment, so column accesses are vectorized."""
     return (lay["NA"] == lay["JA"] and lay["NP"] == lay["JP"] and lay["TW"] % 16 == 0
             and all(w % lay["TW"] == 0 for w in widths))
+
+
+def tiles_aligned(widths, head_dims, rot_half: int) -> bool:
+    """Whether the kernels run these pieces in ALIGNED tiles (`_aligned`: no column masks,
+    vectorized column accesses). One piece whose width fits no tile, e.g. a gate Linear of 36
+    columns beside q, k and v, unaligns every tile of the op: the projection_rope pass leaves such a
+    Linear to its own GEMM (lucidrains_shared_kv's forward took 2.45 ms with it merged, against
+    0.33 ms for the reference model's q, k, v: H200, tools/profile_step.py, 2026-11-27)."""
+    return _layout(list(widths), list(head_dims), rot_half)["ALIGNED"]
 
 
 @functools.lru_cache(maxsize=256)
