@@ -316,6 +316,10 @@ def make_backend(state: OptimizeState):
             return compiled
         return keep_unreached_grads_none(compiled, partial)
 
+    def inductor_patches() -> dict:
+        """Inductor settings of this compile only (config_patches, never a global assignment)."""
+        return {"triton.cudagraphs": True} if state.config.cuda_graphs else {}
+
     def compile_graph(gm: fx.GraphModule, example_inputs):
         if any(isinstance(x, torch.Tensor) and x.is_meta for x in example_inputs):
             _record_untouched(gm, state, META_REASON)
@@ -333,7 +337,8 @@ def make_backend(state: OptimizeState):
 
             composite = NSAGraphPass(state, chained=inductor_config.pre_grad_custom_pass)
             seen = len(state.graphs)
-            compiled = compile_fx(gm, example_inputs, config_patches={"pre_grad_custom_pass": composite})
+            compiled = compile_fx(gm, example_inputs,
+                                  config_patches={"pre_grad_custom_pass": composite, **inductor_patches()})
             if len(state.graphs) == seen:
                 _record_cache_hit(gm, state)
             return compiled
@@ -348,7 +353,7 @@ def make_backend(state: OptimizeState):
             from torch._inductor.compile_fx import compile_fx
 
             # a pass the user installed on pre_grad_custom_pass still runs
-            return compile_fx(gm, example_inputs)
+            return compile_fx(gm, example_inputs, config_patches=inductor_patches())
         if compiler == "aot_eager":
             return _aot_eager(gm, example_inputs, record.aten, prefix=prefix)
         return gm.forward

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from .workload import Workload, checked_workload, loss_of
 
 __all__ = [
     "BENCH_HEADERS", "StepTiming", "VARIANTS", "bench_rows", "compile_variant", "config_for", "cuda_graph_time_ms",
-    "cuda_time_ms", "device_named", "free_memory", "is_oom", "nsa_op_times", "print_kernel_profile",
+    "cuda_time_ms", "device_named", "free_memory", "is_oom", "machine_pulse", "nsa_op_times", "print_kernel_profile",
     "print_nsa_op_times", "time_training", "time_training_of", "time_variants",
 ]
 
@@ -40,6 +41,10 @@ class StepTiming:
     first_step_s: float  # includes compilation for compiled models
     peak_memory_gib: float | None  # CUDA only: over every step, the first (its compile) included
     steps_peak_gib: float | None = None  # CUDA only: over the steps after the first (training alone)
+    # Where a step's time went (tell a slow host from a slow GPU or a thrashing allocator):
+    host_ms: float | None = None  # median time to issue a timed step (until step() returns, before the sync)
+    alloc_retries: int | None = None  # CUDA only: the caching allocator's free-all-and-retry in the timed steps
+    device_allocs: int | None = None  # CUDA only: cudaMalloc calls in the timed steps (0 when the cache serves)
 
 
 def _sync(device: torch.device) -> None:
@@ -101,21 +106,64 @@ def _time_training(model, inputs, steps, warmup, autocast_dtype, is_lm, progress
     for _ in range(warmup):
         step()
         progress(1)
-    times = []
+    times, issued = [], []
+    before = _allocator_counts(device)
     for _ in range(steps):
         _sync(device)
         start = time.perf_counter()
         step()
+        issued.append(time.perf_counter() - start)
         _sync(device)
         times.append(time.perf_counter() - start)
         progress(1)
+    after = _allocator_counts(device)
     median = sorted(times)[len(times) // 2]
+    host_ms = 1000 * sorted(issued)[len(issued) // 2]
     lead = inputs[0]
     tokens = lead.shape[0] * (lead.shape[1] - 1) if is_lm else lead.shape[0]
     if device.type != "cuda":
-        return StepTiming(tokens / median, 1000 * median, first, None)
+        return StepTiming(tokens / median, 1000 * median, first, None, host_ms=host_ms)
     steps_peak = torch.cuda.max_memory_allocated(device)
-    return StepTiming(tokens / median, 1000 * median, first, max(first_peak, steps_peak) / 2**30, steps_peak / 2**30)
+    retries, mallocs = (a - b if a is not None and b is not None else None for a, b in zip(after, before))
+    return StepTiming(tokens / median, 1000 * median, first, max(first_peak, steps_peak) / 2**30, steps_peak / 2**30,
+                      host_ms, retries, mallocs)
+
+
+def _allocator_counts(device: torch.device) -> tuple[int | None, int | None]:
+    """(alloc retries, cudaMalloc calls) of the CUDA caching allocator so far; (None, None) off CUDA.
+    A retry frees every cached block and mallocs again: near a full card it can happen each step."""
+    if device.type != "cuda":
+        return None, None
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_alloc_retries"), stats.get("num_device_alloc")
+
+
+def machine_pulse(device: torch.device, repeats: int = 3) -> dict:
+    """How fast this machine is right now, on fixed work (the best of `repeats`): host_ms, a pure
+    Python loop (the launching thread's speed: a host-bound step scales with it); gpu_ms, 16 bf16
+    matrix products 4096^3 (CUDA only: the card's clocks); load, the 1-minute load average. Taken
+    beside a timing, it tells a slow moment of the host or the card from a slow model."""
+    host = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total = 0
+        for i in range(200_000):
+            total += i & 7
+        host.append(time.perf_counter() - start)
+    pulse = {"host_ms": 1000 * min(host), "gpu_ms": None, "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    if device.type == "cuda":
+        a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+        gpu = []
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(16):
+                a @ a
+            _sync(device)
+            gpu.append(time.perf_counter() - start)
+        pulse["gpu_ms"] = 1000 * min(gpu)
+        del a
+    return pulse
 
 
 def time_training_of(model: nn.Module, wl: Workload, steps: int, autocast: torch.dtype | None,

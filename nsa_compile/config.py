@@ -80,6 +80,16 @@ class OptimizeConfig:
                      softmax, F.scaled_dot_product_attention and top-k/sort ranking left after the
                      passes (coverage.py), so a model whose other softmaxes are not NSA (a router)
                      cannot use it. Frames Dynamo skips whole are not seen (`explain` lists them).
+    cuda_graphs:     True: Inductor replays each compiled CUDA graph (forward, backward) as one CUDA
+                     graph (its `triton.cudagraphs`, what torch.compile's mode='reduce-overhead'
+                     turns on), so a step no longer waits on the host launching its kernels one by
+                     one: a single NSA layer at S 2048 x 32 takes about as long to launch as to run
+                     (H200, 2026-11-27). compiler='inductor' only. The outputs of one step's replay
+                     are overwritten by the next (Inductor's rule: copy what is kept across steps).
+                     A rewritten op that reads a value back to the host cannot be captured (the
+                     window's FA-2 path and the reference backends with document positions `pos`,
+                     the selection's 'varlen' backends): the compile raises
+                     nsa_compile.pass_manager.CudaGraphsError naming it.
     """
 
     compiler: str = "inductor"
@@ -94,6 +104,7 @@ class OptimizeConfig:
     projection_rope_backend: str = "auto"
     deterministic: bool = False
     strict: bool = False
+    cuda_graphs: bool = False
     # the backend fields that deterministic=True turned from 'auto' into a deterministic backend
     # (replace() starts them from 'auto' again, so that replace(deterministic=False) undoes it)
     _resolved_auto: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False, compare=False)
@@ -121,6 +132,10 @@ class OptimizeConfig:
             raise TypeError(f"fullgraph must be a bool, not {type(self.fullgraph).__name__}")
         if not isinstance(self.strict, bool):
             raise TypeError(f"strict must be a bool, not {type(self.strict).__name__}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool, not {type(self.cuda_graphs).__name__}")
+        if self.cuda_graphs and self.compiler != "inductor":
+            raise ValueError(f"cuda_graphs=True needs compiler='inductor' (its CUDA graph trees), not {self.compiler!r}")
         if self.dynamic is not None and not isinstance(self.dynamic, bool):
             raise TypeError(f"dynamic must be None, True or False, not {type(self.dynamic).__name__}")
         for op in registry.ops():

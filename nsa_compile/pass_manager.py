@@ -20,11 +20,12 @@ from torch._guards import CompileContext
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .config import OptimizeConfig
+from .fx import value
 from .coverage import Branch, Coverage, CoverageError, graph_branches
 from .registry import registered_passes
 from .rewrite import PassContext, PassLog, RewritePass
 
-__all__ = ["NSAGraphPass", "OptimizeState", "GraphRecord"]
+__all__ = ["CudaGraphsError", "NSAGraphPass", "OptimizeState", "GraphRecord", "host_sync"]
 
 
 @dataclass
@@ -112,6 +113,32 @@ def check_strict(record: GraphRecord) -> None:
             f"{coverage.table()}\n(nsa-compile explain --model ... says more; strict=False runs them eager)")
 
 
+class CudaGraphsError(RuntimeError):
+    """OptimizeConfig(cuda_graphs=True) and a rewritten op that reads values back to the host."""
+
+
+def host_sync(graph: fx.Graph) -> str | None:
+    """Why this rewritten graph cannot be captured in a CUDA graph, or None: the first torch.ops.nsa
+    call on CUDA whose backend reads device values on the host (a sync, forbidden while capturing):
+    document positions `pos` on any backend but 'triton' (the window's FA-2 path counts documents,
+    the reference backends copy pos to the host), and the selection's 'varlen' backends."""
+    for node in graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", None) != "nsa":
+            continue
+        schema = node.target._schema
+        args = {a.name: v for a, v in zip(schema.arguments, node.args)} | dict(node.kwargs)
+        backend, pos = args.get("backend"), args.get("pos")
+        tensor = next((value(a) for a in node.all_input_nodes if value(a) is not None), None)
+        if tensor is None or getattr(tensor, "device", None) is None or tensor.device.type != "cuda":
+            continue
+        op = schema.name.removeprefix("nsa::")
+        if pos is not None and backend != "triton":
+            return f"{node.name} (nsa.{op}[{backend}]) takes document positions and reads them on the host"
+        if isinstance(backend, str) and backend.startswith("varlen"):
+            return f"{node.name} (nsa.{op}[{backend}]) reads its block counts on the host"
+    return None
+
+
 class NSAGraphPass(CustomGraphPass):
     """The composite pass installed on one hook (Inductor's pre_grad_custom_pass)."""
 
@@ -143,6 +170,9 @@ class NSAGraphPass(CustomGraphPass):
         record.frame_compile = getattr(compile_id, "frame_compile_id", None)
         if self.state.config.strict:
             check_strict(record)
+        if self.state.config.cuda_graphs and (why := host_sync(graph)):
+            raise CudaGraphsError(f"OptimizeConfig(cuda_graphs=True) cannot capture graph {record.graph_id}: {why}; "
+                                  "CUDA graphs need every op to stay on the device (leave cuda_graphs False)")
         if graph.owning_module is not None:
             graph.owning_module.recompile()
         if self.chained is not None:

@@ -731,8 +731,11 @@ def test_corpus_bench_repeats_each_timing_and_times_the_reference_after(monkeypa
         for _ in range(kwargs["warmup"]):
             progress(1)
         gc.collect(1)  # during a timed step (not of the oldest generation): counted
-        progress(1)
-        return StepTiming(1.0, next(steps), 0.5, None)
+        for _ in range(kwargs["steps"]):
+            progress(1)
+        gc.collect()  # time_training's own collection after the timed steps: not counted
+        ms = next(steps)
+        return StepTiming(1.0, ms, 0.5, None, host_ms=ms / 2)
 
     monkeypatch.setattr(bench_corpus, "time_training", timed)
     out = tmp_path / "corpus.jsonl"
@@ -746,10 +749,14 @@ def test_corpus_bench_repeats_each_timing_and_times_the_reference_after(monkeypa
     assert (model["step_ms_repeats"], model["step_ms"]) == ([4.0, 2.0, 3.0], 3.0)
     assert model["tok_s"] == pytest.approx(64 * 1000 / 3.0)
     assert after["step_ms"] == 8.0 and after["parity"]["ok"] is None
-    # each timing: one full collection before its timed steps (not counted), one of generation 1 in them
+    # each timing: full collections before and after its timed steps (not counted), one of generation 1 in them
     assert model["gc_full"] == 0 and model["gc_ms_per_step"] > 0, model
     assert "ms a timed step (0 full)" in text
     assert "step 3.0 ms (median of 4.0, 2.0, 3.0 ms)" in text
+    # the host's share: the median of the repeats' issue times; a machine pulse before each repeat
+    assert model["host_ms"] == 1.5 and len(model["pulses"]) == 3, model
+    assert all(p["host_ms"] > 0 and p["gpu_ms"] is None for p in model["pulses"]), model["pulses"]
+    assert "issued in 1.5 ms of the step; pulse " in text
     assert table_row(text, "paper_bhsd")[6] == "2.33x (met)"  # 7.0 / 3.0, both parities passed
     assert table_row(text, "reference (after)")[6] == "0.88x (drift)"  # 7.0 / 8.0
 
@@ -759,3 +766,39 @@ def test_corpus_bench_refuses_zero_repeats(capsys):
         bench_corpus.main(["--models", "paper_bhsd", "--repeats", "0"])
     err = capsys.readouterr().err
     assert "--repeats must be positive" in err, err
+
+
+def test_time_training_records_the_hosts_share_and_machine_pulse_reads_the_host():
+    """host_ms: the median time to issue a step, never above the step's own median (each step's issue
+    time is part of its time); off CUDA no allocator counts. machine_pulse on the CPU: a positive host
+    loop time, no GPU figure."""
+    from nsa_compile.bench import machine_pulse, time_training
+
+    class Slow(nn.Module):  # a step dominated by the host: Python work in forward
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            time.sleep(0.002)
+            return self.lin(x)
+
+    timing = time_training(Slow(), torch.randn(4, 8), steps=3, warmup=0, is_lm=False)
+    assert timing is not None and timing.host_ms is not None
+    assert 2.0 <= timing.host_ms <= timing.step_ms, timing
+    assert timing.alloc_retries is None and timing.device_allocs is None
+    pulse = machine_pulse(torch.device("cpu"), repeats=1)
+    assert pulse["host_ms"] > 0 and pulse["gpu_ms"] is None, pulse
+
+
+def test_corpus_bench_cuda_graphs_needs_inductor_and_is_recorded(monkeypatch, tmp_path, capsys):
+    """--cuda-graphs is OptimizeConfig(cuda_graphs=True) for every model: refused with another
+    compiler (the config's own error), and each record says whether it was on."""
+    with pytest.raises(SystemExit):
+        bench_corpus.main(["--models", "paper_bhsd", "--cuda-graphs", "--compiler", "aot_eager"])
+    assert "cuda_graphs=True needs compiler='inductor'" in capsys.readouterr().err
+    monkeypatch.setattr(bench_corpus, "time_training", lambda *a, progress=None, **k: StepTiming(1.0, 2.0, 0.5, None))
+    out = tmp_path / "corpus.jsonl"
+    bench_corpus.main(["--models", "paper_bhsd", "--seq-len", "64", "--batch", "1", "--parity-len", "64",
+                       "--no-parity", "--out", str(out), *FAST])
+    assert [r["cuda_graphs"] for r in read(out)] == [False, False]

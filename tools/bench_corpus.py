@@ -46,7 +46,11 @@ host kind (H200, 2026-11-27; BENCHMARKS.md), so a single run's ratio is not to b
 --reference-after times the reference again after the last model (its ratio to the first is the
 run's drift), which tell a slow process from a slow moment. Each timing also records how long
 Python's garbage collector ran in the timed steps (gc_ms_per_step, gc_full: a stall of the
-launching thread shows in a host-bound step whole).
+launching thread shows in a host-bound step whole), how long the host took to issue a step
+(host_ms: near the step's time, the step waits on the host), the caching allocator's retries and
+cudaMallocs in the timed steps (a card near full frees and mallocs every step), and, before each
+repeat, machine_pulse: a fixed Python loop, fixed bf16 matmuls and the load average, which say
+whether the host or the card was slow at that moment.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ from bench_e2e import DEFAULT_TOKENS_PER_STEP, append_record, environment, load_
 from corpus import MODELS
 
 import nsa_compile
-from nsa_compile.bench import config_for, device_named, free_memory, is_oom, time_training
+from nsa_compile.bench import config_for, device_named, free_memory, is_oom, machine_pulse, time_training
 from nsa_compile.explain import coverage
 from nsa_compile.models import NSAAttention, preset
 from nsa_compile.models.nsa import rope_tables
@@ -141,11 +145,13 @@ def rewrites_of(model: nn.Module) -> dict:
 class GcClock:
     """The time Python's garbage collector ran during the timed steps (a gc callback), and its
     collections of the oldest generation: a host-bound step shows every stall of the launching
-    thread. `steps_before` steps of each timing (the first and the warm-up ones) are not counted;
-    `step()` is time_training's progress callback."""
+    thread. Only collections inside the `steps_timed` timed steps count: not those of the
+    `steps_before` steps before them (the first and the warm-up ones), nor time_training's own
+    gc.collect() after them. `step()` is time_training's progress callback."""
 
-    def __init__(self, steps_before: int) -> None:
-        self.steps_before, self.done, self.seconds, self.full, self._start = steps_before, 0, 0.0, 0, None
+    def __init__(self, steps_before: int, steps_timed: int) -> None:
+        self.steps_before, self.steps_timed = steps_before, steps_timed
+        self.done, self.seconds, self.full, self._start = 0, 0.0, 0, None
 
     def step(self, n: int) -> None:
         self.done += n
@@ -157,10 +163,15 @@ class GcClock:
         if phase == "start":
             self._start = time.perf_counter()
         elif self._start is not None:
-            if self.done >= self.steps_before:
+            if self.steps_before <= self.done < self.steps_before + self.steps_timed:  # in a timed step
                 self.seconds += time.perf_counter() - self._start
                 self.full += info.get("generation") == 2
             self._start = None
+
+
+def config_of(args) -> nsa_compile.OptimizeConfig:
+    """optimize's config of the run: --compiler, and --cuda-graphs (every model, the reference too)."""
+    return config_for(args.compiler).replace(cuda_graphs=args.cuda_graphs)
 
 
 def time_model(name: str, args, device: torch.device) -> dict:
@@ -169,13 +180,14 @@ def time_model(name: str, args, device: torch.device) -> dict:
     try:
         model, x = build(name, args.batch, args.seq_len, device)
         torch._dynamo.reset()
-        model = nsa_compile.optimize(model, config_for(args.compiler))
-        timings = []
-        clock = GcClock(1 + args.warmup)
+        model = nsa_compile.optimize(model, config_of(args))
+        timings, pulses = [], []
+        clock = GcClock(1 + args.warmup, args.steps)
         gc.callbacks.append(clock)
         try:
             for _ in range(args.repeats):  # the first compiles; each repeat times its own steps
                 clock.timing_again()
+                pulses.append(machine_pulse(device))  # the host's and the card's speed of the moment
                 timings.append(time_training(model, (x,), steps=args.steps, warmup=args.warmup, is_lm=False,
                                              autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
                                              progress=clock.step))
@@ -206,6 +218,11 @@ def time_model(name: str, args, device: torch.device) -> dict:
         if len(runs) > 1:
             record["step_ms_repeats"] = runs
         record.update(gc_ms_per_step=1000 * clock.seconds / (args.steps * len(runs)), gc_full=clock.full)
+        hosts = sorted(t.host_ms for t in timings if t.host_ms is not None)
+        record.update(host_ms=hosts[len(hosts) // 2] if hosts else None, pulses=pulses)
+        if device.type == "cuda":
+            record.update(alloc_retries=sum(t.alloc_retries or 0 for t in timings),
+                          device_allocs=sum(t.device_allocs or 0 for t in timings))
     del model
     free_memory()
     return record
@@ -217,7 +234,7 @@ def parity_of(name: str, args, device: torch.device) -> dict:
     if args.no_parity:
         return {"ok": None, "parity_len": None, "detail": "--no-parity"}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = config_for(args.compiler)
+    config = config_of(args)
 
     def optimize_fn(module):
         torch._dynamo.reset()
@@ -282,7 +299,7 @@ def run_model(name: str, args, device: torch.device, env: dict, run: str) -> dic
     (REFERENCE_AFTER: timed only, its parity is the first reference's)."""
     started = time.perf_counter()
     record = {"record": "corpus", **env, "run": run, "model": name, "seq_len": args.seq_len, "batch": args.batch,
-              "compiler": args.compiler}
+              "compiler": args.compiler, "cuda_graphs": args.cuda_graphs}
     phase = "timing"
     try:
         with time_limited(args.model_limit):
@@ -322,6 +339,11 @@ def report_timing(record: dict) -> None:
                                                     f", peak {record['peak_gib']:.2f} GiB (the steps after "
                                                     f"the first: {record['steps_peak_gib']:.2f})")
               + f", gc {record['gc_ms_per_step']:.2f} ms a timed step ({record['gc_full']} full)", flush=True)
+        if record.get("host_ms") is not None:  # older records have no diagnostics
+            allocator = ("" if "alloc_retries" not in record else
+                         f"; allocator: {record['alloc_retries']} retries, {record['device_allocs']} cudaMallocs")
+            print(f"  issued in {record['host_ms']:.1f} ms of the step{allocator}; pulse "
+                  + ", ".join(pulse_text(p) for p in record["pulses"]), flush=True)
     else:
         print(f"  {record['status']}: {record['detail']}", flush=True)
     if record["coverage"] is not None:
@@ -329,6 +351,13 @@ def report_timing(record: dict) -> None:
     for pass_name, reasons in record["reasons"].items():  # why a branch stayed eager, as explain says it
         print(f"  {pass_name} refused {record['refused'][pass_name]}x: " + "; ".join(r[:240] for r in reasons[:3]),
               flush=True)
+
+
+def pulse_text(pulse: dict) -> str:
+    """machine_pulse in a few characters: host loop ms / GPU matmuls ms / load."""
+    gpu = "" if pulse["gpu_ms"] is None else f"/{pulse['gpu_ms']:.1f}"
+    load = "" if pulse["load"] is None else f" (load {pulse['load']:.1f})"
+    return f"{pulse['host_ms']:.1f}{gpu} ms{load}"
 
 
 def report_parity(record: dict) -> None:
@@ -396,12 +425,13 @@ def print_table(records: list[dict]) -> None:
     """The table, one per card, torch version and shape (numbers of different groups are not compared)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((r["card"], r["torch"], r["seq_len"], r["batch"], r["compiler"]), []).append(r)
-    for (card, version, seq_len, batch, compiler), group in groups.items():
+        groups.setdefault((r["card"], r["torch"], r["seq_len"], r["batch"], r["compiler"], r.get("cuda_graphs", False)),
+                          []).append(r)
+    for (card, version, seq_len, batch, compiler, graphs), group in groups.items():
         dates = sorted(r["date"][:10] for r in group)
         span = dates[0] + (f" to {dates[-1]}" if dates[-1] != dates[0] else "")
         print(f"\ncorpus at the seed shape: {card}, torch {version}, {span}, S {seq_len} x batch {batch}, "
-              f"optimize ({compiler}); target: >= {TARGET_RATIO}x the reference's tok/s of the same run")
+              f"optimize ({compiler}{', CUDA graphs' if graphs else ''}); target: >= {TARGET_RATIO}x the reference's tok/s of the same run")
         print(tabulate(table_rows(group), headers=HEADERS, tablefmt="github", disable_numparse=True))
 
 
@@ -452,6 +482,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--no-parity", action="store_true", help="skip parity (ratios then print n/a)")
     ap.add_argument("--model-limit", type=int, default=0, help="seconds one model (timing and parity) may take "
                     "before it is stopped and recorded as 'time limit' with where it was (default: no limit)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="OptimizeConfig(cuda_graphs=True) for every model "
+                    "and the reference: each compiled graph replayed as one CUDA graph (no per-kernel launches)")
     ap.add_argument("--out", default=None, help="append JSON-line records here")
     ap.add_argument("--report-only", action="store_true", help="run nothing: the table of --out's records")
     args = ap.parse_args(argv)
@@ -459,7 +491,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--report-only needs --out (the records to tabulate)")
     try:
         args.models = model_names(args.models)
-        config_for(args.compiler)
+        config_of(args)
     except ValueError as err:
         ap.error(str(err))
     if min(args.steps, args.seq_len, args.parity_len, args.batch or 1, args.repeats) < 1 or args.warmup < 0:
@@ -483,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env['date']}  {env['card']}  torch {env['torch']}  triton {env['triton']}")
     print(f"$ {env['command']}")
     print(f"{len(args.models)} corpus model(s) and the reference at {args.batch} x {args.seq_len}, "
-          f"optimize ({args.compiler})", flush=True)
+          f"optimize ({args.compiler}{', CUDA graphs' if args.cuda_graphs else ''})", flush=True)
     warm_up_compiler(device)
     names = (REFERENCE, *args.models, *((REFERENCE_AFTER,) if args.reference_after else ()))
     records = [run_model(name, args, device, env, run) for name in names]
