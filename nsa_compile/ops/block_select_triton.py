@@ -142,8 +142,8 @@ except ImportError:  # the module still imports; unsupported_reason says why the
 
 from .compressed_triton import document_slots, packed_reason
 from .triton_support import (
-    KERNEL_DTYPES, cdiv as _cdiv, device_reason, jit, next_pow2 as _next_pow2, reduce_max, reduce_min, reduce_sum,
-    upcast_dots,
+    KERNEL_DTYPES, cdiv as _cdiv, device_reason, jit, made_aside, next_pow2 as _next_pow2, reduce_max, reduce_min,
+    reduce_sum, upcast_dots,
 )
 
 __all__ = ["select_blocks_forward", "unsupported_reason"]
@@ -509,14 +509,18 @@ def _overlap_matrix(TC: int, NS: int, KS: int, cmp_block: int, cmp_stride: int, 
     overlap / l with eager's arithmetic (int overlap -> float32, / l), rounded to importance_dtype
     where given (the matmul's operand under autocast); columns >= NS zero."""
     l, d, ls = cmp_block, cmp_stride, sel_block
-    i = torch.arange(-TC, TC, device=device)[:, None]
-    j = torch.arange(KS, device=device)[None, :]
-    overlap = (torch.minimum(i * d + l, (j + 1) * ls) - torch.maximum(i * d, j * ls)).clamp(min=0)
-    overlap = torch.where(j < NS, overlap, 0)
-    weight = overlap.to(torch.float32) / l
-    if importance_dtype is not None:
-        weight = weight.to(importance_dtype).float()
-    return weight.contiguous()
+
+    def make() -> torch.Tensor:
+        i = torch.arange(-TC, TC, device=device)[:, None]
+        j = torch.arange(KS, device=device)[None, :]
+        overlap = (torch.minimum(i * d + l, (j + 1) * ls) - torch.maximum(i * d, j * ls)).clamp(min=0)
+        overlap = torch.where(j < NS, overlap, 0)
+        weight = overlap.to(torch.float32) / l
+        if importance_dtype is not None:
+            weight = weight.to(importance_dtype).float()
+        return weight.contiguous()
+
+    return made_aside(make, device)  # a cached constant: outside a CUDA graph's pool
 
 
 def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int,

@@ -103,8 +103,8 @@ from .attention_tiles import (
     load_tile, row_delta, row_stats, softmax_finish, softmax_state, softmax_update, store_tile,
 )
 from .triton_support import (
-    cdiv as _cdiv, device_reason, dot_precision as _dot_precision, jit, next_pow2 as _next_pow2, qkv_reason,
-    reduce_max, reduce_min, upcast_dots,
+    cdiv as _cdiv, device_reason, dot_precision as _dot_precision, jit, made_aside, next_pow2 as _next_pow2,
+    qkv_reason, reduce_max, reduce_min, upcast_dots,
 )
 
 __all__ = ["compressed_backward", "compressed_forward", "unsupported_reason"]
@@ -677,7 +677,9 @@ def _work_items(S: int, h: int, Tc: int, block: int, stride: int, block_n: int, 
     item_tile = [i for i in range(n_tiles) for _ in range(nseg[i])]
     item_seg = [s for i in range(n_tiles) for s in range(nseg[i])]
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)
-    return i32(item_tile), i32(item_seg), i32(nseg), i32(first), len(item_tile), max(nseg)
+    # cached constants: made outside a CUDA graph's pool
+    made = made_aside(lambda: (i32(item_tile), i32(item_seg), i32(nseg), i32(first)), device)
+    return (*made, len(item_tile), max(nseg))
 
 
 def compressed_backward(grad_o, q, k, v, o, lse, block: int, stride: int, scale: float, pos=None, *,

@@ -85,7 +85,7 @@ try:
 except ImportError:  # the module still imports; unsupported_reason says why the kernels cannot run
     triton = tl = None
 
-from .triton_support import cdiv as _cdiv, device_reason, jit, next_pow2 as _next_pow2, upcast_dots
+from .triton_support import cdiv as _cdiv, device_reason, jit, made_aside, next_pow2 as _next_pow2, upcast_dots
 
 __all__ = ["MAX_PIECES", "projection_rope_forward", "projection_rope_grad", "tiles_aligned", "unsupported_reason"]
 
@@ -175,7 +175,7 @@ def _tiles_on(device, widths, head_dims, tile_width, plain=()) -> tuple[torch.Te
     key = (str(device), tuple(widths), tuple(head_dims), tile_width, tuple(plain))
     if key not in _device_tables:
         flat, count = _tile_table(tuple(widths), tuple(head_dims), tile_width, tuple(plain))
-        _device_tables[key] = (torch.tensor(flat, dtype=torch.int32, device=device), count)
+        _device_tables[key] = (made_aside(lambda: torch.tensor(flat, dtype=torch.int32, device=device), device), count)
     return _device_tables[key]
 
 

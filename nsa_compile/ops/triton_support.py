@@ -172,6 +172,31 @@ def qkv_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_head_dim: 
     return None
 
 
+_side_streams: dict = {}
+
+
+def made_aside(make: Callable, device: torch.device):
+    """make()'s tensors (constants an op caches per shape and device), made on a side stream of
+    `device`. Inductor's CUDA graphs (OptimizeConfig(cuda_graphs=True)) route every allocation of
+    the current stream into their memory pool while a graph warms up, and refuse a pool tensor that
+    outlives the graph without being one of its outputs: a cache filled there would be one. Made
+    on another stream, the constant comes from the ordinary allocator; the current stream then
+    waits for it. A cache filled during the warm-up is hit when the graph is recorded."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return make()
+    key = (device.index if device.index is not None else torch.cuda.current_device())
+    side = _side_streams.get(key)
+    if side is None:
+        side = _side_streams[key] = torch.cuda.Stream(device)
+    current = torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        made = make()
+    current.wait_stream(side)
+    return made
+
+
 def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
