@@ -119,9 +119,10 @@ class CudaGraphsError(RuntimeError):
 
 def host_sync(graph: fx.Graph) -> str | None:
     """Why this rewritten graph cannot be captured in a CUDA graph, or None: the first torch.ops.nsa
-    call on CUDA whose backend reads device values on the host (a sync, forbidden while capturing):
-    document positions `pos` on any backend but 'triton' (the window's FA-2 path counts documents,
-    the reference backends copy pos to the host), and the selection's 'varlen' backends."""
+    call on CUDA whose backend reads, or may read, device values on the host (a sync, forbidden
+    while capturing): document positions `pos` on any backend but 'triton' (the window's FA-2 path
+    counts documents on the host, the compressed and block-selection references copy pos there;
+    the others are not proven free of it), and the selection's 'varlen' backends."""
     for node in graph.nodes:
         if node.op != "call_function" or getattr(node.target, "namespace", None) != "nsa":
             continue
@@ -133,7 +134,8 @@ def host_sync(graph: fx.Graph) -> str | None:
             continue
         op = schema.name.removeprefix("nsa::")
         if pos is not None and backend != "triton":
-            return f"{node.name} (nsa.{op}[{backend}]) takes document positions and reads them on the host"
+            return (f"{node.name} (nsa.{op}[{backend}]) takes document positions, and only the 'triton' backends keep "
+                    "them on the device (FA-2's counts the documents on the host, the reference ones may copy them)")
         if isinstance(backend, str) and backend.startswith("varlen"):
             return f"{node.name} (nsa.{op}[{backend}]) reads its block counts on the host"
     return None

@@ -172,29 +172,37 @@ def qkv_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_head_dim: 
     return None
 
 
-_side_streams: dict = {}
+_aside: dict = {}  # device index -> (a one-thread executor, a stream of that device)
 
 
 def made_aside(make: Callable, device: torch.device):
-    """make()'s tensors (constants an op caches per shape and device), made on a side stream of
-    `device`. Inductor's CUDA graphs (OptimizeConfig(cuda_graphs=True)) route every allocation of
-    the current stream into their memory pool while a graph warms up, and refuse a pool tensor that
-    outlives the graph without being one of its outputs: a cache filled there would be one. Made
-    on another stream, the constant comes from the ordinary allocator; the current stream then
-    waits for it. A cache filled during the warm-up is hit when the graph is recorded."""
+    """make()'s tensors (constants an op caches per shape and device), made by another thread on a
+    stream of its own. Inductor's CUDA graphs (OptimizeConfig(cuda_graphs=True)) send every
+    allocation of the thread warming a graph up into their memory pool (torch >= 2.8: per thread),
+    and refuse a pool tensor that outlives the graph without being one of its outputs: a cache
+    filled there would be one, and a later replay could overwrite it. Made by another thread, the
+    constant comes from the ordinary allocator; that thread waits for its stream before returning,
+    so the constant is ready for any stream. A cache filled during the warm-up is hit when the
+    graph is recorded (no allocation, no wait while capturing)."""
     device = torch.device(device)
     if device.type != "cuda":
         return make()
-    key = (device.index if device.index is not None else torch.cuda.current_device())
-    side = _side_streams.get(key)
-    if side is None:
-        side = _side_streams[key] = torch.cuda.Stream(device)
-    current = torch.cuda.current_stream(device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        made = make()
-    current.wait_stream(side)
-    return made
+    import concurrent.futures
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _aside:
+        _aside[index] = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nsa-constants"),
+                         torch.cuda.Stream(index))
+    worker, stream = _aside[index]
+    torch.cuda.current_stream(index).synchronize()  # what make() reads was written on this stream
+
+    def run():
+        with torch.cuda.device(index), torch.cuda.stream(stream):
+            made = make()
+        stream.synchronize()
+        return made
+
+    return worker.submit(run).result()
 
 
 def next_pow2(x: int) -> int:
