@@ -325,9 +325,13 @@ def _record_op_choices(choices: _Choices):
     op = registry.get("selected_attention")
     check = op.check  # the declaration's check, which every call of the op runs first
 
+    from .ops.triton_support import made_aside
+
     def recording(q, k, v, block_idx, *args, **kwargs):
         if choices.recording and type(block_idx) is torch.Tensor:
-            choices.calls.append(_Choice("", block_idx.detach().clone()))
+            # copied outside a CUDA graph's memory pool (OptimizeConfig(cuda_graphs=True)): a copy
+            # kept from inside the graph's warm-up would be a pool tensor the graph does not return
+            choices.calls.append(_Choice("", made_aside(lambda: block_idx.detach().clone(), block_idx.device)))
         return check(q, k, v, block_idx, *args, **kwargs)
 
     op.check = recording
