@@ -211,23 +211,27 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def compile_variant(variant: str, wl: Workload, compiler: str, device: torch.device) -> nn.Module | None:
+def compile_variant(variant: str, wl: Workload, compiler: str, device: torch.device,
+                    cuda_graphs: bool = False) -> nn.Module | None:
     """A fresh model for one bench column (a copy: wl.model stays eager), or None where the variant
-    does not apply (dense, for a model without a dense twin). `compiler`: optimize's."""
+    does not apply (dense, for a model without a dense twin). `compiler`: optimize's. cuda_graphs:
+    every compiled column replays CUDA graphs (optimize: OptimizeConfig(cuda_graphs=True); the
+    torch.compile columns: mode='reduce-overhead', the same Inductor setting), eager stays eager."""
     torch._dynamo.reset()
+    mode = "reduce-overhead" if cuda_graphs else None
     if variant == "eager":
         return copy.deepcopy(wl.model)
     if variant == "compile":  # torch.compile's default, no NSA passes
         model = copy.deepcopy(wl.model)
-        model.compile()
+        model.compile(mode=mode)
         return model
     if variant == "optimize":
-        return optimize(copy.deepcopy(wl.model), config_for(compiler))
+        return optimize(copy.deepcopy(wl.model), config_for(compiler).replace(cuda_graphs=cuda_graphs))
     if wl.dense_twin is None:
         return None
     torch.manual_seed(0)
     twin = checked_workload(wl.dense_twin, 1, 1, device).model
-    twin.compile()
+    twin.compile(mode=mode)
     return twin
 
 

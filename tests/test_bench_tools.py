@@ -248,6 +248,39 @@ def test_e2e_summary_judges_targets_only_where_parity_passed(tmp_path, capsys):
     assert table_row(h200_part, "2048")[6] == "0.90x (target 0.7x: met)"
 
 
+def test_e2e_runs_with_cuda_graphs_are_a_summary_of_their_own(tmp_path, capsys):
+    """--cuda-graphs records (timings and parity) never mix with the same card's runs without graphs."""
+    h200 = "NVIDIA H200"
+    graphs = {"cuda_graphs": True}
+    records = [timing(h200, 2048, "optimize", 40_000), timing(h200, 2048, "dense", 100_000), parity(h200, 2048, True),
+               {**timing(h200, 2048, "optimize", 60_000), **graphs}, {**timing(h200, 2048, "dense", 80_000), **graphs},
+               {**parity(h200, 2048, True), **graphs}]
+    out = tmp_path / "records.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert bench_e2e.main(["--report-only", "--out", str(out)]) == 0
+    plain, with_graphs = capsys.readouterr().out.split("summary: seed with CUDA graphs on NVIDIA H200")
+    assert table_row(plain, "2048")[6] == "0.40x (target 0.7x: missed)"
+    assert table_row(with_graphs, "2048")[6] == "0.75x (target 0.7x: met)"
+
+
+def test_compile_variant_with_cuda_graphs(monkeypatch):
+    """bench.compile_variant(cuda_graphs=True): optimize gets OptimizeConfig(cuda_graphs=True), the
+    torch.compile columns mode='reduce-overhead' (the same Inductor setting); eager stays eager."""
+    from nsa_compile import bench
+    from nsa_compile.workload import load_workload
+
+    wl = load_workload("tiny", batch=1, seq_len=32)
+    seen = {}
+    monkeypatch.setattr(bench, "optimize", lambda model, config: seen.setdefault("config", config) and model)
+    monkeypatch.setattr(nn.Module, "compile", lambda self, mode=None: seen.setdefault("modes", []).append(mode))
+    bench.compile_variant("optimize", wl, "inductor", torch.device("cpu"), cuda_graphs=True)
+    bench.compile_variant("compile", wl, "inductor", torch.device("cpu"), cuda_graphs=True)
+    bench.compile_variant("dense", wl, "inductor", torch.device("cpu"), cuda_graphs=True)
+    bench.compile_variant("compile", wl, "inductor", torch.device("cpu"))
+    assert seen["config"].cuda_graphs is True
+    assert seen["modes"] == ["reduce-overhead", "reduce-overhead", None]
+
+
 def test_e2e_plot_is_a_png_of_every_measured_point(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     records = [timing("card", s, v, tok) for s, v, tok in

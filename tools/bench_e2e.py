@@ -33,6 +33,10 @@ each with card, torch version, date and command), so a sweep can be split over s
     python3 tools/bench_e2e.py --seq-len 8192 --variants optimize,dense --out e2e.jsonl
     python3 tools/bench_e2e.py --report-only --out e2e.jsonl --plot e2e.png   # no GPU needed
 
+--cuda-graphs replays CUDA graphs in every compiled column (optimize with
+OptimizeConfig(cuda_graphs=True), torch.compile and the dense twin with mode='reduce-overhead'):
+its records form a summary of their own.
+
 --report-only reads --out, prints the summary (the latest record per seq-len, batch and variant,
 one table per card, torch version and model) with the issue's targets, and writes the plot
 (tok/s against seq-len; needs matplotlib: pip install -e '.[plot]').
@@ -187,7 +191,7 @@ def run_variant(variant: str, args, wl, device, dense_backend: str | None) -> di
     started = time.perf_counter()
     try:
         with compile_cache(not args.warm_cache), sdpa_context(dense_backend if variant == "dense" else None):
-            model = compile_variant(variant, wl, args.compiler, device)
+            model = compile_variant(variant, wl, args.compiler, device, args.cuda_graphs)
             if model is None:
                 return {**record, "status": "n/a", "detail": f"{wl.spec} has no dense twin"}
             timing = time_training(model, wl.inputs, steps=args.steps, warmup=args.warmup,
@@ -240,7 +244,8 @@ class ParityCache:
         if length not in self.done:
             try:
                 self.done[length] = run_parity(checked_workload(self.args.model, PARITY_BATCH, length, self.device,
-                                                                seed=1), self.dtype, config_for(self.args.compiler))
+                                                                seed=1), self.dtype,
+                                                run_config(self.args))
             except Exception as err:
                 if is_oom(err):
                     self.too_long.add(length)
@@ -276,7 +281,8 @@ def run_seq_len(seq_len: int, args, device, env: dict, parity: ParityCache) -> l
     if backend_note:
         print(f"dense twin SDPA backend: {backend_note}")
     base = {"record": "timing", **env, "model": args.model, "seq_len": seq_len, "batch": batch,
-            "steps": args.steps, "compiler": args.compiler, "cold_cache": not args.warm_cache}
+            "steps": args.steps, "compiler": args.compiler, "cold_cache": not args.warm_cache,
+            "cuda_graphs": args.cuda_graphs}
     records = []
     for variant in args.variants:
         print(f"  {variant} ...", file=sys.stderr, flush=True)
@@ -292,7 +298,8 @@ def run_seq_len(seq_len: int, args, device, env: dict, parity: ParityCache) -> l
         p = {"ok": None, "parity_len": None, "detail": "--no-parity"}
     else:
         p = parity.check(seq_len)
-    parity_record = {"record": "parity", **env, "model": args.model, "seq_len": seq_len, "compiler": args.compiler,
+    parity_record = {"record": "parity", **env, "model": args.model, "cuda_graphs": args.cuda_graphs,
+                     "seq_len": seq_len, "compiler": args.compiler,
                      **p}
     append_record(args.out, parity_record)
     records.append(parity_record)
@@ -335,12 +342,22 @@ def ratio_text(ratio: float, parity_ok: bool | None) -> str:
 # --- the summary over every record ----------------------------------------------------------------
 
 
+def run_config(args) -> "nsa_compile.OptimizeConfig":
+    """optimize's config of the run: --compiler and --cuda-graphs (the parity check's too)."""
+    return config_for(args.compiler).replace(cuda_graphs=args.cuda_graphs)
+
+
+def group_of(r: dict) -> tuple[str, str, str]:
+    """(card, torch version, model): runs with CUDA graphs (--cuda-graphs) are a group of their own."""
+    return r["card"], r["torch"], r["model"] + (" with CUDA graphs" if r.get("cuda_graphs") else "")
+
+
 def latest(records: list[dict]) -> tuple[dict, dict]:
     """The latest timing per (group, seq-len, batch, variant) and parity per (group, seq-len);
     a group is one card, torch version and model (numbers of different groups are not compared)."""
     timings, parities = {}, {}
     for r in records:  # file order is time order: later records replace earlier ones
-        group = (r["card"], r["torch"], r["model"])
+        group = group_of(r)
         if r["record"] == "timing":
             timings[(group, r["seq_len"], r["batch"], r["variant"])] = r
         elif r["record"] == "parity" and (r["ok"] is not None or (group, r["seq_len"]) not in parities):
@@ -398,7 +415,7 @@ def parity_cell(p: dict) -> str:
 
 def print_summary(records: list[dict]) -> None:
     for (card, version, model), speed, compile_rows in summary_tables(records):
-        dates = sorted(r["date"] for r in records if (r["card"], r["torch"], r["model"]) == (card, version, model))
+        dates = sorted(r["date"] for r in records if group_of(r) == (card, version, model))
         print(f"\nsummary: {model} on {card}, torch {version}, {dates[0][:10]}"
               + (f" to {dates[-1][:10]}" if dates[-1][:10] != dates[0][:10] else ""))
         print("tok/s")
@@ -475,6 +492,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--no-parity", action="store_true", help="skip parity (ratios then print n/a)")
     ap.add_argument("--warm-cache", action="store_true",
                     help="compile with the shared Inductor cache (default: an empty one per variant)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="every compiled column replays CUDA graphs: optimize "
+                    "with OptimizeConfig(cuda_graphs=True), torch.compile and the dense twin with mode='reduce-overhead'")
     ap.add_argument("--out", default=None, help="append JSON-line records here")
     ap.add_argument("--plot", default=None, help="write a PNG of tok/s against seq-len (needs matplotlib)")
     ap.add_argument("--report-only", action="store_true", help="run nothing: summarize --out (and --plot)")
@@ -489,7 +508,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--steps, --tokens-per-step, --batch and --seq-len must be positive, --warmup >= 0")
     try:
         preset(args.model)
-        config_for(args.compiler)
+        run_config(args)
     except ValueError as err:
         ap.error(str(err))
     return args

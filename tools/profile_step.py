@@ -52,7 +52,7 @@ def build(variant: str, args, device):
     """The workload and the variant's model, as `nsa-compile bench` builds its columns (a fresh
     Dynamo for each: another model's shapes would make this one dynamic)."""
     wl = load_workload(args.model, batch=args.batch, seq_len=args.seq_len).to(device)
-    return wl, compile_variant(variant, wl, args.compiler, device)
+    return wl, compile_variant(variant, wl, args.compiler, device, args.cuda_graphs)
 
 
 def profile_variant(variant: str, args, device) -> None:
@@ -158,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=None, help="write Chrome traces into this folder")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--compiler", default="inductor", help="optimize's compiler (nsa_compile.config.COMPILERS)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="compiled variants replay CUDA graphs "
+                    "(bench.compile_variant's cuda_graphs)")
     ap.add_argument("--selection-tiles", type=json.loads, default={},
                     help="JSON override of the Triton selection kernels' tiles for the whole run")
     args = ap.parse_args(argv)
