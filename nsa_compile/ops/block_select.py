@@ -149,9 +149,14 @@ the reference backend runs rule "lucidrains"):
   key ties the current block's h, the lower block first, as in the reference and eager.
 - `reference` (every device and dtype): PyTorch, chunked over query rows: a chunk's
   probabilities [B, H, c, Tc] and keys [B, G, c, max(Ns, n)], never all S rows at once (c is set
-  so a chunk's largest tensor stays under REFERENCE_BUDGET elements). The overlap map is a sum
-  over each selection block's band of compression blocks in ascending order (what a matmul with
-  the [Tc, Ns] overlap matrix does, without its zeros or TF32), then the heads are summed
+  so a chunk's largest tensor stays under REFERENCE_BUDGET elements). With pos a chunk reads only
+  the slots that are blocks, from its rows' earliest document start to its last row's last slot,
+  and ranks only the blocks up to its largest document position (`packed_chunks`: one host read
+  of pos per call): the work is about that of each document's unpacked staircase, not S * Tc / 2
+  with a slot per token, and the ids are exactly those of the full width (the slots and blocks
+  left out are 0 and -inf on every row of the chunk). The overlap map is a sum over each
+  selection block's band of compression blocks in ascending order (what a matmul with the
+  [Tc, Ns] overlap matrix does, without its zeros or TF32), then the heads are summed
   (group_first: before the map), and the ranking is eager's code (torch.sort, stable). With pos
   the slots a selection block can overlap are a band of l + l' - 1 document positions
   [j*l' - l + 1, (j + 1)*l') counted from the query's document start (t - pos[t]); the chunk's
@@ -165,6 +170,7 @@ import torch
 
 from . import block_select_triton
 from .common import check_gqa, check_offset, check_positive_int, upcast_dtype, why_not_triton_on
+from .compressed import columns_on, document_chunks
 from .registry import Backend, Op, declare
 
 __all__ = ["BLOCK_SELECT", "REFERENCE_BUDGET", "choose_backend", "lucidrains_probabilities", "select_blocks",
@@ -384,10 +390,25 @@ def document_band(cmp_block: int, cmp_stride: int, sel_block: int, device, dtype
     return offset, shared.to(dtype) / l  # eager's arithmetic: int overlap -> dtype, / l
 
 
+def packed_chunks(pos: torch.Tensor, cmp_block: int, cmp_stride: int, Tc: int, sel_block: int, Ns: int, per_row: int,
+                  floor: int, budget: int):
+    """(t0, t1, cols, nb) per query chunk of `_reference_packed`: rows [t0, t1) read the slots cols
+    (int64 [n] on the host, ascending: compressed.document_chunks, the blocks their documents can
+    hold) and rank the blocks [0, nb): nb = the chunk's largest document position // l' + 1
+    (1 <= nb <= Ns), since each later block is neither forced nor a candidate on any of its rows
+    (key -inf), and a stable sort keeps the order of the others. The rows per chunk keep
+    B * H * rows * max(n, nb, floor) within budget. One host read of pos [B, S]."""
+    pos = pos.cpu()
+    blocks = (pos.amax(0) // sel_block + 1).clamp(1, Ns)  # [S]: the blocks each row can rank
+    chunks = document_chunks(pos, cmp_block, cmp_stride, Tc, per_row, budget, floor=blocks.clamp(min=floor))
+    for t0, t1, cols in chunks:
+        yield t0, t1, cols, int(blocks[t0:t1].max())
+
+
 def _reference_packed(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int, scale: float,
                       pos: torch.Tensor, budget: int | None = None, importance_dtype: torch.dtype | None = None,
                       group_sum_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
-    B, H, S, _ = q.shape
+    B, H, S, Dk = q.shape
     G, Tc = k.shape[1], k.shape[2]
     h = H // G
     l, d, ls = cmp_block, cmp_stride, sel_block
@@ -403,32 +424,33 @@ def _reference_packed(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int
     is_block = (slot_pos % d == 0) & (pos[:, l - 1 :] == slot_pos + l - 1)  # [B, Tc]: l tokens in one document
     token = torch.arange(S, device=q.device)
     doc_start = token - pos  # [B, S]
-    width = max(Ns, n_selected)
-    budget = budget or REFERENCE_BUDGET
-    chunk = max(1, min(S, budget // max(1, B * H * max(Tc, width))))
     qg = q.unflatten(1, (G, h))  # [B, G, h, S, Dk]
-    kT = k.transpose(-1, -2)  # [B, G, Dk, Tc]
     lse_g = lse.unflatten(1, (G, h))  # [B, G, h, S]
-    i = torch.arange(Tc, device=q.device)
     j_first = torch.arange(Ns, device=q.device) * ls  # [Ns]: each selection block's first document position
-    for t0 in range(0, S, chunk):
-        t1 = min(S, t0 + chunk)
+    chunks = list(packed_chunks(pos, l, d, Tc, ls, Ns, B * H, max(n_selected, Dk), budget or REFERENCE_BUDGET))
+    for (t0, t1, cols, nb), i in zip(chunks, columns_on(q.device, chunks)):
         t = token[t0:t1, None]  # [c, 1]
         start = doc_start[:, t0:t1, None]  # [B, c, 1]
-        visible = (i + l - 1 <= t) & (i >= start) & is_block[:, None, :]  # [B, c, Tc]
-        # the group's h heads as the rows of one matmul per (batch, group): K is read, never copied
-        s = (qg[:, :, :, t0:t1].flatten(2, 3) @ kT).unflatten(2, (h, t1 - t0)).to(up) * scale  # [B, G, h, c, Tc]
-        # where, not multiply: a row without a visible slot has lse = -inf and exp(s - lse) = inf
-        p = torch.where(visible[:, None, None], torch.exp(s - lse_g[:, :, :, t0:t1, None].to(up)), 0.0)
-        p = rounded(p, importance_dtype)
-        del s
-        p_slc = torch.zeros((*p.shape[:-1], Ns), dtype=acc, device=q.device)  # [B, G, h, c, Ns]
-        for o, w in band if Tc else ():  # ascending slot: a matmul's order
-            slot = start + j_first + o  # [B, c, Ns]
-            inside = (slot >= 0) & (slot < Tc)  # slots past either end of the row do not exist
-            taken = torch.gather(p, 4, slot.clamp(0, max(Tc - 1, 0))[:, None, None].expand(p_slc.shape))
-            p_slc += torch.where(inside[:, None, None], taken, 0.0) * w
-        del p
+        p_slc = torch.zeros((B, G, h, t1 - t0, nb), dtype=acc, device=q.device)  # [B, G, h, c, nb]
+        if len(cols):  # the slots cols (every other one is 0 on every row of the chunk: it adds nothing)
+            lo, hi = int(cols[0]), int(cols[-1]) + 1  # (cols on the host, i on q's device)
+            visible = (i + l - 1 <= t) & (i >= start) & is_block[:, None, i]  # [B, c, n]
+            # the group's h heads as the rows of one matmul per (batch, group): K is read, never copied
+            s = (qg[:, :, :, t0:t1].flatten(2, 3) @ k[:, :, i].transpose(-1, -2)).unflatten(2, (h, t1 - t0))
+            s = s.to(up) * scale  # [B, G, h, c, n]
+            # where, not multiply: a row without a visible slot has lse = -inf and exp(s - lse) = inf
+            p = torch.where(visible[:, None, None], torch.exp(s - lse_g[:, :, :, t0:t1, None].to(up)), 0.0)
+            p = rounded(p, importance_dtype)  # [B, G, h, c, n]
+            del s
+            columns = torch.full((hi - lo,), -1, device=q.device)  # slot lo + x is column columns[x] of p, or none
+            columns[i - lo] = torch.arange(len(i), device=q.device)
+            for o, w in band:  # ascending slot: a matmul's order
+                slot = start + j_first[:nb] + o  # [B, c, nb]
+                column = columns[(slot - lo).clamp(0, hi - lo - 1)]
+                inside = (slot >= lo) & (slot < hi) & (column >= 0)  # the others are 0 here, or do not exist
+                taken = torch.gather(p, 4, column.clamp(min=0)[:, None, None].expand(p_slc.shape))
+                p_slc += torch.where(inside[:, None, None], taken, 0.0) * w
+            del p
         if importance_dtype is not None:  # the matmul's result, rounded; the head sum then in that dtype
             p_slc = p_slc.to(importance_dtype)
         t_doc = pos[:, None, t0:t1, None]  # [B, 1, c, 1]: forced and candidate blocks by document position

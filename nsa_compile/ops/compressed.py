@@ -85,11 +85,16 @@ Backends (`backend="auto"` takes the first that can run; naming one that cannot 
   the [B, H, S, Tc] scores are never built at once; C is as large as REFERENCE_BUDGET allows
   (few Python iterations on CUDA). The group's h heads are folded into the rows of one matmul
   per (batch, group), so K and V are read once per group. With pos a chunk builds its rows'
-  [B, h * C, n] document mask from pos (the slot test is [B, Tc], computed once per call), so
-  memory stays O(B * H * C * Tc); the packed form has a slot per token, so Tc ~ S (d times the
-  unpacked count, as in the eager model). The backward recomputes each chunk's
-  probabilities and applies the formulas autograd applies to the eager graph (written out, see
-  `_reference_backward`), accumulating dk and dv in float32 (float64 for float64).
+  [B, h * C, n] document mask from pos (the slot test is [B, Tc], computed once per call) and
+  reads only the slots that are blocks, from its rows' earliest document start to its last
+  row's last slot (`document_chunks`: one host read of pos per call): the packed form has a slot
+  per token, Tc ~ S (d times the unpacked count, as in the eager model), and a query sees a d-th
+  of its own document's, so the work is about that of each document's unpacked staircase, not
+  S * Tc / 2. Leaving out masked columns changes no term of the softmax's and p @ v's sums, only
+  the order their float additions take (results within rounding of the full-width ones). The
+  backward recomputes each chunk's probabilities and applies the formulas autograd applies to the
+  eager graph (written out, see `_reference_backward`), accumulating dk and dv in float32 (float64
+  for float64).
 """
 
 from __future__ import annotations
@@ -114,6 +119,9 @@ REFERENCE_BUDGET = 2**25
 # Query rows per chunk, overriding the budget (None: from the budget; a module constant so tests
 # can put chunk boundaries inside small sequences).
 REFERENCE_CHUNK: int | None = None
+# With pos (`document_chunks`): query rows a chunk takes before it may end at a document start, and
+# before its columns limit its rows.
+MIN_ROWS = 128
 
 
 def choose_backend(q, k, v, block, stride, backend: str = "auto", pos=None, q_offset: int = 0) -> str:
@@ -198,6 +206,77 @@ def _chunks(S: int, B: int, H: int, Tc: int, block: int, stride: int, chunk: int
         yield t0, t1, visible_blocks(q_offset + t1 - 1, block, stride, Tc)
 
 
+def _column_chunks(q, Tc: int, block: int, stride: int, chunk: int | None, q_offset: int, pos, floor: int):
+    """(t0, t1, cols, n): query rows [t0, t1) and the n columns of k they read, cols a slice or an
+    int64 index tensor on q's device (ascending). Without pos `_chunks`: the prefix [0, n); with
+    pos `document_chunks` (rows per chunk: `chunk`, REFERENCE_CHUNK, else as many as
+    REFERENCE_BUDGET allows for their columns, at least floor)."""
+    B, H, S = q.shape[:3]
+    if pos is None:
+        return ((t0, t1, slice(0, n), n) for t0, t1, n in _chunks(S, B, H, Tc, block, stride, chunk, q_offset))
+    rows = chunk if chunk is not None else REFERENCE_CHUNK
+    chunks = list(document_chunks(pos.cpu(), block, stride, Tc, B * H, REFERENCE_BUDGET, rows, floor))
+    return ((t0, t1, cols, len(cols)) for (t0, t1, _), cols in zip(chunks, columns_on(q.device, chunks)))
+
+
+def columns_on(device, chunks: list) -> tuple[torch.Tensor, ...]:
+    """The host column indices of `chunks` (each chunk's third item) on device, copied at once
+    (one transfer, not one per chunk)."""
+    if not chunks:
+        return ()
+    return torch.cat([chunk[2] for chunk in chunks]).to(device).split([len(chunk[2]) for chunk in chunks])
+
+
+def document_chunks(pos: torch.Tensor, block: int, stride: int, Tc: int, per_row: int, budget: int,
+                    rows: int | None = None, floor: int | torch.Tensor = 1):
+    """Query chunks of a packed reference (compressed attention's, block selection's): (t0, t1,
+    cols) for rows [t0, t1) and the slots cols (int64 [n] on the host, ascending) that some row of
+    theirs can see. pos [B, S] int64 on the host (the caller reads the device's once). Row t sees
+    slot s only where t - pos[t] <= s, s + block - 1 <= t and s is a block of some batch row's
+    document (pos[s] % stride == 0 and its block tokens in one document): cols are the slots
+    that are a block on some batch row, from lo = the earliest document start t - pos[t] among
+    the chunk's rows over the batch (0 at least) to hi = min(Tc, t1 - block + 1). Every other
+    slot is masked for every row of the chunk (probability exactly 0 in the full-width
+    computation), so a query reads the blocks of its own document, not a slot per token of the
+    whole row (d times fewer, S / n-token documents times fewer again).
+
+    `rows` rows per chunk, or (None) chunks that waste little: a chunk reads (t1 - t0) * n
+    elements per head, of which its rows see about a triangle less, so it holds at most
+    max(MIN_ROWS, w / 2) rows (w = the tokens from its first row's earliest document start to it:
+    at most a quarter more than the rows see), ends at a document start once it holds MIN_ROWS
+    rows (so it does not read the last document's blocks for the next one's rows), and keeps
+    per_row * rows * max(n, floor) within budget (at least one row); floor an int or [S] per row
+    (the chunk's largest counts): the caller's other per-row widths."""
+    S = pos.shape[1]
+    t = torch.arange(S)
+    starts = ((t - pos).amin(0) if len(pos) else t).clamp(0, Tc)  # [S]: each row's earliest document start
+    ends = (t - block + 2).clamp(0, Tc)  # [S]: one past the last slot each row can see
+    first_pos = pos[:, :Tc]
+    is_block = ((first_pos % stride == 0) & (pos[:, block - 1 : block - 1 + Tc] == first_pos + block - 1)).any(0)
+    before = torch.cat([torch.zeros(1, dtype=torch.int64), is_block.cumsum(0)])  # [Tc + 1]: blocks before each slot
+    floor = torch.as_tensor(floor, dtype=torch.int64).expand(S)
+    t0 = 0
+    while t0 < S:
+        if rows is not None:
+            t1 = min(S, t0 + rows)
+        else:
+            span = int((ends[t0] - starts[t0]).clamp(min=0))
+            first = int(before[ends[t0]] - before[min(starts[t0], ends[t0])])
+            t_max = min(S, t0 + max(MIN_ROWS, span // 2), t0 + max(1, budget // (max(1, per_row) * max(first, 1))))
+            hi = ends[t0:t_max].cummax(0).values
+            lo = torch.minimum(starts[t0:t_max].cummin(0).values, hi)
+            width = torch.maximum((before[hi] - before[lo]).clamp(min=1), floor[t0:t_max].cummax(0).values)
+            cost = per_row * torch.arange(1, t_max - t0 + 1) * width  # grows with the rows: a prefix fits
+            t1 = t0 + max(1, int((cost <= budget).sum()))
+            new_document = (starts[t0 + MIN_ROWS : t1] > starts[t0 + MIN_ROWS - 1 : t1 - 1]).nonzero()
+            if len(new_document):
+                t1 = t0 + MIN_ROWS + int(new_document[0])
+        hi = int(ends[t1 - 1])
+        lo = min(int(starts[t0:t1].min()), hi)
+        yield t0, t1, is_block[lo:hi].nonzero().flatten() + lo
+        t0 = t1
+
+
 def _rows(x: torch.Tensor, G: int, t0: int, t1: int) -> torch.Tensor:
     """x [B, H, S, D] -> the chunk's rows [B, G, h * c, D] (head-major inside the group: a copy
     when x is a transposed view, which the matmul would make anyway)."""
@@ -211,17 +290,18 @@ def _put_rows(out: torch.Tensor, G: int, t0: int, t1: int, rows: torch.Tensor) -
     out.unflatten(1, (G, H // G))[:, :, :, t0:t1] = rows.view(B, G, H // G, t1 - t0, *out.shape[3:])
 
 
-def _visible(t0: int, t1: int, n: int, block: int, stride: int, h: int, device, pos=None,
+def _visible(t0: int, t1: int, cols, block: int, stride: int, h: int, device, pos=None,
              is_block=None) -> torch.Tensor:
-    """[h * c, n] bool: row (head, t) of the chunk sees block i (the same for every head). With
-    pos: [B, 1, h * c, n], row (head, t) of batch row b sees slot s (the module docstring's test;
+    """[h * c, n] bool: row (head, t) of the chunk sees block i (the same for every head), for the
+    n columns i of cols (a slice, or an index tensor on the device; `_column_chunks`). With pos:
+    [B, 1, h * c, n], row (head, t) of batch row b sees slot s (the module docstring's test;
     is_block [B, Tc] holds its last two terms)."""
     t = torch.arange(t0, t1, device=device)[:, None]
-    i = torch.arange(n, device=device)[None, :]
+    i = (cols if isinstance(cols, torch.Tensor) else torch.arange(cols.start, cols.stop, device=device))[None, :]
     if pos is None:
         return (i * stride + block - 1 <= t).repeat(h, 1)
     same_doc = i >= t - pos[:, t0:t1, None]  # [B, c, n]: the slot starts in t's document
-    visible = (i + block - 1 <= t) & same_doc & is_block[:, None, :n]  # [B, c, n]
+    visible = (i + block - 1 <= t) & same_doc & is_block[:, None, cols]  # [B, c, n]
     return visible.repeat(1, h, 1)[:, None]  # [B, 1, h * c, n]
 
 
@@ -250,22 +330,21 @@ def _chunk_probs(qc, kc, visible, scale, empty_rows: bool):
 
 def _reference_forward(q, k, v, block: int, stride: int, scale: float, chunk: int | None = None, pos=None,
                        q_offset: int = 0):
-    B, H, S, _ = q.shape
-    G, Tc = k.shape[1], k.shape[2]
+    H, G, Tc = q.shape[1], k.shape[1], k.shape[2]
     h = H // G
     out, lse = empty_attention_outputs(q, v)
-    # with pos a slot starts at every token (stride 1 for the staircase), and any row may be empty
+    # with pos any row may be empty (a chunk reads the blocks its rows' documents can hold)
     is_block = None if pos is None else _slot_is_block(pos, Tc, block, stride)
-    for t0, t1, n in _chunks(S, B, H, Tc, block, stride if pos is None else 1, chunk, q_offset):
-        if n == 0:  # no row of the chunk sees a block yet
+    for t0, t1, cols, n in _column_chunks(q, Tc, block, stride, chunk, q_offset, pos, max(q.shape[3], v.shape[3])):
+        if n == 0:  # no row of the chunk sees a block (yet)
             out[:, :, t0:t1] = 0
             lse[:, :, t0:t1] = float("-inf")
             continue
         # without pos the rows' positions are their tokens, q_offset + t (pos rules q_offset out)
-        visible = _visible(q_offset + t0, q_offset + t1, n, block, stride, h, q.device, pos, is_block)
+        visible = _visible(q_offset + t0, q_offset + t1, cols, block, stride, h, q.device, pos, is_block)
         empty_rows = pos is not None or q_offset + t0 < block - 1
-        p, row_lse = _chunk_probs(_rows(q, G, t0, t1), k[:, :, :n], visible, scale, empty_rows)
-        _put_rows(out, G, t0, t1, p.to(v.dtype) @ v[:, :, :n])  # [B, G, R, Dv]
+        p, row_lse = _chunk_probs(_rows(q, G, t0, t1), k[:, :, cols], visible, scale, empty_rows)
+        _put_rows(out, G, t0, t1, p.to(v.dtype) @ v[:, :, cols])  # [B, G, R, Dv]
         _put_rows(lse, G, t0, t1, row_lse)
     return out, lse
 
@@ -295,21 +374,21 @@ def _reference_backward(grad_o, q, k, v, block: int, stride: int, scale: float, 
     dk = bshd_empty(B, G, Tc, Dk, k, upcast_dtype(k.dtype)).zero_()
     dv = bshd_empty(B, G, Tc, Dv, v, upcast_dtype(v.dtype)).zero_()
     is_block = None if pos is None else _slot_is_block(pos, Tc, block, stride)
-    for t0, t1, n in _chunks(S, B, H, Tc, block, stride if pos is None else 1, chunk, q_offset):
+    for t0, t1, cols, n in _column_chunks(q, Tc, block, stride, chunk, q_offset, pos, max(Dk, Dv)):
         if n == 0:
             dq[:, :, t0:t1] = 0
             continue
-        visible = _visible(q_offset + t0, q_offset + t1, n, block, stride, h, q.device, pos, is_block)
-        qc, kc, vc = _rows(q, G, t0, t1), k[:, :, :n], v[:, :, :n]
+        visible = _visible(q_offset + t0, q_offset + t1, cols, block, stride, h, q.device, pos, is_block)
+        qc, kc, vc = _rows(q, G, t0, t1), k[:, :, cols], v[:, :, cols]
         g = _rows(grad_o, G, t0, t1).to(v.dtype)  # [B, G, R, Dv]
         p, _ = _chunk_probs(qc, kc, visible, scale, pos is not None or q_offset + t0 < block - 1)  # [B, G, R, n]
         pv = p.to(v.dtype)
-        dv[:, :, :n] += pv.transpose(-1, -2) @ g
+        dv[:, :, cols] += pv.transpose(-1, -2) @ g  # (with an index tensor: read, add, written back)
         dp = (g @ vc.transpose(-1, -2)).to(up)
         d_sm = torch._softmax_backward_data(dp, p, -1, up)
         da = (d_sm * scale).to(q.dtype)
         _put_rows(dq, G, t0, t1, da @ kc)
-        dk[:, :, :n] += da.transpose(-1, -2) @ qc
+        dk[:, :, cols] += da.transpose(-1, -2) @ qc
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
