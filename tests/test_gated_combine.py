@@ -285,7 +285,9 @@ GROUP_GATE = "mean of 2 vectors -> Linear(16, 8) -> silu -> Linear(8, 3) -> soft
 FIRES = {
     "group-all-passes": ("group", (), GROUP_GATE),
     "group-eager-attention": ("group", ATTENTION + (PROJECTIONS,), GROUP_GATE),
-    "head-all-passes": ("head", (), "gate logits -> sigmoid, one triple per head"),
+    # the per-head gate's 12 columns fit no column tile of the rotated projections: projection_rope
+    # leaves that Linear alone, and the combine takes it in (as with the projections' pass disabled)
+    "head-all-passes": ("head", (), "gate input -> Linear(64, 12) -> sigmoid, one triple per head"),
     "head-eager-attention": ("head", ATTENTION + (PROJECTIONS,),
                              "gate input -> Linear(64, 12) -> sigmoid, one triple per head"),
 }
