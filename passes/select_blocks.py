@@ -1405,7 +1405,7 @@ def cast_after_matmul(node: fx.Node) -> None:
 
 LUCIDRAINS_KERNEL = ("nsa.select_blocks[{backend}] (rule 'lucidrains': l'={block}, d={d}, n={n}, the compressed "
                      "logits averaged over l'/d columns{per_head}, a -1e3 sink, kept above 1e-10, the diagonal block "
-                     "appended; verified on probe values{note}; not triton: {why})")
+                     "appended; verified on probe values{note}{why})")
 LUCIDRAINS_PER_HEAD = ", per query head (each head its own group: the compressed keys repeated x{h})"
 # the data movement read from the scores' right operand back to the compressed keys [B, G, T, Dk]
 KEY_MOVES = ("view", "reshape", "flatten", "unflatten", "transpose", "permute", "movedim", "unsqueeze", "squeeze",
@@ -1517,6 +1517,7 @@ class LucidrainsChoice:
             raise Refused(f"OptimizeConfig(select_blocks_backend={requested!r}): {why}") from None
         why = (why_not_triton(*fakes, None, "lucidrains", softmax_dtype) if requested == "auto"
                else f"select_blocks_backend={requested!r} in OptimizeConfig")
+        why = f"; not triton: {why}" if backend != "triton" else ""
         note = TOPK_NOTE + (CLAMP_NOTE.format(n=n) if not isinstance(k, int) else "")
         per_head_text = LUCIDRAINS_PER_HEAD.format(h=per_head) if per_head > 1 else ""
         if softmax_dtype is not None:

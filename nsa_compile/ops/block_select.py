@@ -68,7 +68,7 @@ overlap(i, j) is the number of tokens in both [i*d, i*d + l) and [j*l', j*l' + l
   topk's valid results. importance_dtype=torch.float32 (q in bf16/fp16; CUDA autocast runs softmax
   in float32): the softmax computed and p kept in float32 (`softmax(dim=-1, dtype=torch.float32)`),
   ranked and compared with 1e-10 there; every step before it in q's dtype as above.
-  Not with pos (ValueError); the triton backend does not run it (`why_not_triton` says so).
+  Not with pos (ValueError). Both backends compute it (the triton backend: l'/d <= 16).
 
 A chunk of queries (`q_offset`, an int, default 0; issue 17): query row r of q (and of lse) is
 token q_offset + r of the sequence k was pooled from; t above is that token, Ns = ceil((q_offset +
@@ -130,8 +130,7 @@ and rounded, then the map as above. In float32 the two orders differ by float32 
 group's rounded sums are kept from tile to tile), rounding at the same places; its float32 sums
 (the heads', the map's) run in another order than the reference's, with the same caveat.
 
-Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error; only
-the reference backend runs rule "lucidrains"):
+Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error):
 - `triton` (CUDA): nsa_compile/ops/block_select_triton.py, one program per (batch, group, query
   tile): the scores are recomputed tile by tile over the compression blocks, mapped onto the
   selection blocks and merged into a running top-n in registers. No [.., S, Tc] or [.., S, Ns]
@@ -146,7 +145,17 @@ the reference backend runs rule "lucidrains"):
   becomes -1: the same ids as ranking all Ns), the first n of the running list written in its rank
   order. Compiled without fused multiply-adds (s * scale rounded, then - lse, as here), so a lone
   visible block's p is exactly 1 wherever the reference's is (lse equal to that block's score): its
-  key ties the current block's h, the lower block first, as in the reference and eager.
+  key ties the current block's h, the lower block first, as in the reference and eager. Rule
+  'lucidrains' (a LUCID constexpr; the kernel without it compiles to the same PTX): no lse; each
+  step of the logits rounded where the reference's ops round (q @ k^T, times scale, the group's
+  mean, each block's mean of its l'/d columns added in ascending order), two passes over the
+  blocks: the softmax's max and sum (the sink's -1e3 included; online, so the sum is added in
+  another order than torch's), then each candidate's p = exp(a - max) / sum (libdevice's expf,
+  rounded to q's dtype unless the softmax is float32) ranked in the running list, kept where
+  p > 1e-10 as torch compares it in p's dtype, written in rank order, the diagonal block in column
+  n. A p one fp32 unit from the reference's (the sum's order; torch's CPU softmax has its own exp)
+  can move a bf16/fp16 rounding, or a float32 tie: on the grid inputs of the CPU tests none does;
+  on CUDA at the seed shape tests/test_block_select_lucidrains.py bounds it at 1 row in 500.
 - `reference` (every device and dtype): PyTorch, chunked over query rows: a chunk's
   probabilities [B, H, c, Tc] and keys [B, G, c, max(Ns, n)], never all S rows at once (c is set
   so a chunk's largest tensor stays under REFERENCE_BUDGET elements). With pos a chunk reads only
@@ -177,9 +186,6 @@ __all__ = ["BLOCK_SELECT", "REFERENCE_BUDGET", "choose_backend", "lucidrains_pro
            "why_not_triton"]
 
 RULES = ("nsa", "fla", "lucidrains")
-LUCIDRAINS_REASON = ("rule 'lucidrains' (averaged compressed logits, a softmax with a sink, the diagonal block "
-                     "appended): the Triton kernel ranks the paper's probabilities only")
-RULE_REASONS = {"lucidrains": LUCIDRAINS_REASON}  # the rules the Triton kernel does not compute
 # rule 'lucidrains': the sink column's logit and the probability a chosen block must exceed
 LUCIDRAINS_SINK, LUCIDRAINS_THRESHOLD = -1e3, 1e-10
 # the importance dtypes the op rounds to (autocast's lower precisions)
@@ -197,7 +203,7 @@ def choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, back
                    group_first: bool = False) -> str:  # fmt: skip
     """`BLOCK_SELECT.choose` (ops/registry.py): `backend` itself (ValueError, with why, where it
     cannot run these inputs), or for 'auto' triton where it can run on CUDA (with pos or without;
-    rules 'nsa' and 'fla') and reference elsewhere (always reference with rule 'lucidrains')."""
+    every rule) and reference elsewhere."""
     return BLOCK_SELECT.choose(backend, q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos, rule,
                                importance_dtype, group_first)
 
@@ -205,12 +211,11 @@ def choose_backend(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, back
 def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule: str = "nsa",
                    importance_dtype: torch.dtype | None = None, group_first: bool = False) -> str | None:  # fmt: skip
     """Why 'auto' does not take the triton backend for these inputs (None: it does)."""
-    if rule in RULE_REASONS:  # the reasons on every device, not only on CUDA
-        return RULE_REASONS[rule]
     return why_not_triton_on(
         q.device,
         lambda: block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos,
-                                                       importance_dtype, group_first, rule == "fla"),
+                                                       importance_dtype, group_first, rule == "fla",
+                                                       rule == "lucidrains"),
         kernels="the Triton kernel runs",
     )
 
@@ -517,10 +522,8 @@ def _reference_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, 
 
 def _triton_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule="nsa",
                    importance_dtype=None, group_first=False) -> str | None:  # fmt: skip
-    if rule in RULE_REASONS:
-        return RULE_REASONS[rule]
     return block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos,
-                                                  importance_dtype, group_first, rule == "fla")
+                                                  importance_dtype, group_first, rule == "fla", rule == "lucidrains")
 
 
 # The block ids are integers: no gradient, no backward op.
@@ -538,7 +541,8 @@ BLOCK_SELECT = declare(Op(
                 forward=lambda q, k, lse, l, d, ls, n, scale, pos, rule, importance_dtype, group_sum_dtype, q_offset,
                 group_first:
                     block_select_triton.select_blocks_forward(q, k, lse, l, d, ls, n, scale, pos, importance_dtype,
-                                                              group_sum_dtype, q_offset, group_first, rule == "fla")),
+                                                              group_sum_dtype, q_offset, group_first, rule == "fla",
+                                                              rule == "lucidrains")),
         Backend("reference", forward=_reference_forward),
     ),
     check=_check,

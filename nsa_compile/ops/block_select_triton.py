@@ -4,15 +4,15 @@ the [B, H, S, Tc] probabilities or the [B, G, S, Ns] scores.
 
     block_idx = select_blocks_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos=None,
                                       importance_dtype=None, group_sum_dtype=None, q_offset=0, group_first=False,
-                                      fla=False)
+                                      fla=False, lucid=False)
     why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, importance_dtype=None,
-                             group_first=False, fla=False)   # None: it can run
+                             group_first=False, fla=False, lucid=False)   # None: it can run
 
 Same contract as the `reference` backend of `nsa::select_blocks` (nsa_compile/ops/block_select.py):
 q [B, H, S, Dk], pooled keys k [B, G, Tc, Dk] (H = G * h), lse [B, H, S] float32, any strides;
 block_idx [B, G, S, n] int64 (contiguous), ascending, -1 padded (rule 'fla': rank order, -1 after the
-blocks chosen). With l = cmp_block, d = cmp_stride,
-l' = sel_block, m = l' / d (compression strides per selection block).
+blocks chosen; rule 'lucidrains': lse None, [B, G, S, n + 1], rank order, the diagonal block last).
+With l = cmp_block, d = cmp_stride, l' = sel_block, m = l' / d (compression strides per selection block).
 
 The kernel, grid (ceil(S / BLOCK_M), B * G): one program per (query tile of BLOCK_M tokens, batch,
 group); the tiles of one (batch, group) run heaviest (latest) first, for a short tail. It loads the
@@ -102,6 +102,28 @@ product's rounding error in the exponent: p one unit from 1, on either side of t
 rule keeps its fused form (its ids are a set, ascending). Without FLA the kernel compiles as it did
 before the flag (the same sm_90 PTX but for line numbers).
 
+Rule 'lucidrains' (a LUCID constexpr, with P_ROUND and KEEP; lucidrains' choice, the op's
+docstring): lse None, no overlap matrix. Each tile's logits are rounded where the reference's ops
+round them: s = q @ k^T rounded to q's dtype, times scale rounded again (exact in the interpreter
+too: `_rounded`), the group's heads summed in fp32 (padded heads add 0), divided by h (div_rn) and
+rounded: the column means; each selection block's mean adds its m = l'/d columns in ascending
+order (column r of every block picked by an exact IEEE fp32 dot with a 0/1 matrix, as torch sums
+a short row), times 1/m (exact), rounded: a [BLOCK_M, KS]. Candidates are the blocks j < t // l'
+(whose columns all end before t) and j < Tc // m. The tiles are walked twice (the outer loop's two
+groups): the first pass keeps each query's running max and sum of the softmax (online, from the
+sink's logit -1e3 and its 1.0) and gives no key; the second computes p = exp(a - max) / sum
+(`_exp`: libdevice's expf, CUDA's own, not tl.exp's ex2.approx; div_rn), rounded to q's dtype
+(P_ROUND: the softmax in q's dtype) or not (float32 softmax), and gives each candidate with
+p >= KEEP (the smallest p torch's `p > 1e-10` keeps in p's dtype) the key of its p's bits, the
+lower block first among equal p as the reference's stable sort; the first n of the list are
+written in rank order (no ascending sort), -1 past the kept ones (also where Tc // m < n), and
+the diagonal block t // l' in column n. Not with pos, q_offset, group_first, group_sum_dtype or
+FLA. The sum's order (online, tile by tile) is not torch's, and the exp is not torch's CPU one: p
+can differ from the reference's by an fp32 unit, which moves a bf16/fp16 rounding (or makes or
+breaks a float32 tie) in rare rows (the op's docstring). Twice the logit work of one pass: the
+probability threshold and a rounded p's ties need the row's whole sum before the ranking. Without
+LUCID the kernel compiles to the same sm_90 PTX as before the flag (but for line numbers).
+
 KS = max(16, next power of two of n) >= n: the list keeps at least n, so its first n are eager's.
 Summation order: the heads are summed before the overlap map (eager maps each head, then sums),
 and on the GPU s * scale - lse is one fused multiply-add (not with FLA, above): both are exact
@@ -120,7 +142,8 @@ q and k both fp16, bf16 or fp32; Dk <= 256; d divides l and l', m = l' / d a pow
 tile covers the first block's reach); n <= 128; S < 2^31; pos int64 [B, S] with Tc = S - l + 1;
 importance_dtype bf16 or fp16, with one chunk of heads unless group_first; group_first with an
 importance_dtype and without pos (group_sum_dtype None: the sum is rounded); rule 'fla' without pos
-or group_first.
+or group_first; rule 'lucidrains' with l'/d <= 16 (one exact dot per column of a block), importance_dtype
+None or torch.float32, without lse, pos or group_first (l is not read).
 
 CPU interpreter: the kernel and its helpers are module-level `triton_support.jit` functions, as in
 selection_triton.py (built for the mode Triton is in when launched); interpreted, bf16 dot operands
@@ -137,8 +160,9 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # the module still imports; unsupported_reason says why the kernel cannot run
-    triton = tl = None
+    triton = tl = libdevice = None
 
 from .compressed_triton import document_slots, packed_reason
 from .triton_support import (
@@ -150,6 +174,9 @@ __all__ = ["select_blocks_forward", "unsupported_reason"]
 
 MAX_HEAD_DIM = 256
 MAX_SELECTED = 128
+# rule 'lucidrains': the probability a kept block must exceed (block_select.LUCIDRAINS_THRESHOLD, which
+# imports this module) and the most compressed columns a selection block averages (l' / d; one exact dot per column)
+LUCID_THRESHOLD, LUCID_MAX_COLUMNS = 1e-10, 16
 _TL_DTYPES = {} if tl is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # rule 'fla' compiles without fused multiply-adds: s * scale is rounded before - lse, as the reference
 # computes it, so a lone visible block's p is exactly 1 where lse is its rounded score (the module docstring)
@@ -192,11 +219,14 @@ def _tiles(h: int, Dk: int, cmp_stride: int, sel_block: int, n_selected: int, fp
 
 
 def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None,
-                       importance_dtype=None, group_first: bool = False, fla: bool = False) -> str | None:  # fmt: skip
+                       importance_dtype=None, group_first: bool = False, fla: bool = False,
+                       lucid: bool = False) -> str | None:  # fmt: skip
     """Why the Triton kernel cannot run these inputs, or None when it can (pos: packed documents,
     [B, S] int64, with k holding a slot per token; importance_dtype: None, bf16 or fp16;
     group_first: the group's rounded heads summed before the block map, with importance_dtype;
-    fla: the op's rule 'fla', without pos or group_first)."""
+    fla: the op's rule 'fla', without pos or group_first; lucid: the op's rule 'lucidrains', lse
+    None, importance_dtype None or torch.float32 (the softmax in float32), no pos, group_first or
+    fla, cmp_block not read)."""
     if why := device_reason(q, k, lse, pos):
         return why
     if q.dtype != k.dtype or q.dtype not in KERNEL_DTYPES:
@@ -205,17 +235,28 @@ def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, 
         return "q and k must be 4-D"
     if q.shape[3] > MAX_HEAD_DIM:
         return f"head dim {q.shape[3]} (at most {MAX_HEAD_DIM})"
-    if lse.dtype != torch.float32:
+    if lucid and (lse is not None or pos is not None or group_first or fla):
+        return "rule 'lucidrains' takes no lse, pos (packed documents), group_first or rule 'fla'"
+    if not lucid and lse.dtype != torch.float32:
         return f"lse dtype {lse.dtype} (needs float32)"
     l, d, ls = cmp_block, cmp_stride, sel_block
     for v in (l, d, ls, n_selected):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             return f"block sizes and n must be ints >= 1, got {(l, d, ls, n_selected)}"
-    if l % d or ls % d:
+    if (l % d and not lucid) or ls % d:  # rule 'lucidrains' does not read l
         return f"the stride d={d} must divide l={l} and l'={ls}"
     m = ls // d
     if m & (m - 1) or m > 128:
         return f"l' / d = {m} (needs a power of two <= 128: a tile of compression blocks holds whole selection blocks)"
+    if lucid and m > LUCID_MAX_COLUMNS:
+        return (f"rule 'lucidrains' with l' / d = {m} (at most {LUCID_MAX_COLUMNS}: each block's mean adds its columns "
+                "one exact dot each)")
+    if lucid:
+        if importance_dtype not in (None, torch.float32):
+            return f"rule 'lucidrains' with importance_dtype {importance_dtype} (None, or torch.float32: the softmax)"
+        if n_selected > MAX_SELECTED or q.shape[2] >= 2**31 or k.shape[2] >= 2**31:
+            return f"n_selected {n_selected}, S={q.shape[2]}, Tc={k.shape[2]} (n <= {MAX_SELECTED}; ids in 31 bits)"
+        return None
     if n_selected > MAX_SELECTED:
         return f"n_selected {n_selected} (at most {MAX_SELECTED}: the running top-n lives in registers)"
     G = k.shape[1]
@@ -292,7 +333,7 @@ def select_kernel(
     BLOCK_M: tl.constexpr, TC: tl.constexpr, NS: tl.constexpr, KS: tl.constexpr, LOG_KS: tl.constexpr,
     PREC: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr, HAS_POS: tl.constexpr,
     IMP_DTYPE: tl.constexpr, SUM_ROUND: tl.constexpr, MAP_UPCAST: tl.constexpr, GROUP_FIRST: tl.constexpr,
-    FLA: tl.constexpr,
+    FLA: tl.constexpr, LUCID: tl.constexpr, P_ROUND: tl.constexpr, KEEP: tl.constexpr,
 ):  # fmt: skip
     # heaviest (latest) query tiles first: a short tail for the causal imbalance
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -314,7 +355,8 @@ def select_kernel(
                      mask=row_ok[:, None] & dk_ok[None, :], other=0.0)  # [ROWS, DK_P]
         if UPCAST:
             q0 = q0.to(tl.float32)
-        lse0 = tl.load(LSE + b * slb + hd * slh + t_row.to(tl.int64) * sls, mask=row_ok, other=0.0)
+        if not LUCID:  # (rule 'lucidrains' ranks the logits: no lse)
+            lse0 = tl.load(LSE + b * slb + hd * slh + t_row.to(tl.int64) * sls, mask=row_ok, other=0.0)
     if HAS_POS:
         # packed documents: query t is the unpacked query pos[t] of its document, whose i-th
         # compression block is compact slot lo[t] + i (document_slots). The rows are taken in
@@ -333,9 +375,14 @@ def select_kernel(
         t_last = Q_OFF + tl.minimum(tile * BLOCK_M + BLOCK_M, S) - 1
         n_tiles = (t_last // LS) // NS + 1  # up to the latest query's current block
         n_groups = 1
+        if LUCID:  # two passes over the blocks: the softmax's normalizer, then the ranking by p
+            n_groups = 2
+            m_run = tl.full([BLOCK_M], -1000.0, tl.float32)  # the row's running max: the sink's logit first
+            l_run = tl.full([BLOCK_M], 1.0, tl.float32)  # the running sum of exp(logit - m_run), the sink's 1
     kk = tl.arange(0, 2 * TC)
     jj = tl.arange(0, KS)
-    w = tl.load(W + kk[:, None] * KS + jj[None, :])  # [2 TC, KS] overlap / l: previous | this tile
+    if not LUCID:  # rule 'lucidrains' maps no probabilities: no overlap matrix
+        w = tl.load(W + kk[:, None] * KS + jj[None, :])  # [2 TC, KS] overlap / l: previous | this tile
     ic = tl.arange(0, TC)
     if IMP_DTYPE is not None and not GROUP_FIRST:
         # the two halves apart, in the importance dtype (the weights are rounded to it): the per-head
@@ -348,7 +395,7 @@ def select_kernel(
             w_prev = w_prev.to(IMP_DTYPE)
             w_this = w_this.to(IMP_DTYPE)
     run = tl.full([BLOCK_M, KS], -1, tl.int64)  # running top KS keys, descending (-1: none)
-    for _ in range(n_groups):
+    for grp in range(n_groups):
         prev = tl.full([BLOCK_M, TC], 0.0, tl.float32)  # the previous tile's head sums (none before 0)
         if IMP_DTYPE is not None and not GROUP_FIRST:  # the previous tile's rounded p per (query, head) row
             prev_r = tl.full([ROWS, TC], 0.0, tl.float32)
@@ -378,7 +425,8 @@ def select_kernel(
             for hc in tl.static_range(NHC):
                 if NHC == 1:
                     q = q0
-                    lse = lse0
+                    if not LUCID:
+                        lse = lse0
                     ok = row_ok
                 else:
                     head = hc * HC + row % HC
@@ -388,27 +436,38 @@ def select_kernel(
                                 mask=ok[:, None] & dk_ok[None, :], other=0.0)
                     if UPCAST:
                         q = q.to(tl.float32)
-                    lse = tl.load(LSE + b * slb + hd * slh + t_row.to(tl.int64) * sls, mask=ok, other=0.0)
+                    if not LUCID:
+                        lse = tl.load(LSE + b * slb + hd * slh + t_row.to(tl.int64) * sls, mask=ok, other=0.0)
                 s = tl.dot(q, tl.trans(kt), input_precision=PREC)  # [ROWS, TC] fp32
-                if ROUND:  # eager's q @ k^T is rounded to the input dtype before the upcast
-                    s = s.to(Q.dtype.element_ty).to(tl.float32)
-                if HAS_POS:  # block i (of the group's documents) where i*d + l - 1 <= pos[t]: it exists
-                    # then; the other groups' rows only add to their own queries' sums, whose keys
-                    # this pass drops
-                    vis = ok[:, None] & (i[None, :] * D + L - 1 <= p_row[:, None])
+                if LUCID:  # lucidrains: (q @ k^T) in q's dtype, times scale in q's dtype, the group's sum in fp32
+                    if ROUND:
+                        s = _rounded(_rounded(s, Q.dtype.element_ty) * scale, Q.dtype.element_ty)
+                    else:
+                        s = s * scale
+                    psum += reduce_sum(tl.reshape(tl.where(ok[:, None], s, 0.0), [BLOCK_M, HC, TC]), 1)
                 else:
-                    vis = ok[:, None] & (i < Tc)[None, :] & (i[None, :] * D + L - 1 <= Q_OFF + t_row[:, None])
-                # where, not multiply: a row without a visible block has lse = -inf (exp = inf)
-                p = tl.where(vis, tl.exp(s * scale - lse[:, None]), 0.0)
-                if GROUP_FIRST:  # p rounded per head, the group's heads summed in fp32 (over every chunk)
-                    psum += reduce_sum(tl.reshape(_rounded(p, IMP_DTYPE), [BLOCK_M, HC, TC]), 1)
-                elif IMP_DTYPE is not None:  # one chunk (NHC == 1): p rounded per head, summed after the map
-                    p_r = _rounded(p, IMP_DTYPE)  # exact in IMP_DTYPE: the cast below only stores it so
-                    if not MAP_UPCAST:
-                        p_r = p_r.to(IMP_DTYPE)
-                else:
-                    psum += reduce_sum(tl.reshape(p, [BLOCK_M, HC, TC]), 1)  # the group's heads summed
-            if GROUP_FIRST:
+                    if ROUND:  # eager's q @ k^T is rounded to the input dtype before the upcast
+                        s = s.to(Q.dtype.element_ty).to(tl.float32)
+                    if HAS_POS:  # block i (of the group's documents) where i*d + l - 1 <= pos[t]: it exists
+                        # then; the other groups' rows only add to their own queries' sums, whose keys
+                        # this pass drops
+                        vis = ok[:, None] & (i[None, :] * D + L - 1 <= p_row[:, None])
+                    else:
+                        vis = ok[:, None] & (i < Tc)[None, :] & (i[None, :] * D + L - 1 <= Q_OFF + t_row[:, None])
+                    # where, not multiply: a row without a visible block has lse = -inf (exp = inf)
+                    p = tl.where(vis, tl.exp(s * scale - lse[:, None]), 0.0)
+                    if GROUP_FIRST:  # p rounded per head, the group's heads summed in fp32 (over every chunk)
+                        psum += reduce_sum(tl.reshape(_rounded(p, IMP_DTYPE), [BLOCK_M, HC, TC]), 1)
+                    elif IMP_DTYPE is not None:  # one chunk (NHC == 1): p rounded per head, summed after the map
+                        p_r = _rounded(p, IMP_DTYPE)  # exact in IMP_DTYPE: the cast below only stores it so
+                        if not MAP_UPCAST:
+                            p_r = p_r.to(IMP_DTYPE)
+                    else:
+                        psum += reduce_sum(tl.reshape(p, [BLOCK_M, HC, TC]), 1)  # the group's heads summed
+            if LUCID:
+                bits, m_run, l_run = _lucid_keys(psum, c * NS + jj, grp, t_q, m_run, l_run, S, Tc, LS, HPG,
+                                                 TC, NS, KS, Q.dtype.element_ty, ROUND, P_ROUND, KEEP)
+            elif GROUP_FIRST:
                 # eager's einsum under autocast: the group sum rounded, then mapped by the rounded weights
                 # (w holds them in fp32) in one IEEE fp32 dot of [previous | this tile] in ascending
                 # compression block (the products exact, accumulated in fp32), rounded; no group sum after
@@ -458,7 +517,7 @@ def select_kernel(
                 # exactly (in any order and rounding). The later blocks (key +0.0: ranked after every
                 # earlier block, then -1) get no key: the ids are the earlier blocks' top n, -1 after
                 bits = tl.where(candidate, tl.where(forced, HPG * 1.0, p_grp).to(tl.int32, bitcast=True), -1)
-            else:
+            elif not LUCID:  # (rule 'lucidrains': the bits of _lucid_keys above)
                 bits = tl.where(forced, 0x7F800000, tl.where(candidate, p_grp.to(tl.int32, bitcast=True), -1))
             key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)[None, :]  # [BLOCK_M, KS]
             # merge only when some key beats some query's running minimum (the list's last entry)
@@ -472,10 +531,13 @@ def select_kernel(
     col = tl.arange(0, KS)[None, :]
     none: tl.constexpr = 0x7FFFFFFF
     ids = tl.where((col < N_SEL) & (run >= 0), 0x7FFFFFFF - (run & 0x7FFFFFFF), none)
-    if not FLA:
+    if not FLA and not LUCID:
         ids = _sort_rows(ids, BLOCK_M, KS, LOG_KS, False)
     out_ptrs = OUT + b * sob + g.to(tl.int64) * sog + t_q.to(tl.int64)[:, None] * sos + col
     tl.store(out_ptrs, tl.where(ids == none, -1, ids), mask=(t_q < S)[:, None] & (col < N_SEL))
+    if LUCID:  # the diagonal block, appended as column n
+        tl.store(OUT + b * sob + g.to(tl.int64) * sog + t_q.to(tl.int64) * sos + N_SEL, cur.to(tl.int64),
+                 mask=t_q < S)
 
 
 @jit
@@ -489,6 +551,57 @@ def _rounded(x, DTYPE: tl.constexpr):
         return bits.to(tl.float32, bitcast=True)
     else:
         return x.to(DTYPE).to(tl.float32)
+
+
+def _exp_interpreted(x):
+    """`_exp` for Triton's interpreter (no libdevice there): numpy's exp."""
+    return tl.exp(x)
+
+
+@jit(interpreted=_exp_interpreted)
+def _exp(x):
+    """exp(x) in fp32 as CUDA's expf computes it (libdevice: what torch's softmax kernels call),
+    not tl.exp's ex2.approx of x * log2(e), whose error grows with |x| (rule 'lucidrains' rounds
+    the probabilities to bf16/fp16, where each error can move a rounding)."""
+    return libdevice.exp(x)
+
+
+@jit
+def _lucid_keys(psum, j, pass_, t_q, m_run, l_run, S, Tc, LS, HPG: tl.constexpr, TC: tl.constexpr,
+                NS: tl.constexpr, KS: tl.constexpr, XDTYPE: tl.constexpr, X_ROUND: tl.constexpr,
+                P_ROUND: tl.constexpr, KEEP: tl.constexpr):  # fmt: skip
+    """Rule 'lucidrains' on one tile: psum [BLOCK_M, TC] the group's sums of the scaled logits (fp32
+    sums of q-dtype values), j [KS] the tile's selection blocks (c * NS + jj). The column means
+    (psum / h, rounded to XDTYPE with X_ROUND), each block's mean of its M = TC / NS columns added in
+    ascending column order (as torch's sum of a short row) and rounded: a [BLOCK_M, KS]; the
+    candidates j < t // l' and j < Tc // M. The first pass (pass_ 0) updates the row's running max
+    and sum of the softmax (m_run, l_run [BLOCK_M], the sink's -1e3 included) and gives no key; the
+    second gives each candidate whose p = exp(a - m) / l (rounded to XDTYPE with P_ROUND) is at
+    least KEEP the bits of p, -1 elsewhere. Returns (bits [BLOCK_M, KS] int32, m_run, l_run)."""
+    M: tl.constexpr = TC // NS
+    col = tl.math.div_rn(psum, tl.full(psum.shape, HPG, tl.float32))  # the group's mean
+    if X_ROUND:
+        col = _rounded(col, XDTYPE)
+    # column r of each block by an exact fp32 identity (x * 1 plus zeros), added in ascending order
+    ic = tl.arange(0, TC)[:, None]
+    jj = tl.arange(0, KS)[None, :]
+    block = tl.dot(col, tl.where(ic == jj * M, 1.0, 0.0), input_precision="ieee")  # [BLOCK_M, KS]
+    for r in tl.static_range(1, M):
+        block += tl.dot(col, tl.where(ic == jj * M + r, 1.0, 0.0), input_precision="ieee")
+    a = block * (1.0 / M)  # M a power of two: exact
+    if X_ROUND:
+        a = _rounded(a, XDTYPE)
+    cand = ((tl.arange(0, KS) < NS)[None, :] & (j[None, :] < (t_q // LS)[:, None]) & (j < Tc // M)[None, :]
+            & (t_q < S)[:, None])  # fmt: skip
+    a = tl.where(cand, a, float("-inf"))  # exp(-inf) = 0: no other block enters the softmax
+    m_new = tl.maximum(m_run, reduce_max(a, 1))  # in the second pass m_run itself (the row's max)
+    e = _exp(a - m_new[:, None])
+    l_new = l_run * _exp(m_run - m_new) + reduce_sum(e, 1)
+    p = tl.math.div_rn(e, l_run[:, None])  # (its value in the second pass only, where l_run is the row's sum)
+    if P_ROUND:
+        p = _rounded(p, XDTYPE)
+    bits = tl.where(cand & (p >= KEEP) & (pass_ == 1), p.to(tl.int32, bitcast=True), -1)
+    return bits, tl.where(pass_ == 0, m_new, m_run), tl.where(pass_ == 0, l_new, l_run)
 
 
 @jit
@@ -523,9 +636,20 @@ def _overlap_matrix(TC: int, NS: int, KS: int, cmp_block: int, cmp_stride: int, 
     return made_aside(make, device)  # a cached constant: outside a CUDA graph's pool
 
 
+@functools.cache
+def _lucid_keep(dtype: torch.dtype) -> float:
+    """Rule 'lucidrains' keeps a block where `p > 1e-10` with p in `dtype` (torch compares it in that
+    dtype: bf16's 1e-10 rounds up to 1.0004e-10 and is not kept, fp16's to 0): the smallest value of
+    dtype that torch keeps, as a Python float (exact in fp32), so the kernel keeps p >= it."""
+    v = torch.tensor(LUCID_THRESHOLD, dtype=dtype)
+    while not bool(v > LUCID_THRESHOLD):
+        v = torch.nextafter(v, torch.tensor(1.0, dtype=dtype))
+    return v.item()
+
+
 def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int,
                           scale: float, pos=None, importance_dtype=None, group_sum_dtype=None, q_offset: int = 0,
-                          group_first: bool = False, fla: bool = False, *,
+                          group_first: bool = False, fla: bool = False, lucid: bool = False, *,
                           tiles: dict | None = None) -> torch.Tensor:  # fmt: skip
     """block_idx [B, G, S, n_selected] int64 (see the module docstring). pos: packed documents
     ([B, S] int64; k then holds a slot per token). importance_dtype: None, or bf16/fp16 for the
@@ -536,29 +660,36 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
     sum in fp32, rounded) before the block map, as eager's einsum under autocast (the op's
     docstring; with importance_dtype, without group_sum_dtype or pos). fla: the op's rule 'fla' (the
     current block favoured, no forced blocks, the ids in rank order, -1 after; without pos or
-    group_first). `tiles`: an override of `_tiles` (tools/bench_block_select.py); None, the default
-    tiles."""
+    group_first). lucid: the op's rule 'lucidrains' (lse None; importance_dtype None or torch.float32,
+    the softmax's dtype; [B, G, S, n_selected + 1], the diagonal block last; not with pos, q_offset,
+    group_first or group_sum_dtype). `tiles`: an override of `_tiles` (tools/bench_block_select.py);
+    None, the default tiles."""
     why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos, importance_dtype,
-                             group_first, fla)
+                             group_first, fla, lucid)
     if why is None and group_first and group_sum_dtype is not None:
         why = f"group_first with group_sum_dtype {group_sum_dtype} (the group sum is rounded before the map)"
+    if why is None and lucid and (q_offset or group_sum_dtype is not None):
+        why = "rule 'lucidrains' takes no q_offset and no group_sum_dtype"
     if why is not None:
         raise ValueError(f"select_blocks (triton): cannot run these inputs: {why}")
     B, H, S, Dk = q.shape
     G, Tc = k.shape[1], k.shape[2]
     h = H // G
-    out = torch.empty((B, G, S, n_selected), dtype=torch.int64, device=q.device)
+    out = torch.empty((B, G, S, n_selected + lucid), dtype=torch.int64, device=q.device)
     if out.numel() == 0:
         return out
     T = _tiles(h, Dk, cmp_stride, sel_block, n_selected, q.dtype == torch.float32, tiles)
-    if cmp_block > (T["TC"] + 1) * cmp_stride:
+    if cmp_block > (T["TC"] + 1) * cmp_stride and not lucid:
         raise ValueError(f"select_blocks (triton): tiles {T}: l={cmp_block} reaches back past one tile of TC blocks")
-    if importance_dtype is not None and not group_first and h > T["HC"]:
+    if importance_dtype is not None and not group_first and not lucid and h > T["HC"]:
         raise ValueError(f"select_blocks (triton): tiles {T}: {h} heads in chunks of {T['HC']} (the rounded importance "
                          "is kept per head for one chunk only)")
     m = sel_block // cmp_stride
     NS = T["TC"] // m
-    w = _overlap_matrix(T["TC"], NS, T["KS"], cmp_block, cmp_stride, sel_block, q.device, importance_dtype)
+    w = None if lucid else _overlap_matrix(T["TC"], NS, T["KS"], cmp_block, cmp_stride, sel_block, q.device,
+                                           importance_dtype)
+    # rule 'lucidrains': p rounded to q's dtype unless the softmax runs in float32, kept where >= KEEP
+    p_dtype = torch.float32 if importance_dtype == torch.float32 else q.dtype
     launch = {"num_warps": T["num_warps"]} | ({"num_stages": T["num_stages"]} if "num_stages" in T else {})
     launch |= FLA_OPTIONS if fla else {}
     grid = (_cdiv(S, T["BLOCK_M"]), B * G)
@@ -570,14 +701,16 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
             slot = lo
     select_kernel[grid](
         q, k, lse, w, out, doc_pos, lo, slot,
-        *q.stride(), *k.stride(), *lse.stride(), *out.stride()[:3],
+        *q.stride(), *k.stride(), *(lse.stride() if lse is not None else (0, 0, 0)), *out.stride()[:3],
         S, G, Tc, n_selected, cmp_block, cmp_stride, sel_block, scale, q_offset,
         HPG=h, HC=T["HC"], NHC=_cdiv(h, T["HC"]), DK=Dk, DK_P=T["DK_P"], BLOCK_M=T["BLOCK_M"], TC=T["TC"], NS=NS,
         KS=T["KS"], LOG_KS=T["KS"].bit_length() - 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         ROUND=q.dtype != torch.float32, UPCAST=upcast_dots(q.dtype), HAS_POS=pos is not None,
-        IMP_DTYPE=None if importance_dtype is None else _TL_DTYPES[importance_dtype], SUM_ROUND=group_sum_dtype is None,
-        MAP_UPCAST=importance_dtype is not None and upcast_dots(importance_dtype), GROUP_FIRST=group_first, FLA=fla,
+        IMP_DTYPE=None if importance_dtype is None or lucid else _TL_DTYPES[importance_dtype],
+        SUM_ROUND=group_sum_dtype is None, MAP_UPCAST=importance_dtype is not None and not lucid and upcast_dots(
+            importance_dtype), GROUP_FIRST=group_first, FLA=fla,
+        LUCID=lucid, P_ROUND=lucid and p_dtype != torch.float32, KEEP=_lucid_keep(p_dtype) if lucid else 0.0,
         **launch,
     )  # fmt: skip
     return out
