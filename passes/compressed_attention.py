@@ -147,6 +147,7 @@ import inspect
 import itertools
 import math
 import operator
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -1711,6 +1712,8 @@ _WRITES = {operator.setitem, operator.iadd, operator.isub, operator.imul, operat
 # Tokens perturbed together in the pooling probe (`varlen_windows`) are this far apart (the whole
 # sequence when it is shorter): a pooled key's window must be at most half of it.
 VARLEN_PROBE_PERIOD = 128
+# Runs of the pooling region per memory layout of the probe tokens (`token_layout`).
+LAYOUT_TRIALS = 3
 
 
 def writes_into(node: fx.Node, before: int, order: dict) -> list[fx.Node]:
@@ -1834,6 +1837,30 @@ def token_source(kv: fx.Node, T: int, what: str) -> tuple[fx.Node, list[fx.Node]
     raise Refused(f"the compressed {what} of the packed tokens read no single [T = {T}, ..] sequence (not probed)")
 
 
+def token_layout(tokens: torch.Tensor, pooled, env: dict, source: fx.Node) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [T, ..] in the memory layout that the probe region `pooled` runs faster on, its
+    base value there): the same values with the token dim outermost (contiguous) or innermost in
+    memory (xunhaolai's `seq.flatten(1).t()` hands avg_pool1d a transposed view, several times
+    slower there), each timed LAYOUT_TRIALS times (the fastest of its runs: a busy host only slows
+    a run). The contiguous layout is kept where the other fails to run (a `view` that needs
+    contiguous tokens) or gives other values (beyond float64 rounding)."""
+    layouts = [tokens.contiguous(), tokens.movedim(0, -1).contiguous().movedim(-1, 0)]
+    seconds, values = [math.inf, math.inf], [None, None]
+    for _ in range(LAYOUT_TRIALS):
+        for i, laid in enumerate(layouts):
+            started = time.perf_counter()
+            try:
+                values[i] = pooled({**env, source: laid})
+            except Refused:
+                if i == 0:
+                    raise
+                return layouts[0], values[0]
+            seconds[i] = min(seconds[i], time.perf_counter() - started)
+    if seconds[1] < seconds[0] and torch.allclose(values[1], values[0], rtol=1e-12, atol=0):
+        return layouts[1], values[1]
+    return layouts[0], values[0]
+
+
 def varlen_windows(kv: fx.Node, T: int, seen_at: torch.Tensor, what: str) -> tuple[torch.Tensor, int]:
     """(start [N] int64, l): the compressed kv [G, N, D] of packed tokens (per-document
     pooling, concatenated: xunhaolai's `avg_pool1d` per cu_seqlens slice) read on float64 probes
@@ -1841,7 +1868,9 @@ def varlen_windows(kv: fx.Node, T: int, seen_at: torch.Tensor, what: str) -> tup
     each residue in turn, move the keys whose window holds one; key j must depend on one run of l
     consecutive tokens [start_j, start_j + l), l the same for every key (the run placed nearest
     the first query that sees it, `seen_at` [N], where P < T). A check on probes, as
-    `probe_pooling`'s."""
+    `probe_pooling`'s. Each run draws noise for its T / P tokens only; the region's nodes that do
+    not read the tokens run once, and the runs take the tokens in the faster memory layout
+    (`token_layout`): the same values."""
     source, ops = token_source(kv, T, what)
     order = {n: i for i, n in enumerate(kv.graph.nodes)}
     for node in [source, *ops]:
@@ -1865,21 +1894,30 @@ def varlen_windows(kv: fx.Node, T: int, seen_at: torch.Tensor, what: str) -> tup
                           evaluate_written(x, f"input {x.name} of the pooled {what}").cpu())
     from nsa_compile import probe  # float64 evaluation of a region
 
+    moving = {source}  # the nodes that read the perturbed tokens; the others give one value in every run
+    for node in ops:
+        if any(x in moving for x in node.all_input_nodes):
+            moving.add(node)
+    for node in ops:
+        if node not in moving:  # evaluated once (RoPE tables, a mean of parameters)
+            env[node] = probe.run([node], dict(env), node, f"the compressed {what}", device="cpu")
+    ops = [node for node in ops if node in moving]
+
     def pooled(values: dict) -> torch.Tensor:  # [N], per key: its largest value (changes are compared)
         out = probe.run(ops, dict(values), kv, f"the compressed {what}", device="cpu") if ops else values[source]
         return out.transpose(0, 1).reshape(out.shape[1], -1) if out.dim() == 3 else out.reshape(out.shape[0], -1)
 
-    base = pooled(env)
+    env[source], base = token_layout(env[source], pooled, env, source)
     N = base.shape[0]
     scale = float(base.abs().max()) + 1.0
     period = min(T, VARLEN_PROBE_PERIOD)
-    t = torch.arange(T, device="cpu")
     shape = concrete(value(source).shape)
     moved = []
     for r in range(period):
-        noise = torch.randn(shape, generator=gen, dtype=torch.float64, device="cpu")
-        hit = (t % period == r).to(torch.float64).view(T, *([1] * (len(shape) - 1)))
-        shifted = {**env, source: env[source] + noise * hit}
+        hit = torch.arange(r, T, period, device="cpu")  # noise on these tokens only (O(T / P) values drawn)
+        noise = torch.randn((len(hit), *shape[1:]), generator=gen, dtype=torch.float64, device="cpu")
+        tokens = env[source].clone()  # in the chosen layout (`token_layout`)
+        shifted = {**env, source: tokens.index_add_(0, hit, noise)}
         moved.append(((pooled(shifted) - base).abs().amax(-1) > PROBE_TOLERANCE * scale))
     runs = torch.stack(moved, dim=1)  # [N, period]: the residues key j depends on
     starts, lengths = [], set()

@@ -1286,6 +1286,8 @@ class LucidrainsFine:
 
 # A varlen selected branch is checked on this many probe block choices.
 VARLEN_PROBES = 3
+# Queries compared at a time with the op's visibility (`VarlenSelected.first_difference`).
+VERIFY_ROWS = 256
 INF = float("inf")
 VARLEN_TEXT = ", packed [T, H, D] tokens (3-D scores under a block mask, checked on probe block choices)"
 
@@ -1382,13 +1384,11 @@ class VarlenSelected:
     @staticmethod
     def verify(region: list, mask: fx.Node, sense, ids: fx.Node, H: int, h: int, T: int, block: int, n: int,
                pos_node: fx.Node) -> None:
-        """Refused unless the mask on every probe choice is the op's visibility for every head."""
+        """Refused unless the mask on every probe choice is the op's visibility for every head
+        (`first_difference`: every element compared)."""
         pos = cmp.evaluate_written(pos_node, "positions").cpu()
         G = H // h
         gen = torch.Generator().manual_seed(0)
-        t = torch.arange(T, device="cpu")[:, None]
-        s = torch.arange(T, device="cpu")[None, :]
-        start = t - pos[0][:, None]  # [T, 1]: each query's document start
         for i in range(VARLEN_PROBES):
             chosen = VarlenSelected.probe_ids(pos, G, block, n, gen)
             # on the graph's device: the region makes its constants there (torch.zeros(.., device=..))
@@ -1399,17 +1399,58 @@ class VarlenSelected:
                 keep = torch.broadcast_to(~filled if sense else filled, (H, T, T)).cpu()
             except RuntimeError:
                 raise Refused(f"the mask {tuple(filled.shape)} is not [H, T, T] = {(H, T, T)}") from None
-            offset = s - start  # [T, T]: token s's position in t's document (< 0 before it)
-            picked = chosen[0][:, :, None, :] >= 0  # [G, T, 1, n]
-            in_block = (offset[None, :, :, None] // block == chosen[0][:, :, None, :]) & (offset >= 0)[None, :, :, None]
-            want = ((in_block & picked).any(-1) & (s <= t)[None]).repeat_interleave(h, 0)  # [H, T, T]
-            if not torch.equal(keep, want):
-                head, query, key = (int(x) for x in (keep != want).nonzero()[0])
+            found = VarlenSelected.first_difference(keep, chosen[0], pos[0], block)
+            if found is not None:
+                head, query, key = found
                 seen = "sees" if bool(keep[head, query, key]) else "hides"
                 raise Refused(f"the mask of the 3-D scores over packed tokens differs from nsa.selected_attention's "
                               f"visibility (l'={block}, per document) on probe block choice {i}: head {head}, query "
                               f"t={query} (position {int(pos[0, query])}, blocks {chosen[0, head // h, query].tolist()}) "
                               f"{seen} token {key}")
+
+    @staticmethod
+    def first_difference(keep: torch.Tensor, chosen: torch.Tensor, pos: torch.Tensor, block: int,
+                         rows: int = VERIFY_ROWS) -> tuple[int, int, int] | None:
+        """The first (head, query, key), in that order, where keep [H, T, T] differs from the op's
+        visibility for the block ids chosen [G, T, n] on positions pos [T] (token s for query t iff
+        s <= t and s lies in a chosen block of t's document: (s - (t - pos[t])) // l' in the ids,
+        the group's ids for each of its H // G heads); None where every element is equal.
+
+        The visibility is built per document, O(H * T * L) for documents of L tokens (the former
+        full-width test built [G, T, T, n]), and keep is read once: the queries, `rows` at a time
+        among those of one document start t - pos[t], are compared with the op's block mask over
+        the keys from their document's start to the last query (the ids scattered into blocks,
+        repeated over each block's l' tokens); every key outside those columns must be hidden."""
+        H, T, _ = keep.shape
+        G = chosen.shape[0]
+        h = H // G
+        t_all = torch.arange(T, device="cpu")
+        start = t_all - pos  # [T]: each query's document start
+        cut = torch.ones(T, dtype=torch.bool, device="cpu")
+        cut[1:] = start[1:] != start[:-1]
+        firsts = cut.nonzero().flatten().tolist()  # the first row of each run of one document start
+        found = []
+        for a, b in zip(firsts, firsts[1:] + [T]):
+            doc = int(start[a])
+            for r0 in range(a, b, rows):
+                r1 = min(b, r0 + rows)
+                lo, hi = min(max(doc, 0), r1), r1  # the keys some of these queries may see: [doc, r1)
+                for first_key, outside in ((0, keep[:, r0:r1, :lo]), (hi, keep[:, r0:r1, hi:])):
+                    if bool(outside.any()):
+                        head, query, key = (int(x) for x in outside.nonzero()[0])
+                        found.append((head, r0 + query, first_key + key))
+                blocks = -(-(hi - doc) // block) if hi > doc else 0
+                picked = torch.zeros(G, r1 - r0, blocks + 1, dtype=torch.bool, device="cpu")
+                ids = chosen[:, r0:r1]  # [G, rows, n]: ids past the document's keys pick no key here
+                picked.scatter_(-1, torch.where((ids >= 0) & (ids < blocks), ids, blocks), True)
+                offset = torch.arange(lo, hi, device="cpu") - doc  # [width]: the keys' positions in the document
+                want = picked[:, :, offset // block]  # [G, rows, width]
+                want &= (torch.arange(lo, hi, device="cpu")[None, :] <= t_all[r0:r1, None])[None]
+                inside = keep[:, r0:r1, lo:hi].unflatten(0, (G, h)) != want[:, None]  # [G, h, rows, width]
+                if bool(inside.any()):
+                    group, head, query, key = (int(x) for x in inside.nonzero()[0])
+                    found.append((group * h + head, r0 + query, lo + key))
+        return min(found) if found else None
 
     @staticmethod
     def rewrite(graph: fx.Graph, plan: dict) -> None:
