@@ -73,11 +73,11 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_e2e beside this file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the corpus
-from bench_e2e import DEFAULT_TOKENS_PER_STEP, append_record, environment, load_records, warm_up_compiler
+from bench_e2e import DEFAULT_TOKENS_PER_STEP, append_record, environment, load_records, run_config, warm_up_compiler
 from corpus import MODELS
 
 import nsa_compile
-from nsa_compile.bench import config_for, device_named, free_memory, is_oom, machine_pulse, time_training
+from nsa_compile.bench import device_named, free_memory, is_oom, machine_pulse, time_training
 from nsa_compile.explain import coverage
 from nsa_compile.models import NSAAttention, preset
 from nsa_compile.models.nsa import rope_tables
@@ -169,18 +169,13 @@ class GcClock:
             self._start = None
 
 
-def config_of(args) -> nsa_compile.OptimizeConfig:
-    """optimize's config of the run: --compiler, and --cuda-graphs (every model, the reference too)."""
-    return config_for(args.compiler).replace(cuda_graphs=args.cuda_graphs)
-
-
 def time_model(name: str, args, device: torch.device) -> dict:
     """Optimize the model at (args.batch, args.seq_len) and time its training steps: a record."""
     model = None
     try:
         model, x = build(name, args.batch, args.seq_len, device)
         torch._dynamo.reset()
-        model = nsa_compile.optimize(model, config_of(args))
+        model = nsa_compile.optimize(model, run_config(args))
         timings, pulses = [], []
         clock = GcClock(1 + args.warmup, args.steps)
         gc.callbacks.append(clock)
@@ -234,7 +229,7 @@ def parity_of(name: str, args, device: torch.device) -> dict:
     if args.no_parity:
         return {"ok": None, "parity_len": None, "detail": "--no-parity"}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = config_of(args)
+    config = run_config(args)
 
     def optimize_fn(module):
         torch._dynamo.reset()
@@ -491,7 +486,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--report-only needs --out (the records to tabulate)")
     try:
         args.models = model_names(args.models)
-        config_of(args)
+        run_config(args)
     except ValueError as err:
         ap.error(str(err))
     if min(args.steps, args.seq_len, args.parity_len, args.batch or 1, args.repeats) < 1 or args.warmup < 0:

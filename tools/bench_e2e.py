@@ -61,6 +61,7 @@ from tabulate import tabulate
 from nsa_compile.bench import (
     VARIANTS, compile_variant, config_for, cuda_time_ms, device_named, free_memory, is_oom, time_training,
 )
+from nsa_compile.config import OptimizeConfig
 from nsa_compile.explain import pass_table, rewrite_summary
 from nsa_compile.models import preset
 from nsa_compile.parity import choice_length, fit_parity, parity_sentence, run_parity
@@ -342,8 +343,9 @@ def ratio_text(ratio: float, parity_ok: bool | None) -> str:
 # --- the summary over every record ----------------------------------------------------------------
 
 
-def run_config(args) -> "nsa_compile.OptimizeConfig":
-    """optimize's config of the run: --compiler and --cuda-graphs (the parity check's too)."""
+def run_config(args) -> OptimizeConfig:
+    """optimize's config of the run: --compiler and --cuda-graphs (the parity check's too; also
+    bench_corpus's, for every model and the reference)."""
     return config_for(args.compiler).replace(cuda_graphs=args.cuda_graphs)
 
 

@@ -187,7 +187,7 @@ __all__ = ["BLOCK_SELECT", "REFERENCE_BUDGET", "choose_backend", "lucidrains_pro
 
 RULES = ("nsa", "fla", "lucidrains")
 # rule 'lucidrains': the sink column's logit and the probability a chosen block must exceed
-LUCIDRAINS_SINK, LUCIDRAINS_THRESHOLD = -1e3, 1e-10
+LUCIDRAINS_SINK, LUCIDRAINS_THRESHOLD = -1e3, block_select_triton.LUCID_THRESHOLD  # the kernel's sink: its -1000.0
 # the importance dtypes the op rounds to (autocast's lower precisions)
 ROUNDINGS = (torch.bfloat16, torch.float16)
 

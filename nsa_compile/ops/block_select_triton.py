@@ -174,8 +174,9 @@ __all__ = ["select_blocks_forward", "unsupported_reason"]
 
 MAX_HEAD_DIM = 256
 MAX_SELECTED = 128
-# rule 'lucidrains': the probability a kept block must exceed (block_select.LUCIDRAINS_THRESHOLD, which
-# imports this module) and the most compressed columns a selection block averages (l' / d; one exact dot per column)
+# rule 'lucidrains': the probability a kept block must exceed (block_select.LUCIDRAINS_THRESHOLD is this
+# value: that module imports this one) and the most compressed columns a selection block averages (l' / d;
+# one exact dot per column)
 LUCID_THRESHOLD, LUCID_MAX_COLUMNS = 1e-10, 16
 _TL_DTYPES = {} if tl is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # rule 'fla' compiles without fused multiply-adds: s * scale is rounded before - lse, as the reference
