@@ -53,7 +53,9 @@ chunk of tokens: tokens a..b-1: <why>`. Static sizes only. Why per chunk and not
 the cat of each branch's chunks: that copies the three branch outputs once more.
 
 Becomes `torch.ops.nsa.gated_combine(v or u (or z) as [B, S, R, m, Din], w1, b1, w2, b2, o_cmp,
-o_sel, o_win, act, normalize, backend)[0]` (nsa_compile/ops/gated_combine.py; the branches viewed
+o_sel, o_win, act, normalize, backend)[0]` (nsa_compile/ops/gated_combine.py; the gate input u
+rounded to the first Linear's dtype where autocast runs that Linear narrower than u, as autocast
+rounds it: the op multiplies in its gate input's dtype; the branches viewed
 as [B, S, H, Dv], the result viewed back as O was laid out), cast to O's dtype when that differs
 from the branch outputs' (a float32 gate on bf16 branch outputs: CUDA's bf16 autocast runs the
 softmax in float32) unless every use of O is the input of a Linear or matmul that rounds it back
@@ -468,7 +470,11 @@ class GatedCombine(RewritePass):
             raise Refused(f"the branch outputs differ in dtype: {', '.join(str(b.dtype) for b in branch_fakes)}")
         if not branch_fakes[0].is_floating_point():
             raise Refused("the branch outputs are not floating point")
-        gate_in = self.gate_input(value(plan["gate_in"]), mix["lead"])  # the op's [B, S, R, m, Din], as a fake
+        gate_in = value(plan["gate_in"])
+        if plan["gate_cast"] is not None:
+            with gate_in.fake_mode:
+                gate_in = gate_in.to(plan["gate_cast"])
+        gate_in = self.gate_input(gate_in, mix["lead"])  # the op's [B, S, R, m, Din], as a fake
         w1, w2 = (value(plan[k]) if plan[k] is not None else None for k in ("w1", "w2"))
         B, S = token_sizes(value(gate), len(mix["lead"]))
         o_like = branch_fakes[0].new_empty((B, S, mix["H"], mix["Dv"]))  # [B, S, H, Dv] as the op reads it
@@ -748,11 +754,12 @@ class GatedCombine(RewritePass):
         if not is_linear(z):  # logits computed elsewhere (e.g. a GEMM shared with the projections): read as they are
             if not value(z).is_floating_point():
                 raise Refused("the gate logits are not floating point")
-            return plan | {"chain": chain, "u": z, "gate_in": z, "gate": "gate logits"}
+            return plan | {"chain": chain, "u": z, "gate_in": z, "gate": "gate logits", "gate_cast": None}
         only_user(z, "gate logits")
         chain.append(z)
         x, w2, b2 = linear_parts(z)
         act, w1, b1 = "none", None, None
+        first = z  # the Linear that reads the gate input
         activation = activation_of(x)
         if activation is not None and is_linear(arg(x, 0, "input")):
             only_user(x, "gate hidden layer")
@@ -760,7 +767,7 @@ class GatedCombine(RewritePass):
             only_user(hidden, "gate hidden layer")
             chain += [x, hidden]
             x, w1, b1 = linear_parts(hidden)
-            act = activation
+            act, first = activation, hidden
         u = x
         us = shape_at(u, "gate input", sizes)
         mean_of = arg(u, 0, "input")
@@ -781,8 +788,17 @@ class GatedCombine(RewritePass):
         mlp = (f"Linear({din}, {value(w1).shape[0]}) -> {act} -> Linear({value(w1).shape[0]}, {3 * NI})"
                if w1 is not None else f"Linear({din}, {3 * NI})")
         source = f"mean of {M} vectors" if M > 1 else "gate input"
+        # Under autocast the Linear computes in a narrower dtype than its input's (eager F.linear
+        # needs equal dtypes, so a difference is autocast's): it rounds the input to that dtype
+        # first. The op then gets the input so rounded, as the Linear did, and multiplies in that
+        # dtype (it casts the weights to the gate input's dtype, as autocast does); given the wider
+        # input it would run the GEMM in float32, slower and not what eager computed. With a mean
+        # (M > 1) the Linear rounds the mean, not its inputs: then the input stays as it is.
+        cast = value(first).dtype if M == 1 and value(first).dtype.itemsize < value(u).dtype.itemsize else None
+        if cast is not None:
+            source += f" rounded to {str(cast).removeprefix('torch.')} (autocast's Linear)"
         return plan | {"chain": chain, "u": u, "gate_in": gate_in, "M": M, "w1": w1, "b1": b1, "w2": w2, "b2": b2,
-                       "act": act, "gate": f"{source} -> {mlp}"}
+                       "act": act, "gate": f"{source} -> {mlp}", "gate_cast": cast}
 
     # --- replacement ------------------------------------------------------------------------------
 
@@ -804,8 +820,10 @@ class GatedCombine(RewritePass):
             return [d if isinstance(d, int) else token(next(i for i in (0, 1) if statically_known_true(d == tokens[i])))
                     for d in shape]
 
-        gate_in = self.gate_input(plan["gate_in"], plan["lead"],
-                                  lambda t, dim: call(graph, torch.unsqueeze, t, dim, anchor=out))
+        gate_in = plan["gate_in"]
+        if plan["gate_cast"] is not None:
+            gate_in = call(graph, torch.Tensor.to, gate_in, plan["gate_cast"], anchor=out)
+        gate_in = self.gate_input(gate_in, plan["lead"], lambda t, dim: call(graph, torch.unsqueeze, t, dim, anchor=out))
         branches = []
         for b, layout in zip(plan["branches"], plan["branch_layouts"]):  # as [B, S, H, Dv] views
             first = (tokens[0], H, tokens[1], Dv) if layout == "heads-first" else (*tokens, H, Dv)

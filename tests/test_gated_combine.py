@@ -742,3 +742,29 @@ def test_triton_at_the_issue_sizes(S, h):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for name, err, err_eager in _errors(dtype, shape, seed=S + h):
                 assert err <= max(2 * err_eager, FLOORS[dtype]), (name, dtype, shape[6], err, err_eager)
+
+
+def gate_input_dtype(optimized) -> torch.dtype:
+    """The dtype of the gate input the op receives in the ATen forward graph."""
+    (node,) = aten_nodes(only_graph(optimized).aten["forward"], torch.ops.nsa.gated_combine.default)
+    return node.args[0].meta["val"].dtype
+
+
+def test_autocast_head_gate_gets_its_input_rounded_as_the_linear_does():
+    """A head gate Linear on a float32 x under bf16 autocast: eager's Linear rounds x to bf16 and
+    multiplies in bf16. The op receives x so rounded (a GEMM in float32 would be slower and not
+    what eager computed); outside autocast, x stays float32 and no cast is written."""
+    args = [a.to(torch.bfloat16) if i >= 1 else a for i, a in enumerate(combine_inputs())]  # x float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (want, want_grads), (got, got_grads), optimized = run_both(Combine("head"), args, ONLY)
+    r = row(optimized, PASS)
+    assert r["matches"] == 1 and "gate input rounded to bfloat16 (autocast's Linear)" in r["kernels"][0], r
+    assert "torch_Tensor_to(l_x_, torch.bfloat16)" in only_graph(optimized).code_after
+    assert gate_input_dtype(optimized) == torch.bfloat16
+    for a, b in zip(got + tuple(got_grads), want + tuple(want_grads)):
+        if b is not None:
+            assert a.dtype == b.dtype and rel_rms(a, b) < 2e-2, (a.dtype, rel_rms(a, b))
+    # near miss: no autocast, the Linear computes in x's float32: nothing rounded
+    (_, _), (_, _), plain = run_both(Combine("head"), combine_inputs(), ONLY)
+    assert row(plain, PASS)["matches"] == 1 and "rounded" not in row(plain, PASS)["kernels"][0]
+    assert "torch_Tensor_to(" not in only_graph(plain).code_after and gate_input_dtype(plain) == torch.float32
