@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from .attention_match import Refused
 from .fx import op_name, value
-from .probe import element_budget
+from .probe import element_budget, repeat_as_expand
 
 __all__ = ["one_row", "peak_elements", "probe_rows"]
 
@@ -75,13 +75,16 @@ LAST_TWO = {"tril", "triu"}
 # ops that return a view of their input (no new memory): not counted by peak_elements
 VIEW_OPS = {"view", "expand", "permute", "transpose", "unsqueeze", "squeeze", "getitem", "select", "narrow",
             "unflatten", "detach", "t", "movedim", "split", "chunk", "unbind", "alias"}
+# ... and these, of a contiguous input (else they may copy)
+RESHAPES = {"flatten", "reshape"}
 
 
 def peak_elements(nodes: list[fx.Node], shape_of, batched: set | None = None, rows: int | None = None) -> int:
     """The most elements the tensors of `nodes` hold at once while probe.run evaluates them in
     order, freeing each value after its last reader among `nodes` (those no node reads, the
-    output among them, are held to the end); a view (VIEW_OPS, an in-place op) holds its base's
-    memory until the base and all its views are freed, and adds none. The region's inputs are not
+    output among them, are held to the end); a view (VIEW_OPS, an in-place op, a flatten or
+    reshape of a contiguous tensor, a repeat that probe.run evaluates as an expand) holds its
+    base's memory until the base and all its views are freed, and adds none. The region's inputs are not
     counted. `shape_of(tensor)` gives the sizes (sizes.Sizes.shape); with `batched` and `rows`, the
     batched nodes count `rows` batch rows."""
     inside = set(nodes)
@@ -91,7 +94,8 @@ def peak_elements(nodes: list[fx.Node], shape_of, batched: set | None = None, ro
     for step, node in enumerate(nodes):
         name = op_name(node) or ""
         source = node.all_input_nodes[0] if node.all_input_nodes else None
-        if (name in VIEW_OPS or name.endswith("_")) and source is not None:
+        if source is not None and (name in VIEW_OPS or name.endswith("_") or _expanded_repeat(node, shape_of)
+                                   or (name in RESHAPES and _contiguous(source))):
             owner = base.get(source)  # None: a view of an input (not counted)
         else:
             owner, size[node] = node, _elements(node, shape_of, batched, rows)
@@ -107,6 +111,19 @@ def peak_elements(nodes: list[fx.Node], shape_of, batched: set | None = None, ro
                 if not held:
                     live -= size[base[i]]
     return peak
+
+
+def _contiguous(node: fx.Node) -> bool:
+    val = value(node)
+    return isinstance(val, torch.Tensor) and val.is_contiguous()
+
+
+def _expanded_repeat(node: fx.Node, shape_of) -> bool:
+    """A repeat that probe.run evaluates as a view (probe.repeat_as_expand): it holds no memory."""
+    source = node.all_input_nodes[0] if node.all_input_nodes else None
+    val = value(source) if source is not None else None
+    return isinstance(val, torch.Tensor) and node.args[:1] == (source,) and \
+        repeat_as_expand(node, shape_of(val), node.args[1:]) is not None
 
 
 def _elements(node: fx.Node, shape_of, batched: set | None, rows: int | None) -> int:

@@ -14,7 +14,10 @@ probe dtype, float64 by default (complex: complex128), so
   is probed once.
 
 The values are dropped after their last use: a probe runs at the graph's real shapes (float32
-halves its memory where codes stay exact). A probe runs with autocast off: the passes run while
+halves its memory where codes stay exact). A `repeat` that only tiles dims of size 1 and is read
+only by `gather` runs as the `expand` with the same values (`repeat_as_expand`): gather reads its
+operands through their strides, so the copy is never made (lucidrains' fine branch repeats K and
+V once per query before gathering each query's blocks). A probe runs with autocast off: the passes run while
 the user's `torch.autocast` is on (Dynamo compiles inside the call), where a float32 matmul of the
 probe would compute in bf16 and round its index codes; the casts autocast makes in the model are
 in the graph already, as `.to` nodes (passes/autocast_casts.py).
@@ -29,7 +32,8 @@ from torch import fx
 
 from .attention_match import Refused
 
-__all__ = ["EXACT_BELOW", "decode", "element_budget", "fingerprint", "index_codes", "remembered", "run", "run_all"]
+__all__ = ["EXACT_BELOW", "decode", "element_budget", "fingerprint", "index_codes", "remembered", "repeat_as_expand",
+           "run", "run_all"]
 
 _CASTS = {"float", "half", "bfloat16", "double"}
 # Index codes (integers) are exact in these dtypes below these numbers.
@@ -72,6 +76,38 @@ def element_budget(device: torch.device | str) -> int:
         return CPU_BUDGET
     free, _ = torch.cuda.mem_get_info(device)
     return min(GPU_BUDGET_CAP, free // 4 // 8)
+
+
+def _is_repeat(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target == "repeat") or \
+        (node.op == "call_function" and node.target is torch.Tensor.repeat)
+
+
+def _reads_as_gather_operand(user: fx.Node, node: fx.Node) -> bool:
+    """`user` is a gather reading `node` as its input or index (not as its dim)."""
+    is_gather = (user.op == "call_method" and user.target == "gather") or \
+        (user.op == "call_function" and user.target in (torch.gather, torch.Tensor.gather))
+    return is_gather and user.args[1:2] != (node,) and user.kwargs.get("dim") is not node
+
+
+def repeat_as_expand(node: fx.Node, shape, args: tuple) -> tuple[int, ...] | None:
+    """The shape to expand to where `node`, a `Tensor.repeat` of a tensor of `shape` by the
+    repeats in `args` (the node's arguments after the tensor: ints, or one list or tuple of
+    them), tiles only dims of size 1 (new leading dims count as size 1) and every reader of it
+    in the graph is a `gather` taking it as input or index: then `x.reshape(ones + shape)
+    .expand(result)` holds the same values without a copy, and the gathers read the same
+    elements. None otherwise (any other repeat runs as written)."""
+    if not _is_repeat(node) or not node.users or node.kwargs:
+        return None
+    reps = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+    if not reps or not all(isinstance(r, int) for r in reps) or len(reps) < len(shape):
+        return None
+    padded = (1,) * (len(reps) - len(shape)) + tuple(int(d) for d in shape)
+    if any(r != 1 and d != 1 for r, d in zip(reps, padded)):
+        return None
+    if not all(_reads_as_gather_operand(user, node) for user in node.users):
+        return None
+    return tuple(d * r for d, r in zip(padded, reps))
 
 
 def run(nodes: list[fx.Node], env: dict, keep: fx.Node, what: str, dtype=torch.float64,
@@ -137,7 +173,11 @@ def _run_nodes(nodes: list[fx.Node], env: dict, keep: fx.Node | None, what: str,
         if node.op == "call_function":
             args, kwargs = _reference_backend(node, args, kwargs)
         try:
-            if node.op == "call_method" and node.target in _CASTS:
+            expanded = repeat_as_expand(node, args[0].shape, args[1:]) if _is_repeat(node) else None
+            if expanded is not None:
+                x = args[0]
+                env[node] = x.reshape((1,) * (len(expanded) - x.dim()) + tuple(x.shape)).expand(expanded)
+            elif node.op == "call_method" and node.target in _CASTS:
                 env[node] = args[0].to(dtype)
             elif node.op == "call_method":
                 env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)

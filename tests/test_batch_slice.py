@@ -236,3 +236,43 @@ def test_the_probe_cost_is_the_peak_of_live_tensors_not_their_sum():
     # the topk's 6 elements count with c alive (c is read by topk): 66 < 120
     assert sum(t.numel() for n in nodes for t in [value(n)] if isinstance(t, torch.Tensor)
                and op_name(n) not in batch_slice.VIEW_OPS) == 3 * 60 + 3 + 3
+
+
+def test_a_repeat_over_size_one_dims_read_by_gather_runs_as_an_expand():
+    """lucidrains' fine branch repeats K/V once per query (`k[:, :, None].repeat(1, 1, S, 1, 1)`)
+    and gathers each query's keys from the copy: the probe runs that repeat as an expand (same
+    values, no memory) and its cost counts it as a view. A repeat that tiles a dim larger than 1,
+    or one read by anything but gather, is a copy and counts in full; a flatten of a contiguous
+    tensor is a view, of a transposed one a copy."""
+    def gathered(k, ids):  # k [B, S, D], ids [B, S, 2, 1]
+        B, S, D = k.shape
+        per_query = k[:, None].repeat(1, S, 1, 1)  # [B, S(query), S(key), D]: tiles a size-1 dim
+        index = ids.repeat(1, 1, 1, D)  # [B, S, 2, D]: tiles the size-1 last dim
+        picked = per_query.gather(2, index)  # [B, S, 2, D]
+        return picked.flatten(2) * 2  # contiguous: a view
+
+    def tiled(k, ids):
+        B, S, D = k.shape
+        twice = k.repeat(1, 2, 1)  # [B, 2S, D]: tiles S (> 1): a copy
+        scaled = k[:, None].repeat(1, S, 1, 1) * 1.0  # a size-1 dim, but read by mul: a copy
+        return twice.gather(1, ids[..., 0, :].expand(B, S, D)) + scaled.sum(2) + k.transpose(1, 2).flatten(1).sum()
+
+    k = torch.randn(2, 6, 4)
+    ids = torch.randint(0, 6, (2, 6, 2, 1))
+    shape = lambda t: tuple(t.shape)  # noqa: E731
+    gm = dynamo_graph(gathered, k, ids)
+    nodes, inputs, out = region(gm)
+    repeats = [n for n in nodes if op_name(n) == "repeat"]
+    assert len(repeats) == 2 and all(batch_slice._expanded_repeat(n, shape) for n in repeats)
+    # only the gather's result counts (its flatten is a view of it) and then the product
+    assert batch_slice.peak_elements(nodes, shape) == 2 * 6 * 2 * 4 * 2
+    got = probe.run(nodes, dict(zip(inputs, (k.double(), ids))), out, "the region")
+    torch.testing.assert_close(got.float(), gathered(k, ids))
+    gm = dynamo_graph(tiled, k, ids)
+    nodes, inputs, out = region(gm)
+    repeats = [n for n in nodes if op_name(n) == "repeat"]
+    assert len(repeats) == 2 and not any(batch_slice._expanded_repeat(n, shape) for n in repeats)
+    flat = next(n for n in nodes if op_name(n) == "flatten")
+    assert not batch_slice._contiguous(flat.all_input_nodes[0])  # the transposed k: flatten copies
+    got = probe.run(nodes, dict(zip(inputs, (k.double(), ids))), out, "the region")
+    torch.testing.assert_close(got.float(), tiled(k, ids))
