@@ -144,26 +144,38 @@ def _elements(node: fx.Node, shape_of, batched: set | None, rows: int | None) ->
     return total
 
 
-def probe_rows(nodes: list[fx.Node], inputs: list[fx.Node], out: fx.Node, at, what: str) -> tuple[int | None, dict]:
-    """How a probe of the region at the sizes `at` (sizes.Sizes) runs: (None, {}) where it fits
-    element_budget whole (at the graph's batch), else (1, changes) where it keeps its batch rows apart
-    and one row fits (probe.run takes the changes), else Refused saying why."""
+def probe_rows(nodes: list[fx.Node], inputs: list[fx.Node], out: fx.Node, at, what: str,
+               float32_ok: bool = False) -> tuple[int | None, dict, torch.dtype]:
+    """How a probe of the region at the sizes `at` (sizes.Sizes) runs: (None, {}, float64) where it
+    fits element_budget whole (at the graph's batch), else (1, changes, float64) where it keeps its
+    batch rows apart and one row fits (probe.run takes the changes); with `float32_ok` (a check
+    whose tolerance allows float32 rounding) the same two in float32, whose budget holds twice the
+    elements, where float64 fits neither way; else Refused saying why."""
     device = value(inputs[0]).device
     budget = element_budget(device)
     cost = peak_elements(nodes, at.shape)
     if cost <= budget:
-        return None, {}
+        return None, {}, torch.float64
     over = f"verifying {what} takes {cost:,} elements per probe, over the budget of {budget:,} on {device.type}"
     if at.symbolic:
         raise Refused(f"{over} (a graph with symbolic sizes is not run on one batch row)")
     try:
         changes, batched = one_row(nodes, inputs, out, at.shape(value(inputs[0]))[0])
     except Refused as why:
-        raise Refused(f"{over}, and it cannot run on one batch row: {why}") from None
-    one = peak_elements(nodes, at.shape, batched, 1)
-    if one > budget:
-        raise Refused(f"{over}, {one:,} on one batch row: not verified at this size yet")
-    return 1, changes
+        changes, batched, why_not = None, None, why
+    one = peak_elements(nodes, at.shape, batched, 1) if changes is not None else None
+    if one is not None and one <= budget:
+        return 1, changes, torch.float64
+    if float32_ok:
+        budget32 = element_budget(device, torch.float32)
+        if cost <= budget32:
+            return None, {}, torch.float32
+        if one is not None and one <= budget32:
+            return 1, changes, torch.float32
+    if one is None:
+        raise Refused(f"{over}, and it cannot run on one batch row: {why_not}")
+    in_float32 = f" ({element_budget(device, torch.float32):,} in float32)" if float32_ok else ""
+    raise Refused(f"{over}{in_float32}, {one:,} on one batch row: not verified at this size yet")
 
 
 def one_row(nodes: list[fx.Node], inputs: list[fx.Node], out: fx.Node, batch: int) -> tuple[dict, set]:

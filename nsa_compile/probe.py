@@ -67,15 +67,17 @@ CPU_BUDGET = 2**28
 GPU_BUDGET_CAP = 2**32
 
 
-def element_budget(device: torch.device | str) -> int:
-    """The most elements (float64) the tensors of one verification probe may hold together: on the
-    CPU CPU_BUDGET; on a GPU a quarter of its free memory (a probe runs once per region structure,
-    at compile time, beside the model's own tensors), at most GPU_BUDGET_CAP."""
+def element_budget(device: torch.device | str, dtype: torch.dtype = torch.float64) -> int:
+    """The most elements (of `dtype`) the tensors of one verification probe may hold together: on
+    the CPU CPU_BUDGET float64 elements' bytes (2 GiB); on a GPU a quarter of its free memory (a
+    probe runs once per region structure, at compile time, beside the model's own tensors), at
+    most GPU_BUDGET_CAP elements."""
     device = torch.device(device)
+    itemsize = dtype.itemsize
     if device.type != "cuda":
-        return CPU_BUDGET
+        return CPU_BUDGET * 8 // itemsize
     free, _ = torch.cuda.mem_get_info(device)
-    return min(GPU_BUDGET_CAP, free // 4 // 8)
+    return min(GPU_BUDGET_CAP, free // 4 // itemsize)
 
 
 def _is_repeat(node: fx.Node) -> bool:

@@ -1607,7 +1607,7 @@ class LucidrainsChoice:
         for at in sizes.probes():
             (B, H, S, Dk), (_, G, T, _), Jc = at.shape(value(q)), at.shape(value(k)), at.shape(value(p))[-1]
             where = f" at the probe sizes {at.describe()}" if sizes.symbolic else ""
-            one_row, changes = batch_slice.probe_rows(region, [q, k], p, at, "lucidrains' block choice")
+            one_row, changes, _ = batch_slice.probe_rows(region, [q, k], p, at, "lucidrains' block choice")
             B = one_row or B
             Tc = T - m
             if Jc < 1 or Tc < 1:

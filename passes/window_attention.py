@@ -663,7 +663,7 @@ class BucketedWindow:
         found = {}  # S at a probe -> (w, scale)
         for at in sizes.probes():
             where = f" at the probe sizes {at.describe()}" if sizes.symbolic else ""
-            one_row, changes = batch_slice.probe_rows(nodes, [q_in, k_in, v_in], out, at, "the bucketed window")
+            one_row, changes, _ = batch_slice.probe_rows(nodes, [q_in, k_in, v_in], out, at, "the bucketed window")
             (B, H, S, Dk), (_, G, _, Dv) = at.shape(value(q)), at.shape(value(v))
             B = one_row or B
 

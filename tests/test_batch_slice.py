@@ -131,11 +131,11 @@ def probe_costs(monkeypatch) -> dict:
     seen = {}
     real = batch_slice.probe_rows
 
-    def spy(nodes, inputs, out, at, what):
+    def spy(nodes, inputs, out, at, what, **kw):
         _, batched = batch_slice.one_row(nodes, inputs, out, at.shape(value(inputs[0]))[0])
         seen[what] = (batch_slice.peak_elements(nodes, at.shape),
                       batch_slice.peak_elements(nodes, at.shape, batched, 1))
-        return real(nodes, inputs, out, at, what)
+        return real(nodes, inputs, out, at, what, **kw)
 
     monkeypatch.setattr(batch_slice, "probe_rows", spy)
     model, x = lucidrains()
@@ -153,9 +153,9 @@ def budget_per_region(monkeypatch, budget_of) -> None:
     """Each probed region verified under its own budget, budget_of(what)."""
     real = batch_slice.probe_rows
 
-    def with_budget(nodes, inputs, out, at, what):
+    def with_budget(nodes, inputs, out, at, what, **kw):
         monkeypatch.setattr(probe, "CPU_BUDGET", budget_of(what))
-        return real(nodes, inputs, out, at, what)
+        return real(nodes, inputs, out, at, what, **kw)
 
     monkeypatch.setattr(batch_slice, "probe_rows", with_budget)
 
@@ -182,9 +182,12 @@ def test_lucidrains_regions_fire_on_one_row_with_eager_gradients(monkeypatch):
                                         ("the bucketed window", "window_attention")])
 def test_a_region_over_the_budget_on_one_row_is_refused(monkeypatch, what, name):
     """The budget one element under the region's one-row probe (every other region's whole: the fine
-    branch still sees the block choice's op): that region is refused with both sizes, eager's outputs."""
+    branch still sees the block choice's op): that region is refused with both sizes, eager's outputs.
+    The fine branch may also probe in float32 (twice the elements): its budget is under half its
+    one-row probe, and the reason gives the float32 budget too."""
     costs = probe_costs(monkeypatch)
-    budget = costs[what][1] - 1
+    fine = what == "lucidrains' fine branch"
+    budget = (costs[what][1] - 1) // 2 if fine else costs[what][1] - 1
     budget_per_region(monkeypatch, lambda w: budget if w == what else costs[w][0])
     model, x = lucidrains()
     opt = optimize_fresh(copy.deepcopy(model))
@@ -192,8 +195,53 @@ def test_a_region_over_the_budget_on_one_row_is_refused(monkeypatch, what, name)
     assert counts(opt)[name] == 0
     (record,) = nsa_compile.api.state_of(opt).graphs
     reasons = [why for r in nsa_compile.report(opt) if r["name"] == name for why in r["reasons"]]
-    assert any(f"verifying {what} takes {costs[what][0]:,} elements per probe, over the budget of {budget:,} on cpu, "
-               f"{costs[what][1]:,} on one batch row: not verified at this size yet" in why for why in reasons), reasons
+    in_float32 = f" ({budget * 2:,} in float32)" if fine else ""
+    assert any(f"verifying {what} takes {costs[what][0]:,} elements per probe, over the budget of {budget:,} on cpu"
+               f"{in_float32}, {costs[what][1]:,} on one batch row: not verified at this size yet" in why
+               for why in reasons), reasons
+
+
+def test_the_fine_branch_over_the_float64_budget_is_verified_in_float32(monkeypatch):
+    """lucidrains' fine branch with its one-row probe over the float64 budget but within float32's
+    (twice the elements): verified on float32 probes and rewritten, the match says so, eager's
+    outputs and gradients; the other regions' budgets untouched (their whole batch)."""
+    costs = probe_costs(monkeypatch)
+    what = "lucidrains' fine branch"
+    one = costs[what][1]
+    budget_per_region(monkeypatch, lambda w: (one + 1) // 2 if w == what else costs[w][0])
+    model, x = lucidrains()
+    opt = optimize_fresh(copy.deepcopy(model))
+    out = opt(x)
+    assert counts(opt) == {name: 1 for name in PROBED}
+    (kernel,) = [k for r in nsa_compile.report(opt) if r["name"] == "selected_attention" for k in r["kernels"]]
+    assert "verified on probe values in float32 (float64 probes would exceed the probe budget)" in kernel, kernel
+    want = model(x)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    out.square().mean().backward()
+    want.square().mean().backward()
+    for (name, p), (_, p_opt) in zip(model.named_parameters(), opt.named_parameters()):
+        torch.testing.assert_close(p_opt.grad, p.grad, rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_float32_probes_still_tell_a_wrong_fine_branch(monkeypatch):
+    """The float32 check is not blind: against an op whose scale is off by 0.1% (a difference far
+    smaller than a block or a key more or less), the float32 probes refuse the branch."""
+    costs = probe_costs(monkeypatch)
+    what = "lucidrains' fine branch"
+    budget_per_region(monkeypatch, lambda w: (costs[w][1] + 1) // 2 if w == what else costs[w][0])
+    from nsa_compile.passes import selected_attention as sa
+    real = sa.selected_attention_op
+
+    def scale_off(q, k, v, ids, block, scale, backend):
+        return real(q, k, v, ids, block, scale * 1.001, backend)
+
+    monkeypatch.setattr(sa, "selected_attention_op", scale_off)
+    model, x = lucidrains()
+    opt = optimize_fresh(copy.deepcopy(model))
+    opt(x)
+    assert counts(opt)["selected_attention"] == 0
+    reasons = [why for r in nsa_compile.report(opt) if r["name"] == "selected_attention" for why in r["reasons"]]
+    assert any("differs from nsa.selected_attention" in why and "(float32 probes)" in why for why in reasons), reasons
 
 
 def test_sizes_of_a_method_called_as_a_function_are_read_after_the_tensor():
