@@ -160,6 +160,16 @@ def budget_per_region(monkeypatch, budget_of) -> None:
     monkeypatch.setattr(batch_slice, "probe_rows", with_budget)
 
 
+def as_eager(model, opt, out, x) -> None:
+    """The optimized output `out` and every parameter gradient as the eager model's."""
+    want = model(x)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    out.square().mean().backward()
+    want.square().mean().backward()
+    for (name, p), (_, p_opt) in zip(model.named_parameters(), opt.named_parameters()):
+        torch.testing.assert_close(p_opt.grad, p.grad, rtol=1e-3, atol=1e-6, msg=name)
+
+
 def test_lucidrains_regions_fire_on_one_row_with_eager_gradients(monkeypatch):
     """Each region's budget exactly its one-row probe's elements: under the whole batch's."""
     costs = probe_costs(monkeypatch)
@@ -169,12 +179,7 @@ def test_lucidrains_regions_fire_on_one_row_with_eager_gradients(monkeypatch):
     opt = optimize_fresh(copy.deepcopy(model))
     out = opt(x)
     assert counts(opt) == {name: 1 for name in PROBED}
-    want = model(x)
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
-    out.square().mean().backward()
-    want.square().mean().backward()
-    for (name, p), (_, p_opt) in zip(model.named_parameters(), opt.named_parameters()):
-        torch.testing.assert_close(p_opt.grad, p.grad, rtol=1e-3, atol=1e-6, msg=name)
+    as_eager(model, opt, out, x)
 
 
 @pytest.mark.parametrize("what, name", [("lucidrains' block choice", "select_blocks"),
@@ -215,12 +220,7 @@ def test_the_fine_branch_over_the_float64_budget_is_verified_in_float32(monkeypa
     assert counts(opt) == {name: 1 for name in PROBED}
     (kernel,) = [k for r in nsa_compile.report(opt) if r["name"] == "selected_attention" for k in r["kernels"]]
     assert "verified on probe values in float32 (float64 probes would exceed the probe budget)" in kernel, kernel
-    want = model(x)
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
-    out.square().mean().backward()
-    want.square().mean().backward()
-    for (name, p), (_, p_opt) in zip(model.named_parameters(), opt.named_parameters()):
-        torch.testing.assert_close(p_opt.grad, p.grad, rtol=1e-3, atol=1e-6, msg=name)
+    as_eager(model, opt, out, x)
 
 
 def test_float32_probes_still_tell_a_wrong_fine_branch(monkeypatch):
