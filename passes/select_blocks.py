@@ -1234,7 +1234,7 @@ def read_as_sets(ids: fx.Node, selected_attention_backend: str) -> None:
                 stack.append(user)
     for softmax in [n for n in seen if op_name(n) == "softmax"]:
         try:
-            plan = sel.PASS.check(softmax, order, set(), selected_attention_backend)
+            plan = sel.PASS.check(softmax, order, {}, selected_attention_backend)
         except Refused:
             continue
         if plan["block_idx"] is ids:
