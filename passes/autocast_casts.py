@@ -13,6 +13,10 @@ differs from the call's recorded output dtype:
 - a matmul (`@`, torch.matmul, bmm, mm, einsum): every floating operand not in the output dtype
   (eager matmul requires equal operand dtypes and returns theirs, so a difference is autocast's
   cast; autocast casts each operand to its dtype the same way);
+- `F.scaled_dot_product_attention`: q, k, v and a floating attn_mask not in the output dtype, for
+  the same reason (eager SDPA requires q, k, v of one dtype and a bool mask or one of theirs;
+  CUDA's and the CPU's autocast both run it in their lower precision: chunked_queries' float32
+  RoPE'd q and k reached the window op in float32, where eager computed in bf16);
 - a softmax or log_softmax without a dtype argument: the input, where the output is wider (the
   input is cast up first, as autocast's float32 policy does, and `dtype=` would).
 Exact: the cast is the one autocast makes on that input, and autocast leaves an explicit `.to` and
@@ -35,7 +39,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from nsa_compile.fx import op_name, value
+from nsa_compile.fx import arg, op_name, value
 
 # What Dynamo records for a `with torch.autocast(...)` inside the compiled code (2.11 and 2.13).
 ENTER_AUTOCAST = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
@@ -43,7 +47,7 @@ EXIT_AUTOCAST = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
 AUTOCAST_SIGNATURE = inspect.signature(torch.amp.autocast)
 
 # Calls autocast runs in its lower precision (operands cast to the autocast dtype)...
-LOWER_PRECISION = ("matmul", "bmm", "mm", "einsum")
+LOWER_PRECISION = ("matmul", "bmm", "mm", "einsum", "scaled_dot_product_attention")
 # ...and calls it runs in float32 (the input cast up), when no dtype argument is given.
 FLOAT32 = ("softmax", "log_softmax")
 
@@ -106,7 +110,11 @@ class AutocastRegions:
 
 
 def operands(node: fx.Node) -> list[fx.Node]:
-    """The tensor operands of a matmul-like call (einsum: after the equation, listed or not)."""
+    """The tensor operands of a matmul-like call (einsum: after the equation, listed or not; SDPA:
+    query, key, value and attn_mask, which autocast casts alike when it is floating)."""
+    if op_name(node) == "scaled_dot_product_attention":
+        named = [arg(node, i, name) for i, name in enumerate(("query", "key", "value", "attn_mask"))]
+        return [x for x in named if isinstance(x, fx.Node)]
     if op_name(node) == "einsum":
         rest = node.args[1:]
         if len(rest) == 1 and isinstance(rest[0], (list, tuple)):

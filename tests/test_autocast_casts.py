@@ -155,3 +155,45 @@ def test_an_einsum_that_promotes_two_dtypes_without_autocast_is_not_autocasts_do
     before = str(gm.graph)
     assert ExplicitAutocast()(gm.graph, node) is None
     assert str(gm.graph) == before
+
+
+class SdpaWindow(nn.Module):
+    """A sliding window through F.scaled_dot_product_attention with a band mask, q and k rotated by
+    float32 tables (float32 by type promotion from the bf16 Linear), v from the Linear in bf16:
+    eager autocast casts q and k back to bf16 for SDPA (chunked_queries' window)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+
+    def forward(self, x):  # x [B, H, S, D]
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        angle = torch.arange(S, device=x.device, dtype=torch.float32)[:, None] * 0.1  # [S, 1] float32
+        q, k = q * angle.cos() + q.flip(-1) * angle.sin(), k * angle.cos() + k.flip(-1) * angle.sin()
+        t = torch.arange(S, device=x.device)
+        band = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < W)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band)
+
+
+def test_autocast_sdpa_casts_are_written_and_the_window_op_gets_bf16():
+    """SDPA runs in bf16 under autocast (CPU and CUDA): the rule writes the casts of the float32
+    q and k, so the window op computes in bf16 as eager did (it computed in float32 before);
+    without autocast (everything float32) nothing is cast."""
+    x = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(4))
+    want, got, gwant, ggot, optimized = autocast_run(SdpaWindow(), x, FAST)
+    assert want.dtype == got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ggot, gwant, rtol=5e-2, atol=5e-2)
+    autocast = [m for m in row(optimized, "canonicalize")["kernels"] if m.startswith("autocast:")]
+    assert len(autocast) == 1 and autocast[0].startswith(
+        "autocast: scaled_dot_product_attention computes in bfloat16 under autocast; its cast of "), autocast
+    assert autocast[0].count("float32") == 2, autocast  # q and k; v is the Linear's bf16, the band bool
+    assert row(optimized, "window_attention")["matches"] == 1
+    (record,) = nsa_compile.api.state_of(optimized).graphs
+    (window,) = [n for n in record.aten["forward"].graph.nodes if n.target == torch.ops.nsa.window_attention.default]
+    assert {a.meta["val"].dtype for a in window.args[:3]} == {torch.bfloat16}
+    # near miss: no autocast
+    module = SdpaWindow()
+    plain = optimize_fresh(copy.deepcopy(module), FAST)
+    torch.testing.assert_close(plain(x), module(x), rtol=1e-5, atol=1e-5)
+    assert not any(k.startswith("autocast:") for k in row(plain, "canonicalize")["kernels"])
