@@ -131,17 +131,40 @@ def has_dtype_argument(node: fx.Node) -> bool:
     return len(node.args) > index and node.args[index] is not None
 
 
-# Views that only reorder dims: the cast moves above them (a cast commutes with them), so that
-# `k.transpose(-1, -2)` stays the key transpose the passes read.
+# Views the cast moves above (a cast commutes with data movement): dims reordered, so that
+# `k.transpose(-1, -2)` stays the key transpose the passes read, and basic slices, so that a chunk's
+# `k[:, :, k0:s1]` stays a slice of K (the window pass reads the chunk's offsets from it).
 REORDERING = ("transpose", "swapaxes", "permute", "t")
+SLICING = ("getitem", "narrow")
+
+
+def basic_slice(node: fx.Node) -> bool:
+    """A view that moves the cast above it: a reordering, a narrow, or x[...] with ints, slices,
+    None and Ellipsis only (no tensor index: that would gather)."""
+    name = op_name(node)
+    if name in REORDERING or name == "narrow":
+        return True
+    if name != "getitem" or len(node.args) != 2:
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+
+    def not_a_tensor(b) -> bool:  # a bound: a number, None, or a size node (a SymInt)
+        return not isinstance(b, fx.Node) or not isinstance(value(b), torch.Tensor)
+
+    def basic(i) -> bool:
+        if isinstance(i, slice):
+            return all(not_a_tensor(b) for b in (i.start, i.stop, i.step))
+        return i is None or i is Ellipsis or (isinstance(i, int) and not isinstance(i, bool))
+
+    return all(basic(i) for i in index)
 
 
 def cast_before(graph: fx.Graph, x: fx.Node, dtype: torch.dtype, user: fx.Node) -> fx.Node:
     """`x.to(dtype)` inserted for `user`, with its fake value; `user` reads it instead of x. Where x
-    is a dim-reordering view read by `user` only, the cast goes on the view's input instead and the
-    view (its fake value recomputed) reads the cast."""
+    is a dim-reordering view or a basic slice read by `user` only, the cast goes on the view's input
+    instead and the view (its fake value recomputed) reads the cast."""
     views = []
-    while op_name(x) in REORDERING and len(x.users) == 1 and isinstance(x.args[0], fx.Node) \
+    while basic_slice(x) and len(x.users) == 1 and isinstance(x.args[0], fx.Node) \
             and value(x.args[0]) is not None and value(x.args[0]).dtype == value(x).dtype:
         views.append(x)
         x = x.args[0]

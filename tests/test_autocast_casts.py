@@ -197,3 +197,39 @@ def test_autocast_sdpa_casts_are_written_and_the_window_op_gets_bf16():
     plain = optimize_fresh(copy.deepcopy(module), FAST)
     torch.testing.assert_close(plain(x), module(x), rtol=1e-5, atol=1e-5)
     assert not any(k.startswith("autocast:") for k in row(plain, "canonicalize")["kernels"])
+
+
+def test_chunked_sdpa_windows_keep_their_key_slices_under_autocast():
+    """chunked_queries (tests/corpus): each chunk's window is SDPA over `k_win[:, :, k0:s1]` with
+    float32 k (its float32 RoPE tables). autocast's cast goes above the slice (a cast commutes with
+    it), so the window pass still reads each chunk's offset from a slice of K: all 4 windows
+    rewritten, each op on bf16 q, k, v; output and gradients as eager's under autocast."""
+    from corpus import chunked_queries
+
+    model, x = chunked_queries.make()
+    want, got, gwant, ggot, optimized = autocast_run(model, x, FAST)
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(ggot, gwant, rtol=5e-2, atol=5e-2)
+    assert row(optimized, "window_attention")["matches"] == 4
+    for record in nsa_compile.api.state_of(optimized).graphs:
+        for node in record.aten["forward"].graph.nodes:
+            if node.target == torch.ops.nsa.window_attention.default:
+                assert {a.meta["val"].dtype for a in node.args[:3]} == {torch.bfloat16}
+
+
+def test_a_cast_moves_above_basic_slices_only():
+    """basic_slice: reorderings, narrow and x[..] with ints, slices, None, Ellipsis move the cast
+    above them; a tensor index (a gather) does not."""
+    from nsa_compile.passes.autocast_casts import basic_slice
+
+    def views(x, i):
+        return x[:, 1:3, None, ...] * 2 + x[i].sum() + x.narrow(1, 0, 2).sum() + x.transpose(0, 1).sum()
+
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(views, backend=lambda gm, _: graphs.append(gm) or gm.forward, fullgraph=True)(
+        torch.randn(3, 4), torch.tensor([0, 2]))
+    found = {n.name: basic_slice(n) for n in graphs[0].graph.nodes if op_name(n) in ("getitem", "narrow", "transpose")}
+    assert sorted(found.values()) == [False, True, True, True], found
+    (tensor_index,) = [n for n in graphs[0].graph.nodes if op_name(n) == "getitem" and not basic_slice(n)]
+    assert any(isinstance(value(a), torch.Tensor) for a in tensor_index.args[1:] if isinstance(a, fx.Node))
