@@ -166,15 +166,15 @@ def probe_rows(nodes: list[fx.Node], inputs: list[fx.Node], out: fx.Node, at, wh
     one = peak_elements(nodes, at.shape, batched, 1) if changes is not None else None
     if one is not None and one <= budget:
         return 1, changes, torch.float64
+    budget32 = element_budget(device, torch.float32) if float32_ok else None
     if float32_ok:
-        budget32 = element_budget(device, torch.float32)
         if cost <= budget32:
             return None, {}, torch.float32
         if one is not None and one <= budget32:
             return 1, changes, torch.float32
     if one is None:
         raise Refused(f"{over}, and it cannot run on one batch row: {why_not}")
-    in_float32 = f" ({element_budget(device, torch.float32):,} in float32)" if float32_ok else ""
+    in_float32 = f" ({budget32:,} in float32)" if float32_ok else ""
     raise Refused(f"{over}{in_float32}, {one:,} on one batch row: not verified at this size yet")
 
 

@@ -135,7 +135,6 @@ def has_dtype_argument(node: fx.Node) -> bool:
 # `k.transpose(-1, -2)` stays the key transpose the passes read, and basic slices, so that a chunk's
 # `k[:, :, k0:s1]` stays a slice of K (the window pass reads the chunk's offsets from it).
 REORDERING = ("transpose", "swapaxes", "permute", "t")
-SLICING = ("getitem", "narrow")
 
 
 def basic_slice(node: fx.Node) -> bool:

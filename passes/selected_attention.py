@@ -1152,8 +1152,10 @@ class LucidrainsFine:
     lucidrains' runs in q's dtype (bf16/fp16 scores rounded once more there): a difference of
     rounding, not of function. A check on probes, not a proof. Where float64 probes exceed the
     budget even on one batch row, the probes run in float32 (twice the elements) and must agree to
-    FLOAT32_TOLERANCE: a block more or less, or one key of the diagonal block, moves an output by
-    far more (a row's weights are at least 1 / (n + 1) l' of its sum); the match says so."""
+    FLOAT32_TOLERANCE, against float32 rounding of about 1e-6 here: a key more or less moves a row's
+    output by about that key's softmax weight (1 / (n + 1) l' on average on random probes), and a
+    wrong mask or block moves many rows; a scale off by 0.1% is refused this way
+    (tests/test_batch_slice.py). The match says the probes were float32."""
 
     @staticmethod
     def region_of(softmax: fx.Node) -> dict | None:
