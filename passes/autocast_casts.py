@@ -131,10 +131,25 @@ def has_dtype_argument(node: fx.Node) -> bool:
     return len(node.args) > index and node.args[index] is not None
 
 
-# Views the cast moves above (a cast commutes with data movement): dims reordered, so that
-# `k.transpose(-1, -2)` stays the key transpose the passes read, and basic slices, so that a chunk's
-# `k[:, :, k0:s1]` stays a slice of K (the window pass reads the chunk's offsets from it).
+# Data movement the cast moves above (a cast commutes with it, exactly): dims reordered, so that
+# `k.transpose(-1, -2)` stays the key transpose the passes read; basic slices, so that a chunk's
+# `k[:, :, k0:s1]` stays a slice of K (the window pass reads the chunk's offsets from it); and the
+# reshapes and copies of GQA and of memory slots, so that `cat((mem, pooled))` repeated per head
+# (`unsqueeze(2).repeat(1, 1, g, 1, 1).flatten(1, 2)`, float32 where mem is a float32 parameter)
+# is cast before the repeat, as the passes read the GQA copy and the memory slots on the cast's
+# input (lucidrains_per_head's compressed keys under CUDA autocast).
 REORDERING = ("transpose", "swapaxes", "permute", "t")
+RESHAPING = ("unsqueeze", "squeeze", "flatten", "unflatten", "view", "reshape", "expand", "repeat",
+             "repeat_interleave", "contiguous")
+
+
+def moves_cast_above(node: fx.Node) -> bool:
+    """A call that moves the cast above it: a reordering, a reshape or copy (RESHAPING; with
+    tensor repeats a repeat_interleave does not move it), or a basic slice."""
+    if op_name(node) in RESHAPING:  # not x.view(dtype), which reinterprets bits
+        return not any(isinstance(value(a), torch.Tensor) for a in node.all_input_nodes[1:]) and not any(
+            isinstance(a, torch.dtype) for a in (*node.args, *node.kwargs.values()))
+    return basic_slice(node)
 
 
 def basic_slice(node: fx.Node) -> bool:
@@ -160,10 +175,10 @@ def basic_slice(node: fx.Node) -> bool:
 
 def cast_before(graph: fx.Graph, x: fx.Node, dtype: torch.dtype, user: fx.Node) -> fx.Node:
     """`x.to(dtype)` inserted for `user`, with its fake value; `user` reads it instead of x. Where x
-    is a dim-reordering view or a basic slice read by `user` only, the cast goes on the view's input
-    instead and the view (its fake value recomputed) reads the cast."""
+    is data movement read by `user` only (`moves_cast_above`), the cast goes on its input instead,
+    and the chain of such calls (their fake values recomputed) reads the cast."""
     views = []
-    while basic_slice(x) and len(x.users) == 1 and isinstance(x.args[0], fx.Node) \
+    while moves_cast_above(x) and len(x.users) == 1 and isinstance(x.args[0], fx.Node) \
             and value(x.args[0]) is not None and value(x.args[0]).dtype == value(x).dtype:
         views.append(x)
         x = x.args[0]

@@ -233,3 +233,25 @@ def test_a_cast_moves_above_basic_slices_only():
     assert sorted(found.values()) == [False, True, True, True], found
     (tensor_index,) = [n for n in graphs[0].graph.nodes if op_name(n) == "getitem" and not basic_slice(n)]
     assert any(isinstance(value(a), torch.Tensor) for a in tensor_index.args[1:] if isinstance(a, fx.Node))
+
+
+def test_a_cast_moves_above_reshapes_and_copies_but_not_a_bit_view_or_tensor_repeats():
+    """moves_cast_above: the GQA reshapes and copies (unsqueeze, repeat, flatten, expand,
+    repeat_interleave with int repeats, reshape) move the cast above them; `x.view(dtype)`
+    (it reinterprets bits) and repeat_interleave with a tensor of repeats (a gather) do not."""
+    from nsa_compile.passes.autocast_casts import moves_cast_above
+
+    def calls(x, r):
+        a = x.unsqueeze(1).repeat(1, 2, 1).flatten(0, 1).reshape(-1).sum()
+        b = x.unsqueeze(0).expand(2, -1, -1).sum() + torch.repeat_interleave(x, 2, dim=0).sum()
+        return a + b + x.view(torch.int32).sum() + x.repeat_interleave(r, dim=0).sum()
+
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(calls, backend=lambda gm, _: graphs.append(gm) or gm.forward, fullgraph=True)(
+        torch.randn(3, 4), torch.tensor([1, 2, 0]))
+    nodes = [n for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
+    moved = sorted(op_name(n) for n in nodes if moves_cast_above(n))
+    assert moved == ["expand", "flatten", "repeat", "repeat_interleave", "reshape", "unsqueeze", "unsqueeze"], moved
+    kept = sorted(op_name(n) for n in nodes if op_name(n) in ("view", "repeat_interleave") and not moves_cast_above(n))
+    assert kept == ["repeat_interleave", "view"], kept

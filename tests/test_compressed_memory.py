@@ -394,3 +394,51 @@ def test_a_scale_that_bf16_rounds_before_the_cast_up_is_refused(monkeypatch):
         log.refusals
     names = [lg.pass_name for lg in record.logs]
     assert log.code_after == record.logs[names.index(CMP) - 1].code_after
+
+
+class UpcastSoftmax(LucidCompressed):
+    """LucidCompressed with its softmax cast up to float32 as CUDA autocast runs it (CPU autocast
+    keeps it in bf16): under CPU autocast the graph is then the GPU's, the float32 memory slots
+    promoting the cat, so each einsum casts the keys and values, repeated per head, to bf16."""
+
+    def forward(self, q, k, v):
+        b, n, block = q.shape[0], q.shape[2], self.block
+        W = n // block
+        ck = self.k_compress(k[..., : W * block, :].unflatten(2, (W, block)))
+        cv = self.v_compress(v[..., : W * block, :].unflatten(2, (W, block)))
+        mem_k, mem_v = self.mem_kv.unsqueeze(1).repeat(1, b, 1, 1, 1)
+        ck, cv = self.repeat_heads(torch.cat((mem_k, ck), dim=-2)), self.repeat_heads(torch.cat((mem_v, cv), dim=-2))
+        ck_seq = F.pad((torch.arange(W, device=q.device) + 1) * block - 1, (mem_k.shape[-2], 0), value=-1)
+        cmask = ck_seq[None, :] < torch.arange(n, device=q.device)[:, None]
+        csim = torch.einsum("b h i d, b h j d -> b h i j", q, ck) * self.scale
+        csim = csim.masked_fill(~cmask, max_neg_value(csim) // 10)
+        return torch.einsum("b h i j, b h j d -> b h i d", csim.float().softmax(dim=-1), cv), csim
+
+
+def test_memory_slots_repeated_per_head_keep_their_reading_under_autocast():
+    """The GPU's case (lucidrains_per_head under CUDA autocast, bench_corpus): autocast casts the
+    repeated float32 `cat((mem, pooled))` for each einsum. canonicalize's cast goes above the GQA
+    repeat (unsqueeze, repeat, flatten: a cast commutes with them), so the pass reads the memory
+    slots and the GQA copy on the cast's input, as without autocast: fired once (it refused with
+    "repeat_interleave on the way" when the cast sat after the repeat), eager's outputs and
+    gradients under autocast."""
+    torch.manual_seed(0)
+    module = UpcastSoftmax(block=4, mem=2, dim_head=16)  # scale 0.25: exact in bf16
+    args = branch_inputs(S=23, dim_head=16)
+    eager_args = [x.clone().requires_grad_() for x in args]
+    opt_args = [x.clone().requires_grad_() for x in args]
+    optimized = optimize_fresh(copy.deepcopy(module), COMPRESSED_ONLY)
+    with torch.autocast("cpu", dtype=AUTOCAST_DTYPE):
+        want, got = module(*eager_args), optimized(*opt_args)
+    r = row(optimized, CMP)
+    assert r["matches"] == 1 and "2 memory slots seen by every query" in r["kernels"][0], r
+    casts = [k for k in row(optimized, "canonicalize")["kernels"] if k.startswith("autocast:")]
+    assert len(casts) == 2, casts  # the two einsums
+    record = only_graph(optimized)
+    (node,) = [n for n in record.aten["forward"].graph.nodes if n.target is torch.ops.nsa.compressed_attention.default]
+    assert {a.meta["val"].dtype for a in node.args[:3]} == {AUTOCAST_DTYPE}
+    assert want[0].dtype == got[0].dtype == AUTOCAST_DTYPE
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a.float(), e.float(), rtol=2e-2, atol=2e-2)
+    for a, e in zip(gradients(*got, opt_args, optimized), gradients(*want, eager_args, module)):
+        torch.testing.assert_close(a.float(), e.float(), rtol=5e-2, atol=5e-2)
