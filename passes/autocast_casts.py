@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from nsa_compile.fx import arg, op_name, value
+from nsa_compile.fx import arg, call, op_name, value
 
 # What Dynamo records for a `with torch.autocast(...)` inside the compiled code (2.11 and 2.13).
 ENTER_AUTOCAST = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
@@ -131,74 +131,12 @@ def has_dtype_argument(node: fx.Node) -> bool:
     return len(node.args) > index and node.args[index] is not None
 
 
-# Data movement the cast moves above (a cast commutes with it, exactly): dims reordered, so that
-# `k.transpose(-1, -2)` stays the key transpose the passes read; basic slices, so that a chunk's
-# `k[:, :, k0:s1]` stays a slice of K (the window pass reads the chunk's offsets from it); and the
-# reshapes and copies of GQA and of memory slots, so that `cat((mem, pooled))` repeated per head
-# (`unsqueeze(2).repeat(1, 1, g, 1, 1).flatten(1, 2)`, float32 where mem is a float32 parameter)
-# is cast before the repeat, as the passes read the GQA copy and the memory slots on the cast's
-# input (lucidrains_per_head's compressed keys under CUDA autocast).
-REORDERING = ("transpose", "swapaxes", "permute", "t")
-RESHAPING = ("unsqueeze", "squeeze", "flatten", "unflatten", "view", "reshape", "expand", "repeat",
-             "repeat_interleave", "contiguous")
-
-
-def moves_cast_above(node: fx.Node) -> bool:
-    """A call that moves the cast above it: a reordering, a reshape or copy (RESHAPING; with
-    tensor repeats a repeat_interleave does not move it), or a basic slice."""
-    if op_name(node) in RESHAPING:  # not x.view(dtype), which reinterprets bits
-        return not any(isinstance(value(a), torch.Tensor) for a in node.all_input_nodes[1:]) and not any(
-            isinstance(a, torch.dtype) for a in (*node.args, *node.kwargs.values()))
-    return basic_slice(node)
-
-
-def basic_slice(node: fx.Node) -> bool:
-    """A view that moves the cast above it: a reordering, a narrow, or x[...] with ints, slices,
-    None and Ellipsis only (no tensor index: that would gather)."""
-    name = op_name(node)
-    if name in REORDERING or name == "narrow":
-        return True
-    if name != "getitem" or len(node.args) != 2:
-        return False
-    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-
-    def not_a_tensor(b) -> bool:  # a bound: a number, None, or a size node (a SymInt)
-        return not isinstance(b, fx.Node) or not isinstance(value(b), torch.Tensor)
-
-    def basic(i) -> bool:
-        if isinstance(i, slice):
-            return all(not_a_tensor(b) for b in (i.start, i.stop, i.step))
-        return i is None or i is Ellipsis or (isinstance(i, int) and not isinstance(i, bool))
-
-    return all(basic(i) for i in index)
-
-
 def cast_before(graph: fx.Graph, x: fx.Node, dtype: torch.dtype, user: fx.Node) -> fx.Node:
-    """`x.to(dtype)` inserted for `user`, with its fake value; `user` reads it instead of x. Where x
-    is data movement read by `user` only (`moves_cast_above`), the cast goes on its input instead,
-    and the chain of such calls (their fake values recomputed) reads the cast."""
-    views = []
-    while moves_cast_above(x) and len(x.users) == 1 and isinstance(x.args[0], fx.Node) \
-            and value(x.args[0]) is not None and value(x.args[0]).dtype == value(x).dtype:
-        views.append(x)
-        x = x.args[0]
-    reader = views[-1] if views else user
-    with graph.inserting_before(reader):
-        cast = graph.call_method("to", (x, dtype))
-    fake = value(x)
-    with fake.fake_mode:
-        cast.meta["example_value"] = fake.to(dtype)
-        for view in reversed(views):  # outermost last: each reads the one before, now in dtype
-            source = view.args[0]
-            view.replace_input_with(source, cast if source is x else source)
-            args, kwargs = fx.node.map_arg((view.args, view.kwargs), value)
-            view.meta["example_value"] = (getattr(args[0], view.target)(*args[1:], **kwargs)
-                                          if view.op == "call_method" else view.target(*args, **kwargs))
-    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-        if key in reader.meta:
-            cast.meta[key] = reader.meta[key]
-    if not views:
-        user.replace_input_with(x, cast)
+    """`x.to(dtype)` inserted for `user`, with its fake value; `user` reads it instead of x.
+    canonicalize's next rule, `cast_hoist`, moves it above the data movement x may be (a transpose,
+    a slice, a GQA copy), where the passes read that movement."""
+    cast = call(graph, torch.Tensor.to, x, dtype, anchor=user)
+    user.replace_input_with(x, cast)
     return cast
 
 

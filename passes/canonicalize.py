@@ -24,6 +24,23 @@ autocast
     up to float32 on CUDA), read from the recorded dtypes and written as `.to()` nodes, so that the
     rules below and the passes see the dtypes the eager code computes in (passes/autocast_casts.py).
 
+cast_hoist
+    A narrowing float cast (float32 to bf16 or fp16, float64 to float32) of data movement, read by
+    a product (matmul, einsum, SDPA; directly or through more data movement), goes on the
+    movement's input, through the whole chain:
+    transposes and permutes, basic slices (ints, slices, None), and reshapes and copies (unsqueeze,
+    flatten, view, reshape, expand, repeat, repeat_interleave; not `view(dtype)`, nor a
+    repeat_interleave with a tensor of repeats). `x.unsqueeze(2).repeat(1, 1, h, 1, 1).flatten(1,
+    2).to(bf16)` becomes `x.to(bf16).unsqueeze(2).repeat(..).flatten(1, 2)`. These are the casts the
+    autocast rule writes right before a product (CUDA autocast's cast of a float32 K/V copy, of
+    float32 pooled keys laid out for the product, of per-query rows `q.unsqueeze(-2)`, of a chunk's
+    key slice) and the same casts written by hand; moved, the copy, the layout, the rows, the slice
+    and `cat((mem, pooled))` sit next to the product where the passes read them. Exact: a cast is
+    elementwise. Chain nodes with other readers stay for them; the cast reads its own copy of the
+    chain (views copy nothing; a copy is made in the cast's dtype in place of the cast's own). A
+    cast up stays: the passes read upcasts where they are (`.squeeze(-2).float()`), and moved it
+    would widen more elements; so does a cast no product reads (RoPE tables cast to bf16).
+
 sdpa
     `F.scaled_dot_product_attention(q, k, v, attn_mask=m[, scale=c][, enable_gqa=True])` becomes
     the normal form by SDPA's definition (softmax(q k^T * c + m) v, a bool m keeping True, K/V
@@ -88,21 +105,6 @@ gqa_expand
     r * G + g group g, another grouping: refused unless the tiled dim has size 1 (then the two agree).
     At symbolic sizes the shapes are compared as sizes (equal for every value of the symbols); h
     must be a number.
-
-gqa_cast
-    A float cast of a `repeat_interleave` copy (`kc.repeat_interleave(h, 1).to(torch.bfloat16)`, the
-    cast CUDA autocast makes on a float32 K/V copy before its matmul) is moved before the copy:
-    `kc.to(torch.bfloat16).repeat_interleave(h, 1)`, exact (a cast is elementwise), so the copy sits
-    next to the product where the passes read it.
-
-row_cast
-    A float cast of an unsqueeze that only it reads (`q.unsqueeze(-2).to(torch.bfloat16)`, CUDA
-    autocast's cast of the selected branch's per-query rows) is moved before it, exact.
-
-layout_cast
-    A float cast of a permute or transpose that only it reads (`kc.permute(0, 2, 3, 1).to(bf16)`, CUDA
-    autocast's cast of float32 pooled keys laid out for the product) is moved before it, exact, so
-    the layout sits next to the product where the passes read it.
 
 cast_chain
     A float cast of a float cast that loses nothing (the same dtype, or wider: `p.to(p.dtype)`, bf16
@@ -1439,50 +1441,84 @@ def cast_moved_before(graph: fx.Graph, node: fx.Node, x: fx.Node, dtype: torch.d
     erase_replaced(graph, [node], [])
 
 
-def cast_past_copy(graph: fx.Graph, node: fx.Node) -> str | None:
-    """The `gqa_cast` rule: x.repeat_interleave(h, d).to(dtype) -> x.to(dtype).repeat_interleave(h, d)
-    for a float-to-float cast (CUDA autocast casts a float32 K/V copy to bf16 right before its
-    matmul): the copy then sits next to the product, where the passes read it. Exact: a cast is
-    elementwise, so it commutes with the copy (and reads 1/h of the elements). The copy stays for
-    its other users."""
-    rep, dtype = first(node), movable_cast(node)
-    if dtype is None or op_name(rep) != "repeat_interleave" or dtype == value(rep).dtype:
-        return None
-    repeats, dim, x = arg(rep, 1, "repeats"), arg(rep, 2, "dim"), first(rep)
-    if (not (isinstance(repeats, int) or isinstance(repeats, fx.Node) and is_size(repeats)) or not isinstance(dim, int)
-            or not isinstance(x, fx.Node) or arg(rep, 3, "output_size") is not None):
-        return None
-    cast_moved_before(graph, node, x, dtype,
-                      lambda moved: call(graph, torch.repeat_interleave, moved, repeats, dim, anchor=node))
-    return f"gqa_cast: cast to {str(dtype).removeprefix('torch.')} after repeat_interleave -> before it"
+# Data movement a float cast moves above (it commutes with it, exactly): dims reordered, so that
+# `k.transpose(-1, -2)` or a pooled `kc.permute(0, 2, 3, 1)` stays the key layout the passes read;
+# basic slices, so that a chunk's `k[:, :, k0:s1]` stays a slice of K (the window pass reads the
+# chunk's offsets from it); and the reshapes and copies of GQA, per-query rows and memory slots
+# (`unsqueeze(2).repeat(1, 1, h, 1, 1).flatten(1, 2)`, `repeat_interleave(h, 1)`, `unsqueeze(-2)`),
+# so that the passes read the copy, the rows and `cat((mem, pooled))` on the cast's input.
+REORDERING = ("transpose", "swapaxes", "permute", "t")
+RESHAPING = ("unsqueeze", "squeeze", "flatten", "unflatten", "view", "reshape", "expand", "repeat",
+             "repeat_interleave", "contiguous")
 
 
-def cast_past_unsqueeze(graph: fx.Graph, node: fx.Node) -> str | None:
-    """The `row_cast` rule: x.unsqueeze(d).to(dtype) -> x.to(dtype).unsqueeze(d) for a float-to-float
-    cast whose unsqueeze only it reads (CUDA autocast casts the selected branch's per-query rows
-    `q.unsqueeze(-2)` and `p.unsqueeze(-2)` right before their products): the rows are then the
-    unsqueeze the passes read. Exact: a cast is elementwise."""
-    row, dtype = first(node), movable_cast(node)
-    if (dtype is None or op_name(row) != "unsqueeze" or dtype == value(row).dtype or list(row.users) != [node]
-            or not isinstance(first(row), fx.Node)):
-        return None
-    dim = arg(row, 1, "dim")
-    cast_moved_before(graph, node, first(row), dtype,
-                      lambda moved: call(graph, torch.unsqueeze, moved, dim, anchor=node))
-    return f"row_cast: cast to {str(dtype).removeprefix('torch.')} after unsqueeze({dim}) -> before it"
+def basic_slice(node: fx.Node) -> bool:
+    """x[...] with ints, slices, None and Ellipsis only (no tensor index: that would gather), or a
+    narrow or a reordering."""
+    name = op_name(node)
+    if name in REORDERING or name == "narrow":
+        return True
+    if name != "getitem" or len(node.args) != 2:
+        return False
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+
+    def not_a_tensor(b) -> bool:  # a bound: a number, None, or a size node (a SymInt)
+        return not isinstance(b, fx.Node) or not isinstance(value(b), torch.Tensor)
+
+    def basic(i) -> bool:
+        if isinstance(i, slice):
+            return all(not_a_tensor(b) for b in (i.start, i.stop, i.step))
+        return i is None or i is Ellipsis or (isinstance(i, int) and not isinstance(i, bool))
+
+    return all(basic(i) for i in index)
 
 
-def cast_past_layout(graph: fx.Graph, node: fx.Node) -> str | None:
-    """The `layout_cast` rule: x.permute(..).to(dtype) -> x.to(dtype).permute(..) (or a transpose) for a
-    float-to-float cast whose layout change only it reads. Exact: a cast is elementwise."""
-    view, dtype = first(node), movable_cast(node)
-    if (dtype is None or dtype == value(view).dtype or list(view.users) != [node] or layout_of(view) is None
-            or not isinstance(first(view), fx.Node)):
-        return None
-    perm = layout_of(view)
-    cast_moved_before(graph, node, first(view), dtype,
-                      lambda moved: call(graph, torch.permute, moved, perm, anchor=node))
-    return f"layout_cast: cast to {str(dtype).removeprefix('torch.')} after {op_name(view)} -> before it"
+def moves_cast_above(node: fx.Node) -> bool:
+    """Data movement a cast commutes with: a reshape or copy (RESHAPING; not `x.view(dtype)`, which
+    reinterprets bits, nor a repeat_interleave with a tensor of repeats, a gather) or a basic slice;
+    its tensor given first, positionally, and of the dtype of its output."""
+    src = node.args[0] if node.op in ("call_function", "call_method") and node.args else None
+    if not isinstance(src, fx.Node) or value(src) is None or value(node) is None or value(src).dtype != value(node).dtype:
+        return False
+    if op_name(node) in RESHAPING:
+        return not any(isinstance(value(a), torch.Tensor) for a in node.all_input_nodes[1:]) and not any(
+            isinstance(a, torch.dtype) for a in (*node.args, *node.kwargs.values()))
+    return basic_slice(node)
+
+
+# What the casts cast_hoist moves are read by: a product (autocast casts its operands).
+PRODUCTS = (*MATMULS, "mm", "einsum", "scaled_dot_product_attention")
+
+
+def read_by_product(node: fx.Node) -> bool:
+    """Whether a product (PRODUCTS) reads node, directly or through data movement."""
+    return any(op_name(user) in PRODUCTS or moves_cast_above(user) and read_by_product(user) for user in node.users)
+
+
+def hoist_cast(graph: fx.Graph, node: fx.Node) -> str | None:
+    """The `cast_hoist` rule: a narrowing float cast of data movement (`moves_cast_above`), read by
+    a product (`read_by_product`: the cast autocast makes on its operand, or the same by hand), goes on
+    the movement's input, through the whole chain: `x.unsqueeze(2).repeat(1, 1, h, 1, 1).flatten(1,
+    2).to(bf16)` -> `x.to(bf16).unsqueeze(2).repeat(..).flatten(1, 2)`. These are the casts autocast
+    makes before a product (the autocast rule writes them right there) and the same casts written by
+    hand. Exact: a cast is elementwise. A chain node with other readers stays for them; the cast
+    reads a copy of the chain (a view copies nothing; a copy is made in the cast's dtype instead of
+    the cast's own copy)."""
+    dtype = movable_cast(node)
+    chain, x = [], first(node)
+    while dtype is not None and isinstance(x, fx.Node) and moves_cast_above(x):
+        chain.append(x)
+        x = x.args[0]
+    if not chain or torch.finfo(dtype).bits >= torch.finfo(value(x).dtype).bits or not read_by_product(node):
+        return None  # a cast up stays where it is: the passes read upcasts in place, and it would widen more
+    moved = call(graph, torch.Tensor.to, x, dtype, anchor=node)
+    for step in reversed(chain):
+        target = getattr(torch.Tensor, step.target) if step.op == "call_method" else step.target
+        moved = call(graph, target, moved, *step.args[1:], anchor=node, **step.kwargs)
+    node.replace_all_uses_with(moved)
+    erase_replaced(graph, [node], [])
+    names = " <- ".join(op_name(step) for step in chain)
+    return f"cast_hoist: cast to {str(dtype).removeprefix('torch.')} after {names} -> before them"
 
 
 def lossless(src: torch.dtype, mid: torch.dtype) -> bool:
@@ -1930,10 +1966,9 @@ class Canonicalize(RewritePass):
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         sizes_off_copies(graph)
         masks = ProbeMasks()
-        rules = (("autocast", ExplicitAutocast()), ("cast_chain", cast_of_cast), ("sdpa", SDPADecomposition(masks)),
+        rules = (("autocast", ExplicitAutocast()), ("cast_hoist", hoist_cast), ("cast_chain", cast_of_cast), ("sdpa", SDPADecomposition(masks)),
                  ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort), ("softmax", handwritten_softmax),
-                 ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("layout_cast", cast_past_layout),
-                 ("gqa_cast", cast_past_copy), ("row_cast", cast_past_unsqueeze), ("key_layout", key_transpose),
+                 ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("key_layout", key_transpose),
                  ("gqa_layout", layout_past_copy), ("scores", ScoreChains(masks)),
                  ("empty_rows", EmptyRows(masks)))
         for name, rule in rules:

@@ -398,19 +398,28 @@ class Gathered:
         return (b, last, mid) if self.source_seq_first else (b, mid, last)
 
 
+def float_cast(node: fx.Node) -> torch.dtype | None:
+    """The dtype of a float-to-float cast on one device that keeps the shape, else None."""
+    src = first(node) if isinstance(first(node), fx.Node) else None
+    out, x = value(node), value(src) if src is not None else None
+    if (op_name(node) in ("to", "float", "half", "bfloat16") and out is not None and x is not None
+            and out.is_floating_point() and x.is_floating_point() and out.device == x.device
+            and out.dtype != x.dtype and same(tuple(out.shape), tuple(x.shape))):
+        return out.dtype
+    return None
+
+
 def read_gathered(sel: fx.Node, what: str, layout: Layout, B, G: int, S, T: int, keys=None) -> Gathered:
     """The gathered K or V `sel` [*layout.slots(B, G, S, T), D] read as one of Gathered's kinds,
     or Refused. keys: the length of the sequence a chunk of S queries is cut from (`query_rows`),
     which torch.gather's source may have in place of S; None for no chunk. A float cast of the
     gathered rows (CUDA autocast's `.to(bf16)` before the product) is read through: the op then
-    reads the source cast (`Gathered.cast`)."""
-    outer, out, src = sel, value(sel), value(first(sel)) if isinstance(first(sel), fx.Node) else None
-    if (op_name(sel) in ("to", "float", "half", "bfloat16") and out is not None and src is not None
-            and out.is_floating_point() and src.is_floating_point() and out.device == src.device
-            and out.dtype != src.dtype and same(tuple(out.shape), tuple(src.shape))):
+    reads the source cast (`Gathered.cast`); so is one between the gather and its view (where
+    canonicalize's cast_hoist puts that cast)."""
+    if float_cast(sel) is not None:
         only_user(sel, f"gathered {what}")
         found = read_gathered(first(sel), what, layout, B, G, S, T, keys)
-        return dataclasses.replace(found, cast=out.dtype, nodes=[outer, *found.nodes])
+        return dataclasses.replace(found, cast=float_cast(sel), nodes=[sel, *found.nodes])
     only_user(sel, f"gathered {what}")
     D = dims(sel, f"gathered {what}", 5)[4]
     constant(f"gathered {what}", D=D)
@@ -418,12 +427,16 @@ def read_gathered(sel: fx.Node, what: str, layout: Layout, B, G: int, S, T: int,
     if not same(dims(sel, f"gathered {what}", 5), (*slots, D)):
         names = "[B, G, S, T, D]" if layout.head == 1 else "[B, S, G, T, D]"
         raise Refused(f"the gathered {what} is {tuple(value(sel).shape)}, not {names} = {(*slots, D)}")
-    inner = first(sel)
-    if op_name(sel) in ("view", "reshape", "unflatten") and isinstance(inner, fx.Node) and op_name(inner) == "gather":
-        return read_torch_gather(sel, inner, what, layout, B, G, S, T, D, keys)
+    inner, cast = first(sel), None
+    if op_name(sel) in ("view", "reshape", "unflatten") and isinstance(inner, fx.Node) and float_cast(inner) \
+            and op_name(first(inner)) in ("gather", "index_select"):
+        only_user(inner, f"gathered {what}")
+        inner, cast = first(inner), inner
     if op_name(sel) in ("view", "reshape", "unflatten") and isinstance(inner, fx.Node) \
-            and op_name(inner) == "index_select":
-        return read_index_select(sel, inner, what, B, G, S, T, D)
+            and op_name(inner) in ("gather", "index_select"):
+        found = (read_torch_gather(sel, inner, what, layout, B, G, S, T, D, keys) if op_name(inner) == "gather"
+                 else read_index_select(sel, inner, what, B, G, S, T, D))
+        return found if cast is None else dataclasses.replace(found, cast=float_cast(cast), nodes=[sel, cast, *found.nodes[1:]])
     if op_name(sel) == "take_along_dim":
         return read_take_along_dim(sel, what, layout, slots, S, D)
     if op_name(sel) == "getitem" and isinstance(sel.args[1], tuple):

@@ -220,7 +220,7 @@ def test_chunked_sdpa_windows_keep_their_key_slices_under_autocast():
 def test_a_cast_moves_above_basic_slices_only():
     """basic_slice: reorderings, narrow and x[..] with ints, slices, None, Ellipsis move the cast
     above them; a tensor index (a gather) does not."""
-    from nsa_compile.passes.autocast_casts import basic_slice
+    from nsa_compile.passes.canonicalize import basic_slice
 
     def views(x, i):
         return x[:, 1:3, None, ...] * 2 + x[i].sum() + x.narrow(1, 0, 2).sum() + x.transpose(0, 1).sum()
@@ -239,7 +239,7 @@ def test_a_cast_moves_above_reshapes_and_copies_but_not_a_bit_view_or_tensor_rep
     """moves_cast_above: the GQA reshapes and copies (unsqueeze, repeat, flatten, expand,
     repeat_interleave with int repeats, reshape) move the cast above them; `x.view(dtype)`
     (it reinterprets bits) and repeat_interleave with a tensor of repeats (a gather) do not."""
-    from nsa_compile.passes.autocast_casts import moves_cast_above
+    from nsa_compile.passes.canonicalize import moves_cast_above
 
     def calls(x, r):
         a = x.unsqueeze(1).repeat(1, 2, 1).flatten(0, 1).reshape(-1).sum()

@@ -873,8 +873,9 @@ class CastAfterLayout(nn.Module):
     cast of float32 pooled keys: `q @ kc.permute(0, 2, 3, 1).to(bf16)`), and probabilities cast to
     their own dtype and then to bf16 (`p.to(vc.dtype)` with vc float32, then autocast's cast), as
     where_bias_spellings computes under CUDA autocast. `change`: 'shared-permute' lets another
-    reader use the permuted keys (the cast stays), 'rounding-chain' rounds p to bf16 and widens it
-    back for a float32 product (a rounding inner cast: the chain stays)."""
+    reader use the permuted keys (they stay for it; the cast reads its own permute), 'rounding-chain'
+    rounds p to bf16 and widens it back for a float32 product (a rounding inner cast: the chain
+    stays), 'cast-up' gives a bf16 v laid out and then cast up (a cast up stays where it is)."""
 
     def __init__(self, change=None):
         super().__init__()
@@ -888,6 +889,8 @@ class CastAfterLayout(nn.Module):
         p = s.masked_fill(t[None, :] > t[:, None], float("-inf")).softmax(-1)
         if self.change == "rounding-chain":  # p rounded to bf16, then widened: a float32 product of rounded p
             o = torch.matmul(p.to(bf16).to(torch.float32), v.transpose(1, 2))
+        elif self.change == "cast-up":  # v in bf16, laid out, then cast up for a float32 product
+            o = torch.matmul(p, v.to(bf16).transpose(1, 2).to(torch.float32))
         else:
             o = torch.matmul(p.to(torch.float32).to(bf16), v.transpose(1, 2).to(bf16))
         extra = kt.sum() if self.change == "shared-permute" else 0.0
@@ -903,7 +906,10 @@ def layout_cast_inputs():
 def test_casts_after_a_layout_and_lossless_cast_chains_are_normalized():
     model = run(CastAfterLayout(), layout_cast_inputs(), only("canonicalize"), tol=2e-2)
     counts = fired(model)
-    assert (counts.get("layout_cast"), counts.get("cast_chain")) == (2, 1), counts
+    assert (counts.get("cast_hoist"), counts.get("cast_chain")) == (2, 1), counts
+    _, log = canonical_log(model)
+    assert {"cast_hoist: cast to bfloat16 after permute -> before them",
+            "cast_hoist: cast to bfloat16 after transpose -> before them"} <= {m.kernel for m in log.matches}
     _, log = canonical_log(model)
     assert "cast_chain: cast to float32 then to bfloat16 -> one cast" in [m.kernel for m in log.matches]
     body = log.code_after.split("def forward")[1]
@@ -912,14 +918,43 @@ def test_casts_after_a_layout_and_lossless_cast_chains_are_normalized():
     assert body.count("torch.Tensor.to(l_v_, torch.bfloat16)") + body.count("torch_Tensor_to(l_v_, torch.bfloat16)") == 1
 
 
-@pytest.mark.parametrize("change", ["shared-permute", "rounding-chain"])
-def test_casts_that_are_not_lossless_or_whose_layout_is_shared_stay(change):
+def test_a_shared_layout_stays_for_its_other_reader_and_the_cast_reads_its_own():
+    """k's permute has two readers: the cast moves before a permute of its own; the float32 permute
+    stays for kt.sum()."""
+    model = run(CastAfterLayout("shared-permute"), layout_cast_inputs(), only("canonicalize"), tol=2e-2)
+    counts = fired(model)
+    assert counts.get("cast_hoist") == 2 and counts.get("cast_chain") == 1, counts
+    body = canonical_log(model)[1].code_after.split("def forward")[1]
+    assert body.count("permute(") == 2 and ".sum()" in body, body
+
+
+@pytest.mark.parametrize("change", ["rounding-chain", "cast-up"])
+def test_casts_that_round_or_widen_stay(change):
+    """A rounding inner cast (p.to(bf16).to(float32)) keeps both casts; a cast up after a layout
+    (v.to(bf16).transpose(1, 2).to(float32)) stays after it, the graph as it was there (k's cast
+    still moves before its permute)."""
     model = run(CastAfterLayout(change), layout_cast_inputs(), only("canonicalize"), tol=2e-2)
     counts = fired(model)
-    if change == "shared-permute":  # k's permute has two readers: its cast stays after it; v's moves
-        assert counts.get("layout_cast") == 1 and counts.get("cast_chain") == 1, counts
-    else:  # p.to(bf16).to(float32): both casts stay (k's cast still moves before its permute)
-        assert "cast_chain" not in counts and counts.get("layout_cast") == 1, counts
+    assert "cast_chain" not in counts or change == "cast-up", counts
+    assert counts.get("cast_hoist") == 1, counts
+    (match,) = [m.kernel for m in canonical_log(model)[1].matches if m.kernel.startswith("cast_hoist")]
+    assert match == "cast_hoist: cast to bfloat16 after permute -> before them"
+
+
+class CastForNoProduct(nn.Module):
+    """A narrowing cast after a layout that no product reads (scaled and summed): not a cast before a
+    product, so cast_hoist leaves it where it is."""
+
+    def forward(self, q, k, v):
+        return (k.permute(0, 2, 3, 1).to(torch.bfloat16) * 2).float().sum(-1) + q.sum() + v.sum()
+
+
+def test_a_cast_that_no_product_reads_stays():
+    model = run(CastForNoProduct(), layout_cast_inputs(), only("canonicalize"), tol=2e-2)
+    assert "cast_hoist" not in fired(model)
+    _, log = canonical_log(model)
+    assert "permute = l_k_.permute(0, 2, 3, 1)" in log.code_after, log.code_after
+    assert "to = permute.to(torch.bfloat16)" in log.code_after, log.code_after  # the cast still reads the layout
 
 
 def test_document_windows_reads_constant_documents_only_when_each_is_the_same_window():
@@ -982,7 +1017,7 @@ def test_unbatched_varlen_scores_are_refused_with_their_layout(compressed):
     assert [r.reason for r in log.refusals if r.reason.startswith("empty_rows")] == []
 
 
-# --- gqa_cast: a float cast after a GQA copy (CUDA autocast's cast of float32 pooled keys) ----------
+# --- cast_hoist: a float cast after a GQA copy (CUDA autocast's cast of float32 pooled keys) --------
 
 
 class CastAfterCopy(nn.Module):
@@ -1015,27 +1050,28 @@ def cast_inputs():
 
 
 def test_a_cast_after_the_gqa_copy_moves_before_it_and_the_branch_fires():
-    """gqa_cast fires once (the copy of kc then feeds the product, un-repeated by the compressed
+    """cast_hoist fires once (the copy of kc then feeds the product, un-repeated by the compressed
     pass): the op present, the softmax gone, eager's output exactly (the reference backend is eager's
     arithmetic)."""
     module, inputs = CastAfterCopy(), cast_inputs()
     opt = optimize_fresh(copy.deepcopy(module))
     torch.testing.assert_close(opt(*inputs), module(*inputs), rtol=0, atol=0)
     record, log = canonical_log(opt)
-    assert fired(opt).get("gqa_cast") == 1
-    assert re.search(r"(\w+) = torch_Tensor_to\(mean, torch\.bfloat16\).*\n\s*\w+ = torch\.repeat_interleave\(\1, 2, 1\)",
+    assert fired(opt).get("cast_hoist") == 1
+    assert re.search(r"(\w+) = torch_Tensor_to\(mean, torch\.bfloat16\).*\n\s*\w+ = torch_Tensor_repeat_interleave\(\1, 2, "
+                     r"dim = 1\)",
                      log.code_after), log.code_after
     cmp_log = log_of(record, "compressed_attention")
     assert len(cmp_log.matches) == 1, cmp_log.refusals
     assert "softmax" not in cmp_log.code_after and "nsa.compressed_attention" in cmp_log.code_after
 
 
-def test_a_cast_after_a_copy_with_an_output_size_stays():
-    """repeat_interleave given output_size (a form the rule does not read): no gqa_cast; the
-    compressed pass then sees keys it cannot un-repeat and refuses; eager's output."""
+def test_a_cast_moves_before_a_copy_with_an_output_size_which_the_compressed_pass_refuses():
+    """repeat_interleave given output_size: the cast moves before it (a copy all the same), and the
+    compressed pass, which un-repeats plain copies only, refuses the keys; eager's output."""
     module, inputs = CastAfterCopy(cast="sized"), cast_inputs()
     opt = optimize_fresh(copy.deepcopy(module))
     torch.testing.assert_close(opt(*inputs), module(*inputs), rtol=0, atol=0)
-    assert "gqa_cast" not in fired(opt)
+    assert fired(opt).get("cast_hoist") == 1
     record, _ = canonical_log(opt)
     assert not log_of(record, "compressed_attention").matches

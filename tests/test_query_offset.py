@@ -388,8 +388,9 @@ def test_chunks_under_autocast_casts_keep_their_offsets():
     """The casts CUDA autocast makes (found on the H200 in tests/corpus/chunked_queries.py), written
     out: the chunk of q and the float32 K copies cast to bf16 for the products, the selected
     branch's rows cast after their unsqueeze. The q chunk's cast is read through to its slice, the
-    copies' casts move before the copies (canonicalize's gqa_cast), the rows' casts before the
-    unsqueeze (row_cast), the gathered K/V's cast is read through to its source (cast for the op):
+    copies' casts move before the copies and the rows' casts before the unsqueeze (canonicalize's
+    cast_hoist), the gathered K/V's cast, moved between the gather and its view, is read through to
+    its source (cast for the op):
     every chunk's three branches fire at its offset, eager's outputs and gradients."""
     torch.manual_seed(0)
     model, x = ChunkedBranches(casts=True), torch.randn(2, 61, 32)  # float32 weights, as under autocast
