@@ -1478,7 +1478,8 @@ def moves_cast_above(node: fx.Node) -> bool:
     reinterprets bits, nor a repeat_interleave with a tensor of repeats, a gather) or a basic slice;
     its tensor given first, positionally, and of the dtype of its output."""
     src = node.args[0] if node.op in ("call_function", "call_method") and node.args else None
-    if not isinstance(src, fx.Node) or value(src) is None or value(node) is None or value(src).dtype != value(node).dtype:
+    if not isinstance(src, fx.Node) or value(src) is None or value(node) is None \
+            or value(src).dtype != value(node).dtype:
         return False
     if op_name(node) in RESHAPING:
         return not any(isinstance(value(a), torch.Tensor) for a in node.all_input_nodes[1:]) and not any(
@@ -1966,8 +1967,8 @@ class Canonicalize(RewritePass):
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         sizes_off_copies(graph)
         masks = ProbeMasks()
-        rules = (("autocast", ExplicitAutocast()), ("cast_hoist", hoist_cast), ("cast_chain", cast_of_cast), ("sdpa", SDPADecomposition(masks)),
-                 ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort), ("softmax", handwritten_softmax),
+        rules = (("autocast", ExplicitAutocast()), ("cast_hoist", hoist_cast), ("cast_chain", cast_of_cast),
+                 ("sdpa", SDPADecomposition(masks)), ("grouped_heads", GroupedHeads()), ("sort", argsort_to_sort), ("softmax", handwritten_softmax),
                  ("einsum", einsum_to_matmul), ("gqa_expand", gqa_copy), ("key_layout", key_transpose),
                  ("gqa_layout", layout_past_copy), ("scores", ScoreChains(masks)),
                  ("empty_rows", EmptyRows(masks)))

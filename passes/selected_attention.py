@@ -416,10 +416,11 @@ def read_gathered(sel: fx.Node, what: str, layout: Layout, B, G: int, S, T: int,
     gathered rows (CUDA autocast's `.to(bf16)` before the product) is read through: the op then
     reads the source cast (`Gathered.cast`); so is one between the gather and its view (where
     canonicalize's cast_hoist puts that cast)."""
-    if float_cast(sel) is not None:
+    outer = float_cast(sel)
+    if outer is not None:
         only_user(sel, f"gathered {what}")
         found = read_gathered(first(sel), what, layout, B, G, S, T, keys)
-        return dataclasses.replace(found, cast=float_cast(sel), nodes=[sel, *found.nodes])
+        return dataclasses.replace(found, cast=outer, nodes=[sel, *found.nodes])
     only_user(sel, f"gathered {what}")
     D = dims(sel, f"gathered {what}", 5)[4]
     constant(f"gathered {what}", D=D)
@@ -428,15 +429,16 @@ def read_gathered(sel: fx.Node, what: str, layout: Layout, B, G: int, S, T: int,
         names = "[B, G, S, T, D]" if layout.head == 1 else "[B, S, G, T, D]"
         raise Refused(f"the gathered {what} is {tuple(value(sel).shape)}, not {names} = {(*slots, D)}")
     inner, cast = first(sel), None
-    if op_name(sel) in ("view", "reshape", "unflatten") and isinstance(inner, fx.Node) and float_cast(inner) \
-            and op_name(first(inner)) in ("gather", "index_select"):
+    reshaped = op_name(sel) in ("view", "reshape", "unflatten") and isinstance(inner, fx.Node)
+    if reshaped and float_cast(inner) and op_name(first(inner)) in ("gather", "index_select"):
         only_user(inner, f"gathered {what}")
         inner, cast = first(inner), inner
-    if op_name(sel) in ("view", "reshape", "unflatten") and isinstance(inner, fx.Node) \
-            and op_name(inner) in ("gather", "index_select"):
+    if reshaped and op_name(inner) in ("gather", "index_select"):
         found = (read_torch_gather(sel, inner, what, layout, B, G, S, T, D, keys) if op_name(inner) == "gather"
                  else read_index_select(sel, inner, what, B, G, S, T, D))
-        return found if cast is None else dataclasses.replace(found, cast=float_cast(cast), nodes=[sel, cast, *found.nodes[1:]])
+        if cast is None:
+            return found
+        return dataclasses.replace(found, cast=float_cast(cast), nodes=[sel, cast, *found.nodes[1:]])
     if op_name(sel) == "take_along_dim":
         return read_take_along_dim(sel, what, layout, slots, S, D)
     if op_name(sel) == "getitem" and isinstance(sel.args[1], tuple):

@@ -1058,8 +1058,8 @@ def test_a_cast_after_the_gqa_copy_moves_before_it_and_the_branch_fires():
     torch.testing.assert_close(opt(*inputs), module(*inputs), rtol=0, atol=0)
     record, log = canonical_log(opt)
     assert fired(opt).get("cast_hoist") == 1
-    assert re.search(r"(\w+) = torch_Tensor_to\(mean, torch\.bfloat16\).*\n\s*\w+ = torch_Tensor_repeat_interleave\(\1, 2, "
-                     r"dim = 1\)",
+    assert re.search(r"(\w+) = torch_Tensor_to\(mean, torch\.bfloat16\).*\n"
+                     r"\s*\w+ = torch_Tensor_repeat_interleave\(\1, 2, dim = 1\)",
                      log.code_after), log.code_after
     cmp_log = log_of(record, "compressed_attention")
     assert len(cmp_log.matches) == 1, cmp_log.refusals
