@@ -1,7 +1,7 @@
 """The anatomy every rewrite pass shares, the context it runs in, and the log each run writes.
 
 A pass is an object with a `name` (containing its family word: gqa, gate, rope, selection,
-window, compress), a one-line `summary`, and `apply(graph, ctx)`, which rewrites a Dynamo
+window, compress, chunk), a one-line `summary`, and `apply(graph, ctx)`, which rewrites a Dynamo
 (torch IR) FX graph in place. `ctx` (PassContext) holds the OptimizeConfig the graph is compiled
 under (`ctx.config`: the backend choices) and the pass's log, and tells the log of every match
 (`ctx.matched`) and every refusal, with a reason (`ctx.refused`). A refused candidate must leave
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # a type only: config.py imports the registry, which imports 
 
 __all__ = ["RewritePass", "PassContext", "PassLog", "Match", "Refusal"]
 
-FAMILIES = ("gqa", "gate", "rope", "selection", "window", "compress")
+FAMILIES = ("gqa", "gate", "rope", "selection", "window", "compress", "chunk")
 
 
 @dataclass(frozen=True)

@@ -125,12 +125,16 @@ CHUNK_TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rto
              torch.float16: dict(rtol=2e-3, atol=2e-3)}
 
 
-def optimized_with_parity(model, x, dtype=torch.float32):
-    """The model optimized (aot_eager) in `dtype`, its output and every gradient of one step
-    checked against eager's (CHUNK_TOL)."""
+# the chunk tests of the branch passes read each chunk's own op call: query_chunks (which merges them) off
+PER_CHUNK = FAST.replace(disabled_passes=("query_chunks",))
+
+
+def optimized_with_parity(model, x, dtype=torch.float32, config=FAST):
+    """The model optimized (aot_eager, or `config`) in `dtype`, its output and every gradient of
+    one step checked against eager's (CHUNK_TOL)."""
     model = model.to(dtype)
     x = x.to(dtype)
-    opt = optimize_fresh(model)
+    opt = optimize_fresh(model, config)
     outs, grads = [], []
     for m in (model, opt):
         m.zero_grad(set_to_none=True)

@@ -21,7 +21,7 @@ from nsa_compile.pass_manager import NSAGraphPass, OptimizeState
 
 # the built-in passes in the order they run
 ALL_PASSES = ("canonicalize", "projection_rope", "window_attention", "compressed_attention", "select_blocks",
-              "selected_attention", "gated_combine", "gqa_grouped_matmul")
+              "selected_attention", "gated_combine", "gqa_grouped_matmul", "query_chunks")
 
 
 def test_public_surface():
@@ -90,7 +90,7 @@ def test_report_before_and_after_the_first_forward():
     assert r["time_ms"] > 0
     # the reference model is in the normal form (nothing to canonicalize); every NSA structure of
     # both layers is rewritten, so no K/V copy is left for the GQA pass
-    assert [row(model, name)["matches"] for name in ALL_PASSES] == [0, 2, 2, 2, 2, 2, 2, 0]
+    assert [row(model, name)["matches"] for name in ALL_PASSES] == [0, 2, 2, 2, 2, 2, 2, 0, 0]
 
 
 def test_reoptimize_replaces_the_record():
@@ -133,7 +133,8 @@ def test_composite_pass_chains_the_installed_pass_and_keys_the_cache():
 
 
 def test_uuid_covers_pass_sources(tmp_path, monkeypatch):
-    state = OptimizeState.for_config(FAST.replace(disabled_passes=ALL_PASSES[:-1]))  # the GQA pass alone
+    gqa_alone = tuple(name for name in ALL_PASSES if name != "gqa_grouped_matmul")
+    state = OptimizeState.for_config(FAST.replace(disabled_passes=gqa_alone))
     before = NSAGraphPass(state).uuid()
     (p,) = state.passes
     copy = tmp_path / "gqa_copy.py"

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import matches, only_graph, optimize_fresh, optimized_with_parity
+from helpers import PER_CHUNK, matches, only_graph, optimize_fresh, optimized_with_parity
 from oracles import attention_inputs, random_block_idx, triton_interpreter
 
 import nsa_compile
@@ -360,7 +360,7 @@ def test_each_chunk_becomes_one_call_per_branch_with_its_offset(chunk, dtype):
     compression block, a chunk that starts inside a selection block, the last one a single row."""
     torch.manual_seed(0)
     model, x = ChunkedBranches(chunk=chunk), torch.randn(2, 61, 32)
-    opt = optimized_with_parity(model, x, dtype)
+    opt = optimized_with_parity(model, x, dtype, PER_CHUNK)
     starts = list(range(0, 61, chunk))
     fired = matches(opt)
     assert [fired[name] for name in OFFSET_AT] == [len(starts)] * 3
@@ -372,7 +372,7 @@ def test_each_chunk_becomes_one_call_per_branch_with_its_offset(chunk, dtype):
 def test_a_chunk_mask_one_token_early_is_refused_with_the_graph_unchanged():
     torch.manual_seed(0)
     model, x = ChunkedBranches(leak=True), torch.randn(2, 61, 32)
-    opt = optimized_with_parity(model, x, torch.float32)
+    opt = optimized_with_parity(model, x, torch.float32, PER_CHUNK)
     fired = matches(opt)
     # the first chunk (offset 0) is NSA's; the two others leak: their compressed branch stays eager,
     # and so does their block selection (no lse) and their selected branch (finite fill, eager ids)
@@ -394,7 +394,7 @@ def test_chunks_under_autocast_casts_keep_their_offsets():
     every chunk's three branches fire at its offset, eager's outputs and gradients."""
     torch.manual_seed(0)
     model, x = ChunkedBranches(casts=True), torch.randn(2, 61, 32)  # float32 weights, as under autocast
-    opt = optimize_fresh(copy.deepcopy(model))
+    opt = optimize_fresh(copy.deepcopy(model), PER_CHUNK)
     for m in (model, opt):
         m.zero_grad(set_to_none=True)
         m(x).square().mean().backward()

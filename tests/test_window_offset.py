@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import matches, only_graph, optimize_fresh, optimized_with_parity
+from helpers import PER_CHUNK, matches, only_graph, optimize_fresh, optimized_with_parity
 from oracles import attention_inputs, triton_interpreter
 
 import nsa_compile
@@ -244,7 +244,7 @@ def test_each_chunk_becomes_one_window_call_per_branch_and_one_combine(dtype):
     1 (read as chunks: the whole K/V and q_offset s0)."""
     torch.manual_seed(0)
     model, x = ChunkedWindows(), torch.randn(2, 61, 32)
-    opt = optimized_with_parity(model, x, dtype)
+    opt = optimized_with_parity(model, x, dtype, PER_CHUNK)
     fired = matches(opt)
     assert (fired["window_attention"], fired["gated_combine"]) == (6, 3)
     assert window_calls(opt) == [(8, 0), (20, 0), (8, 24), (20, 24), (8, 48), (20, 48)]
@@ -258,7 +258,7 @@ def test_each_chunk_becomes_one_window_call_per_branch_and_one_combine(dtype):
 def test_a_band_shifted_by_one_token_is_refused_with_the_graph_unchanged():
     torch.manual_seed(0)
     model, x = ChunkedWindows(shift=True), torch.randn(2, 61, 32)
-    opt = optimized_with_parity(model, x)
+    opt = optimized_with_parity(model, x, config=PER_CHUNK)
     assert matches(opt)["window_attention"] == 0
     before, after = code_around(opt, "window_attention")
     assert before == after
@@ -275,7 +275,7 @@ def test_a_band_shifted_by_one_token_is_refused_with_the_graph_unchanged():
 def test_a_key_slice_that_starts_too_late_is_refused_with_the_graph_unchanged():
     torch.manual_seed(0)
     model, x = ChunkedWindows(late=True), torch.randn(2, 61, 32)
-    opt = optimized_with_parity(model, x)
+    opt = optimized_with_parity(model, x, config=PER_CHUNK)
     fired = matches(opt)
     # the first chunk's slices start at 0 (max(0, ...)): it is the window; the others miss a key
     assert fired["window_attention"] == 2 and window_calls(opt) == [(8, 0), (20, 0)]
@@ -295,7 +295,7 @@ def test_a_chunk_weighed_by_the_wrong_gate_column_keeps_every_chunk_eager():
     reason, and every node built for the chunks is gone again."""
     torch.manual_seed(0)
     model, x = ChunkedWindows(mixed=True), torch.randn(2, 61, 32)
-    opt = optimized_with_parity(model, x)
+    opt = optimized_with_parity(model, x, config=PER_CHUNK)
     fired = matches(opt)
     assert (fired["window_attention"], fired["gated_combine"]) == (6, 0)
     before, after = code_around(opt, "gated_combine")
