@@ -56,3 +56,12 @@ def test_a_window_computed_in_float32_is_reported():
     assert [op for op, _ in calls] == ["window_attention"], calls
     assert op_dtypes.slips(calls, torch.bfloat16) == [
         "window_attention.q float32", "window_attention.k float32", "window_attention.v float32"]
+
+
+def test_models_are_named_with_or_without_py(capsys):
+    """bench_corpus names the models by stem: the stem is a corpus model here too, an unknown
+    name is an error that lists it."""
+    with pytest.raises(SystemExit):
+        op_dtypes.main(["paper_bhsd", "no_such_model"])
+    err = capsys.readouterr().err
+    assert "unknown corpus model(s) no_such_model.py; valid: " in err, err

@@ -105,7 +105,7 @@ def workloads(args):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", help="corpus file names (default: all)")
+    parser.add_argument("models", nargs="*", help="corpus file names, .py optional (default: all)")
     parser.add_argument("--preset", help="a preset (tiny, seed, paper) instead of corpus models")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="for --preset (default 128) and --seed-shape (default 256)")
@@ -115,6 +115,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="the autocast dtype")
     args = parser.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    args.models = [m if m.endswith(".py") else f"{m}.py" for m in args.models]  # bench_corpus names them by stem
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:
         parser.error(f"unknown corpus model(s) {', '.join(unknown)}; valid: {', '.join(MODELS)}")
