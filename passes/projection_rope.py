@@ -129,6 +129,9 @@ MAX_PIECES = rope_triton.MAX_PIECES
 # The probe evaluates the RoPE subgraph at the real shape, in float64, on the graph's device:
 # larger projections are not verified (the seed model at batch 8, S = 8192: 50M elements).
 MAX_VERIFIED_ELEMENTS = 2**28
+# Columns of a merged projection without RoPE come in whole multiples of this (16 bytes of bf16):
+# a piece of another width stays apart (ProjectionRope.aligned)
+COLUMN_ALIGN = 8
 KERNEL = "nsa.projection_rope[{backend}] ({n} projection{s}{of} -> 1 GEMM of {N} columns{cast}; {rope}{why})"
 
 # Ops the RoPE arithmetic may use on the projection (all linear in it, none random or in place).
@@ -854,16 +857,19 @@ class ProjectionsRope(RewritePass):
     @staticmethod
     def aligned(members: list[Member], ctx: PassContext) -> tuple[list[Member], list[Member]]:
         """(members, apart): the members without the unrotated ones whose width alone keeps the
-        op's tiles from being ALIGNED (rope_triton.tiles_aligned). Merged, such a projection (a gate
-        of 3 x heads columns) saves one read of x and makes every column access of the fused kernel
-        masked. A whole Linear of them is left to its own GEMM; a piece of a fused Linear is
+        op's tiles from being ALIGNED (rope_triton.tiles_aligned), or, without RoPE, whose width is
+        not a multiple of COLUMN_ALIGN. Merged, such a projection (a gate of 3 x heads columns)
+        saves one read of x and makes every column access of the fused kernel masked, or (no RoPE)
+        the merged width odd for cuBLAS: chunked_queries' q, k, v and 36-column gate, 1572 columns,
+        took 0.68 ms for the weight gradient on an H100, 3x the time per FLOP of 768 columns
+        (0.11 ms; bf16, 65,536 tokens; the profile in NOTES.md, eighteenth session). A whole Linear of them is left to its own GEMM; a piece of a fused Linear is
         returned in `apart`, to be computed by an op of its own (its rows of the weight), so that
         the fused Linear is not computed again for it."""
         rope = next((m.rope for m in members if m.rope), None)
-        if rope is None:
-            return members, []
 
         def fits(group: list[Member]) -> bool:
+            if rope is None:  # one GEMM: every piece a whole number of 16-byte columns (COLUMN_ALIGN)
+                return all(m.width % COLUMN_ALIGN == 0 for m in group)
             return rope_triton.tiles_aligned([m.width for m in group],
                                              [m.rope["head_dim"] if m.rope else 0 for m in group], rope["rotary"] // 2)
 
@@ -872,11 +878,15 @@ class ProjectionsRope(RewritePass):
             return members, []
         loose = [m for m in members if m.rope is None and not fits(rotated + [m])]
         rest = [m for m in members if m not in loose]
-        if not loose or not fits(rest):
+        if not loose or not rest or not fits(rest):
             return members, []
         apart = []
         for m in loose:
-            if m.start == 0 and m.width == value(m.linear).shape[-1]:
+            if m.start == 0 and m.width == value(m.linear).shape[-1] and rope is None:
+                ctx.refused(m.linear, f"left to its own GEMM: its {m.width} columns are not a multiple of "
+                                      f"{COLUMN_ALIGN}, and merged the GEMM's {sum(x.width for x in members)} columns "
+                                      "would put the weight gradient on cuBLAS's unaligned kernels")
+            elif m.start == 0 and m.width == value(m.linear).shape[-1]:
                 ctx.refused(m.linear, f"left to its own GEMM: its {m.width} columns fit no column tile of the "
                                       "rotated projections, and merged they would make every tile of the fused RoPE "
                                       "kernel masked")

@@ -363,12 +363,13 @@ def test_a_tied_weight_and_a_raw_output_used_elsewhere():
 
 
 class WithGate(nn.Module):
-    """q, k (rotated) and v Linears and a gate of `gate` columns, all reading x; `fused`: the four
-    as the pieces of one Linear, cut in order (fused_qkv_per_head's spelling)."""
+    """q, k (rotated, or not with rope=False) and v Linears and a gate of `gate` columns, all
+    reading x; `fused`: the four as the pieces of one Linear, cut in order (fused_qkv_per_head's
+    spelling)."""
 
-    def __init__(self, gate: int, fused: bool = False, dim=32, H=4, G=2, D=16):
+    def __init__(self, gate: int, fused: bool = False, dim=32, H=4, G=2, D=16, rope=True):
         super().__init__()
-        self.H, self.G, self.D, self.fused = H, G, D, fused
+        self.H, self.G, self.D, self.fused, self.rope = H, G, D, fused, rope
         self.widths = [H * D, G * D, G * D, gate]
         if fused:
             self.qkvg = nn.Linear(dim, sum(self.widths), bias=True)
@@ -378,9 +379,10 @@ class WithGate(nn.Module):
     def forward(self, x, cos, sin):
         B, S, _ = x.shape
         q, k, v, g = self.qkvg(x).split(self.widths, -1) if self.fused else [p(x) for p in self.parts]
-        q = apply_rope(q.view(B, S, self.H, self.D), cos, sin, "half")
-        k = apply_rope(k.view(B, S, self.G, self.D), cos, sin, "half")
-        return torch.cat([q.flatten(2), k.flatten(2), v, g.sigmoid()], dim=-1)
+        if self.rope:
+            q = apply_rope(q.view(B, S, self.H, self.D), cos, sin, "half").flatten(2)
+            k = apply_rope(k.view(B, S, self.G, self.D), cos, sin, "half").flatten(2)
+        return torch.cat([q, k, v, g.sigmoid()], dim=-1)
 
 
 @pytest.mark.parametrize("gate, fused", [(36, False), (36, True), (64, False)])
@@ -416,6 +418,38 @@ def test_a_projection_that_would_unalign_the_kernels_tiles_is_not_merged(gate, f
         assert r["matches"] == 2 and r["kernels"][1].startswith(
             "nsa.projection_rope[reference] (1 projection -> 1 GEMM of 36 columns"), r
         assert "linear(" not in code
+
+
+@pytest.mark.parametrize("gate, fused", [(36, False), (36, True), (40, False)])
+def test_without_rope_a_projection_of_odd_width_is_not_merged(gate, fused):
+    """No RoPE: one GEMM. A gate of 36 columns (not a multiple of 8) beside q, k and v would make
+    the merged GEMM 164 columns, which cuBLAS multiplies in its unaligned kernels (the weight
+    gradient 3x slower per FLOP on an H100): a whole Linear is left to its own GEMM with the
+    reason; a gate of 40 columns is merged. The four as pieces of one Linear of 164 columns are
+    already one GEMM, as the model wrote it: nothing to merge, left as it is. Outputs and gradients
+    equal eager's."""
+    x, cos, sin = projection_inputs(dim=32, rot=16)
+    module = WithGate(gate, fused, rope=False)
+    expected, got, optimized = run_both(module, (x, cos, sin))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    got.square().sum().backward()
+    expected.square().sum().backward()
+    for a, b in zip([p.grad for p in optimized.parameters()], [p.grad for p in module.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    r = row(optimized, PASS)
+    code = only_graph(optimized).code_after
+    if gate == 40:
+        assert r["matches"] == 1 and r["kernels"][0].startswith(
+            "nsa.projection_rope[reference] (4 projections -> 1 GEMM of 168 columns"), r
+        assert "linear(" not in code and r["reasons"] == []
+    elif not fused:
+        assert r["matches"] == 1 and r["kernels"][0].startswith(
+            "nsa.projection_rope[reference] (3 projections -> 1 GEMM of 128 columns"), r
+        assert ("left to its own GEMM: its 36 columns are not a multiple of 8, and merged the GEMM's 164 columns "
+                "would put the weight gradient on cuBLAS's unaligned kernels") in r["reasons"], r
+        assert code.count("linear(") == 1  # the gate's own
+    else:
+        assert r["matches"] == 0 and code.count("linear(") == 1, r
 
 
 def test_a_weight_computed_after_the_first_projection_is_left_out():
