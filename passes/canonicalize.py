@@ -1504,7 +1504,9 @@ def hoist_cast(graph: fx.Graph, node: fx.Node) -> str | None:
     makes before a product (the autocast rule writes them right there) and the same casts written by
     hand. Exact: a cast is elementwise. A chain node with other readers stays for them; the cast
     reads a copy of the chain (a view copies nothing; a copy is made in the cast's dtype instead of
-    the cast's own copy)."""
+    the cast's own copy). Casts of one tensor for several readers (a model's loop over query chunks
+    casts the whole q for each chunk's product) share the cast and the copied chain as far as their
+    chains agree (`call_once`): one copy, and passes that read the cast tensor see one tensor."""
     dtype = movable_cast(node)
     chain, x = [], first(node)
     while dtype is not None and isinstance(x, fx.Node) and moves_cast_above(x):
@@ -1512,14 +1514,25 @@ def hoist_cast(graph: fx.Graph, node: fx.Node) -> str | None:
         x = x.args[0]
     if not chain or torch.finfo(dtype).bits >= torch.finfo(value(x).dtype).bits or not read_by_product(node):
         return None  # a cast up stays where it is: the passes read upcasts in place, and it would widen more
-    moved = call(graph, torch.Tensor.to, x, dtype, anchor=node)
+    moved = call_once(graph, torch.Tensor.to, (x, dtype), {}, node)
     for step in reversed(chain):
         target = getattr(torch.Tensor, step.target) if step.op == "call_method" else step.target
-        moved = call(graph, target, moved, *step.args[1:], anchor=node, **step.kwargs)
+        moved = call_once(graph, target, (moved, *step.args[1:]), step.kwargs, node)
     node.replace_all_uses_with(moved)
     erase_replaced(graph, [node], [])
     names = " <- ".join(op_name(step) for step in chain)
     return f"cast_hoist: cast to {str(dtype).removeprefix('torch.')} after {names} -> before them"
+
+
+def call_once(graph: fx.Graph, target, args: tuple, kwargs: dict, anchor: fx.Node) -> fx.Node:
+    """`target(*args, **kwargs)` before anchor, or the node that already computes it there (the
+    same target on the same arguments, a reader of args[0] before anchor; casts and views only)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for user in args[0].users:
+        if (user.op == "call_function" and user.target is target and user.args == args and user.kwargs == kwargs
+                and order[user] < order[anchor]):
+            return user
+    return call(graph, target, *args, anchor=anchor, **kwargs)
 
 
 def lossless(src: torch.dtype, mid: torch.dtype) -> bool:
