@@ -941,6 +941,39 @@ def test_casts_that_round_or_widen_stay(change):
     assert match == "cast_hoist: cast to bfloat16 after permute -> before them"
 
 
+class ChunkCasts(nn.Module):
+    """A model's loop over two query chunks under CUDA autocast: each chunk's product casts its rows
+    of the laid-out float32 q (`q.transpose(1, 2)[:, :, s0:s1].to(bf16) @ k`), so cast_hoist moves
+    each cast before the transpose and the slice; `other_dtype` casts the second chunk to fp16."""
+
+    def __init__(self, other_dtype=False):
+        super().__init__()
+        self.other_dtype = other_dtype
+
+    def forward(self, q, k, v):  # q [B, S, H, D] float32 (the RoPE output), k, v [B, H, S, D] bf16
+        qt = q.transpose(1, 2)
+        half = q.shape[1] // 2
+        second = torch.float16 if self.other_dtype else torch.bfloat16
+        a = qt[:, :, :half].to(torch.bfloat16) @ k.transpose(-1, -2)
+        b = qt[:, :, half:].to(second) @ v.to(second).transpose(-1, -2)
+        return a.float().sum() + b.float().sum()
+
+
+@pytest.mark.parametrize("other_dtype", [False, True], ids=["same-cast", "other-dtype"])
+def test_casts_of_one_tensor_for_several_chunks_share_one_copy(other_dtype):
+    """Both chunks' casts move before the transpose and the slice; where they cast to the same dtype
+    they share one cast of q and one transpose of it (one bf16 copy of q, as a model's query chunks
+    need), the slices apart; casts to two dtypes keep one chain each."""
+    g = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(B, S, H, D, generator=g), torch.randn(B, H, S, D, generator=g).to(torch.bfloat16),
+              torch.randn(B, H, S, D, generator=g).to(torch.bfloat16)]
+    model = run(ChunkCasts(other_dtype), inputs, only("canonicalize"), tol=2e-2)
+    assert fired(model).get("cast_hoist") == 2, fired(model)
+    body = canonical_log(model)[1].code_after.split("def forward")[1]
+    casts = len(re.findall(r"(?:torch\.Tensor\.to|torch_Tensor_to)\(l_q_, torch\.(?:bfloat16|float16)\)", body))
+    assert (casts, body.count("transpose(")) == ((2, 2 + 2) if other_dtype else (1, 1 + 2)), body
+
+
 class CastForNoProduct(nn.Module):
     """A narrowing cast after a layout that no product reads (scaled and summed): not a cast before a
     product, so cast_hoist leaves it where it is."""
