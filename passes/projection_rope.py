@@ -862,7 +862,7 @@ class ProjectionsRope(RewritePass):
         saves one read of x and makes every column access of the fused kernel masked, or (no RoPE)
         the merged width odd for cuBLAS: chunked_queries' q, k, v and 36-column gate, 1572 columns,
         took 0.68 ms for the weight gradient on an H100, 3x the time per FLOP of 768 columns
-        (0.11 ms; bf16, 65,536 tokens; the profile in NOTES.md, eighteenth session). A whole Linear of them is left to its own GEMM; a piece of a fused Linear is
+        (0.11 ms; bf16, 65,536 tokens; BENCHMARKS.md, eighteenth session). A whole Linear of them is left to its own GEMM; a piece of a fused Linear is
         returned in `apart`, to be computed by an op of its own (its rows of the weight), so that
         the fused Linear is not computed again for it."""
         rope = next((m.rope for m in members if m.rope), None)
