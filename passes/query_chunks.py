@@ -111,18 +111,19 @@ def rows_of(node) -> tuple[fx.Node, int, int]:
     return node, 0, rows
 
 
-def _written(node: fx.Node) -> bool:
-    """Something writes into node's memory in place (or into a view of it): not a pure value."""
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
+def _written(node: fx.Node, order: dict) -> bool:
+    """Something writes into node's memory in place (or into a view of it): not a pure value
+    (order: the graph's node positions)."""
     return bool(cmp.writes_into(node, len(order), order))
 
 
-def same_key(x, prefix_end: int | None = None):
+def same_key(x, order: dict, prefix_end: int | None = None):
     """A hashable key equal for the same value: the node itself, or (for a pure computation of
     nodes that nothing writes into) the op and its arguments' keys. With prefix_end, a prefix
-    slice x[:, :, :e] (e >= prefix_end) under the casts keys as the whole tensor."""
+    slice x[:, :, :e] (e >= prefix_end) under the casts keys as the whole tensor. order: the
+    graph's node positions."""
     if isinstance(x, (list, tuple)):
-        return (type(x).__name__, tuple(same_key(a, prefix_end) for a in x))
+        return (type(x).__name__, tuple(same_key(a, order, prefix_end) for a in x))
     if isinstance(x, slice):
         return ("slice", x.start, x.stop, x.step)
     if not isinstance(x, fx.Node):
@@ -130,12 +131,12 @@ def same_key(x, prefix_end: int | None = None):
     if prefix_end is not None:
         cut = row_slice(x)
         if cut is not None and cut[1] == 0 and cut[2] >= prefix_end:
-            return same_key(cut[0], prefix_end)
+            return same_key(cut[0], order, prefix_end)
     name = op_name(x) or ""
-    if x.op in ("call_function", "call_method") and name in PURE and not _written(x):
+    if x.op in ("call_function", "call_method") and name in PURE and not _written(x, order):
         below = prefix_end if name in ELEMENTWISE else None
-        args = tuple(same_key(a, below) if i == 0 else same_key(a) for i, a in enumerate(x.args))
-        return (x.op, name, args, tuple(sorted((k, same_key(v)) for k, v in x.kwargs.items())))
+        args = tuple(same_key(a, order, below if i == 0 else None) for i, a in enumerate(x.args))
+        return (x.op, name, args, tuple(sorted((k, same_key(v, order)) for k, v in x.kwargs.items())))
     return ("node", x)
 
 
@@ -151,7 +152,7 @@ def rebuild(graph: fx.Graph, x, anchor: fx.Node, order: dict, prefix_end: int | 
     if x in made:
         return made[x]
     name = op_name(x) or ""
-    if name not in PURE or _written(x):
+    if name not in PURE or _written(x, order):
         raise NotChunks(f"{x.name}, an argument of every chunk, is computed after the first chunk's call")
     below = prefix_end if name in ELEMENTWISE else None
     args = tuple(rebuild(graph, a, anchor, order, below if i == 0 else None, made) for i, a in enumerate(x.args))
@@ -190,6 +191,7 @@ class QueryChunksPass(RewritePass):
             target = getattr(torch.ops.nsa, op)
             groups: dict = {}  # (q's base's key, the other arguments' keys) -> calls
             over: dict = {}  # q's base's key -> how many calls read rows of it
+            order = {n: i for i, n in enumerate(graph.nodes)}  # again per op: the merges before add nodes
             for node in graph.nodes:
                 if node.op != "call_function" or node.target not in (target, target.default):
                     continue
@@ -197,9 +199,9 @@ class QueryChunksPass(RewritePass):
                 found = row_slice(args["q"])
                 if found is None or args.get("pos") is not None:  # not a chunk; packed rows are not merged
                     continue
-                base = same_key(found[0])
+                base = same_key(found[0], order)
                 over[base] = over.get(base, 0) + 1
-                groups.setdefault((base, self.signature(op, args, found[2])), []).append(node)
+                groups.setdefault((base, self.signature(op, args, found[2], order)), []).append(node)
             for (key, _), group in groups.items():
                 if over[key] < 2:
                     continue
@@ -215,7 +217,7 @@ class QueryChunksPass(RewritePass):
                 self.rewrite(graph, op, base, group, plan, ctx, named)
 
     @staticmethod
-    def signature(op: str, args: dict, s1: int) -> tuple:
+    def signature(op: str, args: dict, s1: int, order: dict) -> tuple:
         """The keys of a call's arguments that must be the same in every chunk: all but q_offset,
         the backend, and the per-query ones (their base only); k and v of the window as the whole
         where they are a prefix reaching the chunk's last query s1."""
@@ -225,9 +227,9 @@ class QueryChunksPass(RewritePass):
                 continue
             if name in PER_QUERY[op]:
                 found = row_slice(x)
-                keys.append((name, ("rows of", same_key(found[0] if found else x))))
+                keys.append((name, ("rows of", same_key(found[0] if found else x, order))))
             else:
-                keys.append((name, same_key(x, s1 if name in PREFIX_ANY.get(op, ()) else None)))
+                keys.append((name, same_key(x, order, s1 if name in PREFIX_ANY.get(op, ()) else None)))
         return tuple(keys)
 
     @staticmethod
