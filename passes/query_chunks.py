@@ -26,9 +26,11 @@ same computation. Gradients of k and v are summed over all queries in one kernel
 sum per chunk added afterwards (another order of the same float sums).
 
 Refuses (graph unchanged), with the reason in explain, a set of two or more calls over rows of one
-tensor that are not such chunks: rows not covered, chunks overlapping or out of order, q_offset
-not the chunk's start, other arguments that differ, packed documents (pos), an input the merged
-call would read before the graph computes it, or symbolic sizes.
+tensor that are not such chunks: rows not covered, chunks overlapping, q_offset not the chunk's
+start, other arguments that differ, an input (or what its casts and views read) written in place
+between the first call and the last (the same node, another value), an input the merged call
+would read before the graph computes it. Calls with packed documents (pos) or rows at symbolic
+sizes are not taken.
 """
 
 from __future__ import annotations
@@ -253,6 +255,7 @@ class QueryChunksPass(RewritePass):
             end = s1
         if end != rows:
             raise NotChunks(f"rows [{end}, {rows}) are in no chunk")
+        QueryChunksPass.unwritten(group)
         merged = {}
         for name in spans[0][3]:
             if name in ("q_offset", "backend", "pos"):
@@ -268,6 +271,25 @@ class QueryChunksPass(RewritePass):
             else:
                 merged[name] = ("same", spans[0][3][name], None)
         return {"spans": spans, "args": merged}
+
+    @staticmethod
+    def unwritten(group: list[fx.Node]) -> None:
+        """NotChunks where a tensor the calls read (through their casts and views) is written in
+        place between the first call and the last: the same node would hold another value for the
+        later chunks, which one call before the write would not see."""
+        order = {n: i for i, n in enumerate(group[0].graph.nodes)}
+        first, last = min(order[n] for n in group), max(order[n] for n in group)
+        seen, stack = set(), [x for node in group for x in node.all_input_nodes]
+        while stack:
+            x = stack.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            late = [w for w in cmp.writes_into(x, last, order) if order[w] > first]
+            if late:
+                raise NotChunks(f"{x.name} is written in place between the chunks' calls ({op_name(late[0])})")
+            if (op_name(x) or "") in PURE:
+                stack += x.all_input_nodes
 
     @staticmethod
     def rewrite(graph: fx.Graph, op: str, base: fx.Node, group: list[fx.Node], plan: dict, ctx: PassContext,

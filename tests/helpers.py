@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.fx as fx
 
@@ -131,10 +133,11 @@ PER_CHUNK = FAST.replace(disabled_passes=("query_chunks",))
 
 def optimized_with_parity(model, x, dtype=torch.float32, config=FAST):
     """The model optimized (aot_eager, or `config`) in `dtype`, its output and every gradient of
-    one step checked against eager's (CHUNK_TOL)."""
+    one step checked against eager's (CHUNK_TOL). optimize compiles in place: the optimized model is
+    a copy, so that `model` stays eager."""
     model = model.to(dtype)
     x = x.to(dtype)
-    opt = optimize_fresh(model, config)
+    opt = optimize_fresh(copy.deepcopy(model), config)
     outs, grads = [], []
     for m in (model, opt):
         m.zero_grad(set_to_none=True)

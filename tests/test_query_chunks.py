@@ -9,7 +9,8 @@ call per op left there with q_offset 0, outputs and every gradient as eager's (f
 the small chunked model).
 
 Near misses, each a module calling the op on slices of q directly: rows left out, overlapping
-chunks, a q_offset that is not the chunk's first row, chunks over other keys. Each is refused with
+chunks, a q_offset that is not the chunk's first row, chunks over other keys, keys written in place
+between the chunks' calls (the same node, another value). Each is refused with
 its reason and the graph is as the passes before left it; the output is eager's.
 """
 
@@ -87,14 +88,18 @@ class DirectChunks(nn.Module):
     rows, `offsets` their q_offset (default: the first row), `other_keys` the chunks from which on
     the keys are another tensor's."""
 
-    def __init__(self, spans, offsets=None, other_keys=None, prefixes=False):
+    def __init__(self, spans, offsets=None, other_keys=None, prefixes=False, written=False):
         super().__init__()
         self.spans, self.offsets, self.other_keys = spans, offsets or [s0 for s0, _ in spans], other_keys
-        self.prefixes = prefixes
+        self.prefixes, self.written = prefixes, written
 
     def forward(self, q, k, v):
         outs = []
+        if self.written:  # K written in place after the first chunk's call: the chunks read other keys
+            k = k.clone()
         for i, ((s0, s1), off) in enumerate(zip(self.spans, self.offsets)):
+            if self.written and i == 1:
+                k.mul_(2)
             keys, values = (k * 2 if self.other_keys is not None and i >= self.other_keys else k), v
             if self.prefixes:  # each chunk's own view of K and V (after the previous chunk's call), cut at its end
                 keys, values = (x.transpose(2, 3).transpose(2, 3)[:, :, :s1] for x in (keys, values))
@@ -106,7 +111,7 @@ class DirectChunks(nn.Module):
 def run_direct(model) -> tuple:
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 64, 8), torch.randn(2, 2, 64, 8), torch.randn(2, 2, 64, 8)
-    opt = optimize_fresh(model, FAST)
+    opt = optimize_fresh(copy.deepcopy(model), FAST)  # optimize compiles in place: `model` stays eager
     torch.testing.assert_close(opt(q, k, v), model(q, k, v), **CHUNK_TOL[torch.float32])
     return opt
 
@@ -136,7 +141,9 @@ def test_chunks_reading_their_own_prefix_of_k_merge():
      "2 nsa.window_attention calls over rows of l_q_: window_attention_1's q_offset 31 is not its first row 32"),
     (DirectChunks([(0, 32), (32, 64)], other_keys=1),
      "1 nsa.window_attention calls over rows of l_q_ (and 1 with other arguments): rows [32, 64) are in no chunk"),
-], ids=["gap", "overlap", "offset", "other-keys"])
+    (DirectChunks([(0, 32), (32, 64)], written=True),
+     "2 nsa.window_attention calls over rows of l_q_: k is written in place between the chunks' calls (mul_)"),
+], ids=["gap", "overlap", "offset", "other-keys", "written"])
 def test_near_misses_are_refused_with_the_graph_unchanged(model, reason):
     opt = run_direct(model)
     assert matches(opt)["query_chunks"] == 0
