@@ -1615,6 +1615,33 @@ def verify_branch(probs: Probabilities, v: fx.Node | None, data: set, subgraphs:
     return verify_probabilities(probs, pooling, subgraphs, memory, q_offset)
 
 
+def sequence_cut(q: fx.Node, dim: int = 2):
+    """(full, start): q is a basic slice of full's dim `dim` with every other dim whole
+    (`q_full[:, :, a:b]`, `q_full[..., a:b, :]`, `q_full.narrow(2, a, n)`), start as written (an
+    int, or a node of the graph); None for any other q. The rows it keeps are q's own."""
+    if op_name(q) not in ("getitem", "narrow") or not isinstance(first(q), fx.Node) or value(first(q)) is None:
+        return None
+    full = first(q)
+    rank = value(full).dim()
+    if op_name(q) == "narrow":
+        at = arg(q, 1, "dim")
+        return (full, arg(q, 2, "start")) if isinstance(at, int) and at % rank == dim else None
+    index = arg(q, 1, "index")
+    if not isinstance(index, tuple):
+        return None
+    whole = slice(None, None, None)
+    if index.count(Ellipsis) == 1:
+        at = index.index(Ellipsis)
+        index = index[:at] + (whole,) * (rank + 1 - len(index)) + index[at + 1:]
+    index = index + (whole,) * (rank - len(index))
+    if len(index) != rank or rank <= dim:
+        return None
+    cut = index[dim]
+    if not (isinstance(cut, slice) and cut.step in (None, 1) and all(s == whole for s in index[:dim] + index[dim + 1:])):
+        return None
+    return full, 0 if cut.start is None else cut.start
+
+
 def query_rows(q: fx.Node, shape=lambda val: tuple(val.shape)) -> tuple[int, int | None]:
     """(q_offset, L): q [B, H, S, D] is the rows [q_offset, q_offset + S) of a sequence of L queries,
     cut by a constant slice of the sequence dim (`q_full[:, :, a:b]`, `q_full[..., a:b, :]`,
@@ -1627,22 +1654,10 @@ def query_rows(q: fx.Node, shape=lambda val: tuple(val.shape)) -> tuple[int, int
             and value(q) is not None and value(first(q)) is not None and value(q).is_floating_point()
             and value(first(q)).is_floating_point() and same_shape(tuple(value(q).shape), tuple(value(first(q)).shape))):
         q = first(q)
-    full = value(first(q)) if op_name(q) in ("getitem", "narrow") and isinstance(first(q), fx.Node) else None
-    if full is None or full.dim() != 4 or value(q) is None or value(q).dim() != 4:
+    cut = sequence_cut(q)
+    if cut is None or value(cut[0]).dim() != 4 or value(q) is None or value(q).dim() != 4:
         return 0, None
-    start = None
-    if op_name(q) == "narrow" and arg(q, 1, "dim") in (2, -2):
-        start = arg(q, 2, "start")
-    elif op_name(q) == "getitem" and isinstance(arg(q, 1, "index"), tuple):
-        whole = slice(None, None, None)
-        index = arg(q, 1, "index")
-        if index.count(Ellipsis) == 1:
-            at = index.index(Ellipsis)
-            index = index[:at] + (whole,) * (5 - len(index)) + index[at + 1:]
-        index = index + (whole,) * (4 - len(index))
-        cut = index[2] if len(index) == 4 else None
-        if isinstance(cut, slice) and cut.step in (None, 1) and all(s == whole for s in index[:2] + index[3:]):
-            start = 0 if cut.start is None else cut.start
+    full, start = value(cut[0]), cut[1]
     if not isinstance(start, int) or isinstance(start, bool):  # a symbolic start is not read
         return 0, None
     length = shape(full)[2]

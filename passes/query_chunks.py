@@ -78,27 +78,23 @@ def _static(n) -> int | None:
 
 
 def row_slice(node) -> tuple[fx.Node, int, int] | None:
-    """(base, s0, s1) where node is base[:, :, s0:s1] (a getitem of full slices but dim 2, step 1,
-    bounds that are numbers, clipped to base's size), else None."""
-    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target is not operator.getitem:
+    """(base, s0, s1) where node is rows [s0, s1) of base's dim 2, every other dim whole
+    (`cmp.sequence_cut`: base[:, :, s0:s1], base[..., s0:s1, :], base.narrow(2, s0, n)), with a
+    start that is a number (a node of the graph by the number it holds: min(s0 + chunk, S) after a
+    recompile), s1 = s0 + node's own rows; else None."""
+    if not isinstance(node, fx.Node) or value(node) is None:
         return None
-    base, index = node.args
-    if not isinstance(base, fx.Node) or value(base) is None or not isinstance(index, tuple) or len(index) != 3:
+    cut = cmp.sequence_cut(node, ROW_DIM)
+    if cut is None:
         return None
-    if any(not isinstance(i, slice) or i != slice(None) for i in index[:ROW_DIM]):
+    base, start = cut
+    if isinstance(start, fx.Node):
+        start = start.meta.get("example_value", start.meta.get("val"))
+    size, rows, start = _static(value(base).shape[ROW_DIM]), _static(value(node).shape[ROW_DIM]), _static(start)
+    if size is None or rows is None or start is None:
         return None
-    cut = index[ROW_DIM]
-    size = _static(value(base).shape[ROW_DIM]) if value(base).dim() > ROW_DIM else None
-    if not isinstance(cut, slice) or cut.step not in (None, 1) or size is None:
-        return None
-    # a bound computed in the graph (min(s0 + chunk, S) after a recompile) by the number it holds
-    given = [b.meta.get("example_value", b.meta.get("val")) if isinstance(b, fx.Node) else b
-             for b in (cut.start, cut.stop)]
-    bounds = [b if b is None else _static(b) for b in given]
-    if any(b is None and g is not None for b, g in zip(bounds, given)):
-        return None
-    s0, s1, _ = slice(*bounds).indices(size)
-    return base, s0, max(s0, s1)
+    start = start + size if start < 0 else start
+    return (base, start, start + rows) if 0 <= start <= size - rows else None
 
 
 def rows_of(node) -> tuple[fx.Node, int, int]:
@@ -169,16 +165,7 @@ def rebuild(graph: fx.Graph, x, anchor: fx.Node, order: dict, prefix_end: int | 
 
 def _bound(node: fx.Node) -> dict:
     """The call's arguments by the op's schema names, defaults filled in."""
-    schema = getattr(node.target, "_schema", None) or node.target.default._schema
-    bound = {}
-    for i, a in enumerate(schema.arguments):
-        if i < len(node.args):
-            bound[a.name] = node.args[i]
-        elif a.name in node.kwargs:
-            bound[a.name] = node.kwargs[a.name]
-        else:
-            bound[a.name] = a.default_value if a.has_default_value() else None
-    return bound
+    return registry.get(op_name(node).split(".")[0]).bound(node.args, node.kwargs)  # packet or .default
 
 
 class QueryChunksPass(RewritePass):
@@ -186,7 +173,7 @@ class QueryChunksPass(RewritePass):
     summary = "one call of each NSA op for a model that loops over chunks of queries"
 
     def source_files(self) -> tuple[str, ...]:
-        return super().source_files() + (cmp.__file__,)  # its in-place write finder
+        return super().source_files() + (cmp.__file__,)  # sequence_cut, writes_into, erase_dead
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         for op in PER_QUERY:
@@ -334,24 +321,24 @@ class QueryChunksPass(RewritePass):
                         raise AssertionError(f"{user.name} reads {node.name} other than by one output")
                     user.replace_all_uses_with(call(graph, operator.getitem, parts[j], cut, anchor=first))
                     graph.erase_node(user)
+        inputs = [x for _, _, node, _ in plan["spans"] for x in node.all_input_nodes]
         for _, _, node, _ in plan["spans"]:  # after the last insertion before `first`, which is one of them
-            inputs = node.all_input_nodes
             graph.erase_node(node)
-            _drop_unused(graph, inputs)
+        cmp.erase_dead(graph, _pure_ancestors(inputs))
         rows = _static(value(base).shape[ROW_DIM])
         ctx.matched(first, KERNEL.format(op=op, backend=backend, n=len(group), rows=rows, base=base.name))
 
 
-def _drop_unused(graph: fx.Graph, nodes) -> None:
-    """Erase the pure nodes among `nodes` that nothing reads any more, and so on up their inputs
-    (the chunks' q slices and their casts of k)."""
-    stack = list(nodes)
+def _pure_ancestors(nodes) -> set[fx.Node]:
+    """`nodes` and what they read through pure computations (the chunks' q slices, their casts of
+    k): the nodes a merge may leave without readers, for `cmp.erase_dead`."""
+    found, stack = set(), list(nodes)
     while stack:
         node = stack.pop()
-        if (not node._erased and not node.users and node.op in ("call_function", "call_method")
-                and (op_name(node) or "") in PURE):
+        if node not in found and node.op in ("call_function", "call_method") and (op_name(node) or "") in PURE:
+            found.add(node)
             stack += node.all_input_nodes
-            graph.erase_node(node)
+    return found
 
 
 def _shown(x) -> str:

@@ -108,6 +108,11 @@ class Op:
     builtin: tuple[str, ...] = field(default=(), init=False)
     forward_op: object = field(default=None, init=False, repr=False)
     backward_op: object = field(default=None, init=False, repr=False)
+    arguments: object = field(default=None, init=False, repr=False)  # the schema's names and defaults
+
+    def bound(self, args: Sequence, kwargs: dict) -> dict:
+        """A call's arguments by the schema's names, defaults filled in (a graph's call of the op)."""
+        return dict(zip(self.arguments.names, self.arguments.bind(args, kwargs)))
 
     def backend_names(self) -> tuple[str, ...]:
         """The values its config field takes: 'auto', the backends auto may take in its order, then
@@ -243,6 +248,7 @@ def declare(op: Op) -> Op:
     # (parity.py records the block ids the selected-attention op receives this way)
     op.forward_op, arguments = _define(f"nsa::{op.name}", op.schema, lambda *values: op.check(*values),
                                        lambda chosen: op.backend(chosen).forward, op.fake)
+    op.arguments = arguments
     if op.backward_schema is not None:
         op.backward_op, _ = _define(f"nsa::{op.name}_backward", op.backward_schema,
                                     lambda *values: op.check_backward(*values),
