@@ -88,10 +88,10 @@ class DirectChunks(nn.Module):
     rows, `offsets` their q_offset (default: the first row), `other_keys` the chunks from which on
     the keys are another tensor's."""
 
-    def __init__(self, spans, offsets=None, other_keys=None, prefixes=False, written=False):
+    def __init__(self, spans, offsets=None, other_keys=None, prefixes=False, written=False, spelling="slice"):
         super().__init__()
         self.spans, self.offsets, self.other_keys = spans, offsets or [s0 for s0, _ in spans], other_keys
-        self.prefixes, self.written = prefixes, written
+        self.prefixes, self.written, self.spelling = prefixes, written, spelling
 
     def forward(self, q, k, v):
         outs = []
@@ -103,8 +103,9 @@ class DirectChunks(nn.Module):
             keys, values = (k * 2 if self.other_keys is not None and i >= self.other_keys else k), v
             if self.prefixes:  # each chunk's own view of K and V (after the previous chunk's call), cut at its end
                 keys, values = (x.transpose(2, 3).transpose(2, 3)[:, :, :s1] for x in (keys, values))
-            outs.append(torch.ops.nsa.window_attention(q[:, :, s0:s1], keys, values, 16, 0.25, "reference", None,
-                                                       off)[0])
+            rows = {"slice": lambda: q[:, :, s0:s1], "ellipsis": lambda: q[..., s0:s1, :],
+                    "narrow": lambda: q.narrow(2, s0, s1 - s0)}[self.spelling]()
+            outs.append(torch.ops.nsa.window_attention(rows, keys, values, 16, 0.25, "reference", None, off)[0])
         return torch.cat(outs, dim=2)
 
 
@@ -116,8 +117,11 @@ def run_direct(model) -> tuple:
     return opt
 
 
-def test_direct_chunks_covering_the_rows_merge():
-    opt = run_direct(DirectChunks([(0, 20), (20, 41), (41, 64)]))
+@pytest.mark.parametrize("spelling", ["slice", "ellipsis", "narrow"])
+def test_direct_chunks_covering_the_rows_merge(spelling):
+    """The chunks cut as q[:, :, s0:s1], q[..., s0:s1, :] or q.narrow(2, s0, n), as the branch passes
+    read them (compressed_attention.query_rows)."""
+    opt = run_direct(DirectChunks([(0, 20), (20, 41), (41, 64)], spelling=spelling))
     assert matches(opt)["query_chunks"] == 1
     before, after = code_around(opt, "query_chunks")
     assert (calls_in(before, "window_attention"), calls_in(after, "window_attention")) == (3, 1)
