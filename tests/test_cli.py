@@ -61,7 +61,7 @@ def test_explain_json_has_passes_near_misses_and_breaks(tiny_explained):
     # every NSA structure of both layers is rewritten; no K/V copy is left for the GQA pass
     assert {name: p["matches"] for name, p in by_name.items()} == {
         "canonicalize": 0, "projection_rope": 2, "window_attention": 2, "compressed_attention": 2, "select_blocks": 2,
-        "selected_attention": 2, "gated_combine": 2, "gqa_grouped_matmul": 0, "query_chunks": 0}
+        "selected_attention": 2, "gated_combine": 2, "gqa_grouped_matmul": 0, "compress_pooling": 0, "query_chunks": 0}
     assert by_name["select_blocks"]["where"] == ["blocks.0.attn", "blocks.1.attn"]
     # per layer: the compressed, selected and gate softmaxes (window pass); the selected and gate
     # softmaxes (compressed pass); the gate softmax (selection pass)

@@ -34,7 +34,7 @@ CMP = "compressed_attention"
 # what each pass rewrites in a 2-layer packed model: every NSA branch of both layers
 FIRED = {"canonicalize": 0, "projection_rope": 2, "window_attention": 2, "compressed_attention": 2,
          "select_blocks": 2, "selected_attention": 2, "gated_combine": 2, "gqa_grouped_matmul": 0,
-         "query_chunks": 0}
+         "compress_pooling": 0, "query_chunks": 0}
 LAYERS = ["blocks.0.attn", "blocks.1.attn"]
 
 

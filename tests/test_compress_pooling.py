@@ -1,0 +1,125 @@
+"""compress_pooling (passes/compress_pooling.py): a learned pooling of compression windows written
+as a product with a vector becomes a multiply-sum.
+
+Matches: a small compression (K and V projected, cut into overlapping windows of l keys with
+`as_strided` or `unfold`, pooled with one learned weight per KV head and window position) in three
+spellings: einsum 'bgnkd,gk->bgnd' (canonicalize makes it a matmul with a one-column right
+operand), `windows.transpose(-1, -2) @ w[..., None]`, and `windows @ w` with a vector w; the
+corpus' grouped5d_nograd. Each: the exact number of rewrites, the matmul gone from the graph and a
+multiply-sum there, outputs and every gradient (the pooling weights' too) as eager's in fp32, bf16
+and fp16, and under CPU autocast with the product's dtype kept.
+
+Near misses: a window of 65 keys (over MAX_TERMS) is refused with its reason and the graph is as
+the passes before left it; a two-column product (two pooled keys per window) is no weighted sum and
+is left alone without a refusal.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import FAST, matches, only_graph, optimize_fresh, optimized_with_parity, row
+from test_window_offset import code_around
+
+from corpus import grouped5d_nograd
+from nsa_compile.passes.compress_pooling import MAX_TERMS
+
+SPELLINGS = ("einsum", "column", "vector")
+
+
+class Pooling(nn.Module):
+    """K and V of 2 heads, windows of l keys at stride d, pooled by learned weights; the output is
+    the pooled K and V mixed by a Linear (so every weight gets a gradient)."""
+
+    def __init__(self, spelling="einsum", l=8, d=4, heads=2, head_dim=8, dim=16, columns=1):
+        super().__init__()
+        self.spelling, self.l, self.d, self.heads = spelling, l, d, heads
+        self.kv = nn.Linear(dim, 2 * heads * head_dim, bias=False)
+        shape = (l,) if spelling == "vector" else (heads, l, columns)
+        self.pool_k = nn.Parameter(torch.randn(shape) / l)
+        self.pool_v = nn.Parameter(torch.randn(shape) / l)
+        self.out = nn.Linear(2 * head_dim * columns, dim)
+
+    def pooled(self, x, w):  # x [B, G, S, D] -> [B, G, Tc, D * columns]
+        if self.spelling == "einsum":
+            windows = x.unfold(2, self.l, self.d)  # [B, G, Tc, D, l]
+            return torch.einsum("bgndk,gk->bgnd", windows, w[..., 0])
+        B, G, S, D = x.shape
+        x = x.contiguous()
+        Tc = (S - self.l) // self.d + 1
+        windows = x.as_strided((B, G, Tc, self.l, D), (x.stride(0), x.stride(1), self.d * x.stride(2),
+                                                        x.stride(2), x.stride(3)))
+        if self.spelling == "vector":
+            return windows.transpose(-1, -2) @ w  # [B, G, Tc, D]
+        return (windows.transpose(-1, -2) @ w[:, None]).flatten(-2)  # [.., D, l] @ [G, 1, l, c]
+
+    def forward(self, x):  # [B, S, dim]
+        B, S, _ = x.shape
+        k, v = self.kv(x).view(B, S, 2, self.heads, -1).permute(2, 0, 3, 1, 4)
+        kv = torch.cat([self.pooled(k, self.pool_k), self.pooled(v, self.pool_v)], dim=-1)  # [B, G, Tc, 2D]
+        return self.out(kv)
+
+
+def pooling_code(opt) -> tuple[str, str]:
+    return code_around(opt, "compress_pooling")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_a_pooling_product_becomes_a_multiply_sum(spelling, dtype):
+    torch.manual_seed(0)
+    opt = optimized_with_parity(Pooling(spelling), torch.randn(2, 37, 16), dtype)
+    assert matches(opt)["compress_pooling"] == 2
+    before, after = pooling_code(opt)
+    assert before.count("torch.matmul(") + before.count(" @ ") == 2
+    assert after.count("torch.matmul(") + after.count(" @ ") == 0
+    assert after.count("torch.mul(") == 2 and after.count("torch.sum(") == 2
+    assert row(opt, "compress_pooling")["kernels"] == [
+        "multiply-sum over 8 terms (Inductor reduction, no GEMM of one column)"]
+
+
+def test_under_autocast_the_pooled_keys_keep_the_products_dtype():
+    """CPU autocast (bf16) casts the matmul's operands: the autocast rule writes the casts, the
+    multiply-sum reads bf16 operands and returns bf16 as the product did (sum's dtype argument)."""
+    torch.manual_seed(0)
+    model, x = Pooling("column"), torch.randn(2, 37, 16)
+    opt = optimize_fresh(copy.deepcopy(model), FAST)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = model(x), opt(x)
+    assert matches(opt)["compress_pooling"] == 2
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_window_longer_than_max_terms_is_refused_unchanged():
+    torch.manual_seed(0)
+    l = MAX_TERMS + 1
+    opt = optimized_with_parity(Pooling("column", l=l, d=l // 2), torch.randn(2, 2 * l, 16))
+    assert matches(opt)["compress_pooling"] == 0
+    before, after = pooling_code(opt)
+    assert before == after and before.count("torch.matmul(") + before.count(" @ ") == 2
+    assert row(opt, "compress_pooling")["refused"] == 2
+    assert row(opt, "compress_pooling")["reasons"] == [
+        f"a sum of {l} terms (over {MAX_TERMS}: a long dot product stays a cuBLAS GEMV)"]
+
+
+def test_a_two_column_product_is_no_pooling_and_is_left_alone():
+    torch.manual_seed(0)
+    opt = optimized_with_parity(Pooling("column", columns=2), torch.randn(2, 37, 16))
+    assert matches(opt)["compress_pooling"] == 0 and row(opt, "compress_pooling")["refused"] == 0
+    before, after = pooling_code(opt)
+    assert before == after
+
+
+def test_the_corpus_grouped_model_pools_with_multiply_sums():
+    model, x = grouped5d_nograd.make()
+    opt = optimized_with_parity(model, x)
+    assert matches(opt)["compress_pooling"] == 2
+    forward = only_graph(opt).aten["forward"].graph
+    products = [n for n in forward.nodes if n.op == "call_function"
+                and n.target in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
+                and n.meta["val"].shape[-1] == 1]
+    assert products == []  # no GEMM of one column left
