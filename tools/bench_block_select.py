@@ -44,7 +44,7 @@ from nsa_compile.bench import cuda_time_ms
 from nsa_compile.ops import block_select as bs
 from nsa_compile.ops import block_select_triton as bst
 
-SHAPES = {"paper": (64, 4, 128), "seed": (12, 2, 64)}  # H, G, D
+SHAPES = {"paper": (64, 4, 128), "seed": (12, 2, 64), "seed-per-head": (12, 12, 64)}  # H, G, D (per head: h 1)
 L, D_STRIDE, LS, N = 32, 16, 64, 16  # l, d, l', n
 NEAR_TIE, ROUNDING = 1e-6, 5e-2
 
