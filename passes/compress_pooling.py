@@ -1,5 +1,5 @@
-"""compress_pooling: a weighted sum over a short window, written as a matrix-vector product,
-becomes a multiply-sum that Inductor fuses with the reading of the window.
+"""compress_pooling: a weighted sum over a short window, written as a matrix-vector product or a
+depthwise convolution, becomes a multiply-sum that Inductor fuses with the reading of the window.
 
 NSA's compressed branch pools each window of l keys into one key. A learned pooling (one weight
 per window position, XunhaoLai's `weightedpool`) is usually written as a product with a vector:
@@ -25,11 +25,28 @@ and would otherwise widen what the GEMM returned in bf16. In Inductor the produc
 computed in float32, as the GEMM accumulates; in eager (aot_eager) each product is rounded to the
 operands' dtype first, a rounding within a bf16/fp16 product's own error.
 
-Refused (graph unchanged), with the reason, for a product with one output column only:
+A depthwise convolution is the same pooling with one weight per channel and window position
+(fused_qkv_per_head: `F.conv1d(x, w, stride=d, groups=C)`, w [C, 1, l], its mean pooling). Its
+backward in ATen is `conv_depthwise2d_backward_kernel`, 0.84 ms a call at that model's seed shape
+on an H100 (tools/profile_step.py). Matches
+    out = F.conv1d(x, w, bias, stride=d, groups=C)      x [B, C, S], w [C, 1, l], l <= MAX_TERMS,
+                                                         padding 0, dilation 1
+Becomes, where l = r * d (each window is r consecutive blocks of d tokens; M = Tc + r - 1 blocks):
+    xb  = x.narrow(-1, 0, M * d).unflatten(-1, (M, d))                               # [B, C, M, d]
+    out = sum over i < r of (xb.narrow(-2, i, Tc) * w[:, 0, i*d:(i+1)*d][:, None]).sum(-1, dtype=float32)
+    out = (out + bias[:, None]).to(dtype)
+no overlapping view, so the backward is shifted slices and a reduction, no scatter (tools/
+bench_pooling.py: 0.49 ms against 0.87 for the multiply-sum over overlapping windows); else the
+multiply-sum over `x.unfold(-1, l, d)`. The partial sums are float32, as the convolution
+accumulates.
+
+Refused (graph unchanged), with the reason, for a product with one output column or a
+convolution with one filter per channel only:
 - a sum longer than MAX_TERMS (a long dot product is a GEMV, where cuBLAS is at home);
 - operands or output of different dtypes (autocast casts this product's operands: the autocast
   rule writes those casts first where it reads them; a product it did not cast stays);
-- a left operand of one dim (a vector-vector or vector-matrix product).
+- a left operand of one dim (a vector-vector or vector-matrix product);
+- a convolution with padding or dilation, an input not [B, C, S], or sizes not known numbers.
 """
 
 from __future__ import annotations
@@ -38,7 +55,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from nsa_compile.fx import MATMULS, call, op_name, value
+from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.rewrite import PassContext, RewritePass
 
 MAX_TERMS = 64  # the longest sum rewritten: a window of up to 64 keys (the paper's l is 32)
@@ -62,6 +79,67 @@ def refusal(mm: fx.Node) -> str | None:
     return None
 
 
+def depthwise(conv: fx.Node) -> bool:
+    """conv is a convolution of one filter per channel: F.conv1d(x, w, groups=C), w [C, 1, l]."""
+    x, w = value(conv.args[0]) if conv.args else None, value(arg(conv, 1, "weight"))
+    groups = arg(conv, 6, "groups", 1)
+    return (x is not None and w is not None and w.dim() == 3 and x.dim() >= 2 and isinstance(groups, int)
+            and groups > 1 and w.shape[1] == 1 and w.shape[0] == groups == x.shape[-2])
+
+
+def conv_refusal(conv: fx.Node) -> tuple[str | None, tuple]:
+    """(reason, ()) or (None, (l, d)) for a depthwise conv1d."""
+    x, w, out = value(conv.args[0]), value(arg(conv, 1, "weight")), value(conv)
+    bias = value(arg(conv, 2, "bias"))
+    stride, padding, dilation = (arg(conv, i, name, default) for i, name, default in
+                                 ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1)))
+    one = lambda v: v[0] if isinstance(v, (tuple, list)) and len(v) == 1 else v  # noqa: E731
+    stride, padding, dilation = one(stride), one(padding), one(dilation)
+    if x.dim() != 3 or not all(isinstance(n, int) for n in (*x.shape, *w.shape)):
+        return "a convolution input not [B, C, S] of known sizes (an unbatched or symbolic one)", ()
+    if padding not in (0, "valid") or dilation != 1 or not isinstance(stride, int):
+        return f"a convolution with padding {padding!r}, dilation {dilation!r}, stride {stride!r} (not a window pooling)", ()
+    if not (x.dtype == w.dtype == out.dtype and (bias is None or bias.dtype == out.dtype)) or not x.is_floating_point():
+        return (f"a convolution of {x.dtype} by {w.dtype} weights into {out.dtype} (autocast's cast): the "
+                "multiply-sum would compute in another dtype"), ()
+    l = w.shape[-1]
+    if l > MAX_TERMS:
+        return f"a sum of {l} terms (over {MAX_TERMS}: a long filter stays a convolution)", ()
+    if out.shape[-1] < 1:
+        return "a convolution with no output position", ()
+    return None, (l, stride)
+
+
+def rewrite_conv(graph: fx.Graph, conv: fx.Node, l: int, d: int) -> str:
+    x, w, bias = conv.args[0], arg(conv, 1, "weight"), arg(conv, 2, "bias")
+    dtype, Tc = value(conv).dtype, value(conv).shape[-1]
+    taps = call(graph, torch.select, w, 1, 0, anchor=conv)  # [C, l]
+    if l % d == 0:  # r consecutive blocks of d tokens per window: no overlapping view
+        r, M = l // d, Tc + l // d - 1
+        blocks = call(graph, torch.narrow, x, -1, 0, M * d, anchor=conv)
+        blocks = call(graph, torch.unflatten, blocks, -1, (M, d), anchor=conv)  # [B, C, M, d]
+        out = None
+        for i in range(r):
+            rows = call(graph, torch.narrow, blocks, -2, i, Tc, anchor=conv)  # [B, C, Tc, d]
+            part = call(graph, torch.narrow, taps, -1, i * d, d, anchor=conv)  # [C, d]
+            part = call(graph, torch.unsqueeze, part, 1, anchor=conv)  # [C, 1, d]
+            term = call(graph, torch.sum, call(graph, torch.mul, rows, part, anchor=conv), -1, dtype=torch.float32,
+                        anchor=conv)
+            out = term if out is None else call(graph, torch.add, out, term, anchor=conv)
+        form = f"{r} blocks of {d} per window"
+    else:
+        windows = call(graph, torch.Tensor.unfold, x, -1, l, d, anchor=conv)  # [B, C, Tc, l]
+        out = call(graph, torch.sum, call(graph, torch.mul, windows, call(graph, torch.unsqueeze, taps, 1, anchor=conv),
+                                          anchor=conv), -1, dtype=torch.float32, anchor=conv)
+        form = "over unfold windows"
+    if bias is not None:
+        out = call(graph, torch.add, out, call(graph, torch.unsqueeze, bias, -1, anchor=conv), anchor=conv)
+    out = call(graph, torch.Tensor.to, out, dtype, anchor=conv)
+    conv.replace_all_uses_with(out)
+    graph.erase_node(conv)
+    return f"multiply-sum over {l} terms, {form} (Inductor reduction, no depthwise convolution)"
+
+
 def rewrite(graph: fx.Graph, mm: fx.Node) -> None:
     a, b = mm.args
     dtype = value(mm).dtype
@@ -78,10 +156,18 @@ def rewrite(graph: fx.Graph, mm: fx.Node) -> None:
 
 class CompressPooling(RewritePass):
     name = "compress_pooling"
-    summary = "a matrix-vector product over a short window (learned pooling) -> multiply-sum Inductor fuses"
+    summary = ("a matrix-vector product or depthwise conv1d over a short window (pooling) -> multiply-sum "
+               "Inductor fuses")
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         for mm in list(graph.nodes):
+            if op_name(mm) == "conv1d" and depthwise(mm):
+                reason, window = conv_refusal(mm)
+                if reason:
+                    ctx.refused(mm, reason)
+                    continue
+                ctx.matched(mm, rewrite_conv(graph, mm, *window))
+                continue
             if op_name(mm) not in MATMULS or not one_column(mm):
                 continue
             reason = refusal(mm)

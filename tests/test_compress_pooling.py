@@ -21,10 +21,11 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from helpers import FAST, matches, only_graph, optimize_fresh, optimized_with_parity, row
 from test_window_offset import code_around
 
-from corpus import grouped5d_nograd
+from corpus import fused_qkv_per_head, grouped5d_nograd
 from nsa_compile.passes.compress_pooling import MAX_TERMS
 
 SPELLINGS = ("einsum", "column", "vector")
@@ -61,6 +62,24 @@ class Pooling(nn.Module):
         k, v = self.kv(x).view(B, S, 2, self.heads, -1).permute(2, 0, 3, 1, 4)
         kv = torch.cat([self.pooled(k, self.pool_k), self.pooled(v, self.pool_v)], dim=-1)  # [B, G, Tc, 2D]
         return self.out(kv)
+
+
+class ConvPooling(nn.Module):
+    """The same pooling as a depthwise convolution (fused_qkv_per_head's spelling): one learned
+    filter of l taps per channel, stride d, a bias; `conv` overrides F.conv1d's other arguments."""
+
+    def __init__(self, l=8, d=4, channels=6, dim=16, **conv):
+        super().__init__()
+        self.d, self.conv = d, {"stride": d, "groups": channels} | conv
+        self.proj = nn.Linear(dim, channels, bias=False)
+        groups = self.conv["groups"]
+        self.weight = nn.Parameter(torch.randn(channels, channels // groups, l) / l)
+        self.bias = nn.Parameter(torch.randn(channels))
+        self.out = nn.Linear(channels, dim)
+
+    def forward(self, x):  # [B, S, dim]
+        y = F.conv1d(self.proj(x).transpose(1, 2), self.weight, self.bias, **self.conv)  # [B, C, Tc]
+        return self.out(y.transpose(1, 2))
 
 
 def pooling_code(opt) -> tuple[str, str]:
@@ -123,3 +142,44 @@ def test_the_corpus_grouped_model_pools_with_multiply_sums():
                 and n.target in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
                 and n.meta["val"].shape[-1] == 1]
     assert products == []  # no GEMM of one column left
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("l, d, form", [(8, 4, "2 blocks of 4 per window"), (6, 4, "over unfold windows")],
+                         ids=["blocks", "unfold"])
+def test_a_depthwise_convolution_becomes_a_multiply_sum(l, d, form, dtype):
+    """l = 2 d: each window is two blocks of d tokens (no overlapping view); l = 6, d = 4: unfold."""
+    torch.manual_seed(0)
+    opt = optimized_with_parity(ConvPooling(l, d), torch.randn(2, 37, 16), dtype)
+    assert matches(opt)["compress_pooling"] == 1
+    before, after = pooling_code(opt)
+    assert before.count("torch.conv1d(") == 1 and after.count("torch.conv1d(") == 0
+    assert after.count("torch.mul(") == after.count("torch.sum(") == (2 if form.startswith("2") else 1)
+    assert row(opt, "compress_pooling")["kernels"] == [
+        f"multiply-sum over {l} terms, {form} (Inductor reduction, no depthwise convolution)"]
+
+
+@pytest.mark.parametrize("conv, reason", [
+    ({"padding": 1}, "a convolution with padding 1, dilation 1, stride 4 (not a window pooling)"),
+    ({"dilation": 2}, "a convolution with padding 0, dilation 2, stride 4 (not a window pooling)"),
+], ids=["padding", "dilation"])
+def test_a_padded_or_dilated_convolution_is_refused_unchanged(conv, reason):
+    torch.manual_seed(0)
+    opt = optimized_with_parity(ConvPooling(**conv), torch.randn(2, 37, 16))
+    assert (matches(opt)["compress_pooling"], row(opt, "compress_pooling")["reasons"]) == (0, [reason])
+    before, after = pooling_code(opt)
+    assert before == after and "torch.conv1d(" in after
+
+
+def test_a_convolution_across_channels_is_no_pooling_and_is_left_alone():
+    torch.manual_seed(0)
+    opt = optimized_with_parity(ConvPooling(groups=2), torch.randn(2, 37, 16))
+    assert matches(opt)["compress_pooling"] == 0 and row(opt, "compress_pooling")["refused"] == 0
+
+
+def test_the_corpus_per_head_model_pools_without_a_convolution():
+    model, x = fused_qkv_per_head.make()
+    opt = optimized_with_parity(model, x)
+    assert matches(opt)["compress_pooling"] == 2
+    forward = only_graph(opt).aten["forward"].graph
+    assert [n for n in forward.nodes if n.op == "call_function" and "convolution" in str(n.target)] == []
