@@ -46,16 +46,19 @@ convolution with one filter per channel only:
 - operands or output of different dtypes (autocast casts this product's operands: the autocast
   rule writes those casts first where it reads them; a product it did not cast stays);
 - a left operand of one dim (a vector-vector or vector-matrix product);
-- a convolution with padding or dilation, an input not [B, C, S], or sizes not known numbers.
+- a convolution with padding or dilation, an input not [B, C, S], a filter of symbolic size, or
+  one that may have no output position.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.fx import MATMULS, arg, call, op_name, size, value
 from nsa_compile.rewrite import PassContext, RewritePass
 
 MAX_TERMS = 64  # the longest sum rewritten: a window of up to 64 keys (the paper's l is 32)
@@ -95,8 +98,8 @@ def conv_refusal(conv: fx.Node) -> tuple[str | None, tuple]:
                                  ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1)))
     one = lambda v: v[0] if isinstance(v, (tuple, list)) and len(v) == 1 else v  # noqa: E731
     stride, padding, dilation = one(stride), one(padding), one(dilation)
-    if x.dim() != 3 or not all(isinstance(n, int) for n in (*x.shape, *w.shape)):
-        return "a convolution input not [B, C, S] of known sizes (an unbatched or symbolic one)", ()
+    if x.dim() != 3 or not all(isinstance(n, int) for n in w.shape):
+        return "a convolution input not [B, C, S] (an unbatched one) or a filter of symbolic size", ()
     if padding not in (0, "valid") or dilation != 1 or not isinstance(stride, int):
         return f"a convolution with padding {padding!r}, dilation {dilation!r}, stride {stride!r} (not a window pooling)", ()
     if not (x.dtype == w.dtype == out.dtype and (bias is None or bias.dtype == out.dtype)) or not x.is_floating_point():
@@ -105,18 +108,32 @@ def conv_refusal(conv: fx.Node) -> tuple[str | None, tuple]:
     l = w.shape[-1]
     if l > MAX_TERMS:
         return f"a sum of {l} terms (over {MAX_TERMS}: a long filter stays a convolution)", ()
-    if out.shape[-1] < 1:
-        return "a convolution with no output position", ()
+    if not statically_known_true(out.shape[-1] >= 1):
+        return "a convolution that may have no output position (S < l at some size)", ()
     return None, (l, stride)
+
+
+def size_arithmetic(graph: fx.Graph, f, a: fx.Node, b: int, anchor: fx.Node) -> fx.Node:
+    """f(a, b) as a graph node, a a symbolic size node: its value the SymInt f gives (call() makes
+    values in a tensor's fake mode; a size has none)."""
+    with graph.inserting_before(anchor):
+        node = graph.call_function(f, (a, b))
+    node.meta["example_value"] = f(a.meta["example_value"], b)
+    return node
 
 
 def rewrite_conv(graph: fx.Graph, conv: fx.Node, l: int, d: int) -> str:
     x, w, bias = conv.args[0], arg(conv, 1, "weight"), arg(conv, 2, "bias")
-    dtype, Tc = value(conv).dtype, value(conv).shape[-1]
+    dtype = value(conv).dtype
     taps = call(graph, torch.select, w, 1, 0, anchor=conv)  # [C, l]
     if l % d == 0:  # r consecutive blocks of d tokens per window: no overlapping view
-        r, M = l // d, Tc + l // d - 1
-        blocks = call(graph, torch.narrow, x, -1, 0, M * d, anchor=conv)
+        # M = Tc + r - 1 = (S - l) // d + r = S // d blocks; sizes as numbers, or graph arithmetic on
+        # a symbolic S (dynamic shapes)
+        r, S = l // d, size(graph, x, -1, anchor=conv)
+        arith = (lambda f, a, b: f(a, b)) if isinstance(S, int) else (lambda f, a, b: size_arithmetic(graph, f, a, b, conv))
+        M = arith(operator.floordiv, S, d)
+        Tc = arith(operator.sub, M, r - 1)
+        blocks = call(graph, torch.narrow, x, -1, 0, arith(operator.mul, M, d), anchor=conv)
         blocks = call(graph, torch.unflatten, blocks, -1, (M, d), anchor=conv)  # [B, C, M, d]
         out = None
         for i in range(r):

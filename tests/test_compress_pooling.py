@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import nsa_compile
 from helpers import FAST, matches, only_graph, optimize_fresh, optimized_with_parity, row
 from test_window_offset import code_around
 
@@ -183,3 +184,17 @@ def test_the_corpus_per_head_model_pools_without_a_convolution():
     assert matches(opt)["compress_pooling"] == 2
     forward = only_graph(opt).aten["forward"].graph
     assert [n for n in forward.nodes if n.op == "call_function" and "convolution" in str(n.target)] == []
+
+
+def test_the_block_form_at_symbolic_lengths():
+    """Run at S, S + 1 and S + 6: Dynamo compiles again with S a symbol; the block count S // d and
+    the windows Tc = S // d - 1 are graph arithmetic on it, and every length matches eager."""
+    torch.manual_seed(0)
+    model = ConvPooling(8, 4)
+    opt = optimize_fresh(copy.deepcopy(model), FAST)
+    for S in (37, 38, 43):
+        x = torch.randn(2, S, 16)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-6)
+    graphs = nsa_compile.api.state_of(opt).graphs
+    assert len(graphs) == 2 and "torch.SymInt" in graphs[1].code_before
+    assert [len(g.logs[[log.pass_name for log in g.logs].index("compress_pooling")].matches) for g in graphs] == [1, 1]
