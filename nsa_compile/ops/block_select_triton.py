@@ -107,7 +107,7 @@ docstring): lse None, no overlap matrix. Each tile's logits are rounded where th
 round them: s = q @ k^T rounded to q's dtype, times scale rounded again (exact in the interpreter
 too: `_rounded`), the group's heads summed in fp32 (padded heads add 0), divided by h (div_rn) and
 rounded: the column means; each selection block's mean adds its m = l'/d columns in ascending
-order (column r of every block picked by an exact IEEE fp32 dot with a 0/1 matrix, as torch sums
+order (column r of every block picked exactly, a masked sum of it and zeros, as torch sums
 a short row), times 1/m (exact), rounded: a [BLOCK_M, KS]. Candidates are the blocks j < t // l'
 (whose columns all end before t) and j < Tc // m. The tiles are walked twice (the outer loop's two
 groups): the first pass keeps each query's running max and sum of the softmax (online, from the
@@ -142,7 +142,7 @@ q and k both fp16, bf16 or fp32; Dk <= 256; d divides l and l', m = l' / d a pow
 tile covers the first block's reach); n <= 128; S < 2^31; pos int64 [B, S] with Tc = S - l + 1;
 importance_dtype bf16 or fp16, with one chunk of heads unless group_first; group_first with an
 importance_dtype and without pos (group_sum_dtype None: the sum is rounded); rule 'fla' without pos
-or group_first; rule 'lucidrains' with l'/d <= 16 (one exact dot per column of a block), importance_dtype
+or group_first; rule 'lucidrains' with l'/d <= 16 (one masked sum per column of a block), importance_dtype
 None or torch.float32, without lse, pos or group_first (l is not read).
 
 CPU interpreter: the kernel and its helpers are module-level `triton_support.jit` functions, as in
@@ -176,7 +176,7 @@ MAX_HEAD_DIM = 256
 MAX_SELECTED = 128
 # rule 'lucidrains': the probability a kept block must exceed (block_select.LUCIDRAINS_THRESHOLD is this
 # value: that module imports this one) and the most compressed columns a selection block averages (l' / d;
-# one exact dot per column)
+# one masked sum over the block's columns per column)
 LUCID_THRESHOLD, LUCID_MAX_COLUMNS = 1e-10, 16
 _TL_DTYPES = {} if tl is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # rule 'fla' compiles without fused multiply-adds: s * scale is rounded before - lse, as the reference
@@ -583,12 +583,13 @@ def _lucid_keys(psum, j, pass_, t_q, m_run, l_run, S, Tc, LS, HPG: tl.constexpr,
     col = tl.math.div_rn(psum, tl.full(psum.shape, HPG, tl.float32))  # the group's mean
     if X_ROUND:
         col = _rounded(col, XDTYPE)
-    # column r of each block by an exact fp32 identity (x * 1 plus zeros), added in ascending order
-    ic = tl.arange(0, TC)[:, None]
-    jj = tl.arange(0, KS)[None, :]
-    block = tl.dot(col, tl.where(ic == jj * M, 1.0, 0.0), input_precision="ieee")  # [BLOCK_M, KS]
+    # column r of each block picked exactly (a sum of it and zeros), added in ascending order
+    cols = tl.reshape(col, [col.shape[0], NS, M])  # [BLOCK_M, NS, M]: block j's columns j*M .. j*M + M - 1
+    lane = tl.arange(0, M)[None, None, :]
+    block = reduce_sum(tl.where(lane == 0, cols, 0.0), 2)  # [BLOCK_M, NS]
     for r in tl.static_range(1, M):
-        block += tl.dot(col, tl.where(ic == jj * M + r, 1.0, 0.0), input_precision="ieee")
+        block += reduce_sum(tl.where(lane == r, cols, 0.0), 2)
+    block = _zero_columns_after(block, NS, KS)  # [BLOCK_M, KS]
     a = block * (1.0 / M)  # M a power of two: exact
     if X_ROUND:
         a = _rounded(a, XDTYPE)
@@ -603,6 +604,21 @@ def _lucid_keys(psum, j, pass_, t_q, m_run, l_run, S, Tc, LS, HPG: tl.constexpr,
         p = _rounded(p, XDTYPE)
     bits = tl.where(cand & (p >= KEEP) & (pass_ == 1), p.to(tl.int32, bitcast=True), -1)
     return bits, tl.where(pass_ == 0, m_new, m_run), tl.where(pass_ == 0, l_new, l_run)
+
+
+@jit
+def _doubled(x, W: tl.constexpr):
+    """x [R, W] as [R, 2 W]: its columns, then W zero columns."""
+    return tl.reshape(tl.permute(tl.join(x, tl.full(x.shape, 0.0, x.dtype)), (0, 2, 1)), [x.shape[0], 2 * W])
+
+
+@jit
+def _zero_columns_after(x, W: tl.constexpr, KS: tl.constexpr):
+    """x [R, W] widened to [R, KS] (KS / W a power of two, at most 128) with zero columns after its own."""
+    for step in tl.static_range(7):
+        if W << step < KS:
+            x = _doubled(x, W << step)
+    return x
 
 
 @jit
