@@ -17,6 +17,9 @@ differs from the call's recorded output dtype:
   the same reason (eager SDPA requires q, k, v of one dtype and a bool mask or one of theirs;
   CUDA's and the CPU's autocast both run it in their lower precision: chunked_queries' float32
   RoPE'd q and k reached the window op in float32, where eager computed in bf16);
+- `F.conv1d`: input, weight and bias not in the output dtype (both autocasts run it in their lower
+  precision; a learned depthwise `nn.Conv1d` pooling keeps float32 parameters that autocast casts
+  for bf16 activations, and compress_pooling reads the casts);
 - a softmax or log_softmax without a dtype argument: the input, where the output is wider (the
   input is cast up first, as autocast's float32 policy does, and `dtype=` would).
 Exact: the cast is the one autocast makes on that input, and autocast leaves an explicit `.to` and
@@ -47,7 +50,7 @@ EXIT_AUTOCAST = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
 AUTOCAST_SIGNATURE = inspect.signature(torch.amp.autocast)
 
 # Calls autocast runs in its lower precision (operands cast to the autocast dtype)...
-LOWER_PRECISION = ("matmul", "bmm", "mm", "einsum", "scaled_dot_product_attention")
+LOWER_PRECISION = ("matmul", "bmm", "mm", "einsum", "scaled_dot_product_attention", "conv1d")
 # ...and calls it runs in float32 (the input cast up), when no dtype argument is given.
 FLOAT32 = ("softmax", "log_softmax")
 
@@ -120,6 +123,9 @@ def operands(node: fx.Node) -> list[fx.Node]:
         if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
             rest = rest[0]
         return [x for x in rest if isinstance(x, fx.Node)]
+    if op_name(node) == "conv1d":
+        named = [arg(node, i, name) for i, name in enumerate(("input", "weight", "bias"))]
+        return [x for x in named if isinstance(x, fx.Node)]
     return [x for x in node.args[:2] if isinstance(x, fx.Node)]
 
 

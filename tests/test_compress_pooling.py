@@ -198,3 +198,34 @@ def test_the_block_form_at_symbolic_lengths():
     graphs = nsa_compile.api.state_of(opt).graphs
     assert len(graphs) == 2 and "torch.SymInt" in graphs[1].code_before
     assert [len(g.logs[[log.pass_name for log in g.logs].index("compress_pooling")].matches) for g in graphs] == [1, 1]
+
+
+class ConvModule(nn.Module):
+    """A learned depthwise nn.Conv1d: F.conv1d with positional stride, padding (0,), dilation (1,),
+    groups; its weight and bias float32 parameters."""
+
+    def __init__(self, l=8, d=4, channels=6, dim=16):
+        super().__init__()
+        self.proj = nn.Linear(dim, channels, bias=False)
+        self.conv = nn.Conv1d(channels, channels, l, stride=d, groups=channels)
+        self.out = nn.Linear(channels, dim)
+
+    def forward(self, x):  # [B, S, dim]
+        return self.out(self.conv(self.proj(x).transpose(1, 2)).transpose(1, 2))
+
+
+def test_an_nn_conv1d_module_in_float32_and_under_cpu_autocast():
+    """fp32: the block form, eager's output and gradients. Under CPU autocast (bf16) autocast casts
+    the bf16 activations' convolution weight and bias to bf16: the autocast rule writes those casts,
+    and the multiply-sum reads bf16 operands and returns bf16, as the convolution did."""
+    torch.manual_seed(0)
+    model, x = ConvModule(), torch.randn(2, 37, 16)
+    assert matches(optimized_with_parity(model, x))["compress_pooling"] == 1
+    opt = optimize_fresh(copy.deepcopy(model), FAST)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = model(x), opt(x)
+    assert matches(opt)["compress_pooling"] == 1
+    assert any(k.startswith("autocast: conv1d computes in bfloat16") for k in row(opt, "canonicalize")["kernels"])
+    _, after = pooling_code(opt)
+    assert "torch.conv1d(" not in after and "torch.bfloat16" in after
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
