@@ -87,7 +87,8 @@ def depthwise(conv: fx.Node) -> bool:
     x, w = value(conv.args[0]) if conv.args else None, value(arg(conv, 1, "weight"))
     groups = arg(conv, 6, "groups", 1)
     return (x is not None and w is not None and w.dim() == 3 and x.dim() >= 2 and isinstance(groups, int)
-            and groups > 1 and w.shape[1] == 1 and w.shape[0] == groups == x.shape[-2])
+            and groups > 1 and w.shape[1] == 1 and w.shape[0] == groups
+            and statically_known_true(x.shape[-2] == groups))  # no guard on a symbolic channel count
 
 
 def conv_refusal(conv: fx.Node) -> tuple[str | None, tuple]:
