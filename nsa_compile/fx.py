@@ -79,6 +79,13 @@ def call(graph: fx.Graph, target, *args, anchor: fx.Node, **kwargs) -> fx.Node:
         no_guards = shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()
         with mode, no_guards:
             node.meta["example_value"] = target(*fakes[0], **fakes[1])
+    else:
+        # size arithmetic (sym_size nodes and ints): SymInts compute without a fake mode, and with
+        # no new guards for the same reason
+        sizes = [x for x in tree_leaves(fakes) if isinstance(x, torch.SymInt)]
+        if sizes:
+            with sizes[0].node.shape_env.suppress_guards():
+                node.meta["example_value"] = target(*fakes[0], **fakes[1])
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in anchor.meta:
             node.meta[key] = anchor.meta[key]

@@ -285,10 +285,7 @@ def size_product(graph: fx.Graph, x: fx.Node, dims, anchor: fx.Node):
         if total is None:
             total = n
             continue
-        product = call(graph, operator.mul, total, n, anchor=anchor)
-        # (call finds no fake mode in SymInts: the product's value is recorded here)
-        product.meta["example_value"] = operator.mul(*(value_or_int(x) for x in (total, n)))
-        total = product
+        total = call(graph, operator.mul, total, n, anchor=anchor)
     return total
 
 
@@ -1249,7 +1246,7 @@ def sizes_off_copies(graph: fx.Graph) -> None:
                 size = size * repeats if isinstance(size, int) and isinstance(repeats, int) else \
                     call(graph, operator.mul, size, repeats, anchor=read)
                 if isinstance(size, fx.Node):
-                    size.meta["example_value"] = value_or_int(read)  # (no fake mode in SymInts: recorded here)
+                    size.meta["example_value"] = value_or_int(read)  # the value of the size read it replaces
             for user in list(read.users):
                 user.args, user.kwargs = fx.node.map_arg((user.args, user.kwargs),
                                                          lambda a, read=read, size=size: size if a is read else a)

@@ -9,7 +9,7 @@ cuBLAS as a GEMM with one column: the windows are copied out first (every key tw
 overlapping windows), and the weight's gradient is a GEMM whose output is the few weights and
 whose reduction runs over every (batch, window, dim) element. A multiply-sum over the window is a
 reduction Inductor fuses: the windows are read in place, and the weight's gradient is a split
-reduction. At the seed shape on an H100 (bf16, tools/bench_pooling.py) one pooling's forward and
+reduction. At the seed shape on an H100 (bf16, BENCHMARKS.md's nineteenth session) one pooling's forward and
 backward take 1.10 ms as the GEMM and 0.87 ms as the multiply-sum; grouped5d_nograd's step went
 from 12.4 to 11.7 ms (BENCHMARKS.md). (Inductor's own decomposition of a matrix-vector bmm into this
 form runs only under `coordinate_descent_tuning`, for any length of the sum.)
@@ -35,8 +35,8 @@ Becomes, where l = r * d (each window is r consecutive blocks of d tokens; M = T
     xb  = x.narrow(-1, 0, M * d).unflatten(-1, (M, d))                               # [B, C, M, d]
     out = sum over i < r of (xb.narrow(-2, i, Tc) * w[:, 0, i*d:(i+1)*d][:, None]).sum(-1, dtype=float32)
     out = (out + bias[:, None]).to(dtype)
-no overlapping view, so the backward is shifted slices and a reduction, no scatter (tools/
-bench_pooling.py: 0.49 ms against 0.87 for the multiply-sum over overlapping windows); else the
+no overlapping view, so the backward is shifted slices and a reduction, no scatter (BENCHMARKS.md:
+0.49 ms against 0.87 for the multiply-sum over overlapping windows); else the
 multiply-sum over `x.unfold(-1, l, d)`. The partial sums are float32, as the convolution
 accumulates.
 
@@ -114,15 +114,6 @@ def conv_refusal(conv: fx.Node) -> tuple[str | None, tuple]:
     return None, (l, stride)
 
 
-def size_arithmetic(graph: fx.Graph, f, a: fx.Node, b: int, anchor: fx.Node) -> fx.Node:
-    """f(a, b) as a graph node, a a symbolic size node: its value the SymInt f gives (call() makes
-    values in a tensor's fake mode; a size has none)."""
-    with graph.inserting_before(anchor):
-        node = graph.call_function(f, (a, b))
-    node.meta["example_value"] = f(a.meta["example_value"], b)
-    return node
-
-
 def rewrite_conv(graph: fx.Graph, conv: fx.Node, l: int, d: int) -> str:
     x, w, bias = conv.args[0], arg(conv, 1, "weight"), arg(conv, 2, "bias")
     dtype = value(conv).dtype
@@ -131,7 +122,7 @@ def rewrite_conv(graph: fx.Graph, conv: fx.Node, l: int, d: int) -> str:
         # M = Tc + r - 1 = (S - l) // d + r = S // d blocks; sizes as numbers, or graph arithmetic on
         # a symbolic S (dynamic shapes)
         r, S = l // d, size(graph, x, -1, anchor=conv)
-        arith = (lambda f, a, b: f(a, b)) if isinstance(S, int) else (lambda f, a, b: size_arithmetic(graph, f, a, b, conv))
+        arith = (lambda f, a, b: f(a, b)) if isinstance(S, int) else (lambda f, a, b: call(graph, f, a, b, anchor=conv))
         M = arith(operator.floordiv, S, d)
         Tc = arith(operator.sub, M, r - 1)
         blocks = call(graph, torch.narrow, x, -1, 0, arith(operator.mul, M, d), anchor=conv)
