@@ -40,7 +40,8 @@ from nsa_compile.ops import selected_attention, window_attention
 from nsa_compile.ops import selection_triton as st
 from nsa_compile.ops import selection_varlen as sv
 
-SHAPES = {"paper": (64, 4, 128, 64, 16), "seed": (12, 2, 64, 64, 16)}  # H, G, D, l', n
+SHAPES = {"paper": (64, 4, 128, 64, 16), "seed": (12, 2, 64, 64, 16),  # H, G, D, l', n
+          "seed-per-head": (12, 12, 64, 64, 16)}  # each query head its own blocks (K/V as the copies per head)
 PARITY_BAR = 1e-2
 
 

@@ -1,5 +1,5 @@
 """Per-stage profile and tile sweep of the Triton selected-attention kernels
-(nsa_compile/ops/selection_triton.py), on one CUDA card, bf16, batch 1, random valid block ids
+(nsa_compile/ops/selection_triton.py), on one CUDA card, bf16, batch 1 (or --batch), random valid block ids
 (tools/bench_selection.py's `random_block_idx` and inputs).
 
 For every (shape, S): the default configuration's stages timed one by one (CUDA events, median of
@@ -113,12 +113,12 @@ def split(override: dict) -> tuple[dict, int]:
 # ---------------------------------------------------------------- running (CUDA)
 
 
-def make_inputs(shape: str, S: int, device="cuda"):
+def make_inputs(shape: str, S: int, B: int = 1, device="cuda"):
     H, G, D, block_size, n = SHAPES[shape]
     gen = torch.Generator(device=device).manual_seed(S)
-    q, k, v = (model_layout(1, S, heads, D, gen, DTYPE) for heads in (H, G, G))
-    grad = model_layout(1, S, H, D, gen, DTYPE)  # the layout autograd hands the op
-    block_idx = random_block_idx(1, G, S, n, block_size, gen)
+    q, k, v = (model_layout(B, S, heads, D, gen, DTYPE) for heads in (H, G, G))
+    grad = model_layout(B, S, H, D, gen, DTYPE)  # the layout autograd hands the op
+    block_idx = random_block_idx(B, G, S, n, block_size, gen)
     return q, k, v, grad, block_idx, block_size, D**-0.5
 
 
@@ -219,8 +219,8 @@ def fmt(x, digits=3) -> str:
 
 def profile(shape: str, S: int, args) -> None:
     H, G, D, block_size, n = SHAPES[shape]
-    print(f"\n=== shape {shape}: H {H}, G {G}, h {H // G}, D {D}, l' {block_size}, n {n}, S {S}, bf16, B 1")
-    inputs = make_inputs(shape, S)
+    print(f"\n=== shape {shape}: H {H}, G {G}, h {H // G}, D {D}, l' {block_size}, n {n}, S {S}, bf16, B {args.batch}")
+    inputs = make_inputs(shape, S, args.batch)
     flops = useful_flops(inputs)
     t0 = time.time()
     base = Run(inputs, {})
@@ -358,6 +358,7 @@ def main() -> None:
     ap.set_defaults(plan=[])
     ap.add_argument("--shape", choices=list(SHAPES), action=ShapeAction, help="repeatable; starts a group of --seq-len")
     ap.add_argument("--seq-len", type=int, action=SeqAction, help="repeatable; for the --shape before it (default 8192)")
+    ap.add_argument("--batch", type=int, default=1, help="rows of every shape (the seed model trains 2048 x 32)")
     ap.add_argument("--reps", type=int, default=20, help="timed runs per measurement (median), after 2 warm-up runs")
     ap.add_argument("--sweep", choices=["none", "quick", "full"], default="quick",
                     help="quick: one parameter at a time (default); full: also products of each kernel's parameters")  # fmt: skip
