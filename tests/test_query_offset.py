@@ -235,13 +235,16 @@ def test_selected_triton_chunk_matches_the_reference(L, off, S, dtype):
     with triton_interpreter(on=TRITON_DEVICE == "cpu"):
         ours = run(op, *args, "triton", None, off)
         o, lse = ours[:2]
-        split = st.selected_backward(args[3], args[0], k, v, o, lse, ids, L_SEL, DK**-0.5, None, off, segment=2)
+        bwd = lambda **kw: st.selected_backward(args[3], args[0], k, v, o, lse, ids, L_SEL, DK**-0.5, None, off, **kw)
+        split = bwd(segment=2, tiles={"dense": False})
+        dense = bwd(tiles={"dense": True})
     ref = run(op, *args, "reference", None, off)
     tol = TOL[dtype] if dtype != torch.bfloat16 else dict(rtol=3e-2, atol=3e-2)
     for name, a, r in zip(("o", "lse", "dq", "dk", "dv"), ours, ref):
         torch.testing.assert_close(a, r, **tol, msg=lambda m, name=name: f"{name}: {m}")
-    for name, a, r in zip(("dq", "dk", "dv"), split, ref[2:]):
-        torch.testing.assert_close(a, r, **tol, msg=lambda m, name=name: f"segments of 2: {name}: {m}")
+    for mode, grads in (("segments of 2", split), ("dense", dense)):
+        for name, a, r in zip(("dq", "dk", "dv"), grads, ref[2:]):
+            torch.testing.assert_close(a, r, **tol, msg=lambda m, name=name, mode=mode: f"{mode}: {name}: {m}")
 
 
 def test_backend_reasons_for_chunks():

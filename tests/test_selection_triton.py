@@ -67,9 +67,9 @@ def reference(q, k, v, grad_o, block_idx, block_size, scale):
     return (o, *sel_ref._reference_backward(f(grad_o), f(q), f(k), f(v), block_idx, block_size, scale))
 
 
-def run_triton(q, k, v, grad_o, block_idx, block_size, scale):
-    o, lse = st.selected_forward(q, k, v, block_idx, block_size, scale)
-    dq, dk, dv = st.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale)
+def run_triton(q, k, v, grad_o, block_idx, block_size, scale, tiles=None):
+    o, lse = st.selected_forward(q, k, v, block_idx, block_size, scale, tiles=tiles)
+    dq, dk, dv = st.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale, tiles=tiles)
     return o, lse, dq, dk, dv
 
 
@@ -91,22 +91,27 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["union", "dense"])
 @pytest.mark.parametrize("S,h,G,block_size,n,dv,dtype", CASES, ids=[str(c).replace(" ", "") for c in CASES])
-def test_matches_reference(S, h, G, block_size, n, dv, dtype):
+def test_matches_reference(S, h, G, block_size, n, dv, dtype, dense):
+    """Both ways of reading the blocks: the tiles' union and the inverted selection, and the
+    "dense" mode of few blocks (every block up to the tile's last query; each KV block walks all
+    later queries), each against the reference."""
     seed = S * 31 + h * 7 + G + n
     q, k, v, grad_o = make_inputs(S, h, G, dv, dtype, seed)
     idx = random_block_idx(B, G, S, n, block_size, seed).clone()
     if S > 8:
         idx[1, G - 1, S - 2, :2] = idx[1, G - 1, S - 2, 1].item()  # a duplicated block: counts twice
     scale = DK**-0.5
-    o, lse, *grads = run_triton(q, k, v, grad_o, idx, block_size, scale)
+    o, lse, *grads = run_triton(q, k, v, grad_o, idx, block_size, scale, {"dense": dense})
     ref = reference(q, k, v, grad_o, idx, block_size, scale)
     assert_kernel_matches_reference((o, *grads), ref, dtype, f"S={S} h={h} G={G}")
     check_lse(lse, q, k, idx, block_size, scale, f"S={S} h={h} G={G}")
     assert (idx == -1).any()  # the first tokens have fewer than n candidate blocks
 
 
-def test_edge_rows_and_block_sizes_not_power_of_two():
+@pytest.mark.parametrize("dense", [False, True], ids=["union", "dense"])
+def test_edge_rows_and_block_sizes_not_power_of_two(dense):
     """Hand-built rows (all -1, only a later block, a block past the end, a duplicate) and block
     sizes that are not powers of two, one above 64 (two K/V chunks per block)."""
     S, h, G, dv = 33, 2, 2, 8
@@ -117,7 +122,7 @@ def test_edge_rows_and_block_sizes_not_power_of_two():
         idx[1, 0, 10, 0] = 3  # only a block after t = 10 (past the end of S for l' >= 20): empty
         idx[1, 0, 10, 1:] = -1
         idx[0, 0, S - 1, :] = idx[0, 0, S - 1, 0].item()  # the same block n times (CUDA refuses an overlapping copy)
-        o, lse, dq, dk, dv_ = run_triton(q, k, v, grad_o, idx, block_size, 0.3)
+        o, lse, dq, dk, dv_ = run_triton(q, k, v, grad_o, idx, block_size, 0.3, {"dense": dense})
         ref = reference(q, k, v, grad_o, idx, block_size, 0.3)
         assert_kernel_matches_reference((o, dq, dk, dv_), ref, torch.float32, f"l'={block_size}")
         check_lse(lse, q, k, idx, block_size, 0.3, f"l'={block_size}")
@@ -128,8 +133,9 @@ def test_edge_rows_and_block_sizes_not_power_of_two():
             assert lse[b, heads, t].isneginf().all()
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["union", "dense"])
 @pytest.mark.parametrize("tq,rows", [(1, 16), (3, 16), (5, 32)])
-def test_query_tiles_any_order_and_repeats(tq, rows):
+def test_query_tiles_any_order_and_repeats(tq, rows, dense):
     """The forward and dq kernels at other query tiles (TQ queries per program: 1 reads each
     query's own list, more read the tile's union), on lists in any order with repeats that are
     not adjacent (each counts as often as it appears)."""
@@ -139,7 +145,7 @@ def test_query_tiles_any_order_and_repeats(tq, rows):
     idx = idx.gather(-1, torch.rand(idx.shape, generator=torch.Generator().manual_seed(tq)).argsort(-1).to(DEVICE))
     idx[0, 0, S - 3, 2] = idx[0, 0, S - 3, 0].item()  # a repeat, not next to its first copy
     idx[1, 1, 12] = torch.tensor([2, -1, 2, 0])  # another, with padding between
-    tiles = {kernel: {"TQ": tq, "ROWS": rows} for kernel in ("fwd", "dq")}
+    tiles = {kernel: {"TQ": tq, "ROWS": rows} for kernel in ("fwd", "dq")} | {"dense": dense}
     o, lse = st.selected_forward(q, k, v, idx, block_size, 0.4, tiles=tiles)
     dq, dk, dv_ = st.selected_backward(grad_o, q, k, v, o, lse, idx, block_size, 0.4, tiles=tiles)
     ref = reference(q, k, v, grad_o, idx, block_size, 0.4)
@@ -164,9 +170,41 @@ def test_dkdv_split_into_segments_is_exact_and_deterministic(monkeypatch):
     S, h, G, block_size, n = 33, 3, 2, 8, 3
     q, k, v, grad_o = make_inputs(S, h, G, 24, torch.float32, seed=8)
     idx = random_block_idx(B, G, S, n, block_size, seed=8)
-    first = run_triton(q, k, v, grad_o, idx, block_size, 0.25)
+    tiles = {"dense": False}  # the inverted selection (the dense mode has no segments)
+    first = run_triton(q, k, v, grad_o, idx, block_size, 0.25, tiles)
     ref = reference(q, k, v, grad_o, idx, block_size, 0.25)
     assert_kernel_matches_reference((first[0], *first[2:]), ref, torch.float32, "segments")
+    again = run_triton(q, k, v, grad_o, idx, block_size, 0.25, tiles)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+def test_dense_mode_is_chosen_for_few_blocks_only():
+    """`_tiles` reads every block (no union, no inverted selection) while the K/V blocks are at
+    most DENSE_BLOCKS * n, not with packed documents, and a chunk of queries counts K/V's blocks."""
+    n = 16
+    dense = lambda S, **kw: st._tiles(6, 64, 64, 64, seq_len=S, n_selected=n, **kw)["dense"]
+    limit = st.DENSE_BLOCKS * n * 64
+    assert dense(limit) and not dense(limit + 1)
+    assert not dense(limit, packed=True)
+    assert not dense(512, keys=limit + 1)  # a chunk of 512 queries of a longer sequence
+    assert not st._tiles(6, 64, 64, 64, override={"dense": False}, seq_len=limit, n_selected=n)["dense"]
+    assert st._tiles(6, 64, 64, 64, override={"dense": True}, seq_len=4 * limit, n_selected=n)["dense"]
+
+
+def test_dense_mode_is_deterministic_and_skips_the_inversion(monkeypatch):
+    """The dense backward builds no inverted selection and no union (both are poisoned here), and
+    a rerun gives the same bits."""
+    S, h, G, block_size, n = 33, 3, 2, 8, 3
+    q, k, v, grad_o = make_inputs(S, h, G, 24, torch.float32, seed=9)
+    idx = random_block_idx(B, G, S, n, block_size, seed=9)
+    assert st._tiles(h, DK, 24, block_size, True, seq_len=S, n_selected=n)["dense"]  # 5 blocks <= 2 * 3
+
+    def poisoned(*args, **kwargs):
+        raise AssertionError("the dense mode must not build the inverted selection")
+
+    monkeypatch.setattr(st, "_inverted_selection", poisoned)
+    first = run_triton(q, k, v, grad_o, idx, block_size, 0.25)
     again = run_triton(q, k, v, grad_o, idx, block_size, 0.25)
     for a, b in zip(first, again):
         assert torch.equal(a, b)

@@ -206,9 +206,9 @@ def main() -> None:
             got = lucid_fn()
             want = bs.select_blocks(q, k, None, L, D_STRIDE, LS, N, scale, "reference", rule="lucidrains")
             differ = int((got != want).any(-1).sum())
-            rows = got.shape[0] * got.shape[1] * got.shape[2]
-            checks.append([S, "triton-lucidrains vs reference", rows, "-", "-", differ, "-"])
-            ok["triton-lucidrains"] = differ <= rows // 1000
+            n_rows = got.shape[0] * got.shape[1] * got.shape[2]
+            checks.append([S, "triton-lucidrains vs reference", n_rows, "-", "-", differ, "-"])
+            ok["triton-lucidrains"] = differ <= n_rows // 1000
             del got, want
         dense_fn = functools.partial(F.scaled_dot_product_attention, q, k_tok, v_tok, is_causal=True, enable_gqa=True)
         if "triton" in chosen:

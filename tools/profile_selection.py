@@ -93,14 +93,19 @@ def sweep_configs(shape: str, mode: str, S: int = 8192) -> list[tuple[str, dict]
                               ("dkdv", ("ROWS", "BLOCK_N", "num_warps"))):  # fmt: skip
             for combo in itertools.product(*(values[kernel][n] for n in names)):
                 add(kernel, dict(zip(names, combo)))
-    for seg in (256, 512, 1024, 2048, 4096):
-        if seg != st.DKV_SEGMENT:
-            out.append((f"segment {seg}", {"segment": seg}))
+    if not T["dense"]:  # the segment length is the inverted selection's
+        for seg in (256, 512, 1024, 2048, 4096):
+            if seg != st.DKV_SEGMENT:
+                out.append((f"segment {seg}", {"segment": seg}))
+    # the other way of reading the blocks: every block (dense) or the union and inverted selection
+    out.append((f"dense={not T['dense']}", {"dense": not T["dense"]}))
     return out
 
 
 def stages_of(override: dict) -> list[str]:
     """The stages an override changes (the others run the default's kernels)."""
+    if "dense" in override:
+        return list(STAGES)
     if "segment" in override:
         return ["inv", "dkdv", "reduce"]
     return [kernel for kernel in ("fwd", "dq", "dkdv", "reduce") if kernel in override]
@@ -146,36 +151,39 @@ class Run:
 
     def fwd(self):  # the tile union is built once per TQ, outside the timed kernel (its cost: `union`)
         self.union_fwd = getattr(self, "union_fwd", None) or st._tile_union(self.idx, self.bs, self.q.shape[2],
-                                                                             self.T["fwd"]["TQ"])
+                                                                             self.T["fwd"]["TQ"], dense=self.T["dense"])
         self.launched["fwd"] = st._fwd_stage(self.q, self.k, self.v, self.idx, self.union_fwd, self.bs, self.scale,
                                              self.T, self.o, self.lse)  # fmt: skip
 
     def dq(self):
         self.union_dq = getattr(self, "union_dq", None) or st._tile_union(self.idx, self.bs, self.q.shape[2],
-                                                                           self.T["dq"]["TQ"])
+                                                                           self.T["dq"]["TQ"], dense=self.T["dense"])
         self.launched["dq"] = st._dq_stage(self.grad, self.q, self.k, self.v, self.o, self.lse, self.idx, self.union_dq,
                                            self.bs, self.scale, self.T, self.grad_q, self.delta)  # fmt: skip
 
     def union(self):
-        st._tile_union(self.idx, self.bs, self.q.shape[2], self.T["fwd"]["TQ"])
+        st._tile_union(self.idx, self.bs, self.q.shape[2], self.T["fwd"]["TQ"], dense=self.T["dense"])
 
-    def inv(self):
-        self.inverted = st._inverted_selection(self.idx, self.bs, self.q.shape[2], self.segment)
+    def inv(self):  # the dense mode has none
+        self.inverted = None if self.T["dense"] else st._inverted_selection(self.idx, self.bs, self.q.shape[2],
+                                                                            self.segment)
 
     def dkdv(self):
         self.pk, self.pv, self.launched["dkdv"] = st._dkdv_stage(
             self.grad, self.q, self.k, self.v, self.lse, self.delta, self.inverted, self.bs, self.segment, self.scale,
-            self.T, self.dk, self.dv)  # fmt: skip
+            self.T, self.dk, self.dv, 0, self.idx)  # fmt: skip
 
     def reduce(self):
-        self.launched["reduce"] = st._reduce_stage(self.pk, self.pv, self.inverted, self.bs, self.T, self.dk, self.dv)
+        if not self.T["dense"]:
+            self.launched["reduce"] = st._reduce_stage(self.pk, self.pv, self.inverted, self.bs, self.T, self.dk,
+                                                       self.dv)
 
     def outputs(self):
         return self.o, self.grad_q, self.dk, self.dv
 
     def time_stage(self, stage, reps) -> float | None:
-        if stage == "reduce" and self.pk.shape[0] == 0:
-            return None  # no block split into several items: no reduce launch
+        if stage == "reduce" and self.pk.shape[0] == 0 or self.T["dense"] and stage in ("inv", "union"):
+            return None  # no block split into several items: no reduce launch; dense: no union, no inversion
         return time_ms(getattr(self, stage), reps)
 
     def time_totals(self, reps) -> tuple[float, float]:
@@ -235,17 +243,20 @@ def profile(shape: str, S: int, args) -> None:
         return f"{-(-S // cfg['TQ'])}x{G}x{-(-(H // G) * cfg['TQ'] // cfg['ROWS'])}"
 
     grids = {"fwd": tile_grid(T["fwd"]), "dq": tile_grid(T["dq"]), "union": "-",
-             "dkdv": f"{base.inverted[6]}x{-(-block_size // T['dkdv']['BLOCK_N'])}",
-             "reduce": f"{base.inverted[7] * G}x{-(-block_size // T['reduce']['BLOCK_N'])}", "inv": "-"}  # fmt: skip
+             "dkdv": f"{base.inverted[6] if base.inverted else G * -(-S // block_size)}x{-(-block_size // T['dkdv']['BLOCK_N'])}",
+             "reduce": "-" if base.inverted is None else f"{base.inverted[7] * G}x{-(-block_size // T['reduce']['BLOCK_N'])}",
+             "inv": "-"}  # fmt: skip
     for stage in STAGES:
         tf = flops.get(stage)
         rate = tf / (times[stage] * 1e-3) / 1e12 if tf and times[stage] else None
         cfg = "" if stage in ("inv", "union") else " ".join(f"{k}={v}" for k, v in T[stage].items())
-        if stage in ("inv", "dkdv", "reduce"):
+        if stage in ("inv", "dkdv", "reduce") and not T["dense"]:
             cfg = (cfg + f" segment={st.DKV_SEGMENT}").strip()
+        if stage == "dkdv" and T["dense"]:
+            cfg += " dense"
         rows.append([stage, fmt(times[stage]), fmt(rate, 0), base.resources(stage), grids[stage], cfg])
-    fsum = times["union"] + times["fwd"]  # each of selected_forward / selected_backward builds its union
-    bsum = times["union"] + sum(times[s] or 0.0 for s in ("dq", "inv", "dkdv", "reduce"))
+    fsum = (times["union"] or 0.0) + times["fwd"]  # each of selected_forward / selected_backward builds its union
+    bsum = (times["union"] or 0.0) + sum(times[s] or 0.0 for s in ("dq", "inv", "dkdv", "reduce"))
     rows.append(["fwd total", fmt(tot_f), "", "", "", f"selected_forward (sum of stages {fsum:.3f})"])
     rows.append(["bwd total", fmt(tot_b), "", "", "", f"selected_backward (sum of stages {bsum:.3f})"])
     rows.append(["fwd+bwd", fmt(tot_f + tot_b), "", "", "", ""])
@@ -369,11 +380,12 @@ def main() -> None:
     args = ap.parse_args()
     plan = [(shape, lens or [8192]) for shape, lens in (args.plan or [["paper", []]])]
     if args.list_configs:
-        for shape in dict.fromkeys(shape for shape, _ in plan):
-            T = default_tiles(shape)
-            print(f"{shape}: default {T} segment={st.DKV_SEGMENT}")
-            for label, override in sweep_configs(shape, args.sweep):
-                print(f"  {label:40s} {override}  -> stages {stages_of(override)}")
+        for shape, lens in plan:
+            for S in lens:
+                T = default_tiles(shape, S)
+                print(f"{shape} S {S}: default {T} segment={st.DKV_SEGMENT}")
+                for label, override in sweep_configs(shape, args.sweep, S):
+                    print(f"  {label:40s} {override}  -> stages {stages_of(override)}")
         return
     if not torch.cuda.is_available():
         sys.exit("profile_selection: needs a CUDA GPU (--list-configs does not)")

@@ -141,6 +141,10 @@ __all__ = ["DKV_SEGMENT", "selected_backward", "selected_forward", "unsupported_
 
 # Query entries per dk/dv work item (a module constant so tests can shrink it).
 DKV_SEGMENT = 1024
+# `_tiles`' "dense" mode while the K/V blocks are at most DENSE_BLOCKS * n: a query then chose a
+# large share of the blocks it can see, so walking all of them with a per-row weight wastes
+# little and needs no union or inverted selection (measured in NOTES.md, twentieth session)
+DENSE_BLOCKS = 2
 MAX_HEAD_DIM = 256
 
 
@@ -160,15 +164,21 @@ def unsupported_reason(q, k, v, block_idx, block_size, pos=None) -> str | None:
 
 
 def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, override: dict | None = None, *,
-           seq_len: int, n_selected: int) -> dict:
+           seq_len: int, n_selected: int, keys: int | None = None, packed: bool = False) -> dict:
     """Tile sizes and warps per kernel. Every tl.dot operand dimension is a power of two >= 16
     (padding is masked). Chosen so that no kernel spills registers on sm_90 in bf16/fp16 at the
     paper's (h 16, D 128) and the seed's (h 6, D 64) shapes (ptxas resource usage of kernels
     compiled without a GPU); warps and stages then tuned by timing (below). fp32 (IEEE dots, no tensor cores) gets the
     smallest tiles; its dk/dv kernel still spills at D 128: correct but slow.
 
+    "dense" (few blocks, no packed documents; keys: K/V's length, seq_len when None): whether the
+    forward and dq tiles read every block up to their last query instead of their union, and the
+    dk/dv kernel walks every later query of each block instead of the inverted selection (see
+    DENSE_BLOCKS).
+
     `override` ({kernel: {launch parameter: value}}, kernels "fwd", "dq", "dkdv", "reduce"; e.g.
-    {"dkdv": {"ROWS": 64, "num_stages": 2}}) replaces single entries, for tools/profile_selection.py.
+    {"dkdv": {"ROWS": 64, "num_stages": 2}}; and "dense": a bool) replaces single entries, for
+    tools/profile_selection.py.
     BLOCK_N and ROWS must stay powers of two >= 16, TQ >= 1; num_warps and num_stages are Triton's
     launch options (num_stages unset: Triton's default)."""
     DK_P, DV_P = max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))
@@ -189,7 +199,9 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, overri
     def block_n(cap: int) -> int:  # tokens per K/V chunk
         return max(16, min(_next_pow2(block_size), cap))
 
-    tiles = {"DK_P": DK_P, "DV_P": DV_P, "reduce": {"BLOCK_N": 16, "num_warps": 4}}
+    blocks = _cdiv(seq_len if keys is None else keys, block_size)
+    tiles = {"DK_P": DK_P, "DV_P": DV_P, "reduce": {"BLOCK_N": 16, "num_warps": 4},
+             "dense": not packed and blocks <= DENSE_BLOCKS * n_selected}
     if fp32:
         fwd = {"TQ": 1, "ROWS": 16, "BLOCK_N": block_n(16), "num_warps": 8}
         tiles |= {"fwd": fwd, "dq": fwd, "dkdv": {"ROWS": 16, "BLOCK_N": 16, "num_warps": 8}}
@@ -217,6 +229,9 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, overri
 
 def _override_tiles(tiles: dict, override: dict | None) -> dict:
     for kernel, params in (override or {}).items():
+        if kernel == "dense":
+            tiles["dense"] = bool(params)
+            continue
         if kernel not in ("fwd", "dq", "dkdv", "reduce"):
             raise ValueError(f"_tiles: unknown kernel {kernel!r} in override")
         tiles[kernel] = tiles[kernel] | params  # a new dict: fp32's fwd and dq share one
@@ -249,10 +264,16 @@ def _row_choices(IDX, b, g, t64, row_ok, sib, sig, sis, sin_, N_SEL, N_P: tl.con
 
 
 @jit
-def _union_blocks(IDX, UNION, UCNT, b, g, bg, tile, sib, sig, sis, NT, N_SEL, TQ: tl.constexpr):
+def _union_blocks(IDX, UNION, UCNT, b, g, bg, tile, sib, sig, sis, NT, N_SEL, S, SK, Q_OFF, BS,
+                  TQ: tl.constexpr, ALL: tl.constexpr):
     """The blocks the tile reads, as a base pointer and a count: the tile's row of `_tile_union`'s
-    union, or for TQ = 1 the query's own ascending list (read with stride sin_; no union tensors)."""
-    if TQ == 1:
+    union, or for TQ = 1 the query's own ascending list (read with stride sin_; no union tensors),
+    or with ALL (few blocks, `_tiles`' "dense") every block up to the tile's last query's, 0..count-1
+    (no union tensors: u_base unused)."""
+    if ALL:
+        u_base = UNION
+        n_union = tl.minimum((Q_OFF + tl.minimum(tile * TQ + TQ, S) - 1) // BS + 1, (SK + BS - 1) // BS)
+    elif TQ == 1:
         u_base = IDX + b * sib + g.to(tl.int64) * sig + tile.to(tl.int64) * sis
         n_union = N_SEL
     else:
@@ -262,12 +283,15 @@ def _union_blocks(IDX, UNION, UCNT, b, g, bg, tile, sib, sig, sis, NT, N_SEL, TQ
 
 
 @jit
-def _union_chunk(u_base, it, cols, sin_, S, BS, TQ: tl.constexpr, CPB: tl.constexpr, BLOCK_N: tl.constexpr):
+def _union_chunk(u_base, it, cols, sin_, S, BS, TQ: tl.constexpr, CPB: tl.constexpr, BLOCK_N: tl.constexpr,
+                 ALL: tl.constexpr):
     """Step `it` of the flat (union block, chunk) loop over the tile's blocks (u_base, from
     `_union_blocks`): the block id blk, the chunk's token ids s and col_ok [BLOCK_N] (the block's
     tokens that exist; none for a padding id < 0)."""
     u = it // CPB
-    if TQ == 1:
+    if ALL:
+        blk = u
+    elif TQ == 1:
         blk = tl.load(u_base + u * sin_).to(tl.int32)
     else:
         blk = tl.load(u_base + u)
@@ -322,7 +346,7 @@ def fwd_kernel(
     HPG: tl.constexpr, TQ: tl.constexpr, ROWS: tl.constexpr, N_P: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
     CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
-    HAS_POS: tl.constexpr,
+    HAS_POS: tl.constexpr, ALL: tl.constexpr,  # ALL: every block up to the tile's last query (no union)
 ):  # fmt: skip
     tile, bg, b, g, t, row_ok, head = _query_rows(G, S, HPG, TQ, ROWS)
     dk, dv, dk_ok, dv_ok = dim_ranges(DK, DV, DK_P, DV_P)
@@ -333,7 +357,8 @@ def fwd_kernel(
         doc, chosen = _document_rows(POS, chosen, b, tile, t64, row_ok, S, BS, TQ)
     k_base = K + b * skb + g.to(tl.int64) * skg
     v_base = V + b * svb + g.to(tl.int64) * svg
-    u_base, n_union = _union_blocks(IDX, UNION, UCNT, b, g, bg, tile, sib, sig, sis, NT, N_SEL, TQ)
+    u_base, n_union = _union_blocks(IDX, UNION, UCNT, b, g, bg, tile, sib, sig, sis, NT, N_SEL, S, SK, Q_OFF, BS,
+                                    TQ, ALL)
     cols = tl.arange(0, BLOCK_N)
 
     m_i, l_i, acc = softmax_state(ROWS, DV_P)
@@ -344,11 +369,11 @@ def fwd_kernel(
         if HAS_POS:
             blk, s, col_ok = _document_chunk(u_base, it, cols, sin_, S, BS, doc, TQ, CPB, BLOCK_N)
         else:
-            blk, s, col_ok = _union_chunk(u_base, it, cols, sin_, SK, BS, TQ, CPB, BLOCK_N)
+            blk, s, col_ok = _union_chunk(u_base, it, cols, sin_, SK, BS, TQ, CPB, BLOCK_N, ALL)
         s64 = s.to(tl.int64)
         k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
         v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
-        if TQ == 1:  # the query's own list, slot by slot: a repeated id is met (and counts) twice
+        if TQ == 1 and not ALL:  # the query's own list, slot by slot: a repeated id is met (and counts) twice
             times = tl.full([ROWS], 1.0, tl.float32)
         else:
             times = reduce_sum((chosen == blk).to(tl.float32), 1)  # [ROWS] how often the row chose blk
@@ -375,7 +400,7 @@ def dq_kernel(
     HPG: tl.constexpr, TQ: tl.constexpr, ROWS: tl.constexpr, N_P: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
     CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
-    HAS_POS: tl.constexpr,
+    HAS_POS: tl.constexpr, ALL: tl.constexpr,  # ALL: every block up to the tile's last query (no union)
 ):  # fmt: skip
     tile, bg, b, g, t, row_ok, head = _query_rows(G, S, HPG, TQ, ROWS)
     dk, dv, dk_ok, dv_ok = dim_ranges(DK, DV, DK_P, DV_P)
@@ -392,7 +417,8 @@ def dq_kernel(
         doc, chosen = _document_rows(POS, chosen, b, tile, t64, row_ok, S, BS, TQ)
     k_base = K + b * skb + g.to(tl.int64) * skg
     v_base = V + b * svb + g.to(tl.int64) * svg
-    u_base, n_union = _union_blocks(IDX, UNION, UCNT, b, g, bg, tile, sib, sig, sis, NT, N_SEL, TQ)
+    u_base, n_union = _union_blocks(IDX, UNION, UCNT, b, g, bg, tile, sib, sig, sis, NT, N_SEL, S, SK, Q_OFF, BS,
+                                    TQ, ALL)
     cols = tl.arange(0, BLOCK_N)
     acc = tl.full([ROWS, DK_P], 0.0, tl.float32)
     # the forward's flat (union block, chunk) loop, each row masking what it did not choose
@@ -401,11 +427,11 @@ def dq_kernel(
         if HAS_POS:
             blk, s, col_ok = _document_chunk(u_base, it, cols, sin_, S, BS, doc, TQ, CPB, BLOCK_N)
         else:
-            blk, s, col_ok = _union_chunk(u_base, it, cols, sin_, SK, BS, TQ, CPB, BLOCK_N)
+            blk, s, col_ok = _union_chunk(u_base, it, cols, sin_, SK, BS, TQ, CPB, BLOCK_N, ALL)
         s64 = s.to(tl.int64)
         k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
         v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
-        if TQ == 1:
+        if TQ == 1 and not ALL:
             times = tl.full([ROWS], 1.0, tl.float32)
         else:
             times = reduce_sum((chosen == blk).to(tl.float32), 1)
@@ -426,31 +452,44 @@ def dq_kernel(
 def dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, PK, PV,
     ITEM_KEY, ITEM_SEG, QOFF, NSEG, QTOK, QSTART,  # QSTART: each entry's block start (None without HAS_POS)
+    IDX,  # ALL: block_idx [B, G, S, n], each row's choices (None otherwise)
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd,
-    sdob, sdoh, sdos, sdod, sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd,
-    S, G, NB, BS, SEG, scale, qk_scale,
+    sdob, sdoh, sdos, sdod, sdkb, sdkg, sdks, sdkd, sdvb, sdvg, sdvs, sdvd, sib, sig, sis, sin_,
+    S, G, NB, BS, SEG, N_SEL, scale, qk_scale,
     SK, Q_OFF,  # as the forward's: the blocks are the keys' (NB = ceil(SK / l'))
     HPG: tl.constexpr, DK_: tl.constexpr, DV_: tl.constexpr,
     DK_P: tl.constexpr, DV_P: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     CPB: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,  # CPB = ceil(l' / BLOCK_N)
-    HAS_POS: tl.constexpr,
+    HAS_POS: tl.constexpr, ALL: tl.constexpr, N_P: tl.constexpr,
 ):  # fmt: skip
     # a 1-D grid of U * CPB programs, the chunk fastest: the CPB programs of an item run
-    # together and share its q / dO rows in L2 (1-D: U can pass CUDA's 65535 limit on grid y)
+    # together and share its q / dO rows in L2 (1-D: U can pass CUDA's 65535 limit on grid y).
+    # ALL (few blocks): one item per KV block, B*G*NB of them, no inverted selection: the item
+    # walks every query from the block's first token on, each row weighted by how often its
+    # query chose the block (0: masked)
     pid = tl.program_id(0)
     item = pid // CPB
     chunk = pid - item * CPB
-    key_raw = tl.load(ITEM_KEY + item)  # (b*G + g)*NB + block, -1 for an unused item
-    item_ok = key_raw >= 0
-    key = tl.maximum(key_raw, 0)
-    seg = tl.load(ITEM_SEG + item)
+    if ALL:
+        key = item
+        item_ok = key >= 0
+        seg = 0
+    else:
+        key_raw = tl.load(ITEM_KEY + item)  # (b*G + g)*NB + block, -1 for an unused item
+        item_ok = key_raw >= 0
+        key = tl.maximum(key_raw, 0)
+        seg = tl.load(ITEM_SEG + item)
     blk = key % NB
     bg = key // NB
     b = (bg // G).to(tl.int64)
     g = bg % G
-    q_lo = tl.load(QOFF + key) + seg * SEG
-    q_hi = tl.minimum(tl.load(QOFF + key + 1), q_lo + SEG)
-    n_pairs = tl.where(item_ok, q_hi - q_lo, 0) * HPG  # (query, head) pairs of this item
+    if ALL:  # rows: the queries from the block's first token on
+        q_lo = tl.maximum(blk * BS - Q_OFF, 0)
+        q_hi = S
+    else:
+        q_lo = tl.load(QOFF + key) + seg * SEG
+        q_hi = tl.minimum(tl.load(QOFF + key + 1), q_lo + SEG)
+    n_pairs = tl.where(item_ok, tl.maximum(q_hi - q_lo, 0), 0) * HPG  # (query, head) pairs of this item
 
     j = chunk * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] offset in the block
     s = blk * BS + j  # token ids
@@ -468,7 +507,10 @@ def dkdv_kernel(
     for p0 in range(0, n_pairs, ROWS):
         pr = p0 + rows  # [ROWS] (query, head) pair ids: query-major, heads inside
         row_ok = pr < n_pairs
-        tq = tl.load(QTOK + q_lo + pr // HPG, mask=row_ok, other=0)  # query token of each row
+        if ALL:
+            tq = q_lo + pr // HPG
+        else:
+            tq = tl.load(QTOK + q_lo + pr // HPG, mask=row_ok, other=0)  # query token of each row
         head = (g * HPG + pr % HPG).to(tl.int64)
         tq64 = tq.to(tl.int64)
         q = load_tile(Q + b * sqb + head[:, None] * sqh, tq64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)  # [ROWS, DK_P]
@@ -479,7 +521,13 @@ def dkdv_kernel(
         if HAS_POS:  # the entry's own block [start, start + l'), which this grid block cuts
             start = tl.load(QSTART + q_lo + pr // HPG, mask=row_ok, other=0)[:, None]
             valid = valid & (s[None, :] >= start) & (s[None, :] < start + BS)
-        p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)
+        if ALL:  # how often the row's query chose this block (duplicates count twice, as listed twice)
+            chosen = _row_choices(IDX, b, g, tq64, row_ok, sib, sig, sis, sin_, N_SEL, N_P)
+            times = reduce_sum((chosen == blk).to(tl.float32), 1)  # [ROWS]
+            valid = valid & (times[:, None] > 0)  # before exp2: an empty row's lse is -inf
+            p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0) * times[:, None]
+        else:
+            p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)
         pv = p.to(DO.dtype.element_ty)
         if UPCAST:
             pv = pv.to(tl.float32)
@@ -494,7 +542,10 @@ def dkdv_kernel(
 
     # one segment: the final value; several: an fp32 partial per item, summed by reduce_kernel
     # (the scalar conditions become column limits: block masks only)
-    nseg = tl.load(NSEG + key)
+    if ALL:
+        nseg = 1
+    else:
+        nseg = tl.load(NSEG + key)
     direct = (j < tl.where(item_ok & (nseg == 1), BS, 0))[:, None]
     split = (j < tl.where(item_ok & (nseg > 1), BS, 0))[:, None]
     tl.store(DK + b * sdkb + g.to(tl.int64) * sdkg + s64[:, None] * sdks + dk[None, :] * sdkd,
@@ -564,8 +615,9 @@ def selected_forward(q, k, v, block_idx, block_size: int, scale: float, pos=None
     if B * H * S == 0:
         return o, lse
     pos = None if pos is None else pos.contiguous()
-    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=S, n_selected=block_idx.shape[3])
-    union = _tile_union(block_idx, block_size, S, T["fwd"]["TQ"], pos, k.shape[2])
+    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=S, n_selected=block_idx.shape[3],
+               keys=k.shape[2], packed=pos is not None)
+    union = _tile_union(block_idx, block_size, S, T["fwd"]["TQ"], pos, k.shape[2], T["dense"])
     _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse, pos, q_offset)
     return o, lse
 
@@ -582,7 +634,7 @@ def _document_starts(block_idx: torch.Tensor, pos: torch.Tensor, block_size: int
 
 
 def _tile_union(block_idx: torch.Tensor, block_size: int, S: int, TQ: int, pos: torch.Tensor | None = None,
-                keys: int | None = None):
+                keys: int | None = None, dense: bool = False):
     """The blocks each tile of TQ consecutive queries reads: per (batch, group, tile), the
     distinct block ids its queries chose that hold tokens (0 <= id < NB = ceil(keys / l'); keys:
     the length of K/V, S when None),
@@ -590,12 +642,13 @@ def _tile_union(block_idx: torch.Tensor, block_size: int, S: int, TQ: int, pos: 
     [B*G, NT] int32; NT = ceil(S / TQ). Torch ops, no sort and no host sync: a [B*G, NT, NB]
     membership map (scatter), its running count along the blocks (cumsum) gives each member
     its slot, and a second scatter writes the ids there. Returns (union, count, NT); for TQ = 1
-    no tensors (placeholders): the kernels read the query's own list slot by slot. With pos
-    (packed documents), `_document_union`: the blocks as their first tokens."""
+    no tensors (placeholders): the kernels read the query's own list slot by slot; likewise with
+    `dense` (`_tiles`' choice for few blocks: the kernels read every block up to the tile's last
+    query). With pos (packed documents), `_document_union`: the blocks as their first tokens."""
     B, G, _, n = block_idx.shape
     NT, NB = _cdiv(S, TQ), _cdiv(S if keys is None else keys, block_size)
     device = block_idx.device
-    if TQ == 1:  # the kernels read each query's own list (placeholders, never read)
+    if TQ == 1 or dense:  # the kernels read each query's own list or every block (placeholders, never read)
         none = torch.zeros(1, dtype=torch.int32, device=device)
         return none, none, NT
     if pos is not None:
@@ -658,7 +711,7 @@ def _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse, pos=None
         S, G, n, block_size, NT, scale * math.log2(math.e), k.shape[2], q_offset,
         HPG=h, N_P=max(2, _next_pow2(n)), DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"],
         CPB=_cdiv(block_size, cfg["BLOCK_N"]), PREC=_dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype),
-        HAS_POS=pos is not None, **cfg,
+        HAS_POS=pos is not None, ALL=T["dense"] and cfg["TQ"] > 1, **cfg,
     )  # fmt: skip
 
 
@@ -743,11 +796,15 @@ def selected_backward(
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
     pos = None if pos is None else pos.contiguous()
-    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=S, n_selected=block_idx.shape[3])
+    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=S, n_selected=block_idx.shape[3],
+               keys=k.shape[2], packed=pos is not None)
     delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    union = _tile_union(block_idx, block_size, S, T["dq"]["TQ"], pos, k.shape[2])
+    union = _tile_union(block_idx, block_size, S, T["dq"]["TQ"], pos, k.shape[2], T["dense"])
     _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, dq, delta, pos, q_offset)
     segment = DKV_SEGMENT if segment is None else segment
+    if T["dense"]:  # few blocks: each KV block walks all later queries, no inverted selection
+        _dkdv_stage(grad_o, q, k, v, lse, delta, None, block_size, segment, scale, T, dk, dv, q_offset, block_idx)
+        return dq, dk, dv
     inv = _inverted_selection(block_idx, block_size, S, segment, pos, k.shape[2], q_offset)
     pk, pv, _ = _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T, dk, dv, q_offset)
     _reduce_stage(pk, pv, inv, block_size, T, dk, dv)
@@ -770,30 +827,40 @@ def _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, d
         S, G, n, block_size, NT, scale, scale * math.log2(math.e), k.shape[2], q_offset,
         HPG=h, N_P=max(2, _next_pow2(n)), DK=Dk, DV=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"],
         CPB=_cdiv(block_size, cfg["BLOCK_N"]), PREC=_dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype),
-        HAS_POS=pos is not None, **cfg,
+        HAS_POS=pos is not None, ALL=T["dense"] and cfg["TQ"] > 1, **cfg,
     )  # fmt: skip
 
 
-def _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T, dk, dv, q_offset: int = 0):
+def _dkdv_stage(grad_o, q, k, v, lse, delta, inv, block_size, segment, scale, T, dk, dv, q_offset: int = 0,
+                block_idx=None):
     """The dk/dv kernel over the work items of `inv` (`_inverted_selection`'s result at this
     `segment`): writes dk/dv of single-item blocks, returns the fp32 partials (pk, pv) of the
     others (no rows when no block can need two items), and the launch's result. Packed documents
-    come with `inv` (its qstart; None without pos)."""
+    come with `inv` (its qstart; None without pos). With T["dense"], inv is None: one item per
+    KV block reads the choices from block_idx, and every block is written directly (no partials)."""
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
     h = H // G
-    qtok, qoff, nseg, _, item_key, item_seg, U, NB, qstart = inv
-    pk_rows = U if U > B * G * NB else 0  # fp32 partials [U, l', D], only when a block can need two items
+    if T["dense"]:
+        NB = _cdiv(k.shape[2], block_size)
+        U, none = B * G * NB, None
+        qtok = qoff = nseg = item_key = item_seg = qstart = none
+        n_sel, idx, idx_strides = block_idx.shape[3], block_idx, block_idx.stride()
+    else:
+        qtok, qoff, nseg, _, item_key, item_seg, U, NB, qstart = inv
+        n_sel, idx, idx_strides = 0, None, (0, 0, 0, 0)
+    pk_rows = U if not T["dense"] and U > B * G * NB else 0  # fp32 partials [U, l', D], only when a block can need two items
     pk = torch.empty(pk_rows, block_size, Dk, dtype=torch.float32, device=q.device)
     pv = torch.empty(pk_rows, block_size, Dv, dtype=torch.float32, device=q.device)
     cpb = _cdiv(block_size, T["dkdv"]["BLOCK_N"])
     launched = dkdv_kernel[(U * cpb,)](
         q, k, v, grad_o, lse, delta, dk, dv, pk, pv,
-        item_key, item_seg, qoff, nseg, qtok, qstart,
-        *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(),
-        S, G, NB, block_size, segment, scale, scale * math.log2(math.e), k.shape[2], q_offset,
+        item_key, item_seg, qoff, nseg, qtok, qstart, idx,
+        *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), *dk.stride(), *dv.stride(), *idx_strides,
+        S, G, NB, block_size, segment, n_sel, scale, scale * math.log2(math.e), k.shape[2], q_offset,
         HPG=h, DK_=Dk, DV_=Dv, DK_P=T["DK_P"], DV_P=T["DV_P"], CPB=cpb, PREC=_dot_precision(q.dtype),
-        UPCAST=upcast_dots(q.dtype), HAS_POS=qstart is not None, **T["dkdv"],
+        UPCAST=upcast_dots(q.dtype), HAS_POS=qstart is not None, ALL=T["dense"], N_P=max(2, _next_pow2(n_sel)),
+        **T["dkdv"],
     )  # fmt: skip
     return pk, pv, launched
 
