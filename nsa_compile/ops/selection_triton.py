@@ -201,7 +201,7 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, overri
 
     blocks = _cdiv(seq_len if keys is None else keys, block_size)
     tiles = {"DK_P": DK_P, "DV_P": DV_P, "reduce": {"BLOCK_N": 16, "num_warps": 4},
-             "dense": not packed and blocks <= DENSE_BLOCKS * n_selected}
+             "dense": bool((override or {}).get("dense", not packed and blocks <= DENSE_BLOCKS * n_selected))}
     if fp32:
         fwd = {"TQ": 1, "ROWS": 16, "BLOCK_N": block_n(16), "num_warps": 8}
         tiles |= {"fwd": fwd, "dq": fwd, "dkdv": {"ROWS": 16, "BLOCK_N": 16, "num_warps": 8}}
@@ -222,7 +222,10 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, overri
         # H200 (2026-11-26, paper shape) 23.3 ms vs 30.3 at 64k, 5.8 vs 7.6 at 16k, bitwise the same
         # dk/dv (16 bytes of spill notwithstanding); 128 at D <= 64: seed 16k on an H100, 0.561 vs
         # 0.691 ms, bitwise the same (210 registers, no spill)
-        "dkdv": {"ROWS": 128 if D_P <= 64 else 64 if D_P <= 128 else 32, "BLOCK_N": block_n(32), "num_warps": 4},
+        # dense: 64 rows at D 64 (profile_selection, H100, 2k x 32, 2026-11-28: 2.50 ms vs 3.94 per
+        # head, 2.63 vs 3.90 group-shared; its rows also read their choices)
+        "dkdv": {"ROWS": 128 if D_P <= 64 and not tiles["dense"] else 64 if D_P <= 128 else 32, "BLOCK_N": block_n(32),
+                 "num_warps": 4},
     }
     return _override_tiles(tiles, override)
 
