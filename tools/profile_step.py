@@ -131,9 +131,9 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
 def selection_tiles(forced: dict):
     """While the block runs, every fp16/bf16 call of the selection kernels takes `forced` (a
     `selection_triton._tiles` override) on top of its default tiles; restored after."""
-    unknown = set(forced) - {"fwd", "dq", "dkdv", "reduce"}
+    unknown = set(forced) - {"fwd", "dq", "dkdv", "reduce", "dense"}
     if unknown:
-        raise ValueError(f"--selection-tiles: unknown kernel(s) {sorted(unknown)} (fwd, dq, dkdv, reduce)")
+        raise ValueError(f"--selection-tiles: unknown kernel(s) {sorted(unknown)} (fwd, dq, dkdv, reduce, dense)")
     original = selection_triton._tiles
 
     def tiles(h, Dk, Dv, block_size, fp32=False, override=None, **sizes):

@@ -222,10 +222,11 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, overri
         # H200 (2026-11-26, paper shape) 23.3 ms vs 30.3 at 64k, 5.8 vs 7.6 at 16k, bitwise the same
         # dk/dv (16 bytes of spill notwithstanding); 128 at D <= 64: seed 16k on an H100, 0.561 vs
         # 0.691 ms, bitwise the same (210 registers, no spill)
-        # dense: 64 rows at D 64 (profile_selection, H100, 2k x 32, 2026-11-28: 2.50 ms vs 3.94 per
-        # head, 2.63 vs 3.90 group-shared; its rows also read their choices)
-        "dkdv": {"ROWS": 128 if D_P <= 64 and not tiles["dense"] else 64 if D_P <= 128 else 32, "BLOCK_N": block_n(32),
-                 "num_warps": 4},
+        # dense: 64 rows and 64 keys at D 64 (profile_selection, H100, 2k x 32, 2026-11-28: 64 rows
+        # 2.40 ms vs 3.94 at 128 per head, 2.62 vs 3.90 group-shared; then 64 keys 1.98 and 2.28,
+        # 239 registers, no spill; its rows also read their choices)
+        "dkdv": {"ROWS": 128 if D_P <= 64 and not tiles["dense"] else 64 if D_P <= 128 else 32,
+                 "BLOCK_N": block_n(64 if tiles["dense"] and D_P <= 64 else 32), "num_warps": 4},
     }
     return _override_tiles(tiles, override)
 
