@@ -180,22 +180,24 @@ def test_dkdv_split_into_segments_is_exact_and_deterministic(monkeypatch):
 
 
 def test_dense_mode_is_chosen_for_few_blocks_only():
-    """`_tiles` reads every block (no union, no inverted selection) while the K/V blocks are at
-    most DENSE_BLOCKS * n, not with packed documents, and a chunk of queries counts K/V's blocks."""
+    """`_tiles` reads every block (no union, no inverted selection) for block ids per query head
+    (h = 1) while the K/V blocks are at most DENSE_BLOCKS * n, not with packed documents, and a
+    chunk of queries counts K/V's blocks."""
     n = 16
-    dense = lambda S, **kw: st._tiles(6, 64, 64, 64, seq_len=S, n_selected=n, **kw)["dense"]
+    dense = lambda S, h=1, **kw: st._tiles(h, 64, 64, 64, seq_len=S, n_selected=n, **kw)["dense"]
     limit = st.DENSE_BLOCKS * n * 64
     assert dense(limit) and not dense(limit + 1)
+    assert not dense(limit, h=6)  # group-shared choices: the union (measured faster on a real model)
     assert not dense(limit, packed=True)
     assert not dense(512, keys=limit + 1)  # a chunk of 512 queries of a longer sequence
-    assert not st._tiles(6, 64, 64, 64, override={"dense": False}, seq_len=limit, n_selected=n)["dense"]
+    assert not st._tiles(1, 64, 64, 64, override={"dense": False}, seq_len=limit, n_selected=n)["dense"]
     assert st._tiles(6, 64, 64, 64, override={"dense": True}, seq_len=4 * limit, n_selected=n)["dense"]
 
 
 def test_dense_mode_is_deterministic_and_skips_the_inversion(monkeypatch):
     """The dense backward builds no inverted selection and no union (both are poisoned here), and
     a rerun gives the same bits."""
-    S, h, G, block_size, n = 33, 3, 2, 8, 3
+    S, h, G, block_size, n = 33, 1, 3, 8, 3
     q, k, v, grad_o = make_inputs(S, h, G, 24, torch.float32, seed=9)
     idx = random_block_idx(B, G, S, n, block_size, seed=9)
     assert st._tiles(h, DK, 24, block_size, True, seq_len=S, n_selected=n)["dense"]  # 5 blocks <= 2 * 3

@@ -141,9 +141,14 @@ __all__ = ["DKV_SEGMENT", "selected_backward", "selected_forward", "unsupported_
 
 # Query entries per dk/dv work item (a module constant so tests can shrink it).
 DKV_SEGMENT = 1024
-# `_tiles`' "dense" mode while the K/V blocks are at most DENSE_BLOCKS * n: a query then chose a
-# large share of the blocks it can see, so walking all of them with a per-row weight wastes
-# little and needs no union or inverted selection (measured in NOTES.md, twentieth session)
+# `_tiles`' "dense" mode, for block ids per query head (h = 1) while the K/V blocks are at most
+# DENSE_BLOCKS * n: a query then chose a large share of the blocks it can see, so walking all of
+# them with a per-row weight wastes little and needs no union, no inverted selection (whose sort
+# has B*H*S*n keys per head) and no reduce. H100, 2k x 32, bf16, 2026-11-28: per head, random
+# choices, fwd+bwd 4.50 ms against 6.80 (profile_selection); the corpus' two per-head models' steps
+# 14.0 -> 12.2 and 14.6 -> 12.4 ms. At 4k (4n blocks) per head 0.78x the union's speed. Group-shared
+# (h = 6) it won on random choices (4.94 against 6.05 ms) but lost on the reference model's own
+# choices (step 11.14 against 10.83 ms, twice each in one process): not taken there.
 DENSE_BLOCKS = 2
 MAX_HEAD_DIM = 256
 
@@ -171,7 +176,7 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, overri
     compiled without a GPU); warps and stages then tuned by timing (below). fp32 (IEEE dots, no tensor cores) gets the
     smallest tiles; its dk/dv kernel still spills at D 128: correct but slow.
 
-    "dense" (few blocks, no packed documents; keys: K/V's length, seq_len when None): whether the
+    "dense" (h = 1, few blocks, no packed documents; keys: K/V's length, seq_len when None): whether the
     forward and dq tiles read every block up to their last query instead of their union, and the
     dk/dv kernel walks every later query of each block instead of the inverted selection (see
     DENSE_BLOCKS).
@@ -201,7 +206,7 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, overri
 
     blocks = _cdiv(seq_len if keys is None else keys, block_size)
     tiles = {"DK_P": DK_P, "DV_P": DV_P, "reduce": {"BLOCK_N": 16, "num_warps": 4},
-             "dense": bool((override or {}).get("dense", not packed and blocks <= DENSE_BLOCKS * n_selected))}
+             "dense": bool((override or {}).get("dense", h == 1 and not packed and blocks <= DENSE_BLOCKS * n_selected))}
     if fp32:
         fwd = {"TQ": 1, "ROWS": 16, "BLOCK_N": block_n(16), "num_warps": 8}
         tiles |= {"fwd": fwd, "dq": fwd, "dkdv": {"ROWS": 16, "BLOCK_N": 16, "num_warps": 8}}
