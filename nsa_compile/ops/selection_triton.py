@@ -89,6 +89,18 @@ Kernels (tile sizes from `_tiles`):
   does the determinism (no atomics; a query listed twice under one grid block, for its blocks
   j and j + 1, is two entries with disjoint tokens).
 
+Dense mode (`_tiles`' "dense": block ids per query head, h = 1, no pos, at most DENSE_BLOCKS * n
+K/V blocks, e.g. S <= 2048 at l' 64, n 16): a query then chose most of the blocks it can see, and
+the union and the inverted selection cost more than they save (the sort alone has B*H*S*n keys).
+The forward and dq tiles read every block up to their last query (constexpr ALL: no union
+tensors; a block no row chose is fully masked and leaves the state unchanged, so o, lse and dq
+are those of the union). The dk/dv kernel runs one item per (batch, group, KV block), no sort:
+the item walks every query from the block's first token on, each row weighted by how often its
+query chose the block (read from block_idx: 0 masks the row, 2 for a block listed twice), and
+writes its dk/dv directly (no partials, no reduce). The sums run in another order than the
+inverted selection's (other tiles of rows), so dk/dv agree with it to rounding, not bit for bit;
+each mode is deterministic.
+
 A chunk of queries (the op's q_offset; not with pos): q holds S rows, k and v SK >= q_offset + S
 tokens, and row t is token q_offset + t. The kernels take SK and Q_OFF as int arguments (one
 compiled kernel for every offset): the blocks, the union's and the inversion's NB, and the token
