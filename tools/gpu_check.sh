@@ -15,9 +15,12 @@
 #              oracle's peak memory against 40 GiB and the meta-device estimate), then
 #              tools/parity_breakdown.py --oracle-memory for the seed model at S 2048 (H200,
 #              2026-11-26: the unchanged and injected tests took 71 s and 94 s)
-#   --kernels  the Triton op test files on CUDA (8 min on a cold H100 with the window kernels,
-#              2026-11-26: close to the limit), then the CLI parity in three
-#              dtypes and explain; each option but (none), --sweep and --all fits one 10-minute call
+#   --kernels  the Triton op test files on CUDA, as 6 pytest-xdist workers sharing the one GPU
+#              (the time goes to compiling kernels, on the CPUs: run serially on a cold H100 they
+#              took 8 min on 2026-11-26 and were cut at 46% after 560 s on 2026-11-28, with the
+#              selection's dense-mode tests; the workers are not yet timed there), then the CLI
+#              parity in three dtypes and explain; each option but (none), --sweep and --all is
+#              meant to fit one 10-minute call
 #   (none)     all three test parts, the parity verdict, then --kernels (over 30 minutes)
 #   --sweep    only the GPU size sweeps (the kernels at the issues' sizes)
 #   --all      the whole suite (the CPU tests on the image's PyTorch too)
@@ -106,8 +109,8 @@ if [ -z "$mode" ] || [ "$mode" = "--parity" ]; then
 fi
 if [ -z "$mode" ] || [ "$mode" = "--kernels" ]; then
   # the Triton kernels on CUDA (on the CPU the same files run them interpreted)
-  python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -p no:logging -m "not sweep" "${kernel_files[@]}" 2>&1 \
-    | tee "$out/triton.log" | tail -5 || status=1
+  OMP_NUM_THREADS=2 python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -p no:logging -n 6 -m "not sweep" \
+    "${kernel_files[@]}" 2>&1 | tee "$out/triton.log" | tail -5 || status=1
 fi
 if [ -z "$mode" ] || [ "$mode" = "--kernels" ] || [ "$mode" = "--all" ]; then
   python3 -m nsa_compile parity --device cuda --model tiny --dtypes fp32,bf16,fp16 >"$out/parity_tiny.log" 2>&1 || status=1
