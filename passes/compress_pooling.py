@@ -40,6 +40,19 @@ no overlapping view, so the backward is shifted slices and a reduction, no scatt
 multiply-sum over `x.unfold(-1, l, d)`. The partial sums are float32, as the convolution
 accumulates.
 
+Overlapping windows cut by `F.unfold` (`nn.Unfold`; lucidrains' compression: kernel (1, l),
+stride (1, d) over [B*H, D, 1, S], each window then flattened into an MLP) are an im2col copy
+whose backward is ATen's col2im, a scatter (0.42 ms a step in lucidrains_shared_kv's profile on
+an H100, seventeenth session). Where l = r * d the same windows are r shifted views of one
+non-overlapping cut into blocks of d, so Matches
+    out = F.unfold(x, (1, l), stride=(1, d))       x [N, C, H, W]   (or kernel (l, 1), stride (d, 1))
+Becomes
+    xb  = x.narrow(3, 0, M * d).unflatten(3, (M, d))                          # [N, C, H, M, d], M = W // d
+    win = cat([xb.narrow(3, i, Tc) for i < r], dim=-1)                         # [N, C, H, Tc, l]
+    out = win.permute(0, 1, 4, 2, 3).flatten(1, 2).flatten(2, 3)              # [N, C * l, H * Tc]
+the same elements in im2col's order (channel c * l + j, window h * Tc + t), so the same values,
+and a backward of slices and adds that Inductor fuses, no scatter. Not yet timed on a GPU.
+
 Refused (graph unchanged), with the reason, for a product with one output column or a
 convolution with one filter per channel only:
 - a sum longer than MAX_TERMS (a long dot product is a GEMV, where cuBLAS is at home);
@@ -48,6 +61,9 @@ convolution with one filter per channel only:
 - a left operand of one dim (a vector-vector or vector-matrix product);
 - a convolution with padding or dilation, an input not [B, C, S], a filter of symbolic size, or
   one that may have no output position.
+And for `F.unfold` whose kernel is one row or one column of more than one element: padding or
+dilation, a stride across the window's other axis, a window not a multiple of its stride, or an
+input that may hold no window.
 """
 
 from __future__ import annotations
@@ -56,6 +72,7 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from nsa_compile.fx import MATMULS, arg, call, op_name, size, value
@@ -149,6 +166,65 @@ def rewrite_conv(graph: fx.Graph, conv: fx.Node, l: int, d: int) -> str:
     return f"multiply-sum over {l} terms, {form} (Inductor reduction, no depthwise convolution)"
 
 
+def unfold_windows(node: fx.Node) -> int | None:
+    """The axis (2 or 3) along which `F.unfold(x, kernel_size, ...)` slides a window of one row or
+    one column of more than one element over a 4-D x; None for any other unfold."""
+    if node.op != "call_function" or node.target is not F.unfold or not node.args:
+        return None
+    x, kernel = value(node.args[0]), _pair(arg(node, 1, "kernel_size"))
+    if x is None or x.dim() != 4 or kernel is None or 1 not in kernel or kernel == (1, 1):
+        return None
+    return 2 if kernel[1] == 1 else 3
+
+
+def _pair(v) -> tuple | None:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return (v, v)
+    if isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(e, int) for e in v):
+        return tuple(v)
+    return None
+
+
+def unfold_refusal(node: fx.Node, axis: int) -> tuple[str | None, tuple]:
+    """(reason, ()) or (None, (l, d)) for an F.unfold sliding along `axis`."""
+    x = value(node.args[0])
+    kernel = _pair(arg(node, 1, "kernel_size"))
+    dilation, padding, stride = (_pair(arg(node, i, name, default)) for i, name, default in
+                                 ((2, "dilation", 1), (3, "padding", 0), (4, "stride", 1)))
+    across = 3 - (axis - 2)  # the other spatial axis (2 <-> 3)
+    if dilation != (1, 1) or padding != (0, 0) or stride is None or stride[across - 2] != 1:
+        return (f"an unfold with dilation {dilation}, padding {padding}, stride {stride} (not windows of one "
+                "axis)"), ()
+    l, d = kernel[axis - 2], stride[axis - 2]
+    if l % d:
+        return f"windows of {l} at stride {d} (not whole blocks of the stride: the overlapping copy stays)", ()
+    if not statically_known_true(x.shape[axis] >= l):
+        return "an input that may hold no window (fewer than l tokens at some size)", ()
+    return None, (l, d)
+
+
+def rewrite_unfold(graph: fx.Graph, node: fx.Node, axis: int, l: int, d: int) -> str:
+    x = node.args[0]
+    r, W = l // d, size(graph, x, axis, anchor=node)
+    arith = (lambda f, a, b: f(a, b)) if isinstance(W, int) else (lambda f, a, b: call(graph, f, a, b, anchor=node))
+    M = arith(operator.floordiv, W, d)
+    Tc = arith(operator.sub, M, r - 1)
+    blocks = call(graph, torch.narrow, x, axis, 0, arith(operator.mul, M, d), anchor=node)
+    blocks = call(graph, torch.unflatten, blocks, axis, (M, d), anchor=node)  # the axis -> (M, d)
+    shifted = [call(graph, torch.narrow, blocks, axis, i, Tc, anchor=node) for i in range(r)]
+    windows = shifted[0] if r == 1 else call(graph, torch.cat, shifted, axis + 1, anchor=node)  # (Tc, l)
+    if axis == 3:  # [N, C, H, Tc, l] -> [N, C, l, H, Tc]
+        order = (0, 1, 4, 2, 3)
+    else:  # [N, C, Tc, l, W] -> [N, C, l, Tc, W]
+        order = (0, 1, 3, 2, 4)
+    out = call(graph, torch.permute, windows, order, anchor=node)
+    out = call(graph, torch.flatten, call(graph, torch.flatten, out, 1, 2, anchor=node), 2, 3, anchor=node)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    views = "the blocks" if r == 1 else f"{r} shifted views of blocks"
+    return f"windows of {l} as {views} of {d} (no im2col, a backward without col2im)"
+
+
 def rewrite(graph: fx.Graph, mm: fx.Node) -> None:
     a, b = mm.args
     dtype = value(mm).dtype
@@ -166,10 +242,18 @@ def rewrite(graph: fx.Graph, mm: fx.Node) -> None:
 class CompressPooling(RewritePass):
     name = "compress_pooling"
     summary = ("a matrix-vector product or depthwise conv1d over a short window (pooling) -> multiply-sum "
-               "Inductor fuses")
+               "Inductor fuses; F.unfold windows -> shifted block views")
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         for mm in list(graph.nodes):
+            axis = unfold_windows(mm)
+            if axis is not None:
+                reason, window = unfold_refusal(mm, axis)
+                if reason:
+                    ctx.refused(mm, reason)
+                    continue
+                ctx.matched(mm, rewrite_unfold(graph, mm, axis, *window))
+                continue
             if op_name(mm) == "conv1d" and depthwise(mm):
                 reason, window = conv_refusal(mm)
                 if reason:

@@ -26,7 +26,7 @@ import nsa_compile
 from helpers import FAST, matches, only_graph, optimize_fresh, optimized_with_parity, row
 from test_window_offset import code_around
 
-from corpus import fused_qkv_per_head, grouped5d_nograd
+from corpus import fused_qkv_per_head, grouped5d_nograd, lucidrains_shared_kv
 from nsa_compile.passes.compress_pooling import MAX_TERMS
 
 SPELLINGS = ("einsum", "column", "vector")
@@ -229,3 +229,95 @@ def test_an_nn_conv1d_module_in_float32_and_under_cpu_autocast():
     _, after = pooling_code(opt)
     assert "torch.conv1d(" not in after and "torch.bfloat16" in after
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+class UnfoldWindows(nn.Module):
+    """Compression windows cut by nn.Unfold as lucidrains cuts them: the keys [B, C, S] seen as an
+    image [B, C / rows, rows, S] (rows > 1: channels folded into image rows) with a kernel of one
+    row, (1, l), stride (1, d); or `vertical`, the sequence down the image's height, kernel (l, 1).
+    Each window, flattened, goes through a Linear, as lucidrains' compression MLP takes it."""
+
+    def __init__(self, l=8, d=4, vertical=False, rows=1, dim=16, channels=12, **unfold):
+        super().__init__()
+        self.vertical, self.rows = vertical, rows
+        self.kv = nn.Linear(dim, channels, bias=False)
+        kernel, stride = ((l, 1), (d, 1)) if vertical else ((1, l), (1, d))
+        self.unfold = nn.Unfold(kernel_size=kernel, **({"stride": stride} | unfold))
+        self.mlp = nn.Linear(channels // rows * l, dim)
+
+    def forward(self, x):  # [B, S, dim]
+        B, S, _ = x.shape
+        t = self.kv(x).transpose(1, 2).reshape(B, -1, self.rows, S)  # [B, C / rows, rows, S]
+        if self.vertical:
+            t = t.transpose(2, 3)  # [B, C / rows, S, rows]
+        return self.mlp(self.unfold(t).transpose(1, 2))  # [B, windows, C / rows * l] -> [B, windows, dim]
+
+
+def unfold_count(code: str) -> int:
+    return code.count("torch.nn.functional.unfold(")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("l, d", [(8, 4), (8, 8), (12, 4)], ids=["2_blocks", "1_block", "3_blocks"])
+@pytest.mark.parametrize("vertical, rows", [(False, 1), (True, 1), (False, 2), (True, 3)],
+                         ids=["row", "column", "two_rows", "column_3_wide"])
+def test_unfold_windows_become_shifted_views_of_blocks(vertical, rows, l, d, dtype):
+    """F.unfold (im2col) of windows of l = r * d along one axis: the same elements in the same order
+    from r shifted views of one cut into blocks of d (a cat), no unfold left; output and every
+    gradient as eager's."""
+    torch.manual_seed(0)
+    opt = optimized_with_parity(UnfoldWindows(l, d, vertical, rows), torch.randn(2, 37, 16), dtype)
+    assert matches(opt)["compress_pooling"] == 1
+    before, after = pooling_code(opt)
+    assert (unfold_count(before), unfold_count(after)) == (1, 0)
+    assert after.count("torch.cat(") - before.count("torch.cat(") == (1 if l > d else 0)
+    views = "the blocks" if l == d else f"{l // d} shifted views of blocks"
+    assert row(opt, "compress_pooling")["kernels"] == [
+        f"windows of {l} as {views} of {d} (no im2col, a backward without col2im)"]
+
+
+@pytest.mark.parametrize("l, d, unfold, reason", [
+    (6, 4, {}, "windows of 6 at stride 4 (not whole blocks of the stride: the overlapping copy stays)"),
+    (8, 4, {"padding": (0, 1)}, "an unfold with dilation (1, 1), padding (0, 1), stride (1, 4) (not windows of one axis)"),
+    (8, 4, {"dilation": (1, 2)}, "an unfold with dilation (1, 2), padding (0, 0), stride (1, 4) (not windows of one axis)"),
+    (8, 4, {"stride": (2, 4)}, "an unfold with dilation (1, 1), padding (0, 0), stride (2, 4) (not windows of one axis)"),
+], ids=["not_whole_blocks", "padding", "dilation", "stride_across"])
+def test_unfold_near_misses_are_refused_unchanged(l, d, unfold, reason):
+    torch.manual_seed(0)
+    opt = optimized_with_parity(UnfoldWindows(l, d, rows=2, **unfold), torch.randn(2, 37, 16))
+    assert (matches(opt)["compress_pooling"], row(opt, "compress_pooling")["reasons"]) == (0, [reason])
+    before, after = pooling_code(opt)
+    assert before == after and unfold_count(after) == 1
+
+
+def test_an_unfold_of_a_square_kernel_is_no_window_and_is_left_alone():
+    torch.manual_seed(0)
+    model = UnfoldWindows(2, 2, rows=2)
+    model.unfold = nn.Unfold(kernel_size=2, stride=2)  # 2 x 2 patches: windows of two axes
+    model.mlp = nn.Linear(6 * 4, 16)
+    x = torch.randn(2, 36, 16)
+    opt = optimize_fresh(copy.deepcopy(model), FAST)
+    torch.testing.assert_close(opt(x), model(x))
+    assert matches(opt)["compress_pooling"] == 0 and row(opt, "compress_pooling")["refused"] == 0
+
+
+def test_the_corpus_shared_kv_model_cuts_its_windows_without_im2col():
+    model, x = lucidrains_shared_kv.make()
+    opt = optimized_with_parity(model, x)
+    assert matches(opt)["compress_pooling"] == 2
+    forward = only_graph(opt).aten["forward"].graph
+    assert [n for n in forward.nodes if n.op == "call_function" and "im2col" in str(n.target)] == []
+
+
+def test_unfold_windows_at_symbolic_lengths():
+    """S, S + 1 and S + 6: the block count S // d and the windows are graph arithmetic on the
+    symbolic S; every length matches eager."""
+    torch.manual_seed(0)
+    model = UnfoldWindows(8, 4, rows=2)
+    opt = optimize_fresh(copy.deepcopy(model), FAST)
+    for S in (37, 38, 43):
+        x = torch.randn(2, S, 16)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-6)
+    graphs = nsa_compile.api.state_of(opt).graphs
+    assert len(graphs) == 2 and "torch.SymInt" in graphs[1].code_before
+    assert [len(g.logs[[log.pass_name for log in g.logs].index("compress_pooling")].matches) for g in graphs] == [1, 1]
