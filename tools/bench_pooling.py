@@ -11,6 +11,17 @@ bf16, compiled by Inductor, forward and backward, side by side in one process on
 Each variant's output and gradients (x and w) are compared with a float64 run of the einsum
 first (relative error, printed); a variant more than twice the GEMM's error is marked FAIL.
 
+Then lucidrains_shared_kv's windows (B*G 64 rows of D 64 channels, S 2048, left-padded by l - d
+as ZeroPad2d does, l 32, d 16) flattened into its compression MLP (Linear(l*D, l*D), ReLU,
+Linear(l*D, D)), forward and backward, compiled:
+
+  im2col       the model's `nn.Unfold` (kernel (1, l), stride (1, d)); its backward is col2im
+  blocks       what compress_pooling makes of it: l / d shifted views of blocks of d (a cat)
+
+The cut windows must be equal element for element, and the outputs and gradients (x and the
+first Linear's weight, bf16 autocast) within twice the im2col variant's error against float64,
+else FAIL.
+
     python3 tools/bench_pooling.py
 """
 import sys
@@ -48,6 +59,56 @@ def blocks(x, w):  # l = r * d: the window is r consecutive blocks of d keys
     return out.to(x.dtype)
 
 
+def im2col_windows(x):  # x [N, D, 1, S + l - d] -> [N, D * l, Tc']
+    return torch.nn.functional.unfold(x, (1, l), stride=(1, d))
+
+
+def block_windows(x):  # passes/compress_pooling.py's rewrite, written out
+    r, M = l // d, x.shape[-1] // d
+    xb = x.narrow(3, 0, M * d).unflatten(3, (M, d))  # [N, D, 1, M, d]
+    win = torch.cat([xb.narrow(3, i, M - r + 1) for i in range(r)], dim=-1)  # [N, D, 1, Tc', l]
+    return win.permute(0, 1, 4, 2, 3).flatten(1, 2).flatten(2, 3)
+
+
+def mlp_windows():
+    torch.manual_seed(0)
+    N = B * G
+    x0 = torch.randn(N, D, 1, S + l - d, device="cuda", dtype=torch.bfloat16)
+    mlp = torch.nn.Sequential(torch.nn.Linear(l * D, l * D), torch.nn.ReLU(), torch.nn.Linear(l * D, D)).cuda()
+    windows_out = S // d
+    g = torch.randn(N, windows_out, D, device="cuda", dtype=torch.bfloat16)
+
+    def run(cut, x, net):
+        return net(cut(x).transpose(1, 2))
+
+    ref_x = x0.double().requires_grad_()
+    ref_mlp = __import__("copy").deepcopy(mlp).double()
+    ref = run(im2col_windows, ref_x, ref_mlp)
+    ref.backward(g.double())
+    print(f"{'windows':<14} {'fwd+bwd ms':>10} {'out err':>9} {'dx err':>9} {'dW1 err':>9}")
+    bar = None
+    for name, cut in (("im2col", im2col_windows), ("blocks", block_windows)):
+        torch._dynamo.reset()
+        net = __import__("copy").deepcopy(mlp)
+        f = torch.compile(lambda x, cut=cut, net=net: run(cut, x, net))
+        x = x0.clone().requires_grad_()
+
+        def step():
+            x.grad = None
+            net.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = f(x)
+            out.backward(g)
+            return out
+        out = step()
+        errs = [((a.double() - b).norm() / b.norm()).item() for a, b in
+                ((out, ref), (x.grad, ref_x.grad), (net[0].weight.grad, ref_mlp[0].weight.grad))]
+        bar = bar or [2 * e for e in errs]
+        ok = all(e <= b for e, b in zip(errs, bar)) and torch.equal(cut(x0), im2col_windows(x0))
+        ms = triton.testing.do_bench(step, warmup=25, rep=200)
+        print(f"{name:<14} {f'{ms:.3f}' if ok else 'FAIL':>10} " + " ".join(f"{e:>9.2e}" for e in errs))
+
+
 def main():
     torch.manual_seed(0)
     x0 = torch.randn(B, G, S, D, device="cuda", dtype=torch.bfloat16)
@@ -74,6 +135,7 @@ def main():
         ok = all(e <= b for e, b in zip(errs, bar))
         ms = triton.testing.do_bench(step, warmup=25, rep=200)
         print(f"{name:<14} {f'{ms:.3f}' if ok else 'FAIL':>10} " + " ".join(f"{e:>9.2e}" for e in errs))
+    mlp_windows()
 
 
 if __name__ == "__main__":
