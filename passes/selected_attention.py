@@ -137,6 +137,7 @@ from nsa_compile.attention_match import (
 )
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
 from nsa_compile.ops.common import upcast_dtype
+from nsa_compile.ops import selection_triton
 from nsa_compile.ops.selection import choose_backend, why_not_triton
 from nsa_compile.ops.selection import selected_attention as selected_attention_op
 from nsa_compile.rewrite import PassContext, RewritePass
@@ -834,7 +835,7 @@ class SelectedAttention(RewritePass):
                 ctx.matched(softmax, plan["text"])
                 continue
             self.rewrite(graph, plan)
-            why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
+            why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else f"; {plan['schedule']}"
             ctx.matched(softmax, KERNEL.format(block=plan["block"], n=plan["n"], backend=plan["backend"],
                                                heads=heads_read(plan), packed="" if plan["pos"] is None else PACKED,
                                                empty=EMPTY_ROWS if may_leave_rows_empty(plan) else "", why=why))
@@ -974,6 +975,7 @@ class SelectedAttention(RewritePass):
             raise Refused(f"OptimizeConfig(selected_attention_backend={requested!r}): {why}") from None
         return {"q": q, "k": k, "v": v, "layout": layout, "G": G, "h": H // G, "block_idx": ids, "pos": pos, "block": block, "n": n_op, "scale": scale,
                 "backend": backend, "q_offset": chunk[0],
+                "schedule": selection_triton.schedule(H // G, fakes[1].shape[2], block, n_op, pos is not None),
                 "why_not_triton": why_not_triton(*fakes, block, fake_pos, chunk[0]) if requested == "auto"
                 else f"selected_attention_backend={requested!r} in OptimizeConfig",
                 "out": out, "rows_zeroed": zeroed is not None,

@@ -547,3 +547,20 @@ def test_packed_kernels_sync_nothing_and_capture_in_a_cuda_graph(S, block_size, 
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip((*captured, captured_lse), (*eager, eager_lse)))
+
+
+def test_schedule_says_which_way_the_kernels_read_the_blocks():
+    """explain's words for `_tiles`' choice: dense for per-head ids and few blocks, else the union
+    and the inverted selection; at a symbolic length, the rule."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    union = "the query tiles' union of chosen blocks, dK/dV from the inverted selection"
+    assert st.schedule(1, 2048, 64, 16) == "dense: every block up to a tile's last query (32 blocks <= 2 n), no union, no sort"
+    assert st.schedule(1, 2049, 64, 16) == union  # 33 blocks
+    assert st.schedule(6, 2048, 64, 16) == union
+    assert st.schedule(1, 2048, 64, 16, packed=True) == union
+    symbolic = ShapeEnv().create_unbacked_symint()  # a length known only at run time
+    assert st.schedule(1, symbolic, 64, 16) == f"dense while ceil(S / l') <= 32, else {union}"
+    for h, S, packed in ((1, 2048, False), (1, 2049, False), (6, 2048, False), (1, 2048, True)):
+        dense = st._tiles(h, 64, 64, 64, seq_len=S, n_selected=16, packed=packed)["dense"]
+        assert st.schedule(h, S, 64, 16, packed).startswith("dense") == dense

@@ -149,7 +149,7 @@ from .triton_support import (
     reduce_sum, upcast_dots,
 )
 
-__all__ = ["DKV_SEGMENT", "selected_backward", "selected_forward", "unsupported_reason"]
+__all__ = ["DKV_SEGMENT", "schedule", "selected_backward", "selected_forward", "unsupported_reason"]
 
 # Query entries per dk/dv work item (a module constant so tests can shrink it).
 DKV_SEGMENT = 1024
@@ -178,6 +178,22 @@ def unsupported_reason(q, k, v, block_idx, block_size, pos=None) -> str | None:
     if entries >= 2**31 or q.shape[2] >= 2**31:
         return f"{entries} inverted-selection entries (the inverted selection indexes them in int32)"
     return None
+
+
+def schedule(h: int, keys, block_size: int, n_selected: int, packed: bool = False) -> str:
+    """How the kernels read the chosen blocks for these sizes, in words (explain's text): the dense
+    mode or the tiles' union with the inverted selection (`_tiles`' "dense"). keys: K/V's length,
+    an int or a symbolic size (then the rule by length)."""
+    union = "the query tiles' union of chosen blocks, dK/dV from the inverted selection"
+    if packed or h != 1:
+        return union
+    limit = DENSE_BLOCKS * n_selected if isinstance(n_selected, int) else f"{DENSE_BLOCKS} n"
+    if isinstance(keys, int) and isinstance(n_selected, int):
+        blocks = _cdiv(keys, block_size)
+        if blocks <= limit:
+            return f"dense: every block up to a tile's last query ({blocks} blocks <= {DENSE_BLOCKS} n), no union, no sort"
+        return union
+    return f"dense while ceil(S / l') <= {limit}, else {union}"
 
 
 def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, override: dict | None = None, *,
