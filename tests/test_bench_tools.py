@@ -835,3 +835,31 @@ def test_corpus_bench_cuda_graphs_needs_inductor_and_is_recorded(monkeypatch, tm
     bench_corpus.main(["--models", "paper_bhsd", "--seq-len", "64", "--batch", "1", "--parity-len", "64",
                        "--no-parity", "--out", str(out), *FAST])
     assert [r["cuda_graphs"] for r in read(out)] == [False, False]
+
+
+def test_selection_benches_take_the_seed_layers_own_choices():
+    """bench_selection / profile_selection --choices model: the seed preset's layer's block ids at
+    init, the same for every batch row, valid (ascending, -1 padding last, block 0 and the current
+    block chosen); a shape the seed layer does not choose for is refused."""
+    import bench_selection
+
+    idx = bench_selection.model_block_idx(3, 256, "seed", device="cpu")
+    assert idx.shape == (3, 2, 256, 16) and idx.dtype == torch.int64
+    assert torch.equal(idx[0], idx[2])
+    t = torch.arange(256)
+    valid = idx >= 0
+    assert (valid[..., 0] & (idx[..., 0] == 0)).all()  # block 0 first
+    assert ((idx == (t // 64)[:, None]) & valid).any(-1).all()  # each query's own block
+    later = idx[..., 1:]
+    assert ((later > idx[..., :-1]) | (later == -1)).all()  # ascending, padding last
+    with pytest.raises(SystemExit, match="does not choose for shape paper"):
+        bench_selection.model_block_idx(1, 256, "paper", device="cpu")
+
+
+def test_profile_step_selection_tiles_can_force_the_dense_mode():
+    from nsa_compile.ops import selection_triton as st
+
+    assert not st._tiles(6, 64, 64, 64, seq_len=2048, n_selected=16)["dense"]  # group-shared: the union
+    with profile_step.selection_tiles({"dense": True}):
+        assert st._tiles(6, 64, 64, 64, seq_len=2048, n_selected=16)["dense"]
+    assert not st._tiles(6, 64, 64, 64, seq_len=2048, n_selected=16)["dense"]

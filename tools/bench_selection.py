@@ -100,6 +100,43 @@ def random_block_idx(B, G, S, n, block_size, gen, chunk=2048, device="cuda"):
     return out
 
 
+class _Captured(Exception):
+    pass
+
+
+def model_block_idx(B, S, shape, device="cuda"):
+    """[B, G, S, n] int64: the block ids the seed preset's own eager NSA layer (models/nsa.py, at
+    initialization, torch.manual_seed(S), x ~ N(0, 1)) chooses for one row of S tokens, the same
+    for every batch row. Its forward stops once `select_blocks` has chosen (no selected or window
+    branch). Only for shapes with the seed preset's G, n and l' (random choices may overstate or
+    understate how much a tile's queries share; NOTES.md, twentieth session)."""
+    from nsa_compile.models import NSAAttention, preset
+    from nsa_compile.models.nsa import rope_tables
+
+    cfg = preset("seed")
+    H, G, D, block_size, n = SHAPES[shape]
+    if (cfg.n_heads, cfg.n_kv_groups, cfg.sel_block, cfg.n_selected) != (H, G, block_size, n):
+        sys.exit(f"--choices model: the seed preset's layer (H {cfg.n_heads}, G {cfg.n_kv_groups}, l' "
+                 f"{cfg.sel_block}, n {cfg.n_selected}) does not choose for shape {shape}")
+    torch.manual_seed(S)
+    layer = NSAAttention(cfg).to(device)
+    captured = {}
+
+    def stop(p_cmp, S_, pos=None):
+        captured["idx"] = NSAAttention.select_blocks(layer, p_cmp, S_)
+        raise _Captured
+
+    layer.select_blocks = stop
+    x = torch.randn(1, S, cfg.dim, device=device)
+    cos, sin = rope_tables(S, cfg.rot_dim, cfg.rope_base, x.device)
+    with torch.no_grad():
+        try:
+            layer(x, cos, sin)
+        except _Captured:
+            pass
+    return captured["idx"].expand(B, -1, -1, -1).contiguous()
+
+
 def model_layout(B, S, heads, D, gen, dtype):
     return torch.randn(B, S, heads, D, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
 
@@ -153,6 +190,8 @@ def main() -> None:
     ap.add_argument("--variants", default="triton,reference,dense")
     ap.add_argument("--profile", action="store_true", help="print each variant's kernels in one fwd+bwd (torch.profiler)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--choices", choices=["random", "model"], default="random",
+                    help="block ids: random valid choices, or the seed preset's own layer's at init (model_block_idx)")
     ap.add_argument("--parity-len", type=int, default=2048, help="tokens of the parity check (once per shape)")
     ap.add_argument("--varlen-chunk-rows", type=int, help=f"varlen's CHUNK_ROWS (default {sv.CHUNK_ROWS})")
     ap.add_argument("--varlen-segment-rows", type=int,
@@ -172,14 +211,15 @@ def main() -> None:
     triton_version = getattr(st.triton, "__version__", "not installed")
     print(f"{datetime.date.today()}  {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton_version}")
     print(f"$ python3 {' '.join(sys.argv)}")
-    print(f"shape {args.shape}: B {B}, H {H}, G {G}, D {D}, l' {block_size}, n {n}, bf16; "
+    print(f"shape {args.shape}: B {B}, H {H}, G {G}, D {D}, l' {block_size}, n {n}, bf16, {args.choices} choices; "
           f"varlen CHUNK_ROWS {sv.CHUNK_ROWS}, SEGMENT_ROWS {sv.SEGMENT_ROWS}")
     rows, parity_ok, ratios = [], {}, []
     for S in args.seq_len or [8192]:
         gen = torch.Generator(device="cuda").manual_seed(S)
         q, k, v = (model_layout(B, S, heads, D, gen, dtype) for heads in (H, G, G))
         grad = torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=gen)
-        block_idx = random_block_idx(B, G, S, n, block_size, gen)
+        block_idx = (model_block_idx(B, S, args.shape) if args.choices == "model"
+                     else random_block_idx(B, G, S, n, block_size, gen))
         for name, why in (("triton", st.unsupported_reason(q, k, v, block_idx, block_size)),
                           ("varlen", sv.unsupported_reason(q, k, v, block_idx, block_size))):
             if name in chosen and why:

@@ -31,7 +31,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from bench_selection import SHAPES, model_layout, random_block_idx, time_ms
+from bench_selection import SHAPES, model_block_idx, model_layout, random_block_idx, time_ms
 from tabulate import tabulate
 
 from nsa_compile.ops import selection_triton as st
@@ -118,12 +118,13 @@ def split(override: dict) -> tuple[dict, int]:
 # ---------------------------------------------------------------- running (CUDA)
 
 
-def make_inputs(shape: str, S: int, B: int = 1, device="cuda"):
+def make_inputs(shape: str, S: int, B: int = 1, device="cuda", choices: str = "random"):
     H, G, D, block_size, n = SHAPES[shape]
     gen = torch.Generator(device=device).manual_seed(S)
     q, k, v = (model_layout(B, S, heads, D, gen, DTYPE) for heads in (H, G, G))
     grad = model_layout(B, S, H, D, gen, DTYPE)  # the layout autograd hands the op
-    block_idx = random_block_idx(B, G, S, n, block_size, gen)
+    block_idx = (model_block_idx(B, S, shape, device) if choices == "model"
+                 else random_block_idx(B, G, S, n, block_size, gen))
     return q, k, v, grad, block_idx, block_size, D**-0.5
 
 
@@ -227,8 +228,9 @@ def fmt(x, digits=3) -> str:
 
 def profile(shape: str, S: int, args) -> None:
     H, G, D, block_size, n = SHAPES[shape]
-    print(f"\n=== shape {shape}: H {H}, G {G}, h {H // G}, D {D}, l' {block_size}, n {n}, S {S}, bf16, B {args.batch}")
-    inputs = make_inputs(shape, S, args.batch)
+    print(f"\n=== shape {shape}: H {H}, G {G}, h {H // G}, D {D}, l' {block_size}, n {n}, S {S}, bf16, B {args.batch}, "
+          f"{args.choices} choices")
+    inputs = make_inputs(shape, S, args.batch, choices=args.choices)
     flops = useful_flops(inputs)
     t0 = time.time()
     base = Run(inputs, {})
@@ -370,6 +372,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=list(SHAPES), action=ShapeAction, help="repeatable; starts a group of --seq-len")
     ap.add_argument("--seq-len", type=int, action=SeqAction, help="repeatable; for the --shape before it (default 8192)")
     ap.add_argument("--batch", type=int, default=1, help="rows of every shape (the seed model trains 2048 x 32)")
+    ap.add_argument("--choices", choices=["random", "model"], default="random",
+                    help="block ids: random valid choices, or the seed preset's own layer's at init (seed shape only)")
     ap.add_argument("--reps", type=int, default=20, help="timed runs per measurement (median), after 2 warm-up runs")
     ap.add_argument("--sweep", choices=["none", "quick", "full"], default="quick",
                     help="quick: one parameter at a time (default); full: also products of each kernel's parameters")  # fmt: skip
