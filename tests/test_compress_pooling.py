@@ -90,15 +90,20 @@ def pooling_code(opt) -> tuple[str, str]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("spelling", SPELLINGS)
 def test_a_pooling_product_becomes_a_multiply_sum(spelling, dtype):
+    """Each product a multiply-sum; the as_strided windows of the two spellings that cut them so
+    become unfold views (two more matches)."""
     torch.manual_seed(0)
     opt = optimized_with_parity(Pooling(spelling), torch.randn(2, 37, 16), dtype)
-    assert matches(opt)["compress_pooling"] == 2
+    strided = spelling != "einsum"
+    assert matches(opt)["compress_pooling"] == (4 if strided else 2)
     before, after = pooling_code(opt)
     assert before.count("torch.matmul(") + before.count(" @ ") == 2
     assert after.count("torch.matmul(") + after.count(" @ ") == 0
     assert after.count("torch.mul(") == 2 and after.count("torch.sum(") == 2
-    assert row(opt, "compress_pooling")["kernels"] == [
-        "multiply-sum over 8 terms (Inductor reduction, no GEMM of one column)"]
+    assert (before.count(".as_strided("), after.count(".as_strided(")) == ((2, 0) if strided else (0, 0))
+    assert row(opt, "compress_pooling")["kernels"] == (
+        ["as_strided windows of 8 at stride 4 -> unfold, the same view (unfold's backward, not as_strided's)"]
+        if strided else []) + ["multiply-sum over 8 terms (Inductor reduction, no GEMM of one column)"]
 
 
 def test_under_autocast_the_pooled_keys_keep_the_products_dtype():
@@ -109,7 +114,7 @@ def test_under_autocast_the_pooled_keys_keep_the_products_dtype():
     opt = optimize_fresh(copy.deepcopy(model), FAST)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want, got = model(x), opt(x)
-    assert matches(opt)["compress_pooling"] == 2
+    assert matches(opt)["compress_pooling"] == 4  # the two products and their as_strided windows
     assert got.dtype == want.dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
@@ -117,7 +122,7 @@ def test_under_autocast_the_pooled_keys_keep_the_products_dtype():
 def test_a_window_longer_than_max_terms_is_refused_unchanged():
     torch.manual_seed(0)
     l = MAX_TERMS + 1
-    opt = optimized_with_parity(Pooling("column", l=l, d=l // 2), torch.randn(2, 2 * l, 16))
+    opt = optimized_with_parity(Pooling("einsum", l=l, d=l // 2), torch.randn(2, 2 * l, 16))
     assert matches(opt)["compress_pooling"] == 0
     before, after = pooling_code(opt)
     assert before == after and before.count("torch.matmul(") + before.count(" @ ") == 2
@@ -127,17 +132,18 @@ def test_a_window_longer_than_max_terms_is_refused_unchanged():
 
 
 def test_a_two_column_product_is_no_pooling_and_is_left_alone():
+    """No refusal and the products stay; only their as_strided windows become unfold views."""
     torch.manual_seed(0)
     opt = optimized_with_parity(Pooling("column", columns=2), torch.randn(2, 37, 16))
-    assert matches(opt)["compress_pooling"] == 0 and row(opt, "compress_pooling")["refused"] == 0
+    assert matches(opt)["compress_pooling"] == 2 and row(opt, "compress_pooling")["refused"] == 0
     before, after = pooling_code(opt)
-    assert before == after
+    assert before.count("torch.matmul(") + before.count(" @ ") == after.count("torch.matmul(") + after.count(" @ ") == 2
 
 
 def test_the_corpus_grouped_model_pools_with_multiply_sums():
     model, x = grouped5d_nograd.make()
     opt = optimized_with_parity(model, x)
-    assert matches(opt)["compress_pooling"] == 2
+    assert matches(opt)["compress_pooling"] == 4  # two products, their two as_strided window views
     forward = only_graph(opt).aten["forward"].graph
     products = [n for n in forward.nodes if n.op == "call_function"
                 and n.target in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
@@ -321,3 +327,51 @@ def test_unfold_windows_at_symbolic_lengths():
     graphs = nsa_compile.api.state_of(opt).graphs
     assert len(graphs) == 2 and "torch.SymInt" in graphs[1].code_before
     assert [len(g.logs[[log.pass_name for log in g.logs].index("compress_pooling")].matches) for g in graphs] == [1, 1]
+
+
+class StridedWindows(nn.Module):
+    """Windows of l keys at stride d as an as_strided view with the window dim at `place` (2: right
+    after the sequence's dim, as grouped5d_nograd; 4: last, unfold's own layout), then `windows`
+    (Tc, by default all of them); each window flattened into a Linear."""
+
+    def __init__(self, l=8, d=4, place=3, windows=None, dim=16, heads=2, head_dim=8):
+        super().__init__()
+        self.l, self.d, self.place, self.windows, self.heads = l, d, place, windows, heads
+        self.kv = nn.Linear(dim, heads * head_dim, bias=False)
+        self.mlp = nn.Linear(l * head_dim, dim)
+
+    def forward(self, x):  # [B, S, dim]
+        B, S, _ = x.shape
+        k = self.kv(x).view(B, S, self.heads, -1).transpose(1, 2).contiguous()  # [B, G, S, D]
+        Tc = self.windows or (S - self.l) // self.d + 1
+        size, stride = [B, self.heads, Tc, k.shape[3]], list(k.stride())
+        stride[2] *= self.d
+        size.insert(self.place, self.l)
+        stride.insert(self.place, k.stride(2))
+        w = k.as_strided(size, stride)
+        if self.place == 4:
+            w = w.transpose(-1, -2)  # [B, G, Tc, l, D]
+        return self.mlp(w.flatten(-2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("place", [3, 4], ids=["window_before_dim", "window_last"])
+def test_as_strided_windows_become_the_same_unfold_view(place, dtype):
+    torch.manual_seed(0)
+    opt = optimized_with_parity(StridedWindows(place=place), torch.randn(2, 37, 16), dtype)
+    assert matches(opt)["compress_pooling"] == 1
+    before, after = pooling_code(opt)
+    assert (before.count(".as_strided("), after.count(".as_strided(")) == (1, 0)
+    assert "torch_Tensor_unfold(" in after and ("torch.movedim(" in after) == (place == 3)
+
+
+@pytest.mark.parametrize("model", [StridedWindows(windows=5), StridedWindows(d=3, l=8, windows=4)],
+                         ids=["fewer_windows", "other_count"])
+def test_an_as_strided_view_that_is_not_unfolds_windows_is_left_alone(model):
+    """Fewer windows than unfold makes (the view is a prefix of them): no window view of unfold's,
+    left as it is, no refusal; the model's output and gradients as eager's."""
+    torch.manual_seed(0)
+    opt = optimized_with_parity(model, torch.randn(2, 37, 16))
+    assert matches(opt)["compress_pooling"] == 0 and row(opt, "compress_pooling")["refused"] == 0
+    before, after = pooling_code(opt)
+    assert before == after and ".as_strided(" in after
