@@ -181,8 +181,13 @@ def rewrite_conv(graph: fx.Graph, conv: fx.Node, l: int, d: int) -> str:
 
 
 def _same(a, b) -> bool:
+    """Two sizes equal for every value of their symbols (no guard); a size node counts as the
+    SymInt it records."""
+    a, b = (x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else x for x in (a, b))
     if isinstance(a, int) and isinstance(b, int):
         return a == b
+    if not all(isinstance(x, (int, torch.SymInt)) for x in (a, b)):
+        return False
     return statically_known_true(a == b)
 
 
@@ -208,7 +213,7 @@ def strided_windows(node: fx.Node) -> tuple[int, int, int, int] | None:
                 continue
             d = st // xs
             others = [k for k in range(x.dim()) if k != a]
-            if d >= 1 and all(_same(rest_size[k], x.shape[k]) and _same(rest_stride[k], x.stride(k)) for k in others) \
+            if d >= 1 and statically_known_true(x.shape[a] >= l) and all(_same(rest_size[k], x.shape[k]) and _same(rest_stride[k], x.stride(k)) for k in others) \
                     and _same(rest_size[a], (x.shape[a] - l) // d + 1):
                 return a, p, l, d
     return None

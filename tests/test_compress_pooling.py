@@ -375,3 +375,17 @@ def test_an_as_strided_view_that_is_not_unfolds_windows_is_left_alone(model):
     assert matches(opt)["compress_pooling"] == 0 and row(opt, "compress_pooling")["refused"] == 0
     before, after = pooling_code(opt)
     assert before == after and ".as_strided(" in after
+
+
+def test_as_strided_windows_at_symbolic_lengths():
+    """S, S + 1 and S + 6: the as_strided sizes and strides are size nodes of the symbolic S; the
+    view is still unfold's (each compiled graph rewrites it) and every length matches eager."""
+    torch.manual_seed(0)
+    model = StridedWindows()
+    opt = optimize_fresh(copy.deepcopy(model), FAST)
+    for S in (37, 38, 43):
+        x = torch.randn(2, S, 16)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-6)
+    graphs = nsa_compile.api.state_of(opt).graphs
+    assert len(graphs) == 2 and "torch.SymInt" in graphs[1].code_before
+    assert [len(g.logs[[log.pass_name for log in g.logs].index("compress_pooling")].matches) for g in graphs] == [1, 1]
