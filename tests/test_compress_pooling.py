@@ -184,26 +184,16 @@ def test_a_convolution_across_channels_is_no_pooling_and_is_left_alone():
     assert matches(opt)["compress_pooling"] == 0 and row(opt, "compress_pooling")["refused"] == 0
 
 
-def test_the_corpus_per_head_model_pools_without_a_convolution():
-    model, x = fused_qkv_per_head.make()
+@pytest.mark.parametrize("corpus_model, gone", [(fused_qkv_per_head, "convolution"), (lucidrains_shared_kv, "im2col")],
+                         ids=["per_head_conv1d", "shared_kv_unfold"])
+def test_the_corpus_models_pool_without_the_aten_op(corpus_model, gone):
+    """fused_qkv_per_head's two depthwise convolutions, lucidrains_shared_kv's two nn.Unfold windows:
+    rewritten, and the ATen op (and so its scatter backward) is not in the forward graph."""
+    model, x = corpus_model.make()
     opt = optimized_with_parity(model, x)
     assert matches(opt)["compress_pooling"] == 2
     forward = only_graph(opt).aten["forward"].graph
-    assert [n for n in forward.nodes if n.op == "call_function" and "convolution" in str(n.target)] == []
-
-
-def test_the_block_form_at_symbolic_lengths():
-    """Run at S, S + 1 and S + 6: Dynamo compiles again with S a symbol; the block count S // d and
-    the windows Tc = S // d - 1 are graph arithmetic on it, and every length matches eager."""
-    torch.manual_seed(0)
-    model = ConvPooling(8, 4)
-    opt = optimize_fresh(copy.deepcopy(model), FAST)
-    for S in (37, 38, 43):
-        x = torch.randn(2, S, 16)
-        torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-6)
-    graphs = nsa_compile.api.state_of(opt).graphs
-    assert len(graphs) == 2 and "torch.SymInt" in graphs[1].code_before
-    assert [len(g.logs[[log.pass_name for log in g.logs].index("compress_pooling")].matches) for g in graphs] == [1, 1]
+    assert [n for n in forward.nodes if n.op == "call_function" and gone in str(n.target)] == []
 
 
 class ConvModule(nn.Module):
@@ -307,28 +297,6 @@ def test_an_unfold_of_a_square_kernel_is_no_window_and_is_left_alone():
     assert matches(opt)["compress_pooling"] == 0 and row(opt, "compress_pooling")["refused"] == 0
 
 
-def test_the_corpus_shared_kv_model_cuts_its_windows_without_im2col():
-    model, x = lucidrains_shared_kv.make()
-    opt = optimized_with_parity(model, x)
-    assert matches(opt)["compress_pooling"] == 2
-    forward = only_graph(opt).aten["forward"].graph
-    assert [n for n in forward.nodes if n.op == "call_function" and "im2col" in str(n.target)] == []
-
-
-def test_unfold_windows_at_symbolic_lengths():
-    """S, S + 1 and S + 6: the block count S // d and the windows are graph arithmetic on the
-    symbolic S; every length matches eager."""
-    torch.manual_seed(0)
-    model = UnfoldWindows(8, 4, rows=2)
-    opt = optimize_fresh(copy.deepcopy(model), FAST)
-    for S in (37, 38, 43):
-        x = torch.randn(2, S, 16)
-        torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-6)
-    graphs = nsa_compile.api.state_of(opt).graphs
-    assert len(graphs) == 2 and "torch.SymInt" in graphs[1].code_before
-    assert [len(g.logs[[log.pass_name for log in g.logs].index("compress_pooling")].matches) for g in graphs] == [1, 1]
-
-
 class StridedWindows(nn.Module):
     """Windows of l keys at stride d as an as_strided view with the window dim at `place` (2: right
     after the sequence's dim, as grouped5d_nograd; 4: last, unfold's own layout), then `windows`
@@ -377,11 +345,15 @@ def test_an_as_strided_view_that_is_not_unfolds_windows_is_left_alone(model):
     assert before == after and ".as_strided(" in after
 
 
-def test_as_strided_windows_at_symbolic_lengths():
-    """S, S + 1 and S + 6: the as_strided sizes and strides are size nodes of the symbolic S; the
-    view is still unfold's (each compiled graph rewrites it) and every length matches eager."""
+@pytest.mark.parametrize("make", [lambda: ConvPooling(8, 4), lambda: UnfoldWindows(8, 4, rows=2), StridedWindows],
+                         ids=["conv_blocks", "unfold_blocks", "as_strided"])
+def test_each_rewrite_at_symbolic_lengths(make):
+    """Run at S, S + 1 and S + 6: Dynamo compiles again with S a symbol. The convolution's and the
+    unfold's block counts S // d and windows are graph arithmetic on it; the as_strided view's sizes
+    and strides are size nodes, read as their SymInts. Each compiled graph rewrites once, and every
+    length matches eager."""
     torch.manual_seed(0)
-    model = StridedWindows()
+    model = make()
     opt = optimize_fresh(copy.deepcopy(model), FAST)
     for S in (37, 38, 43):
         x = torch.randn(2, S, 16)
