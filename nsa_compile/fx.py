@@ -52,6 +52,13 @@ def value(node) -> torch.Tensor | None:
 _PREFIX = re.compile(r"^(L\[['\"](self|fn|mod)['\"]\]|L__self__|self)\.?")
 
 
+def size_value(x):
+    """An int as it is, the SymInt a size node stands for; None for anything else."""
+    if isinstance(x, fx.Node):
+        x = x.meta.get("example_value", x.meta.get("val"))
+    return x if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) else None
+
+
 def module_path(node: fx.Node) -> str:
     """The user's module path of a node ('blocks.0.attn'), from Dynamo's nn_module_stack."""
     stack = node.meta.get("nn_module_stack") or {}

@@ -89,7 +89,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from nsa_compile.fx import MATMULS, arg, call, op_name, size, value
+from nsa_compile.fx import MATMULS, arg, call, op_name, size, size_value, value
+from .compressed_attention import same
 from nsa_compile.rewrite import PassContext, RewritePass
 
 MAX_TERMS = 64  # the longest sum rewritten: a window of up to 64 keys (the paper's l is 32)
@@ -181,14 +182,10 @@ def rewrite_conv(graph: fx.Graph, conv: fx.Node, l: int, d: int) -> str:
 
 
 def _same(a, b) -> bool:
-    """Two sizes equal for every value of their symbols (no guard); a size node counts as the
-    SymInt it records."""
-    a, b = (x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else x for x in (a, b))
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    if not all(isinstance(x, (int, torch.SymInt)) for x in (a, b)):
-        return False
-    return statically_known_true(a == b)
+    """Two sizes (ints, SymInts or the size nodes that record them) equal for every value of their
+    symbols, without a guard; False for anything that is no size."""
+    a, b = size_value(a), size_value(b)
+    return a is not None and b is not None and same(a, b)
 
 
 def strided_windows(node: fx.Node) -> tuple[int, int, int, int] | None:

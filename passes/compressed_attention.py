@@ -160,7 +160,7 @@ from nsa_compile import batch_slice
 from nsa_compile.attention_match import (
     LARGE_NEGATIVE, Refused, ancestors, erase_replaced, evaluate_node, only_user, strip_upcast, unrepeat,
 )
-from nsa_compile.fx import MATMULS, arg, call, constant, op_name, value
+from nsa_compile.fx import MATMULS, arg, call, constant, op_name, size_value, value
 from nsa_compile.mask_rows import CHUNK_ELEMENTS, RowChunks
 from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.ops.compressed import choose_backend, why_not_triton
@@ -538,7 +538,7 @@ def _end_padding_source(node: fx.Node, axis: int) -> fx.Node:
     pads, mode = arg(node, 1, "pad"), arg(node, 2, "mode", "constant")
     rank = value(first(node)).dim()
     # ints, or SymInts (size nodes: at symbolic sizes the padding is C * l - S, an expression of S)
-    amounts = [_size_value(p) for p in pads] if isinstance(pads, (tuple, list)) else [None]
+    amounts = [size_value(p) for p in pads] if isinstance(pads, (tuple, list)) else [None]
     if mode != "constant" or None in amounts:
         return node
     end = 2 * (rank - 1 - axis) + 1  # pads run from the last dim backwards, (start, end) per dim
@@ -549,13 +549,6 @@ def _end_padding_source(node: fx.Node, axis: int) -> fx.Node:
     if isinstance(amounts[end], int) and amounts[end] < 0:
         return node
     return first(node)
-
-
-def _size_value(x):
-    """An int as it is, the SymInt a size node stands for; None for anything else."""
-    if isinstance(x, fx.Node):
-        x = x.meta.get("example_value", x.meta.get("val"))
-    return x if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) else None
 
 
 def window_view(node: fx.Node, axis: int) -> Pooling | None:

@@ -1248,7 +1248,8 @@ class LucidrainsFine:
             backend = choose_backend(qv, k_fake, v_fake, iv, block, requested)
         except ValueError as why:
             raise Refused(f"OptimizeConfig(selected_attention_backend={requested!r}): {why}") from None
-        why = ("" if backend == "triton" else
+        why = (f"; {selection_triton.schedule(qv.shape[1] // k_fake.shape[1], kv.shape[2], block, iv.shape[-1])}"
+               if backend == "triton" else
                f"; not triton: {why_not_triton(qv, k_fake, v_fake, iv, block)}" if requested == "auto"
                else f"; selected_attention_backend={requested!r} in OptimizeConfig")
         heads = GQA_NATIVE if per_head == 1 else (f"per query head (block ids [B, H, S, n + 1]; K/V repeated x"

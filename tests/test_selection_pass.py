@@ -793,23 +793,24 @@ def test_selected_branch_of_a_non_causal_choice_says_so():
 @pytest.mark.parametrize("model_name, schedule", [
     ("tiny", "the query tiles' union of chosen blocks, dK/dV from the inverted selection"),
     ("fused_qkv_per_head", "dense: every block up to a tile's last query"),
+    ("lucidrains_per_head", "dense: every block up to a tile's last query"),
 ])
 def test_explain_names_the_triton_kernels_schedule(model_name, schedule):
     """With the triton backend (Triton's interpreter off CUDA), the pass's text says how the kernels
     read the blocks: group-shared ids (the tiny preset) through the union and the inverted
-    selection, per-head ids with few blocks (the corpus' fused_qkv_per_head, 77 tokens) in the
-    dense mode; the output and gradients are eager's either way."""
+    selection, per-head ids with few blocks (the corpus' fused_qkv_per_head, and lucidrains_per_head's
+    fine branch) in the dense mode; the output and gradients are eager's either way."""
     pytest.importorskip("triton")
     from oracles import triton_interpreter
 
-    from corpus import fused_qkv_per_head
+    import importlib
 
     torch.manual_seed(0)
     if model_name == "tiny":
         model, x = build_model("tiny"), tokens(1, 40)
         run = lambda m: m.loss(x)  # noqa: E731
     else:
-        model, x = fused_qkv_per_head.make()
+        model, x = importlib.import_module(f"corpus.{model_name}").make()
         run = lambda m: m(x).square().mean()  # noqa: E731
     config = nsa_compile.OptimizeConfig(compiler="aot_eager", selected_attention_backend="triton")
     with triton_interpreter(on=not torch.cuda.is_available()):

@@ -180,6 +180,11 @@ def unsupported_reason(q, k, v, block_idx, block_size, pos=None) -> str | None:
     return None
 
 
+def _dense(h: int, blocks: int, n_selected: int, packed: bool) -> bool:
+    """`_tiles`' default "dense": block ids per query head, no packed documents, few K/V blocks."""
+    return h == 1 and not packed and blocks <= DENSE_BLOCKS * n_selected
+
+
 def schedule(h: int, keys, block_size: int, n_selected: int, packed: bool = False) -> str:
     """How the kernels read the chosen blocks for these sizes, in words (explain's text): the dense
     mode or the tiles' union with the inverted selection (`_tiles`' "dense"). keys: K/V's length,
@@ -190,7 +195,7 @@ def schedule(h: int, keys, block_size: int, n_selected: int, packed: bool = Fals
     limit = DENSE_BLOCKS * n_selected if isinstance(n_selected, int) else f"{DENSE_BLOCKS} n"
     if isinstance(keys, int) and isinstance(n_selected, int):
         blocks = _cdiv(keys, block_size)
-        if blocks <= limit:
+        if _dense(h, blocks, n_selected, packed):
             return f"dense: every block up to a tile's last query ({blocks} blocks <= {DENSE_BLOCKS} n), no union, no sort"
         return union
     return f"dense while ceil(S / l') <= {limit}, else {union}"
@@ -234,7 +239,7 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, overri
 
     blocks = _cdiv(seq_len if keys is None else keys, block_size)
     tiles = {"DK_P": DK_P, "DV_P": DV_P, "reduce": {"BLOCK_N": 16, "num_warps": 4},
-             "dense": bool((override or {}).get("dense", h == 1 and not packed and blocks <= DENSE_BLOCKS * n_selected))}
+             "dense": bool((override or {}).get("dense", _dense(h, blocks, n_selected, packed)))}
     if fp32:
         fwd = {"TQ": 1, "ROWS": 16, "BLOCK_N": block_n(16), "num_warps": 8}
         tiles |= {"fwd": fwd, "dq": fwd, "dkdv": {"ROWS": 16, "BLOCK_N": 16, "num_warps": 8}}
