@@ -88,6 +88,11 @@ def sweep_configs(shape: str, mode: str, S: int = 8192) -> list[tuple[str, dict]
             rows = max(16, min(64, 1 << (tq * h - 1).bit_length()))
             for warps in (4, 8):
                 add(kernel, {"TQ": tq, "ROWS": rows, "num_warps": warps})
+    if T["dense"]:  # FlashAttention-sized tiles: 128 (query, head) rows (the dense mode's TQ is 64 // h)
+        for kernel in ("fwd", "dq"):
+            for warps in (4, 8):
+                add(kernel, {"TQ": 128 // h, "ROWS": 128, "num_warps": warps})
+                add(kernel, {"TQ": 128 // h, "ROWS": 128, "num_warps": warps, "num_stages": 3})
     if mode == "full":
         for kernel, names in (("fwd", ("TQ", "ROWS", "num_warps")), ("dq", ("TQ", "ROWS", "num_warps")),
                               ("dkdv", ("ROWS", "BLOCK_N", "num_warps"))):  # fmt: skip
