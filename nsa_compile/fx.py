@@ -13,6 +13,7 @@ import re
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["op_name", "arg", "value", "module_path", "call", "constant", "size", "MATMULS", "contiguous_if_read_by_layout"]
@@ -57,6 +58,19 @@ def size_value(x):
     if isinstance(x, fx.Node):
         x = x.meta.get("example_value", x.meta.get("val"))
     return x if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) else None
+
+
+def same(a, b) -> bool:
+    """Two sizes (ints or SymInts), or two shapes (tuples, lists or torch.Size of them), equal for
+    every value of their symbols, decided without adding a guard (statically_known_true: a guard
+    on a size specializes a dynamic graph, see nsa_compile/sizes.py; an equality it cannot decide
+    is False). Plain ints compare as ints."""
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return (isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b)
+                and all(same(x, y) for x, y in zip(a, b)))
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
 
 
 def module_path(node: fx.Node) -> str:

@@ -1282,7 +1282,7 @@ def merged_dims(node: fx.Node) -> int | None:
     if before is None or after is None or len(after) != len(before) - 1:
         return None
     for a in range(len(after)):
-        if cmp.same_shape(before[:a], after[:a]) and cmp.same_shape(before[a + 2:], after[a + 1:]) \
+        if cmp.same(before[:a], after[:a]) and cmp.same(before[a + 2:], after[a + 1:]) \
                 and same(before[a] * before[a + 1], after[a]):
             return a
     return None

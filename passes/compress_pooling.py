@@ -89,8 +89,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from nsa_compile.fx import MATMULS, arg, call, op_name, size, size_value, value
-from .compressed_attention import same
+from nsa_compile.fx import MATMULS, arg, call, op_name, same, size, size_value, value
 from nsa_compile.rewrite import PassContext, RewritePass
 
 MAX_TERMS = 64  # the longest sum rewritten: a window of up to 64 keys (the paper's l is 32)

@@ -153,14 +153,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile import batch_slice
 from nsa_compile.attention_match import (
     LARGE_NEGATIVE, Refused, ancestors, erase_replaced, evaluate_node, only_user, strip_upcast, unrepeat,
 )
-from nsa_compile.fx import MATMULS, arg, call, constant, op_name, size_value, value
+from nsa_compile.fx import MATMULS, arg, call, constant, op_name, same, size_value, value
 from nsa_compile.mask_rows import CHUNK_ELEMENTS, RowChunks
 from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.ops.compressed import choose_backend, why_not_triton
@@ -182,20 +181,6 @@ KERNEL = ("nsa.compressed_attention[{backend}] (l={block}, d={stride}{packed}{va
 _VIEWS = {"expand", "expand_as", "broadcast_to", "view", "unsqueeze", "squeeze", "getitem", "transpose",
           "permute", "unflatten", "movedim", "swapaxes", "as_strided", "t", "reshape", "flatten"}
 _RANDOM = ("rand", "bernoulli", "dropout", "multinomial", "normal", "poisson", "uniform", "exponential")
-
-
-def same(a, b) -> bool:
-    """Two sizes (ints or SymInts) equal for every value of their symbols, decided without adding
-    a guard (a guard on a size specializes a dynamic graph; see nsa_compile/sizes.py)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return statically_known_true(a == b)
-
-
-def same_shape(a, b) -> bool:
-    """Two shapes (tuples of ints or SymInts) equal for every value of their symbols."""
-    a, b = tuple(a), tuple(b)
-    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
 def first(node: fx.Node):
@@ -301,7 +286,7 @@ def ungroup(node: fx.Node) -> tuple[fx.Node, int]:
         return node, 1
     (B, G, T, D), big, out = vals[0].shape, tuple(vals[1].shape), tuple(vals[2].shape)
     h = big[2]
-    if not same_shape(big, (B, G, h, T, D)) or not same_shape(out, (B, G * h, T, D)):
+    if not same(big, (B, G, h, T, D)) or not same(out, (B, G * h, T, D)):
         return node, 1
     return x, h
 
@@ -583,14 +568,14 @@ def _window_view(node: fx.Node, axis: int) -> Pooling | None:
         step, rem = divmod(stride[axis], x.stride(axis))
         shape, strides = list(x.shape), list(x.stride())
         shape[axis], strides[axis] = size[axis], stride[axis]
-        if (rem or step < 1 or not same_shape(size, shape + [size[-1]])
-                or not same_shape(stride, strides + [x.stride(axis)]) or not isinstance(size[-1], int)):
+        if (rem or step < 1 or not same(size, shape + [size[-1]])
+                or not same(stride, strides + [x.stride(axis)]) or not isinstance(size[-1], int)):
             return None
         return Pooling(src, axis, size[-1], step)
     if name in ("view", "reshape", "unflatten") and out.dim() == x.dim() + 1 and axis < x.dim():
         xs, os = tuple(x.shape), tuple(out.shape)
-        if (isinstance(os[axis + 1], int) and same_shape(xs[:axis], os[:axis])
-                and same_shape(xs[axis + 1:], os[axis + 2:]) and same(os[axis] * os[axis + 1], xs[axis])):
+        if (isinstance(os[axis + 1], int) and same(xs[:axis], os[:axis])
+                and same(xs[axis + 1:], os[axis + 2:]) and same(os[axis] * os[axis + 1], xs[axis])):
             return Pooling(_prefix_slice_source(src, axis), axis, os[axis + 1], os[axis + 1])
     return None
 
@@ -677,7 +662,7 @@ def block_axis_inputs(node: fx.Node, axis: int, data: set, what: str = "keys") -
         dim = arg(node, 1, "dim") % rank
         if axis != dim:
             return tracked(axis if axis < dim else axis - 1)
-    if name in ("view", "reshape") and same_shape(x.shape[:axis + 1], out.shape[:axis + 1]):
+    if name in ("view", "reshape") and same(x.shape[:axis + 1], out.shape[:axis + 1]):
         return tracked(axis)  # row-major: the leading dims up to the block axis keep their indices
     raise Refused(f"{why})")
 
@@ -1127,7 +1112,7 @@ def read_probabilities(softmax: fx.Node) -> Probabilities:
         raise Refused("q and the compressed keys are not [B, heads, S or Tc, D]" if rank == 4 else
                       "q and the compressed keys of the 3-D scores are not [heads, T or N, D]")
     qs, ks = (tuple(qv.shape), tuple(kv.shape)) if rank == 4 else ((1, *qv.shape), (1, *kv.shape))
-    if (not same_shape(qs[:3], (B, H, S)) or not same(ks[0], B) or not same(ks[2], Tc)
+    if (not same(qs[:3], (B, H, S)) or not same(ks[0], B) or not same(ks[2], Tc)
             or not same(ks[1] * h, H)):
         raise Refused(f"q {tuple(qv.shape)} and the compressed keys {tuple(kv.shape)} (x{h}) do not make "
                       f"[B, H, S, Tc] = {(B, H, S, Tc)} scores")
@@ -1645,7 +1630,7 @@ def query_rows(q: fx.Node, shape=lambda val: tuple(val.shape)) -> tuple[int, int
     chunk (CUDA autocast's `.to(bf16)` before the product) is read through: it keeps the rows."""
     if (op_name(q) in ("to", "float", "half", "bfloat16") and isinstance(first(q), fx.Node)
             and value(q) is not None and value(first(q)) is not None and value(q).is_floating_point()
-            and value(first(q)).is_floating_point() and same_shape(tuple(value(q).shape), tuple(value(first(q)).shape))):
+            and value(first(q)).is_floating_point() and same(tuple(value(q).shape), tuple(value(first(q)).shape))):
         q = first(q)
     cut = sequence_cut(q)
     if cut is None or value(cut[0]).dim() != 4 or value(q) is None or value(q).dim() != 4:
@@ -1702,7 +1687,7 @@ def output_product(probs: Probabilities) -> tuple[fx.Node, fx.Node | None, fx.No
         if op_name(mm) not in MATMULS or mm.args[0] is not (cast or probs.p) or not isinstance(mm.args[1], fx.Node):
             continue
         v_rep = value(mm.args[1])
-        if v_rep is not None and v_rep.dim() == rank and same_shape(v_rep.shape[:rank - 1], (B, H, Tc)[4 - rank:]):
+        if v_rep is not None and v_rep.dim() == rank and same(v_rep.shape[:rank - 1], (B, H, Tc)[4 - rank:]):
             found.append((mm, cast, mm.args[1]))
     if len(found) != 1:
         raise Refused("the probabilities are not multiplied by V (p @ v)" if not found else
@@ -2174,7 +2159,7 @@ class CompressedAttention(RewritePass):
         v, h_v = ungroup(v_rep) if rank == 4 else unrepeat_heads(v_rep)
         vv = value(v)
         if (h_v != probs.h or vv is None or vv.dim() != rank
-                or not same_shape(vv.shape[:rank - 1], value(probs.k).shape[:rank - 1])):
+                or not same(vv.shape[:rank - 1], value(probs.k).shape[:rank - 1])):
             raise Refused(f"the compressed values {None if vv is None else tuple(vv.shape)} (x{h_v}) do not match "
                           f"the keys {tuple(value(probs.k).shape)} (x{probs.h})")
         if not vv.is_floating_point():

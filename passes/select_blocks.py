@@ -650,8 +650,8 @@ class SelectBlocks(RewritePass):
             if value(grouped) is None or value(grouped).dim() != 5 or value(p_slc) is None:
                 raise Refused("the importance is not summed over the group's heads (p_slc.view(B, G, h, S, Ns).sum(2))")
             h = value(grouped).shape[2]
-            if (not isinstance(h, int) or not cmp.same_shape(value(grouped).shape, (B, G, h, S, Ns))
-                    or not cmp.same_shape(value(p_slc).shape, (B, G * h, S, Ns))):
+            if (not isinstance(h, int) or not cmp.same(value(grouped).shape, (B, G, h, S, Ns))
+                    or not cmp.same(value(p_slc).shape, (B, G * h, S, Ns))):
                 raise Refused(f"the heads are not grouped as [B, G, h, S, Ns]: {tuple(value(grouped).shape)}")
             chain += [p_grp] + ([widened] if widened is not None else []) + [grouped]
         else:
@@ -692,7 +692,7 @@ class SelectBlocks(RewritePass):
         # per-head selection: no group sum and a key per query head (G = H) over grouped compressed
         # keys (Gk < H); the op then sees every query head as its own group of one
         per_head = probs.h if h == 1 and probs.h > 1 and cmp.same(G, H) and cmp.same(Gk * probs.h, H) else 1
-        if not cmp.same_shape((Bp, Sp, Gk * per_head, H), (B, S, G, G * h)) or h * per_head != probs.h:
+        if not cmp.same((Bp, Sp, Gk * per_head, H), (B, S, G, G * h)) or h * per_head != probs.h:
             raise Refused(f"the importance groups {H} heads as {G} x {h}; the compressed keys have {Gk} groups")
         reader = casts[-1] if casts and first_arg(casts[-1]) is p else (summed_first[-1] if summed_first else p_slc)
         others = [u for u in p.users if u is not reader]
@@ -791,7 +791,7 @@ class SelectBlocks(RewritePass):
         if op_offset(op):
             raise Refused(f"fla's rule (the current block favoured) for a chunk of queries (rows from token "
                           f"{op_offset(op)}): matched over the whole sequence only")
-        if not cmp.same_shape((Bp, Sp, H), (B, S, G * h)) or not cmp.same(Tc, Ns):
+        if not cmp.same((Bp, Sp, H), (B, S, G * h)) or not cmp.same(Tc, Ns):
             raise Refused(f"the importance [B, G, S, Ns] = {tuple(value(key).shape)} is not the compressed "
                           f"probabilities {tuple(probs.shape)} summed over groups of {h} heads")
         if l != d:
@@ -1368,8 +1368,8 @@ def group_summed_first(total: fx.Node, B, G, S) -> tuple[fx.Node, int, list[fx.N
         raise Refused("the grouped probabilities are cast on both sides of their 5-D view (not read)")
     h = value(view).shape[2]
     if (not isinstance(h, int) or not isinstance(inner, fx.Node) or value(inner) is None
-            or not cmp.same_shape(value(view).shape[:4], (B, G, h, S))
-            or not cmp.same_shape(value(inner).shape[:3], (B, G * h, S))):
+            or not cmp.same(value(view).shape[:4], (B, G, h, S))
+            or not cmp.same(value(inner).shape[:3], (B, G * h, S))):
         raise Refused(f"the heads are not grouped as [B, G, h, S, Tc]: {tuple(value(view).shape)}")
     single(total, "group importance")
     for node in [*outer, view]:
@@ -1555,7 +1555,7 @@ class LucidrainsChoice:
         q = matmul.args[0]
         while isinstance(q, fx.Node):  # back through data movement to q as [B, H, S, Dk]
             qv = value(q)
-            if (qv is not None and qv.dim() == 4 and kv is not None and cmp.same_shape(
+            if (qv is not None and qv.dim() == 4 and kv is not None and cmp.same(
                     (qv.shape[0], qv.shape[2], qv.shape[3]), (B, S, kv.shape[-1]))):
                 break
             q = first_arg(q) if op_name(q) in KEY_MOVES else None

@@ -128,14 +128,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile import batch_slice, probe as region_probe
 from nsa_compile.attention_match import (
     Refused, ancestors, erase_replaced, evaluate_node, keep_mask, mask_fill, only_user, strip_upcast, unrepeat,
 )
-from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.fx import MATMULS, arg, call, op_name, same, value
 from nsa_compile.ops.common import upcast_dtype
 from nsa_compile.ops import selection_triton
 from nsa_compile.ops.selection import choose_backend, why_not_triton
@@ -192,15 +191,6 @@ def dims(node: fx.Node, what: str, rank: int) -> tuple:
         got = "unknown" if val is None else f"{val.dim()}-D"
         raise Refused(f"the {what} is {got}, not {rank}-D")
     return tuple(val.shape)
-
-
-def same(a, b) -> bool:
-    """Whether two sizes, or two shapes, are equal for every value of their size symbols
-    (statically_known_true: no guard is added to Dynamo's shape environment, an equality it cannot
-    decide is False). Plain ints compare as ints."""
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return statically_known_true(a == b)
 
 
 def clamped_ids(block_idx: fx.Node, sizes: Sizes) -> tuple[fx.Node, int]:
