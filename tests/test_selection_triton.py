@@ -192,6 +192,11 @@ def test_dense_mode_is_chosen_for_few_blocks_only():
     assert not dense(512, keys=limit + 1)  # a chunk of 512 queries of a longer sequence
     assert not st._tiles(1, 64, 64, 64, override={"dense": False}, seq_len=limit, n_selected=n)["dense"]
     assert st._tiles(6, 64, 64, 64, override={"dense": True}, seq_len=4 * limit, n_selected=n)["dense"]
+    # the dense mode's fwd/dq loops pipeline 3 stages at D <= 64 (measured), the union's 2
+    stages = lambda S, D=64, **kw: {st._tiles(1, D, D, 64, seq_len=S, n_selected=n, **kw)[k]["num_stages"]
+                                    for k in ("fwd", "dq")}
+    assert stages(limit) == {3} and stages(limit + 1) == {2} and stages(limit, D=128) == {2}
+    assert stages(4 * limit, override={"dense": True}) == {3}
 
 
 def test_dense_mode_is_deterministic_and_skips_the_inversion(monkeypatch):

@@ -385,6 +385,8 @@ def select_kernel(
     if not LUCID:  # rule 'lucidrains' maps no probabilities: no overlap matrix
         w = tl.load(W + kk[:, None] * KS + jj[None, :])  # [2 TC, KS] overlap / l: previous | this tile
     ic = tl.arange(0, TC)
+    if LUCID and HC > 1:
+        eye_tc = tl.where(ic[:, None] == ic[None, :], 1.0, 0.0)  # [TC, TC]: the layout fix below
     if IMP_DTYPE is not None and not GROUP_FIRST:
         # the two halves apart, in the importance dtype (the weights are rounded to it): the per-head
         # map is two tensor-core dots, not a joined [ROWS, 2 TC] operand in IEEE fp32 (which ran the
@@ -466,6 +468,12 @@ def select_kernel(
                     else:
                         psum += reduce_sum(tl.reshape(p, [BLOCK_M, HC, TC]), 1)  # the group's heads summed
             if LUCID:
+                if HC > 1:
+                    # an exact identity (x * 1 plus zeros, IEEE fp32) that gives the head sums the dot's
+                    # layout of one element per thread, as for the paper's rule under autocast below
+                    # (the sum over the heads' axis leaves each entry held by several lanes, and every
+                    # step of _lucid_keys and the top-n merge then ran that many times)
+                    psum = tl.dot(psum, eye_tc, input_precision="ieee")
                 bits, m_run, l_run = _lucid_keys(psum, c * NS + jj, grp, t_q, m_run, l_run, S, Tc, LS, HPG,
                                                  TC, NS, KS, Q.dtype.element_ty, ROUND, P_ROUND, KEEP)
             elif GROUP_FIRST:

@@ -251,11 +251,15 @@ def _tiles(h: int, Dk: int, Dv: int, block_size: int, fp32: bool = False, overri
     # seed 16k on an H100 (profile_selection, 2026-11-26, bitwise-equal dq, o within 1e-3 of the
     # 4-warp order) fwd 1.271 vs 1.455 ms, dq 1.156 vs 1.325
     warps = 2 if tq == 1 and rows == 16 and D_P <= 64 else 4 if rows * D_P <= 64 * 64 or tq == 1 and rows == 16 else 8
+    # the dense mode at D <= 64 (every block read, the loop as long as a causal FlashAttention's):
+    # 3 stages, fwd 1.121 vs 1.201 ms, dq 1.271 vs 1.420 (profile_selection, H200, per head 2k x 32,
+    # 2026-11-28, bitwise the same o, dq, dk, dv; 128-row tiles were no faster, or spilled)
+    stages = 3 if tiles["dense"] and D_P <= 64 else 2
     tiles |= {
         "fwd": {"TQ": tq, "ROWS": rows, "BLOCK_N": block_n(64 if D_P <= 128 else 32), "num_warps": warps,
-                "num_stages": 2},
+                "num_stages": stages},
         "dq": {"TQ": tq, "ROWS": rows, "BLOCK_N": block_n(64 if D_P <= 64 else 32), "num_warps": warps,
-               "num_stages": 2},
+               "num_stages": stages},
         # ROWS: (query, head) pairs per tile. 64 at D 128 too: tools/profile_selection.py on an
         # H200 (2026-11-26, paper shape) 23.3 ms vs 30.3 at 64k, 5.8 vs 7.6 at 16k, bitwise the same
         # dk/dv (16 bytes of spill notwithstanding); 128 at D <= 64: seed 16k on an H100, 0.561 vs
