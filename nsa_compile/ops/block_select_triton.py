@@ -124,8 +124,7 @@ breaks a float32 tie) in rare rows (the op's docstring). Twice the logit work of
 probability threshold and a rounded p's ties need the row's whole sum before the ranking. With
 h > 1 the group's head sums pass through an exact identity dot first (one element per thread; the
 reduction over the heads leaves each entry in several lanes: 1.71 -> 0.57 ms at the seed's h 6,
-2k x 32, H200). Without
-LUCID the kernel compiles to the same sm_90 PTX as before the flag (but for line numbers).
+2k x 32, H200). Without LUCID the kernel compiles to the same sm_90 PTX as before the flag (but for line numbers).
 
 KS = max(16, next power of two of n) >= n: the list keeps at least n, so its first n are eager's.
 Summation order: the heads are summed before the overlap map (eager maps each head, then sums),
