@@ -190,13 +190,14 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from nsa_compile.attention_match import LARGE_NEGATIVE, Refused, ancestors, erase_replaced
 from nsa_compile.fx import MATMULS, arg, call, constant, op_name, value
 from nsa_compile.fx import size as size_of
+from nsa_compile.mask_rows import CHUNK_ELEMENTS
 from nsa_compile.rewrite import PassContext, RewritePass
 from nsa_compile.sizes import Sizes, is_size
 
 from . import compressed_attention as cmp
 from .autocast_casts import ExplicitAutocast
 from .compressed_attention import same
-from .window_attention import CONSTANT_POSITIONS
+from .window_attention import CONSTANT_POSITIONS, mask_rows
 
 INF = float("inf")
 # Node meta: a zeroing of the output whose rows the scores rule turned from a finite fill to -inf
@@ -222,6 +223,12 @@ def shape_of(node) -> tuple | None:
 def dims_of(graph: fx.Graph, x: fx.Node, anchor: fx.Node) -> list:
     """x's sizes as a view's arguments: ints where static, sym_size nodes where symbolic."""
     return [size_of(graph, x, d, anchor) for d in range(value(x).dim())]
+
+
+# The most elements a static SDPA mask's nodes may materialize to be evaluated whole (what
+# cmp.PositionSubgraphs.evaluate refuses past); a larger self-attention mask is verified in chunks of
+# rows (`window_rows`: an SDPA window mask at S 32k has 4.3e9).
+WHOLE_MASK_CAP = cmp.MAX_VERIFIED_ELEMENTS
 
 
 class ProbeMasks:
@@ -265,6 +272,13 @@ class ProbeMasks:
     def evaluate(self, node: fx.Node, what: str) -> list[tuple[Sizes, torch.Tensor]]:
         """(probe sizes, the value of `node`) at every probe."""
         return self.each(lambda at: (at.sizes, at.evaluate(node, what)))
+
+    def over_cap(self, node: fx.Node, what: str) -> bool:
+        """Whether evaluating `node` whole at the graph's one probe (static sizes) would materialize
+        more than WHOLE_MASK_CAP elements."""
+        at = self.evaluators[0]
+        nodes, _ = at.plan(node, what)
+        return at.cost(nodes, {}) > WHOLE_MASK_CAP
 
 
 # --- einsum -------------------------------------------------------------------------------------
@@ -1677,14 +1691,59 @@ def document_windows(keep: torch.Tensor) -> tuple[int, int] | None:
     grid = grid[0].cpu()
     T = grid.shape[0]
     t = torch.arange(T, device="cpu")
-    starts = torch.ones(T, dtype=torch.bool, device="cpu")
-    starts[1:] = ~grid[t[1:], t[1:] - 1]  # a document starts where a token does not see the one before
+    starts = document_starts(grid, 0, torch.ones(T, dtype=torch.bool, device="cpu"))
     doc = torch.cumsum(starts.long(), 0)
     w = int(grid.sum(-1).max())
     same = doc[:, None] == doc[None, :]
     expected = same & (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < w)
     documents = int(doc[-1])
     return (documents, w) if documents > 1 and w >= 1 and torch.equal(grid, expected) else None
+
+
+def document_starts(rows: torch.Tensor, r0: int, starts: torch.Tensor) -> torch.Tensor:
+    """starts [T] bool with the entries of tokens r0 .. r0 + len(rows) - 1 (but token 0, which always
+    starts one) set from their rows ([rows, T] kept keys) of a window mask within documents: a
+    document starts where a token does not see the one before it."""
+    t = torch.arange(max(r0, 1), r0 + rows.shape[0], device="cpu")
+    starts[t] = ~rows[t - r0, t - 1]
+    return starts
+
+
+def window_rows(rows, T: int, step: int) -> tuple[torch.Tensor, int, int]:
+    """`causal_window` and `document_windows` for a [T, T] mask too large to evaluate whole (more
+    than cmp.MAX_VERIFIED_ELEMENTS for its nodes at once): rows(r0, r1) computes its rows r0..r1
+    ([r1 - r0, T], bool or additive: nsa_compile/mask_rows.py), `step` rows at a time, in two
+    passes (the widest row and the document starts, then every element compared with
+    (doc(s) == doc(t)) & (s <= t) & (t - s < w)). Returns (starts [T] bool: the tokens that begin a
+    document, w, the number of documents: 1 for a causal window over the whole sequence); Refused,
+    with the whole-mask rule's reason, where the mask is not one, or is additive with values other
+    than 0 and one large negative fill, or additive over several documents."""
+    starts = torch.ones(T, dtype=torch.bool, device="cpu")
+    w, fills, additive = 0, set(), False
+    for r0 in range(0, T, step):
+        got = rows(r0, min(T, r0 + step)).cpu()
+        additive = got.dtype != torch.bool
+        keep = got == 0 if additive else got
+        if additive:
+            fills.update(float(x) for x in got[got != 0].unique())
+        w = max(w, int(keep.sum(-1).max()))
+        document_starts(keep, r0, starts)
+    if len(fills) > 1 or (fills and not max(fills) <= LARGE_NEGATIVE):
+        raise Refused("SDPA's additive mask holds values other than 0 and one large negative fill")
+    doc = torch.cumsum(starts.long(), 0)
+    s = torch.arange(T, device="cpu")[None, :]
+    for r0 in range(0, T, step):
+        got = rows(r0, min(T, r0 + step)).cpu()
+        keep = got == 0 if additive else got
+        t = torch.arange(r0, r0 + keep.shape[0], device="cpu")[:, None]
+        expected = (doc[t] == doc[s]) & (s <= t) & (t - s < w)
+        if w < 1 or not torch.equal(keep, expected):
+            raise Refused("SDPA's mask is not a causal sliding window: SDPA stays")
+    documents = int(doc[-1])
+    if documents > 1 and additive:
+        raise Refused(f"SDPA's additive mask is a causal window of {w} tokens within each of {documents} documents "
+                      "of constant bounds: the documents are read from a bool mask only; SDPA stays")
+    return starts, w, documents
 
 
 def window_miss(keep: torch.Tensor) -> str:
@@ -1705,7 +1764,9 @@ class SDPADecomposition:
     - 4-D, queries = keys, a mask from positions only that is a causal sliding window (the window
       branch; every row keeps its own key); or a bool one that is that window within documents of
       constant bounds (`document_windows`), its mask rewritten from constant positions
-      (`documents`, marked CONSTANT_POSITIONS for the window pass);
+      (`documents`, marked CONSTANT_POSITIONS for the window pass). A static mask whose nodes would
+      take more than WHOLE_MASK_CAP elements evaluated whole (S 32k: 4.3e9) is computed and compared
+      in chunks of rows instead (`window_rows`, nsa_compile/mask_rows.py), for these two forms;
     - 4-D, another key count, a mask from positions only whose rows keep growing prefixes of the
       keys (compressed blocks, memory slots first), or a sliding window shifted along them
       (`shifted_window`: a chunk of queries over a slice of the keys; static sizes only); rows
@@ -1736,6 +1797,8 @@ class SDPADecomposition:
             if reads_data(call_.mask):
                 raise Refused("SDPA's mask reads data (not positions only): the window and compressed passes "
                               "read position masks")
+            if self_attention and not self.masks.symbolic and self.masks.over_cap(call_.mask, "SDPA mask"):
+                return self.window_in_rows(graph, node, call_, int(qs[-2]))
             has_empty_row = finite = chunk = False
             for probe, got in self.masks.evaluate(call_.mask, "SDPA mask"):
                 at = f"at the probe sizes {probe.describe()}: " if probe.symbolic else ""
@@ -1753,7 +1816,9 @@ class SDPADecomposition:
                         raise Refused(f"SDPA's mask is a causal window of {found[1]} tokens within each of {found[0]} "
                                       "documents of constant bounds: at symbolic sizes (dynamic shapes) their "
                                       "positions are not one constant; SDPA stays")
-                    self.rewrite(graph, node, self.documents(graph, node, call_, keep, found[1]), False, None)
+                    starts = document_starts(keep.reshape(-1, *keep.shape[-2:])[0].cpu(), 0,
+                                             torch.ones(keep.shape[-1], dtype=torch.bool, device="cpu"))
+                    self.rewrite(graph, node, self.documents(graph, node, call_, starts, found[1]), False, None)
                     return (f"sdpa: F.scaled_dot_product_attention (window of {found[1]} tokens within {found[0]} "
                             "documents of constant bounds) -> scores, mask from constant positions, softmax, @ v")
                 if not self_attention and not staircase_like(keep):
@@ -1778,18 +1843,29 @@ class SDPADecomposition:
                                                   "window over a key slice" if chunk else "prefix mask")
         return f"sdpa: F.scaled_dot_product_attention ({what}) -> scores, mask, softmax, @ v"
 
+    def window_in_rows(self, graph: fx.Graph, node: fx.Node, c: SDPACall, T: int) -> str:
+        """A static self-attention mask too large to evaluate whole (S 32k and up): verified in
+        chunks of rows (`window_rows`: every element computed and compared), then decomposed as
+        the whole-mask path does (a causal window, or one within documents of constant bounds)."""
+        rows = mask_rows(c.mask, T, sizes=self.masks.sizes)
+        starts, w, documents = window_rows(rows, T, max(1, CHUNK_ELEMENTS // T))
+        if documents > 1:
+            self.rewrite(graph, node, self.documents(graph, node, c, starts, w), False, None)
+            return (f"sdpa: F.scaled_dot_product_attention (window of {w} tokens within {documents} documents of "
+                    "constant bounds, verified in row chunks) -> scores, mask from constant positions, softmax, @ v")
+        self.rewrite(graph, node, c, False, None)
+        return "sdpa: F.scaled_dot_product_attention (window, verified in row chunks) -> scores, mask, softmax, @ v"
+
     @staticmethod
-    def documents(graph: fx.Graph, node: fx.Node, c: SDPACall, keep: torch.Tensor, w: int) -> SDPACall:
-        """The call with its mask of constant documents (`keep` [.., T, T], verified by
-        document_windows) written as the packed window of the window pass, from constant
-        positions pos [B, T] (each token's position in its document; marked CONSTANT_POSITIONS):
-        (s <= t) & (t - s < w) & (s >= t - pos[:, :, None]), [B, 1, T, T]. Equal to `keep` for
-        every (t, s): s >= t - pos[t] is s at or after t's document start."""
-        grid = keep.reshape(-1, *keep.shape[-2:])[0].cpu()
-        T = grid.shape[0]
+    def documents(graph: fx.Graph, node: fx.Node, c: SDPACall, starts: torch.Tensor, w: int) -> SDPACall:
+        """The call with its mask of constant documents (starting at the tokens where `starts` [T]
+        is True; the mask verified by document_windows or window_rows) written as the packed window
+        of the window pass, from constant positions pos [B, T] (each token's position in its
+        document; marked CONSTANT_POSITIONS): (s <= t) & (t - s < w) & (s >= t - pos[:, :, None]),
+        [B, 1, T, T]. Equal to the mask for every (t, s): s >= t - pos[t] is s at or after t's
+        document start."""
+        T = starts.shape[0]
         t = torch.arange(T, device="cpu")
-        starts = torch.ones(T, dtype=torch.bool, device="cpu")
-        starts[1:] = ~grid[t[1:], t[1:] - 1]
         first_token = torch.cummax(torch.where(starts, t, 0), 0).values  # each token's document start
         # static sizes only (the caller refuses symbolic ones; int(): a size a guard fixed is a SymInt)
         B, device = int(value(c.q).shape[0]), value(c.q).device

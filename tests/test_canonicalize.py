@@ -1108,3 +1108,85 @@ def test_a_cast_moves_before_a_copy_with_an_output_size_which_the_compressed_pas
     assert fired(opt).get("cast_hoist") == 1
     record, _ = canonical_log(opt)
     assert not log_of(record, "compressed_attention").matches
+
+
+# --- SDPA masks too large to evaluate whole: verified in chunks of rows ---------------------------
+
+
+def test_window_rows_gives_the_whole_mask_rules_verdicts_chunk_by_chunk():
+    """`window_rows` (a few rows at a time) agrees with `causal_window` and `document_windows` (the
+    mask whole) on windows, windows within documents, their additive forms and near misses."""
+    from nsa_compile.attention_match import Refused
+    from nsa_compile.passes.canonicalize import causal_window, document_windows, window_rows
+
+    T = 13
+    t = torch.arange(T)
+    doc = (t >= 5).long() + (t >= 9).long()  # documents of 5, 4 and 4 tokens
+    window = (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < 3)
+    same_doc = doc[:, None] == doc[None, :]
+
+    def verdict(mask, step):
+        try:
+            starts, w, documents = window_rows(lambda r0, r1: mask[r0:r1], T, step)
+        except Refused as why:
+            return str(why)
+        return starts.nonzero().flatten().tolist(), w, documents
+
+    for step in (1, 4, T):
+        assert verdict(window, step) == ([0], 3, 1) and causal_window(window)
+        assert verdict(window & same_doc, step) == ([0, 5, 9], 3, 3) and document_windows(window & same_doc) == (3, 3)
+        additive = torch.zeros(T, T).masked_fill(~window, float("-inf"))
+        assert verdict(additive, step) == ([0], 3, 1)
+        assert verdict(additive.masked_fill(~window, -1e9), step) == ([0], 3, 1)
+        misses = {
+            "a row that drops a key": window & (t[:, None] != 10),
+            "a later key": window | ((t[:, None] == 2) & (t[None, :] == 7)),
+        }
+        for name, mask in misses.items():
+            assert not causal_window(mask) and document_windows(mask) is None, name
+            assert verdict(mask, step) == "SDPA's mask is not a causal sliding window: SDPA stays", name
+        two_fills = additive.masked_fill(~window & (t[:, None] == 8), -1e9)
+        assert verdict(two_fills, step) == "SDPA's additive mask holds values other than 0 and one large negative fill"
+        in_documents = torch.zeros(T, T).masked_fill(~(window & same_doc), float("-inf"))
+        assert verdict(in_documents, step).startswith("SDPA's additive mask is a causal window of 3 tokens within "
+                                                      "each of 3 documents")
+
+
+@pytest.mark.parametrize("spelling", ["sdpa-bool", "sdpa-additive", "documents"])
+def test_a_window_mask_over_the_whole_mask_cap_is_verified_in_rows(spelling, monkeypatch):
+    """A static SDPA window mask whose nodes would take more than WHOLE_MASK_CAP elements (S 32k in
+    practice; a cap of 1 here) is computed and compared in chunks of rows: the same rewrite, the
+    window pass fires on it, and eager's outputs and gradients."""
+    from nsa_compile.passes import canonicalize
+
+    monkeypatch.setattr(canonicalize, "WHOLE_MASK_CAP", 1)
+    module = DocumentWindow((10, 3, 11)) if spelling == "documents" else Window(spelling)
+    model = run(module, qkv(), only("canonicalize", "window_attention"))
+    assert fired(model) == ({"sdpa": 1} if spelling == "documents" else WINDOW_SPELLINGS[spelling][0])
+    _, log = canonical_log(model)
+    assert "verified in row chunks" in log.matches[0].kernel
+    assert ("documents of constant bounds" in log.matches[0].kernel) == (spelling == "documents")
+    assert "scaled_dot_product_attention" not in code_after_canonicalize(model).split("def forward")[1]
+    r = row(model, "window_attention")
+    assert (r["matches"], r["refused"]) == (1, 0), r["reasons"]
+
+
+class HoledWindow(nn.Module):
+    """SDPA under the window mask with one key of one row dropped: not a window."""
+
+    def forward(self, q, k, v):
+        keep = window_mask(S, q.device) & ~((torch.arange(S, device=q.device)[:, None] == 17)
+                                            & (torch.arange(S, device=q.device)[None, :] == 15))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+
+
+def test_a_mask_over_the_cap_that_is_no_window_is_refused_with_the_graph_unchanged(monkeypatch):
+    from nsa_compile.passes import canonicalize
+
+    monkeypatch.setattr(canonicalize, "WHOLE_MASK_CAP", 1)
+    model = run(HoledWindow(), qkv(), only("canonicalize", "window_attention"))
+    record, log = canonical_log(model)
+    assert "sdpa" not in fired(model)
+    assert "sdpa: SDPA's mask is not a causal sliding window: SDPA stays" in [r.reason for r in log.refusals]
+    assert log.code_after == record.code_before
+    assert row(model, "window_attention")["matches"] == 0
