@@ -1704,8 +1704,8 @@ def document_starts(rows: torch.Tensor, r0: int, starts: torch.Tensor) -> torch.
     """starts [T] bool with the entries of tokens r0 .. r0 + len(rows) - 1 (but token 0, which always
     starts one) set from their rows ([rows, T] kept keys) of a window mask within documents: a
     document starts where a token does not see the one before it."""
-    t = torch.arange(max(r0, 1), r0 + rows.shape[0], device="cpu")
-    starts[t] = ~rows[t - r0, t - 1]
+    t = torch.arange(max(r0, 1), r0 + rows.shape[0], device=rows.device)
+    starts[max(r0, 1):r0 + rows.shape[0]] = (~rows[t - r0, t - 1]).cpu()
     return starts
 
 
@@ -1720,23 +1720,25 @@ def window_rows(rows, T: int, step: int) -> tuple[torch.Tensor, int, int]:
     than 0 and one large negative fill, or additive over several documents."""
     starts = torch.ones(T, dtype=torch.bool, device="cpu")
     w, fills, additive = 0, set(), False
-    for r0 in range(0, T, step):
-        got = rows(r0, min(T, r0 + step)).cpu()
+    for r0 in range(0, T, step):  # on the mask's device (the GPU while compiling there); small results to the CPU
+        got = rows(r0, min(T, r0 + step))
         additive = got.dtype != torch.bool
         keep = got == 0 if additive else got
         if additive:
-            fills.update(float(x) for x in got[got != 0].unique())
+            fills.update(float(x) for x in got[got != 0].unique().cpu())
         w = max(w, int(keep.sum(-1).max()))
         document_starts(keep, r0, starts)
     if len(fills) > 1 or (fills and not max(fills) <= LARGE_NEGATIVE):
         raise Refused("SDPA's additive mask holds values other than 0 and one large negative fill")
     doc = torch.cumsum(starts.long(), 0)
-    s = torch.arange(T, device="cpu")[None, :]
     for r0 in range(0, T, step):
-        got = rows(r0, min(T, r0 + step)).cpu()
+        got = rows(r0, min(T, r0 + step))
         keep = got == 0 if additive else got
-        t = torch.arange(r0, r0 + keep.shape[0], device="cpu")[:, None]
-        expected = (doc[t] == doc[s]) & (s <= t) & (t - s < w)
+        device = keep.device
+        t = torch.arange(r0, r0 + keep.shape[0], device=device)[:, None]
+        s = torch.arange(T, device=device)[None, :]
+        on = doc.to(device)
+        expected = (on[t] == on[s]) & (s <= t) & (t - s < w)
         if w < 1 or not torch.equal(keep, expected):
             raise Refused("SDPA's mask is not a causal sliding window: SDPA stays")
     documents = int(doc[-1])
