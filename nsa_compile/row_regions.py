@@ -45,7 +45,11 @@ from .attention_match import Refused, call_node
 from .fx import op_name, value
 from .mask_rows import POINTWISE, real_device
 
-__all__ = ["Rows", "RowRegion"]
+__all__ = ["CHUNK_ELEMENTS", "Rows", "RowRegion"]
+
+# Elements of the widest node of a region for one chunk of rows (64M: a [12, rows, 65536] bool mask
+# takes 85 rows, 64 MB; the varlen verifications' Python work grows with the number of chunks).
+CHUNK_ELEMENTS = 2**26
 
 ELEMENTWISE = POINTWISE | {
     "nan_to_num", "exp", "log", "sqrt", "rsqrt", "div", "truediv", "__truediv__", "pow", "sigmoid", "type_as", "sign",
@@ -56,7 +60,7 @@ CREATIONS = {"zeros": 0, "ones": 1, "full": None, "empty": 0}
 # ops along one dim that keep the others: (the position of their dim argument, its name, its default)
 ALONG = {"softmax": (1, "dim", None), "log_softmax": (1, "dim", None), "cumsum": (1, "dim", None),
          "topk": (2, "dim", -1), "sort": (1, "dim", -1), "argsort": (1, "dim", -1),
-         "repeat_interleave": (2, "dim", None)}  # fmt: skip
+         "repeat_interleave": (2, "dim", None), "roll": (2, "dims", None), "flip": (1, "dims", None)}  # fmt: skip
 REDUCTIONS = {"sum", "any", "all", "amax", "amin", "mean", "max", "min", "prod"}
 RESHAPES = {"view", "reshape", "expand", "flatten", "unflatten", "expand_as", "view_as", "reshape_as"}
 AS_IS = {"contiguous", "clone", "detach"}

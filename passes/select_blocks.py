@@ -165,6 +165,8 @@ import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile import batch_slice, probe as region_probe
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, evaluate_node, only_user
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile import row_regions
+from nsa_compile.row_regions import RowRegion, Rows
 from nsa_compile.ops.block_select import LUCIDRAINS_SINK, LUCIDRAINS_THRESHOLD, ROUNDINGS, choose_backend
 from nsa_compile.ops.block_select import lucidrains_probabilities, why_not_triton
 from nsa_compile.ops.common import upcast_dtype
@@ -1684,7 +1686,9 @@ class VarlenChoice:
     float32 lse (~1e-7 relative), so a probe can differ only on near ties, which random probes
     do not hold; at the model's own float32 values the choice differs from eager's where eager's
     softmax and exp(s - lse) rank two blocks within float32 rounding the other way (the topk
-    note). Static sizes only (the documents are constants of the graph)."""
+    note). Static sizes only (the documents are constants of the graph). Both regions (p from the
+    probes, the choice from p) run for chunks of query rows (nsa_compile/row_regions.py), so the
+    check holds O(rows * N) at any T: the model's p is [H, T, N], 3.2e9 elements at T 65,536."""
 
     def check(self, ranking: fx.Node, requested: str) -> dict:
         if op_name(ranking) != "topk":
@@ -1743,12 +1747,28 @@ class VarlenChoice:
         (H, T, Dk), (G, N, _) = cmp.concrete(value(probs.q).shape), cmp.concrete(value(probs.k).shape)
         probes = []  # (q, slots of k, lse, the region's ids) per probe, made when a candidate first needs it
 
+        # both regions for chunks of query rows (the model's p is [H, T, N]: 3.2e9 elements at T 65,536)
+        p_rows = RowRegion(p_region, T, {probs.q: 1}, "the compressed probabilities")
+        choice_rows = RowRegion(region, T, {}, "the varlen block choice")
+        step = min(p_rows.rows_per_chunk(row_regions.CHUNK_ELEMENTS), choice_rows.rows_per_chunk(row_regions.CHUNK_ELEMENTS))
+        shape = cmp.concrete(value(final).shape)  # [G, T, n]
+
+        def choice(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            got = torch.empty(shape, dtype=torch.int64, device=pos.device)
+            for r0 in range(0, T, step):
+                r1 = min(T, r0 + step)
+                p = p_rows.run(r0, r1, {probs.q: q, probs.k: k})[probs.p]
+                ids = choice_rows.run(r0, r1, {probs.p: p})[final]
+                if not isinstance(ids, Rows) or ids.dim != 1 or (ids.a, ids.b) != (0, T):
+                    raise Refused("the varlen block ids [G, T, n] do not hold the queries' rows second")
+                got[:, r0:r1] = ids.t
+            return got
+
         def probe(i: int):
             while len(probes) <= i:
                 q = torch.randn(H, T, Dk, generator=gen, dtype=torch.float64, device="cpu").to(pos.device)
                 k = torch.randn(G, N, Dk, generator=gen, dtype=torch.float64, device="cpu").to(pos.device)
-                p = cmp.run_written(p_region, "compressed probabilities", {probs.q: q, probs.k: k})[probs.p]
-                got = cmp.run_written(region, "varlen block choice", {probs.p: p})[final]
+                got = choice(q, k)
                 k_slots = k.new_zeros(G, T - l + 1, Dk).index_copy(1, slots, k)[None]
                 lse = torch.ops.nsa.compressed_attention(q[None], k_slots, k_slots, l, d, scale, "reference", pos)[1]
                 probes.append((q, k_slots, lse, got))

@@ -130,7 +130,8 @@ import torch
 import torch.fx as fx
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
-from nsa_compile import batch_slice, probe as region_probe
+from nsa_compile import batch_slice, probe as region_probe, row_regions
+from nsa_compile.row_regions import RowRegion, Rows
 from nsa_compile.attention_match import (
     Refused, ancestors, erase_replaced, evaluate_node, keep_mask, mask_fill, only_user, strip_upcast, unrepeat,
 )
@@ -1335,7 +1336,9 @@ class VarlenSelected:
     block 0, as this one does by clamp(min=0), attends as the op does) and must be, for every
     head of each group, exactly the op's visibility: token s for query t iff s <= t and s lies in
     a chosen block of t's document, (s - (t - pos[t])) // l' in ids (the select_blocks op's pos).
-    A check on probe choices, exact for the documents at this shape (static sizes only). Every
+    A check on probe choices, exact for the documents at this shape (static sizes only); the region
+    runs for chunks of query rows (nsa_compile/row_regions.py: the model's [H, T, T] mask is 5e10
+    elements at T 65,536). Every
     row keeps its own document's first token (block 0), so no row is empty and eager has no NaN.
     Becomes `nsa.selected_attention(q[None], K[None], V[None], ids, l', scale, backend, pos)[0][0]`."""
 
@@ -1411,24 +1414,38 @@ class VarlenSelected:
     def verify(region: list, mask: fx.Node, sense, ids: fx.Node, H: int, h: int, T: int, block: int, n: int,
                pos_node: fx.Node) -> None:
         """Refused unless the mask on every probe choice is the op's visibility for every head
-        (`first_difference`: every element compared)."""
+        (`first_difference`: every element compared), the region run for chunks of query rows
+        (nsa_compile/row_regions.py; the first difference over all chunks named)."""
         pos = cmp.evaluate_written(pos_node, "positions").cpu()
         G = H // h
         gen = torch.Generator().manual_seed(0)
+        # the region for chunks of query rows (the model's [H, T, T] mask is 5e10 elements at T 65,536)
+        chunks = RowRegion(region, T, {ids: 2}, "the selected branch's mask")
+        step = chunks.rows_per_chunk(row_regions.CHUNK_ELEMENTS)
         for i in range(VARLEN_PROBES):
             chosen = VarlenSelected.probe_ids(pos, G, block, n, gen)
             # on the graph's device: the region makes its constants there (torch.zeros(.., device=..))
-            filled = cmp.run_written(region, "selected branch's mask", {ids: chosen.to(value(ids).device)})[mask]
-            if filled.dtype != torch.bool:
-                raise Refused(f"the mask of the 3-D scores is {filled.dtype}, not bool")
-            try:
-                keep = torch.broadcast_to(~filled if sense else filled, (H, T, T)).cpu()
-            except RuntimeError:
-                raise Refused(f"the mask {tuple(filled.shape)} is not [H, T, T] = {(H, T, T)}") from None
-            found = VarlenSelected.first_difference(keep, chosen[0], pos[0], block)
-            if found is not None:
-                head, query, key = found
-                seen = "sees" if bool(keep[head, query, key]) else "hides"
+            chosen_there = chosen.to(value(ids).device)
+            differences = []  # the first per chunk; the first of all is the first in (head, query, key) order
+            for r0 in range(0, T, step):
+                r1 = min(T, r0 + step)
+                filled = chunks.run(r0, r1, {ids: chosen_there})[mask]
+                if not isinstance(filled, Rows) or filled.dim != filled.t.dim() - 2 or (filled.a, filled.b) != (0, T):
+                    raise Refused("the mask of the 3-D scores over packed tokens does not hold the queries' rows "
+                                  "second to last")
+                if filled.t.dtype != torch.bool:
+                    raise Refused(f"the mask of the 3-D scores is {filled.t.dtype}, not bool")
+                try:
+                    keep = torch.broadcast_to(~filled.t if sense else filled.t, (H, r1 - r0, T)).cpu()
+                except RuntimeError:
+                    raise Refused(f"the mask's rows {tuple(filled.t.shape)} are not [H, rows, T] = "
+                                  f"{(H, r1 - r0, T)}") from None
+                found = VarlenSelected.first_difference(keep, chosen[0], pos[0], block, row0=r0)
+                if found is not None:
+                    differences.append((*found, bool(keep[found[0], found[1] - r0, found[2]])))
+            if differences:
+                head, query, key, sees = min(differences)
+                seen = "sees" if sees else "hides"
                 raise Refused(f"the mask of the 3-D scores over packed tokens differs from nsa.selected_attention's "
                               f"visibility (l'={block}, per document) on probe block choice {i}: head {head}, query "
                               f"t={query} (position {int(pos[0, query])}, blocks {chosen[0, head // h, query].tolist()}) "
@@ -1436,8 +1453,9 @@ class VarlenSelected:
 
     @staticmethod
     def first_difference(keep: torch.Tensor, chosen: torch.Tensor, pos: torch.Tensor, block: int,
-                         rows: int = VERIFY_ROWS) -> tuple[int, int, int] | None:
-        """The first (head, query, key), in that order, where keep [H, T, T] differs from the op's
+                         rows: int = VERIFY_ROWS, row0: int = 0) -> tuple[int, int, int] | None:
+        """The first (head, query, key), in that order, where keep [H, R, T] (the mask's rows row0 ..
+        row0 + R - 1; query and key are global) differs from the op's
         visibility for the block ids chosen [G, T, n] on positions pos [T] (token s for query t iff
         s <= t and s lies in a chosen block of t's document: (s - (t - pos[t])) // l' in the ids,
         the group's ids for each of its H // G heads); None where every element is equal.
@@ -1447,7 +1465,7 @@ class VarlenSelected:
         among those of one document start t - pos[t], are compared with the op's block mask over
         the keys from their document's start to the last query (the ids scattered into blocks,
         repeated over each block's l' tokens); every key outside those columns must be hidden."""
-        H, T, _ = keep.shape
+        H, R, T = keep.shape
         G = chosen.shape[0]
         h = H // G
         t_all = torch.arange(T, device="cpu")
@@ -1458,10 +1476,11 @@ class VarlenSelected:
         found = []
         for a, b in zip(firsts, firsts[1:] + [T]):
             doc = int(start[a])
-            for r0 in range(a, b, rows):
-                r1 = min(b, r0 + rows)
+            for r0 in range(max(a, row0), min(b, row0 + R), rows):  # keep's rows only
+                r1 = min(b, row0 + R, r0 + rows)
                 lo, hi = min(max(doc, 0), r1), r1  # the keys some of these queries may see: [doc, r1)
-                for first_key, outside in ((0, keep[:, r0:r1, :lo]), (hi, keep[:, r0:r1, hi:])):
+                part = keep[:, r0 - row0:r1 - row0]
+                for first_key, outside in ((0, part[..., :lo]), (hi, part[..., hi:])):
                     if bool(outside.any()):
                         head, query, key = (int(x) for x in outside.nonzero()[0])
                         found.append((head, r0 + query, first_key + key))
@@ -1472,7 +1491,7 @@ class VarlenSelected:
                 offset = torch.arange(lo, hi, device="cpu") - doc  # [width]: the keys' positions in the document
                 want = picked[:, :, offset // block]  # [G, rows, width]
                 want &= (torch.arange(lo, hi, device="cpu")[None, :] <= t_all[r0:r1, None])[None]
-                inside = keep[:, r0:r1, lo:hi].unflatten(0, (G, h)) != want[:, None]  # [G, h, rows, width]
+                inside = part[..., lo:hi].unflatten(0, (G, h)) != want[:, None]  # [G, h, rows, width]
                 if bool(inside.any()):
                     group, head, query, key = (int(x) for x in inside.nonzero()[0])
                     found.append((group * h + head, r0 + query, lo + key))

@@ -273,6 +273,23 @@ def test_a_selected_branch_that_reads_other_blocks_is_refused():
                              "head 0, query t=24 (position 24, blocks [0, 1, 2, 3]) hides token 0"), reason
 
 
+def test_the_varlen_checks_in_chunks_of_a_few_rows_give_the_same_rewrites_and_reasons(monkeypatch):
+    """select_blocks' and selected_attention's varlen checks run the model's regions for chunks of
+    query rows (nsa_compile/row_regions.py: the model's [H, T, T] mask and [H, T, N] probabilities
+    at T 65,536 would not fit whole). With chunks of a few rows here (6 of the mask's, 29 of the
+    probabilities'), the corpus model keeps its rewrites and parity, and the two near misses their
+    reasons: the first difference over all chunks, as the whole region's."""
+    from nsa_compile import row_regions
+
+    monkeypatch.setattr(row_regions, "CHUNK_ELEMENTS", 5000)
+    wl = load_workload(spec("xunhaolai_varlen.py"))
+    optimized = optimize_fresh(copy.deepcopy(wl.model))
+    assert_parity(wl.model, optimized, wl.inputs, torch.float32)
+    assert {name: counts(optimized)[name] for name in PASSES} == dict.fromkeys(PASSES, 1)
+    test_a_block_choice_off_by_one_key_is_refused()
+    test_a_selected_branch_that_reads_other_blocks_is_refused()
+
+
 # --- canonicalize: an in-place mask that nothing else reads ---------------------------------------
 
 
