@@ -90,6 +90,8 @@ class RowRegion:
 
     def __init__(self, region: list[fx.Node], T: int, row_dims: dict[fx.Node, int], what: str):
         self.region, self.T, self.row_dims, self.what = region, T, row_dims, what
+        # each value's last reader in the region (a chunk's values are dropped after it)
+        self.last_use = {x: i for i, node in enumerate(region) for x in node.all_input_nodes}
 
     def rows_per_chunk(self, elements: int) -> int:
         """Rows per chunk so that no node of the region holds more than about `elements` elements
@@ -101,7 +103,9 @@ class RowRegion:
                 width = max(width, math.prod(int(s) for s in fake.shape) // self.T)
         return max(1, elements // width)
 
-    def run(self, r0: int, r1: int, inputs: dict) -> dict:
+    def run(self, r0: int, r1: int, inputs: dict, keep=()) -> dict:
+        """{node: value} for rows r0..r1: the nodes in `keep` (and those no node of the region reads)
+        at least; a value is dropped after its last reader, so a chunk holds few at once."""
         env = {}
         for leaf, x in inputs.items():
             if isinstance(x, Rows) or leaf not in self.row_dims:
@@ -109,13 +113,16 @@ class RowRegion:
             else:
                 dim = self.row_dims[leaf] % x.dim()
                 env[leaf] = Rows(x.narrow(dim, r0, r1 - r0), dim, 0, self.T, r0, r1)
-        for node in self.region:
+        for i, node in enumerate(self.region):
             missing = [n for n in node.all_input_nodes if n not in env]
             if missing:
                 raise Refused(f"evaluating {self.what} in row chunks: {node.name} reads {missing[0].name}, which the "
                               "check has no value for")
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
             env[node] = self.step(node, args, kwargs, r0, r1)
+            for x in node.all_input_nodes:
+                if self.last_use.get(x) == i and x not in keep:
+                    env.pop(x, None)
         return env
 
     # --- one node -------------------------------------------------------------------------------
@@ -126,10 +133,17 @@ class RowRegion:
         if not rows:
             if name in CREATIONS:
                 return self.create(node, name, args, kwargs, r0, r1)
-            return call_node(node, args, kwargs, f"{self.what} (row chunks)")
+            fake = value(node)
+            if (name in ELEMENTWISE and isinstance(fake, torch.Tensor) and self.T in tuple(fake.shape)
+                    and fake.numel() > CHUNK_ELEMENTS):
+                # a large product of positions alone (t[:, None] >= t[None, :]): rows of it, at its first T dim
+                dim = tuple(fake.shape).index(self.T)
+                rows = [Rows(torch.empty((0,) * fake.dim()), dim, 0, self.T, r0, r1)]
+            else:
+                return call_node(node, args, kwargs, f"{self.what} (row chunks)")
         refuse = lambda why: Refused(f"{self.what} is not verified in row chunks: {node.name} ({name}) {why}")
-        if name in ELEMENTWISE or name in ("where", "masked_fill", "clamp"):
-            return self.elementwise(node, args, kwargs, refuse)
+        if name in ELEMENTWISE:
+            return self.elementwise(node, args, kwargs, refuse, rows[0])
         first = args[0] if args else None
         if name == "getitem" and isinstance(first, (tuple, list)):  # an output of topk or sort
             return first[args[1]]
@@ -201,8 +215,7 @@ class RowRegion:
             raise refuse(f"broadcasts {tuple(x.shape)} against rows {like.a}..{like.b}")
         return x.narrow(at, like.lo - like.a, like.hi - like.lo)
 
-    def elementwise(self, node: fx.Node, args, kwargs, refuse):
-        like = next(x for x in _leaves((args, kwargs)) if isinstance(x, Rows))
+    def elementwise(self, node: fx.Node, args, kwargs, refuse, like: Rows):
         args, kwargs = torch.utils._pytree.tree_map(lambda x: self.cut(x, like, refuse), (args, kwargs),
                                                     is_leaf=lambda x: isinstance(x, Rows))
         out = call_node(node, args, kwargs, self.what)

@@ -1757,8 +1757,8 @@ class VarlenChoice:
             got = torch.empty(shape, dtype=torch.int64, device=pos.device)
             for r0 in range(0, T, step):
                 r1 = min(T, r0 + step)
-                p = p_rows.run(r0, r1, {probs.q: q, probs.k: k})[probs.p]
-                ids = choice_rows.run(r0, r1, {probs.p: p})[final]
+                p = p_rows.run(r0, r1, {probs.q: q, probs.k: k}, keep={probs.p})[probs.p]
+                ids = choice_rows.run(r0, r1, {probs.p: p}, keep={final})[final]
                 if not isinstance(ids, Rows) or ids.dim != 1 or (ids.a, ids.b) != (0, T):
                     raise Refused("the varlen block ids [G, T, n] do not hold the queries' rows second")
                 got[:, r0:r1] = ids.t

@@ -1429,7 +1429,7 @@ class VarlenSelected:
             differences = []  # the first per chunk; the first of all is the first in (head, query, key) order
             for r0 in range(0, T, step):
                 r1 = min(T, r0 + step)
-                filled = chunks.run(r0, r1, {ids: chosen_there})[mask]
+                filled = chunks.run(r0, r1, {ids: chosen_there}, keep={mask})[mask]
                 if not isinstance(filled, Rows) or filled.dim != filled.t.dim() - 2 or (filled.a, filled.b) != (0, T):
                     raise Refused("the mask of the 3-D scores over packed tokens does not hold the queries' rows "
                                   "second to last")

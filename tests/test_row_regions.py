@@ -83,7 +83,7 @@ def test_chunks_of_rows_give_the_whole_region_row_for_row(rows):
     chunked = RowRegion(region, T, {ids_leaf: 1, q_leaf: 1}, "the test region")
     got = {out: [] for out in outputs}
     for r0 in range(0, T, rows):
-        env = chunked.run(r0, min(T, r0 + rows), {ids_leaf: ids, q_leaf: q, k_leaf: k})
+        env = chunked.run(r0, min(T, r0 + rows), {ids_leaf: ids, q_leaf: q, k_leaf: k}, keep=set(outputs))
         for out in outputs:
             value = env[out]
             assert isinstance(value, Rows) and (value.a, value.b, value.lo) == (0, T, r0), out.name
@@ -124,3 +124,33 @@ def test_what_the_chunks_cannot_carry_is_refused_with_the_node(fn, why):
     chunked = RowRegion(region, T, {ids: 1}, "the test region")
     with pytest.raises(Refused, match=rf"the test region is not verified in row chunks: \w+ {re.escape(why)}"):
         chunked.run(0, 8, {ids: torch.zeros(G, T, n, dtype=torch.long)})
+
+
+def positions_only(ids, q, k):
+    t = torch.arange(T)
+    return (t[:, None] >= t[None, :]) & (ids[..., :1] >= 0)  # a [T, T] causal mask, then rows of the ids
+
+
+def test_a_large_mask_of_positions_alone_is_made_in_rows(monkeypatch):
+    """An element-wise product of position vectors alone ([T, 1] >= [1, T]) larger than a chunk
+    is itself computed in rows (at T 65,536 it would be 4.3e9 elements whole)."""
+    from nsa_compile import row_regions
+
+    monkeypatch.setattr(row_regions, "CHUNK_ELEMENTS", T * T - 1)
+    graphs = []
+    torch._dynamo.reset()
+    ids = torch.randint(-1, 5, (G, T, n), generator=torch.Generator().manual_seed(2))
+    torch.compile(positions_only, backend=lambda gm, ex: graphs.append(gm) or gm.forward, fullgraph=True)(
+        ids, torch.zeros(G * h, T, D), torch.zeros(G * h, N, D))
+    (gm,) = graphs
+    leaf = next(node for node in gm.graph.nodes if node.name == "l_ids_")
+    region = [node for node in gm.graph.nodes if node.op in ("call_function", "call_method")]
+    causal = next(node for node in region if node.target is __import__("operator").ge and node.args[0].op != "placeholder"
+                  and "ids" not in node.args[0].name)
+    out = next(node for node in gm.graph.nodes if node.op == "output").args[0][0]
+    want = positions_only(ids, None, None)
+    chunked = RowRegion(region, T, {leaf: 1}, "the test region")
+    for r0 in range(0, T, 7):
+        env = chunked.run(r0, min(T, r0 + 7), {leaf: ids}, keep={causal, out})
+        assert isinstance(env[causal], Rows) and env[causal].t.shape == (min(T, r0 + 7) - r0, T)
+        assert torch.equal(env[out].t, want[:, r0:r0 + 7])
