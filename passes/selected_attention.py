@@ -1426,6 +1426,7 @@ class VarlenSelected:
             chosen = VarlenSelected.probe_ids(pos, G, block, n, gen)
             # on the graph's device: the region makes its constants there (torch.zeros(.., device=..))
             chosen_there = chosen.to(value(ids).device)
+            pos_there = pos.to(chosen_there.device)
             differences = []  # the first per chunk; the first of all is the first in (head, query, key) order
             for r0 in range(0, T, step):
                 r1 = min(T, r0 + step)
@@ -1436,11 +1437,11 @@ class VarlenSelected:
                 if filled.t.dtype != torch.bool:
                     raise Refused(f"the mask of the 3-D scores is {filled.t.dtype}, not bool")
                 try:
-                    keep = torch.broadcast_to(~filled.t if sense else filled.t, (H, r1 - r0, T)).cpu()
+                    keep = torch.broadcast_to(~filled.t if sense else filled.t, (H, r1 - r0, T))
                 except RuntimeError:
                     raise Refused(f"the mask's rows {tuple(filled.t.shape)} are not [H, rows, T] = "
                                   f"{(H, r1 - r0, T)}") from None
-                found = VarlenSelected.first_difference(keep, chosen[0], pos[0], block, row0=r0)
+                found = VarlenSelected.first_difference(keep, chosen_there[0], pos_there[0], block, row0=r0)
                 if found is not None:
                     differences.append((*found, bool(keep[found[0], found[1] - r0, found[2]])))
             if differences:
@@ -1468,9 +1469,11 @@ class VarlenSelected:
         H, R, T = keep.shape
         G = chosen.shape[0]
         h = H // G
-        t_all = torch.arange(T, device="cpu")
+        device = keep.device  # the GPU while compiling there: keep's chunks are not copied to the CPU
+        chosen, pos = chosen.to(device), pos.to(device)
+        t_all = torch.arange(T, device=device)
         start = t_all - pos  # [T]: each query's document start
-        cut = torch.ones(T, dtype=torch.bool, device="cpu")
+        cut = torch.ones(T, dtype=torch.bool, device=device)
         cut[1:] = start[1:] != start[:-1]
         firsts = cut.nonzero().flatten().tolist()  # the first row of each run of one document start
         found = []
@@ -1485,12 +1488,12 @@ class VarlenSelected:
                         head, query, key = (int(x) for x in outside.nonzero()[0])
                         found.append((head, r0 + query, first_key + key))
                 blocks = -(-(hi - doc) // block) if hi > doc else 0
-                picked = torch.zeros(G, r1 - r0, blocks + 1, dtype=torch.bool, device="cpu")
+                picked = torch.zeros(G, r1 - r0, blocks + 1, dtype=torch.bool, device=device)
                 ids = chosen[:, r0:r1]  # [G, rows, n]: ids past the document's keys pick no key here
                 picked.scatter_(-1, torch.where((ids >= 0) & (ids < blocks), ids, blocks), True)
-                offset = torch.arange(lo, hi, device="cpu") - doc  # [width]: the keys' positions in the document
+                offset = torch.arange(lo, hi, device=device) - doc  # [width]: the keys' positions in the document
                 want = picked[:, :, offset // block]  # [G, rows, width]
-                want &= (torch.arange(lo, hi, device="cpu")[None, :] <= t_all[r0:r1, None])[None]
+                want &= (torch.arange(lo, hi, device=device)[None, :] <= t_all[r0:r1, None])[None]
                 inside = part[..., lo:hi].unflatten(0, (G, h)) != want[:, None]  # [G, h, rows, width]
                 if bool(inside.any()):
                     group, head, query, key = (int(x) for x in inside.nonzero()[0])

@@ -90,6 +90,13 @@ def test_first_difference_is_the_full_width_tests(case, block, n, rows):
         expected = first_of(keep, want)
         assert expected is not None
         assert VarlenSelected.first_difference(keep, chosen, pos, block, rows) == expected, flip
+        for step in (5, 64):  # chunks of rows (row0: keep's first row), the first over all of them
+            per_chunk = [VarlenSelected.first_difference(keep[:, r0:r0 + step], chosen, pos, block, rows, row0=r0)
+                         for r0 in range(0, T, step)]
+            assert min(d for d in per_chunk if d is not None) == expected, (flip, step)
+    for step in (5, 64):
+        assert all(VarlenSelected.first_difference(want[:, r0:r0 + step], chosen, pos, block, rows, row0=r0) is None
+                   for r0 in range(0, T, step))
 
 
 def test_first_difference_sees_another_documents_key():
