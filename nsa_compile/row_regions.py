@@ -197,9 +197,9 @@ class RowRegion:
         device = kwargs.get("device") or real_device(fake)
         return Rows(torch.full(chunk, fill, dtype=fake.dtype, device=device), dim, 0, self.T, r0, r1)
 
-    def cut(self, x, like: Rows, refuse, out_rank: int | None = None):
+    def cut(self, x, like: Rows, refuse):
         """A whole operand `x` meeting rows `like`: cut along the dim aligned with like's row dim
-        (counted from the right, in a broadcast of rank out_rank) where it holds like's b - a rows;
+        (counted from the right, as broadcasting aligns dims) where it holds like's b - a rows;
         as it is where that dim is 1 or missing. A Rows operand must have like's range."""
         if isinstance(x, Rows):
             if (x.a, x.b, x.lo, x.hi) != (like.a, like.b, like.lo, like.hi) or \
@@ -221,8 +221,9 @@ class RowRegion:
         out = call_node(node, args, kwargs, self.what)
         return like.like(out, out.dim() - (like.t.dim() - like.dim))
 
-    def index(self, x: Rows, index, refuse) -> tuple[tuple, "Rows"]:
-        """(the index into x.t, the range of the result's rows) for a basic index of x's full value."""
+    def index(self, x: Rows, index, refuse) -> tuple[tuple, tuple[int, int, int, int, int]]:
+        """(the index into x.t, (the result's row dim, a, b, lo, hi)) for a basic index of x's full
+        value."""
         index = index if isinstance(index, tuple) else (index,)
         if any(isinstance(i, (torch.Tensor, list)) for i in index):
             raise refuse("indexes with a tensor")

@@ -1691,7 +1691,7 @@ def document_windows(keep: torch.Tensor) -> tuple[int, int] | None:
     grid = grid[0].cpu()
     T = grid.shape[0]
     t = torch.arange(T, device="cpu")
-    starts = document_starts(grid, 0, torch.ones(T, dtype=torch.bool, device="cpu"))
+    starts = document_starts(grid)
     doc = torch.cumsum(starts.long(), 0)
     w = int(grid.sum(-1).max())
     same = doc[:, None] == doc[None, :]
@@ -1700,48 +1700,51 @@ def document_windows(keep: torch.Tensor) -> tuple[int, int] | None:
     return (documents, w) if documents > 1 and w >= 1 and torch.equal(grid, expected) else None
 
 
-def document_starts(rows: torch.Tensor, r0: int, starts: torch.Tensor) -> torch.Tensor:
-    """starts [T] bool with the entries of tokens r0 .. r0 + len(rows) - 1 (but token 0, which always
-    starts one) set from their rows ([rows, T] kept keys) of a window mask within documents: a
-    document starts where a token does not see the one before it."""
-    t = torch.arange(max(r0, 1), r0 + rows.shape[0], device=rows.device)
-    starts[max(r0, 1):r0 + rows.shape[0]] = (~rows[t - r0, t - 1]).cpu()
+def document_starts(grid: torch.Tensor) -> torch.Tensor:
+    """[T] bool: the tokens that begin a document in grid [T, T] (the kept keys of a window mask
+    within documents): token 0, and every token that does not see the one before it."""
+    T = grid.shape[0]
+    t = torch.arange(1, T, device=grid.device)
+    starts = torch.ones(T, dtype=torch.bool, device="cpu")
+    starts[1:] = (~grid[t, t - 1]).cpu()
     return starts
 
 
 def window_rows(rows, T: int, step: int) -> tuple[torch.Tensor, int, int]:
     """`causal_window` and `document_windows` for a [T, T] mask too large to evaluate whole (more
     than cmp.MAX_VERIFIED_ELEMENTS for its nodes at once): rows(r0, r1) computes its rows r0..r1
-    ([r1 - r0, T], bool or additive: nsa_compile/mask_rows.py), `step` rows at a time, in two
-    passes (the widest row and the document starts, then every element compared with
-    (doc(s) == doc(t)) & (s <= t) & (t - s < w)). Returns (starts [T] bool: the tokens that begin a
-    document, w, the number of documents: 1 for a causal window over the whole sequence); Refused,
-    with the whole-mask rule's reason, where the mask is not one, or is additive with values other
-    than 0 and one large negative fill, or additive over several documents."""
-    starts = torch.ones(T, dtype=torch.bool, device="cpu")
-    w, fills, additive = 0, set(), False
+    ([r1 - r0, T], bool or additive: nsa_compile/mask_rows.py), `step` rows at a time, once. Each
+    row must keep exactly the c_t keys t - c_t + 1 .. t (compared element by element); then, with
+    w the largest c_t and a document starting at every token that does not see the one before it
+    (c_t < 2), c_t must be min(w, t - start(t) + 1): the same verdict as comparing the whole mask
+    with (doc(s) == doc(t)) & (s <= t) & (t - s < w). Returns (starts [T] bool: the tokens that
+    begin a document, w, the number of documents: 1 for a causal window over the whole sequence);
+    Refused, with the whole-mask rule's reason, where the mask is not one, or is additive with
+    values other than 0 and one large negative fill, or additive over several documents."""
+    counts = torch.empty(T, dtype=torch.long, device="cpu")
+    fills, additive = set(), False
     for r0 in range(0, T, step):  # on the mask's device (the GPU while compiling there); small results to the CPU
         got = rows(r0, min(T, r0 + step))
         additive = got.dtype != torch.bool
         keep = got == 0 if additive else got
         if additive:
             fills.update(float(x) for x in got[got != 0].unique().cpu())
-        w = max(w, int(keep.sum(-1).max()))
-        document_starts(keep, r0, starts)
+        c = keep.sum(-1)  # [rows]
+        t = torch.arange(r0, r0 + keep.shape[0], device=keep.device)[:, None]
+        s = torch.arange(T, device=keep.device)[None, :]
+        if not torch.equal(keep, (s <= t) & (s > t - c[:, None])):
+            raise Refused("SDPA's mask is not a causal sliding window: SDPA stays")
+        counts[r0:r0 + keep.shape[0]] = c.cpu()
     if len(fills) > 1 or (fills and not max(fills) <= LARGE_NEGATIVE):
         raise Refused("SDPA's additive mask holds values other than 0 and one large negative fill")
-    doc = torch.cumsum(starts.long(), 0)
-    for r0 in range(0, T, step):
-        got = rows(r0, min(T, r0 + step))
-        keep = got == 0 if additive else got
-        device = keep.device
-        t = torch.arange(r0, r0 + keep.shape[0], device=device)[:, None]
-        s = torch.arange(T, device=device)[None, :]
-        on = doc.to(device)
-        expected = (on[t] == on[s]) & (s <= t) & (t - s < w)
-        if w < 1 or not torch.equal(keep, expected):
-            raise Refused("SDPA's mask is not a causal sliding window: SDPA stays")
-    documents = int(doc[-1])
+    w = int(counts.max())
+    t = torch.arange(T, device="cpu")
+    starts = torch.ones(T, dtype=torch.bool, device="cpu")
+    starts[1:] = counts[1:] < 2
+    first_token = torch.cummax(torch.where(starts, t, 0), 0).values
+    if w < 1 or not torch.equal(counts, torch.clamp(t - first_token + 1, max=w)):
+        raise Refused("SDPA's mask is not a causal sliding window: SDPA stays")
+    documents = int(starts.sum())
     if documents > 1 and additive:
         raise Refused(f"SDPA's additive mask is a causal window of {w} tokens within each of {documents} documents "
                       "of constant bounds: the documents are read from a bool mask only; SDPA stays")
@@ -1818,8 +1821,7 @@ class SDPADecomposition:
                         raise Refused(f"SDPA's mask is a causal window of {found[1]} tokens within each of {found[0]} "
                                       "documents of constant bounds: at symbolic sizes (dynamic shapes) their "
                                       "positions are not one constant; SDPA stays")
-                    starts = document_starts(keep.reshape(-1, *keep.shape[-2:])[0].cpu(), 0,
-                                             torch.ones(keep.shape[-1], dtype=torch.bool, device="cpu"))
+                    starts = document_starts(keep.reshape(-1, *keep.shape[-2:])[0].cpu())
                     self.rewrite(graph, node, self.documents(graph, node, call_, starts, found[1]), False, None)
                     return (f"sdpa: F.scaled_dot_product_attention (window of {found[1]} tokens within {found[0]} "
                             "documents of constant bounds) -> scores, mask from constant positions, softmax, @ v")

@@ -162,10 +162,9 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
-from nsa_compile import batch_slice, probe as region_probe
+from nsa_compile import batch_slice, probe as region_probe, row_regions
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, evaluate_node, only_user
 from nsa_compile.fx import MATMULS, arg, call, op_name, value
-from nsa_compile import row_regions
 from nsa_compile.row_regions import RowRegion, Rows
 from nsa_compile.ops.block_select import LUCIDRAINS_SINK, LUCIDRAINS_THRESHOLD, ROUNDINGS, choose_backend
 from nsa_compile.ops.block_select import lucidrains_probabilities, why_not_triton
@@ -1750,7 +1749,7 @@ class VarlenChoice:
         # both regions for chunks of query rows (the model's p is [H, T, N]: 3.2e9 elements at T 65,536)
         p_rows = RowRegion(p_region, T, {probs.q: 1}, "the compressed probabilities")
         choice_rows = RowRegion(region, T, {}, "the varlen block choice")
-        step = min(p_rows.rows_per_chunk(row_regions.CHUNK_ELEMENTS), choice_rows.rows_per_chunk(row_regions.CHUNK_ELEMENTS))
+        step = min(chunks.rows_per_chunk(row_regions.CHUNK_ELEMENTS) for chunks in (p_rows, choice_rows))
         shape = cmp.concrete(value(final).shape)  # [G, T, n]
 
         def choice(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
