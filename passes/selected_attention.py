@@ -807,8 +807,9 @@ class SelectedAttention(RewritePass):
                     ctx.refused(softmax, f"3-D scores over packed tokens: {why}")
                     continue
                 why = f"; not triton: {plan['why_not_triton']}" if plan["backend"] != "triton" else ""
+                packed = VARLEN_TEXT + f", documents of at most {plan['doc_len']} tokens (the kernels' tiles)"
                 ctx.matched(softmax, KERNEL.format(block=plan["block"], n=plan["n"], backend=plan["backend"],
-                                                   heads=GQA_NATIVE, packed=VARLEN_TEXT, empty="", why=why))
+                                                   heads=GQA_NATIVE, packed=packed, empty="", why=why))
                 continue
             try:
                 fine = LucidrainsFine.region_of(softmax)  # lucidrains' fine branch over his choice's ids
@@ -1361,15 +1362,18 @@ class VarlenSelected:
         mask, sense = probs.masks["inf"]
         ids, region = VarlenSelected.block_ids(mask)
         block, n, pos = ids.args[5], ids.args[6], ids.args[9]
-        VarlenSelected.verify(region, mask, sense, ids, H, probs.h, T, block, n, pos)
+        positions = VarlenSelected.verify(region, mask, sense, ids, H, probs.h, T, block, n, pos)
         with value(probs.q).fake_mode:  # the op's inputs as the rewrite makes them
             fakes = (value(probs.q)[None], kv[None], vv[None], value(ids), block)
         try:
             backend = choose_backend(*fakes, requested, value(pos))
         except ValueError as why:
             raise Refused(f"OptimizeConfig(selected_attention_backend={requested!r}): {why}") from None
+        # the longest document, from the positions (a constant of the graph here): the kernels' tile
+        # hint (doc_len), or one row of T packed tokens gets the tiles of a T-token sequence
+        doc_len = int(positions.max()) + 1 if positions.numel() else 0
         return {"probs": probs, "v": v, "pv": pv, "cast": cast, "ids": ids, "block": block, "n": n, "pos": pos,
-                "region": region, "backend": backend,
+                "doc_len": doc_len, "region": region, "backend": backend,
                 "why_not_triton": why_not_triton(*fakes, value(pos)) if requested == "auto"
                 else f"selected_attention_backend={requested!r} in OptimizeConfig"}
 
@@ -1412,8 +1416,9 @@ class VarlenSelected:
 
     @staticmethod
     def verify(region: list, mask: fx.Node, sense, ids: fx.Node, H: int, h: int, T: int, block: int, n: int,
-               pos_node: fx.Node) -> None:
-        """Refused unless the mask on every probe choice is the op's visibility for every head
+               pos_node: fx.Node) -> torch.Tensor:
+        """The positions [T] (pos_node's value, a constant here), once Refused has not been raised:
+        Refused unless the mask on every probe choice is the op's visibility for every head
         (`first_difference`: every element compared), the region run for chunks of query rows
         (nsa_compile/row_regions.py; the first difference over all chunks named)."""
         pos = cmp.evaluate_written(pos_node, "positions").cpu()
@@ -1451,6 +1456,7 @@ class VarlenSelected:
                               f"visibility (l'={block}, per document) on probe block choice {i}: head {head}, query "
                               f"t={query} (position {int(pos[0, query])}, blocks {chosen[0, head // h, query].tolist()}) "
                               f"{seen} token {key}")
+        return pos[0]
 
     @staticmethod
     def first_difference(keep: torch.Tensor, chosen: torch.Tensor, pos: torch.Tensor, block: int,
@@ -1508,7 +1514,7 @@ class VarlenSelected:
             raise Refused("the block ids are computed after the selected branch")
         q, k, v = (call(graph, torch.unsqueeze, x, 0, anchor=pv) for x in (probs.q, probs.k, plan["v"]))
         both = call(graph, torch.ops.nsa.selected_attention, q, k, v, plan["ids"], plan["block"], probs.scale,
-                    plan["backend"], plan["pos"], anchor=pv)
+                    plan["backend"], plan["pos"], 0, plan["doc_len"], anchor=pv)
         out = call(graph, operator.getitem, call(graph, operator.getitem, both, 0, anchor=pv), 0, anchor=pv)
         pv.replace_all_uses_with(out)
         erase_replaced(graph, [pv], [plan["cast"] or probs.p])

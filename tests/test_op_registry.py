@@ -44,11 +44,12 @@ SCHEMAS = {
                      'str rule="nsa", ScalarType? importance_dtype=None, ScalarType? group_sum_dtype=None, '
                      "int q_offset=0, bool group_first=False) -> Tensor",
     "selected_attention": "nsa::selected_attention(Tensor q, Tensor k, Tensor v, Tensor block_idx, "
-                          'SymInt block_size, float scale, str backend="auto", Tensor? pos=None, int q_offset=0) '
-                          "-> (Tensor, Tensor)",
+                          'SymInt block_size, float scale, str backend="auto", Tensor? pos=None, int q_offset=0, '
+                          "int doc_len=0) -> (Tensor, Tensor)",
     "selected_attention_backward": "nsa::selected_attention_backward(Tensor grad_o, Tensor q, Tensor k, Tensor v, "
                                    "Tensor o, Tensor lse, Tensor block_idx, SymInt block_size, float scale, "
-                                   'str backend="auto", Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor, Tensor)',
+                                   'str backend="auto", Tensor? pos=None, int q_offset=0, int doc_len=0) '
+                                   "-> (Tensor, Tensor, Tensor)",
     "gated_combine": "nsa::gated_combine(Tensor gate_in, Tensor? w1, Tensor? b1, Tensor? w2, Tensor? b2, "
                      "Tensor o_cmp, Tensor o_sel, Tensor o_win, str activation, str normalize, "
                      'str backend="auto") -> (Tensor, Tensor)',

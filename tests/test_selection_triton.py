@@ -378,6 +378,30 @@ def test_packed_documents_match_the_reference(rows, h, G, block_size, n, dv, dty
     assert not torch.allclose(unpacked.float(), ref[0], rtol=1e-2, atol=1e-2)
 
 
+def test_the_longest_document_plans_the_tiles_of_a_packed_row():
+    """doc_len (the varlen pass's hint: the longest document, known when the positions are a
+    constant) plans the tiles for a document's length, not the row's: rows of 96 tokens in
+    documents of at most 12 has 24 blocks of 4 (> 4 n, one query per program) but at most 3 a
+    document (a union tile of 64 // h queries). The results are the reference's either way, and a
+    hint without pos, or a negative one, is refused by the op. bf16 (fp32 runs one query a program)."""
+    pos = positions([12, 9, 12, 11, 12, 4, 12, 12, 12], [12] * 8)  # B rows
+    S, h, G, block_size, n = pos.shape[1], 4, 1, 4, 2
+    tile = lambda doc_len: st._tiles(h, DK, 8, block_size, seq_len=st._tile_len(S, pos, doc_len), n_selected=n,
+                                     packed=True)["fwd"]["TQ"]
+    assert (tile(0), tile(12), tile(S + 5)) == (1, 16, 1)
+    assert st._tile_len(S, None, 12) == S  # a hint for packed documents only
+    q, k, v, grad_o = make_inputs(S, h, G, 8, torch.bfloat16, 5)
+    idx = packed_block_idx(pos, G, n, block_size, 5)
+    ref, ref_lse = packed_reference(q, k, v, grad_o, idx, block_size, DK**-0.5, pos)
+    for doc_len in (0, 12):
+        o, lse = st.selected_forward(q, k, v, idx, block_size, DK**-0.5, pos, 0, doc_len)
+        grads = st.selected_backward(grad_o, q, k, v, o, lse, idx, block_size, DK**-0.5, pos, 0, doc_len)
+        check_packed((o, *grads), lse, ref, ref_lse, torch.bfloat16, f"doc_len={doc_len}")
+    for doc_len, where in ((12, None), (-1, pos)):
+        with pytest.raises(ValueError, match="doc_len must be an int >= 0, and 0 without pos"):
+            torch.ops.nsa.selected_attention(q, k, v, idx, block_size, 0.5, "reference", where, 0, doc_len)
+
+
 @pytest.mark.parametrize("tq,rows", [(3, 16), (5, 32)])
 def test_packed_query_tiles_across_documents(tq, rows):
     """Query tiles that span document starts (TQ 3 and 5 over documents of 1, 2, 4 and 6 tokens):

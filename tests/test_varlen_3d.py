@@ -82,11 +82,15 @@ def test_corpus_varlen_model_rewrites_its_three_branches_with_parity(dtype):
     calls = {name: [line for line in code.splitlines() if f"torch.ops.nsa.{name}(" in line]
              for name in ("window_attention", *PASSES)}
     assert all(len(lines) == 1 for lines in calls.values()), calls
-    positions = {line.split(", ")[-1].split(")")[0] for lines in calls.values() for line in lines}
+    # the selection ends with q_offset 0 and the longest document (51 tokens), its kernels' tile hint
+    assert calls["selected_attention"][0].split(";")[0].endswith(", 0, 51)"), calls
+    last = {name: -3 if name == "selected_attention" else -1 for name in calls}
+    positions = {line.split(")")[0].split(", ")[last[name]] for name, lines in calls.items() for line in lines}
     assert len(positions) == 1, calls  # one constant pos [1, T] for all four ops
     assert ", 8, 4, 0.25, 'reference', " in calls["compressed_attention"][0]
     assert ", 8, 4, 8, 4, 0.25, 'reference', " in calls["select_blocks"][0]
     assert ", 8, 0.25, 'reference', " in calls["selected_attention"][0]
+    assert "documents of at most 51 tokens (the kernels' tiles)" in row(optimized, "selected_attention")["kernels"][0]
     assert row(optimized, "compressed_attention")["kernels"] == [
         "nsa.compressed_attention[reference] (l=8, d=4, packed [T, H, D] tokens (3-D scores, 42 per-document keys "
         f"in slots of 185, 4 documents with a block), GQA-native, no repeated K/V{NOT_TRITON})"]
@@ -95,7 +99,10 @@ def test_corpus_varlen_model_rewrites_its_three_branches_with_parity(dtype):
         torch.ops.nsa.compressed_attention.default, torch.ops.nsa.select_blocks.default,
         torch.ops.nsa.selected_attention.default)]
     assert len(ops) == 3
-    pos = [op.args[7] if op.target is torch.ops.nsa.compressed_attention.default else op.args[-1] for op in ops]
+    index = {torch.ops.nsa.compressed_attention.default: 7, torch.ops.nsa.select_blocks.default: -1,
+             torch.ops.nsa.selected_attention.default: 7}
+    pos = [op.args[index[op.target]] for op in ops]
+    assert [op.args[8:] for op in ops if op.target is torch.ops.nsa.selected_attention.default] == [(0, 51)]
     assert all(tuple(p.meta["val"].shape) == (1, 192) and p.meta["val"].dtype == torch.int64 for p in pos)
 
 

@@ -38,8 +38,14 @@ chosen and the token is <= t (the eager `selected_attention(..., pos)` of models
 values of pos are not checked (that would read them back from the device); token ids outside
 [0, S) that invalid positions would give are clamped for the gather, never read out of bounds.
 
+The longest document (`doc_len`, an int, default 0: unknown; with pos only) is a hint for the
+triton backend's tiles where the caller knows it (the varlen pass: positions that are a constant of
+the graph): one row of packed tokens then gets the tiles of its documents' length, not of the
+whole row's (selection_triton `_tile_len`). The results never depend on it; the other backends
+ignore it.
+
 Backward is a second op, `nsa::selected_attention_backward(grad_o, q, k, v, o, lse, block_idx,
-block_size, scale, backend, pos) -> (dq, dk, dv)`, with dk and dv summed over each group's h
+block_size, scale, backend, pos, q_offset, doc_len) -> (dq, dk, dv)`, with dk and dv summed over each group's h
 query heads (shapes of k and v); block_idx and pos get no gradient.
 
 Backends (`backend="auto"` takes the first that can run; naming one that cannot is an error;
@@ -114,10 +120,13 @@ def why_not_triton(q, k, v, block_idx, block_size, pos=None, q_offset: int = 0) 
                                                                                    pos))
 
 
-def _check(q, k, v, block_idx, block_size, scale, backend="auto", pos=None, q_offset=0) -> str:
+def _check(q, k, v, block_idx, block_size, scale, backend="auto", pos=None, q_offset=0, doc_len=0) -> str:
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
-    dtypes, block size, positions, query offset and backend are valid."""
+    dtypes, block size, positions, query offset, document length and backend are valid."""
     check_offset("selected_attention", q_offset, pos)
+    if isinstance(doc_len, bool) or not isinstance(doc_len, int) or doc_len < 0 or doc_len and pos is None:
+        raise ValueError(f"selected_attention: doc_len must be an int >= 0, and 0 without pos (it bounds the "
+                         f"packed documents' length), got {doc_len!r}" + (" without pos" if pos is None else ""))
     if pos is not None:
         check_qkv("selected_attention", q, k, v, block_idx=block_idx, pos=pos)
     else:  # a chunk of queries reads K/V of the tokens up to its last query, at least
@@ -255,16 +264,18 @@ def _reference_backward(grad_o, q, k, v, block_idx, block_size: int, scale: floa
 
 
 def _check_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale, backend="auto", pos=None,
-                    q_offset=0) -> str:
-    chosen = _check(q, k, v, block_idx, block_size, scale, backend, pos, q_offset)
+                    q_offset=0, doc_len=0) -> str:
+    chosen = _check(q, k, v, block_idx, block_size, scale, backend, pos, q_offset, doc_len)
     check_grad_o("selected_attention_backward", grad_o, q, v)
     return chosen
 
 
 def _gradients(saved, grad_o, _grad_lse) -> dict:
     s = saved
-    # without pos or an offset, the call (and so the backward graph) stays as it was before they existed
-    packed = (s.pos, s.q_offset) if s.q_offset else () if s.pos is None else (s.pos,)
+    # without pos, an offset or a document length, the call (and so the backward graph) stays as it
+    # was before they existed
+    packed = ((s.pos, s.q_offset, s.doc_len) if s.doc_len else (s.pos, s.q_offset) if s.q_offset
+              else () if s.pos is None else (s.pos,))
     dq, dk, dv = torch.ops.nsa.selected_attention_backward(
         grad_o, s.q, s.k, s.v, s.o, s.lse, s.block_idx, s.block_size, s.scale, s.backend, *packed)
     return {"q": dq, "k": dk, "v": dv}
@@ -277,9 +288,9 @@ def _varlen(name: str) -> Backend:
         name, in_auto=False,
         cannot_run=lambda q, k, v, block_idx, block_size, pos, q_offset: chunk_reason(q, k, q_offset) or (
             selection_varlen.unsupported_reason(q, k, v, block_idx, block_size, name, pos=pos)),
-        forward=lambda q, k, v, block_idx, block_size, scale, pos, q_offset: selection_varlen.selected_forward(
+        forward=lambda q, k, v, block_idx, block_size, scale, pos, q_offset, doc_len: selection_varlen.selected_forward(
             q, k, v, block_idx, block_size, scale, name),
-        backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos, q_offset:
+        backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos, q_offset, doc_len:
             selection_varlen.selected_backward(
             grad_o, q, k, v, o, lse, block_idx, block_size, scale, name),
         nondeterministic="FA-2's backward accumulates dQ, and index_add dK/dV, with atomic adds")
@@ -288,7 +299,7 @@ def _varlen(name: str) -> Backend:
 SELECTION = declare(Op(
     name="selected_attention",
     schema="(Tensor q, Tensor k, Tensor v, Tensor block_idx, SymInt block_size, float scale, "
-           'str backend="auto", Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor)',
+           'str backend="auto", Tensor? pos=None, int q_offset=0, int doc_len=0) -> (Tensor, Tensor)',
     config_field="selected_attention_backend",
     choice_args=("q", "k", "v", "block_idx", "block_size", "pos", "q_offset"),
     backends=(
@@ -296,26 +307,26 @@ SELECTION = declare(Op(
                 cannot_run=lambda q, k, v, block_idx, block_size, pos, q_offset: selection_triton.unsupported_reason(
                     q, k, v, block_idx, block_size, pos),
                 auto_reason=why_not_triton,
-                forward=lambda q, k, v, block_idx, block_size, scale, pos, q_offset: selection_triton.selected_forward(
-                    q, k, v, block_idx, block_size, scale, pos, q_offset),
-                backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos, q_offset:
+                forward=lambda q, k, v, block_idx, block_size, scale, pos, q_offset, doc_len:
+                    selection_triton.selected_forward(q, k, v, block_idx, block_size, scale, pos, q_offset, doc_len),
+                backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos, q_offset, doc_len:
                     selection_triton.selected_backward(grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos,
-                                                       q_offset)),
+                                                       q_offset, doc_len)),
         _varlen("varlen"),
         _varlen("varlen_flash_attn"),
         # its backward scatter-adds dK/dV: on CUDA repeatable under torch.use_deterministic_algorithms(True),
         # which OptimizeConfig(deterministic=True) asks the user to set for the rest of the model too
         Backend("reference",
-                forward=lambda q, k, v, block_idx, block_size, scale, pos, q_offset: _reference_forward(
+                forward=lambda q, k, v, block_idx, block_size, scale, pos, q_offset, doc_len: _reference_forward(
                     q, k, v, block_idx, block_size, scale, pos=pos, q_offset=q_offset),
-                backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos, q_offset:
+                backward=lambda grad_o, q, k, v, o, lse, block_idx, block_size, scale, pos, q_offset, doc_len:
                     _reference_backward(grad_o, q, k, v, block_idx, block_size, scale, pos=pos, q_offset=q_offset)),
     ),
     check=_check,
     fake=lambda q, k, v, *_: empty_attention_outputs(q, v),
     backward_schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor block_idx, "
-                    'SymInt block_size, float scale, str backend="auto", Tensor? pos=None, int q_offset=0) '
-                    "-> (Tensor, Tensor, Tensor)",
+                    'SymInt block_size, float scale, str backend="auto", Tensor? pos=None, int q_offset=0, '
+                    'int doc_len=0) -> (Tensor, Tensor, Tensor)',
     check_backward=_check_backward,
     backward_fake=lambda grad_o, q, k, v, *_: empty_attention_grads(q, k, v),
     outputs=("o", "lse"),
@@ -327,9 +338,12 @@ selected_attention_backward = SELECTION.backward_op
 
 def selected_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_size: int, scale: float,
-    backend: str = "auto", pos: torch.Tensor | None = None, q_offset: int = 0,
+    backend: str = "auto", pos: torch.Tensor | None = None, q_offset: int = 0, doc_len: int = 0,
 ) -> torch.Tensor:
     """The output o of `torch.ops.nsa.selected_attention` (see the module docstring)."""
+    if doc_len:
+        return torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend, pos, q_offset,
+                                                doc_len)[0]
     if q_offset:
         return torch.ops.nsa.selected_attention(q, k, v, block_idx, block_size, scale, backend, pos, q_offset)[0]
     if pos is None:

@@ -646,13 +646,14 @@ def _require(q, k, v, block_idx, block_size, pos) -> None:
         raise ValueError(f"selected_attention (triton): cannot run these inputs: {why}")
 
 
-def selected_forward(q, k, v, block_idx, block_size: int, scale: float, pos=None, q_offset: int = 0, *,
-                     tiles: dict | None = None):
+def selected_forward(q, k, v, block_idx, block_size: int, scale: float, pos=None, q_offset: int = 0,
+                     doc_len: int = 0, *, tiles: dict | None = None):
     """o [B, H, S, Dv] (v's dtype) and lse [B, H, S] float32 (natural log, -inf on empty rows).
     pos: [B, S] int64 positions in the documents (packed documents), or None. q_offset: a chunk
     of queries, row t is token q_offset + t of k and v's SK >= q_offset + S tokens (the op checks
-    it; not with pos). `tiles`: an override of `_tiles` (tools/profile_selection.py); None, the
-    default tiles."""
+    it; not with pos). doc_len: with pos, the longest document where the caller knows it (a hint
+    for the tiles, `_tile_len`; 0: unknown). `tiles`: an override of `_tiles`
+    (tools/profile_selection.py); None, the default tiles."""
     _require(q, k, v, block_idx, block_size, pos)
     B, H, S, Dk = q.shape
     G, Dv = k.shape[1], v.shape[3]
@@ -661,11 +662,21 @@ def selected_forward(q, k, v, block_idx, block_size: int, scale: float, pos=None
     if B * H * S == 0:
         return o, lse
     pos = None if pos is None else pos.contiguous()
-    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=S, n_selected=block_idx.shape[3],
-               keys=k.shape[2], packed=pos is not None)
+    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=_tile_len(S, pos, doc_len),
+               n_selected=block_idx.shape[3], keys=k.shape[2], packed=pos is not None)
     union = _tile_union(block_idx, block_size, S, T["fwd"]["TQ"], pos, k.shape[2], T["dense"])
     _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse, pos, q_offset)
     return o, lse
+
+
+def _tile_len(S: int, pos, doc_len: int) -> int:
+    """The query span `_tiles` plans for: S, or with packed documents the longest document where
+    the caller knows it (doc_len > 0, e.g. positions that are a constant of the graph). One row of
+    packed tokens (varlen, T = 65,536 in documents of 2,048) would otherwise get the long
+    sequence's one-query tiles, though no query sees past its document: seed shape, H200, random
+    choices (.gpu scratch, session 22): fwd 4.79 -> 1.86 ms, bwd 6.77 -> 4.17. A hint only: the
+    tiles change the speed, never the results (a wrong doc_len is as correct as 0)."""
+    return min(S, doc_len) if pos is not None and doc_len > 0 else S
 
 
 def _document_starts(block_idx: torch.Tensor, pos: torch.Tensor, block_size: int, S: int):
@@ -727,7 +738,9 @@ def _document_union(block_idx: torch.Tensor, pos: torch.Tensor, block_size: int,
     B, G, _, n = block_idx.shape
     NT = _cdiv(S, TQ)
     start, chosen = _document_starts(block_idx, pos, block_size, S)
-    ids = torch.where(chosen & (start < S), start, S)  # no token: S, sorted last
+    # int32 values (S < 2^31: unsupported_reason): the sort of a tile's TQ * n starts took 0.534 ms
+    # as int64 against 0.279 as int32 (seed 2k x 32 packed in one row, H200, .gpu scratch, session 22)
+    ids = torch.where(chosen & (start < S), start, S).to(torch.int32)  # no token: S, sorted last
     if NT * TQ != S:  # the last tile's missing queries choose nothing
         ids = torch.nn.functional.pad(ids, (0, 0, 0, NT * TQ - S), value=S)
     ids = ids.reshape(B * G, NT, TQ * n).sort(dim=-1).values
@@ -737,7 +750,7 @@ def _document_union(block_idx: torch.Tensor, pos: torch.Tensor, block_size: int,
     count = rank[..., -1].contiguous() if TQ * n else torch.zeros(B * G, NT, dtype=torch.int32, device=ids.device)
     slot = torch.where(first, rank - 1, TQ * n)  # the rest: a spare slot past the end
     union = torch.empty(B * G, NT, TQ * n + 1, dtype=torch.int32, device=ids.device)
-    union.scatter_(2, slot.long(), ids.to(torch.int32))
+    union.scatter_(2, slot.long(), ids)
     return union, count, NT
 
 
@@ -800,9 +813,14 @@ def _inverted_selection(block_idx: torch.Tensor, block_size: int, S: int, segmen
         key = torch.stack((torch.where(first, bg * NB + grid, NK), torch.where(second, bg * NB + grid + 1, NK)),
                           dim=-1).flatten()  # [B*G*S*n*2]
         per_choice = 2
-    if NK < torch.iinfo(torch.int32).max:
-        # int32 keys: the CUDA radix sort makes one pass per 8 key bits, 4 instead of 8 (the sort
-        # took 1.02 ms a step at the seed shape with per-head selection: profile_step, H200)
+    if NK < torch.iinfo(torch.int16).max:
+        # the narrowest keys that hold NK: the CUDA radix sort makes one pass per 8 key bits (the
+        # sort took 1.02 ms a step at the seed shape with per-head selection as int64: profile_step,
+        # H200). int16, 2 passes, for NK < 32767 (the seed's 2,048 keys): a stable sort of 2.1M
+        # keys 0.101 ms against 0.153 as int32, of 4.2M (packed) 0.149 against 0.245 (H200,
+        # .gpu scratch, session 22)
+        key = key.to(torch.int16)
+    elif NK < torch.iinfo(torch.int32).max:
         key = key.to(torch.int32)
     sorted_key, order = torch.sort(key, stable=True)
     qtok = (order // (n * per_choice) % S).to(torch.int32)
@@ -823,11 +841,11 @@ def _inverted_selection(block_idx: torch.Tensor, block_size: int, S: int, segmen
 
 
 def selected_backward(
-    grad_o, q, k, v, o, lse, block_idx, block_size: int, scale: float, pos=None, q_offset: int = 0, *,
-    tiles: dict | None = None, segment: int | None = None,
+    grad_o, q, k, v, o, lse, block_idx, block_size: int, scale: float, pos=None, q_offset: int = 0,
+    doc_len: int = 0, *, tiles: dict | None = None, segment: int | None = None,
 ):  # fmt: skip
     """dq (like q), dk (like k), dv (like v): gradients of `selected_forward`'s o, given its o
-    and lse (and the same pos and q_offset). dk/dv are summed over the group's heads in fp32 without atomics
+    and lse (and the same pos, q_offset and doc_len). dk/dv are summed over the group's heads in fp32 without atomics
     (deterministic). `tiles` (an override of `_tiles`) and `segment` (None: DKV_SEGMENT) are for
     tools/profile_selection.py; the stages are `_dq_stage`, `_inverted_selection`, `_dkdv_stage`
     and `_reduce_stage`."""
@@ -842,8 +860,8 @@ def selected_backward(
         return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.contiguous()
     pos = None if pos is None else pos.contiguous()
-    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=S, n_selected=block_idx.shape[3],
-               keys=k.shape[2], packed=pos is not None)
+    T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=_tile_len(S, pos, doc_len),
+               n_selected=block_idx.shape[3], keys=k.shape[2], packed=pos is not None)
     delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     union = _tile_union(block_idx, block_size, S, T["dq"]["TQ"], pos, k.shape[2], T["dense"])
     _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, dq, delta, pos, q_offset)
