@@ -14,10 +14,13 @@ within 1e-2 relative RMS error, lse within 2e-2 (of 1 + |lse|), and the
 block ids of at most 0.1% of the query rows different (both rank fp32 importances; a different
 summation order swaps near ties only). A FAIL prints no times.
 """
+import os
 import time
 
 import torch
 
+if not torch.cuda.is_available():  # the CPU smoke runs the kernels in Triton's interpreter (set before they are made)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from nsa_compile.ops import compressed_triton as ct, block_select_triton as bst
 from nsa_compile.models.nsa import positions_from_cu_seqlens
 dev = "cuda" if torch.cuda.is_available() else "cpu"
