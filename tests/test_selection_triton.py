@@ -493,6 +493,27 @@ def test_packed_inverted_selection_lists_a_cut_block_under_both_grid_blocks():
                       3: [(15, 11)]}
 
 
+@pytest.mark.parametrize("blocks", [40, 40_000])  # NK below and above int16's range: int16 and int32 keys
+def test_inverted_selection_lists_each_blocks_queries_in_token_order_at_either_key_width(blocks):
+    """The inversion's sort keys are the narrowest integers that hold NK = B*G*NB (int16 below
+    32,767, else int32; a radix sort pass per 8 bits): at either width each block lists the
+    tokens that chose it (valid entries only: id <= t // l'), ascending, and a token that chose it
+    twice twice, as a stable argsort of the entries computed here in int64 says."""
+    S, n, block_size = blocks, 3, 1  # l' 1: NB = S blocks, so NK = S (B = G = 1)
+    gen = torch.Generator().manual_seed(blocks)
+    t = torch.arange(S)[:, None]
+    idx = (torch.rand(1, 1, S, n, generator=gen) * (t + 1)).long()  # ids <= t (valid), repeats allowed
+    idx[0, 0, ::7, 1] = -1  # padding
+    idx[0, 0, 5, 2] = S - 1  # a future block (t 5 < S - 1): not listed
+    qtok, qoff, *_, NB, _ = st._inverted_selection(idx.to(DEVICE), block_size, S, 1024)
+    valid = (idx >= 0) & (idx <= t)
+    key = torch.where(valid, idx, NB).flatten()
+    want_tok = (torch.sort(key, stable=True).indices // n)[: int(valid.sum())]
+    want_off = torch.searchsorted(torch.sort(key).values, torch.arange(NB + 1))
+    assert NB == S and torch.equal(qoff.cpu().long(), want_off)
+    assert torch.equal(qtok.cpu().long()[: int(valid.sum())], want_tok)
+
+
 def test_packed_op_with_backend_triton_matches_backend_reference_through_autograd():
     """The op with pos, backend triton named, against backend reference (pos reaches the kernels
     through the op's forward and backward)."""
