@@ -50,3 +50,16 @@ def test_the_rounded_block_selection_costs_about_the_unrounded_in_machine_code()
     assert rounded["instructions"] <= 1.25 * plain["instructions"], (rounded["instructions"], plain["instructions"])
     assert rounded["opcodes"]["ISETP"] <= 1.5 * plain["opcodes"]["ISETP"], (rounded["opcodes"]["ISETP"],
                                                                            plain["opcodes"]["ISETP"])
+
+
+def test_packed_launches_are_the_has_pos_kernels():
+    """--packed: the window's launches with pos are the HAS_POS kernels (the unpacked ones are not),
+    same tiles, and they compile."""
+    plain = kr.launches("window_attention", "seed", False)
+    packed = kr.launches("window_attention", "seed", False, packed=True)
+    assert [k.__name__ for k, _, _ in packed] == [k.__name__ for k, _, _ in plain]
+    flags = lambda launches: [kw["HAS_POS"] for _, _, kw in launches if "HAS_POS" in kw]  # not the delta kernel
+    assert flags(packed) == [True] * 3 and flags(plain) == [False] * 3
+    assert [kw["BLOCK_M"] for _, _, kw in packed] == [kw["BLOCK_M"] for _, _, kw in plain]
+    kernel, args, kw = packed[0]
+    assert kr.machine_code(kr.compile_launch(kernel, args, kw))["instructions"] > 500

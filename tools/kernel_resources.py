@@ -3,6 +3,7 @@ on a machine without a GPU: what a kernel change does to a kernel before any dev
 
     python3 tools/kernel_resources.py                          # every op at the seed and paper shapes
     python3 tools/kernel_resources.py --shape seed-32k --op select_blocks,selected_attention
+    python3 tools/kernel_resources.py --shape seed --op window_attention --packed   # with pos beside
     pip install --target /tmp/triton36 triton==3.6.0           # the GPU image's Triton, beside ours:
     PYTHONPATH=/tmp/triton36 python3 tools/kernel_resources.py # numbers that match the GPU's build
 
@@ -58,11 +59,14 @@ def meta(*shape, dtype=torch.bfloat16, bshd=True):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-def launches(op: str, shape: str, rounded: bool):
-    """The kernel launches of `op`'s forward and backward at `shape`: (kernel, args, constexprs)."""
+def launches(op: str, shape: str, rounded: bool, packed: bool = False):
+    """The kernel launches of `op`'s forward and backward at `shape`: (kernel, args, constexprs).
+    packed: with document positions pos [B, S] (the HAS_POS kernels; the compressed keys then in
+    a slot per token, Tc = S - l + 1, as the ops take them with pos)."""
     B, S, G, h, D = SHAPES[shape]
     H, scale = G * h, D**-0.5
-    Tc = (S - L) // D_STRIDE + 1
+    pos = torch.empty(B, S, dtype=torch.int64, device="meta") if packed else None
+    Tc = S - L + 1 if packed else (S - L) // D_STRIDE + 1
     q = meta(B, H, S, D)
     captured = []
 
@@ -84,20 +88,20 @@ def launches(op: str, shape: str, rounded: bool):
             k = meta(B, G, Tc, D, bshd=False)
             lse = torch.empty(B, H, S, device="meta")
             extra = {"importance_dtype": torch.bfloat16, "group_sum_dtype": torch.float32} if rounded else {}
-            block_select_triton.select_blocks_forward(q, k, lse, L, D_STRIDE, L_SEL, N_SEL, scale, **extra)
+            block_select_triton.select_blocks_forward(q, k, lse, L, D_STRIDE, L_SEL, N_SEL, scale, pos, **extra)
         elif op == "selected_attention":
             k, v = meta(B, G, S, D), meta(B, G, S, D)
             idx = torch.empty(B, G, S, N_SEL, dtype=torch.int64, device="meta")
-            o, lse = selection_triton.selected_forward(q, k, v, idx, L_SEL, scale)
-            selection_triton.selected_backward(meta(B, H, S, D), q, k, v, o, lse, idx, L_SEL, scale)
+            o, lse = selection_triton.selected_forward(q, k, v, idx, L_SEL, scale, pos)
+            selection_triton.selected_backward(meta(B, H, S, D), q, k, v, o, lse, idx, L_SEL, scale, pos)
         elif op == "compressed_attention":
             k, v = meta(B, G, Tc, D), meta(B, G, Tc, D)
-            o, lse = compressed_triton.compressed_forward(q, k, v, L, D_STRIDE, scale)
-            compressed_triton.compressed_backward(meta(B, H, S, D), q, k, v, o, lse, L, D_STRIDE, scale)
+            o, lse = compressed_triton.compressed_forward(q, k, v, L, D_STRIDE, scale, pos)
+            compressed_triton.compressed_backward(meta(B, H, S, D), q, k, v, o, lse, L, D_STRIDE, scale, pos)
         elif op == "window_attention":
             k, v = meta(B, G, S, D), meta(B, G, S, D)
-            o, lse = window_triton.window_forward(q, k, v, WINDOW, scale)
-            window_triton.window_backward(meta(B, H, S, D), q, k, v, o, lse, WINDOW, scale)
+            o, lse = window_triton.window_forward(q, k, v, WINDOW, scale, pos)
+            window_triton.window_backward(meta(B, H, S, D), q, k, v, o, lse, WINDOW, scale, pos)
         else:
             raise ValueError(f"unknown op {op!r}; valid: {', '.join(OPS)}")
     return captured
@@ -164,6 +168,8 @@ def main() -> None:
     ap.add_argument("--shape", default="seed,paper", help=f"comma-separated among {', '.join(SHAPES)}")
     ap.add_argument("--op", default=",".join(OPS), help=f"comma-separated among {', '.join(OPS)}")
     ap.add_argument("--top", type=int, default=5, help="opcodes listed per kernel")
+    ap.add_argument("--packed", action="store_true",
+                    help="also the packed-documents kernels (pos given: HAS_POS), a row each beside the unpacked one")
     args = ap.parse_args()
     if triton_support.triton is None:
         sys.exit("kernel_resources: triton is not installed")
@@ -178,11 +184,13 @@ def main() -> None:
             sys.exit(f"kernel_resources: unknown shape {shape!r}; valid: {', '.join(SHAPES)}")
         for op in args.op.split(","):
             for rounded in ((False, True) if op == "select_blocks" else (False,)):
-                for kernel, launch_args, kw in launches(op, shape, rounded):
-                    code = machine_code(compile_launch(kernel, launch_args, kw))
-                    mix = ", ".join(f"{n} {c}" for n, c in code["opcodes"].most_common(args.top))
-                    rows.append([shape, op + (" (rounded)" if rounded else ""), kernel.__name__, tile_summary(kw),
-                                 code["registers"], code["stack"], code["instructions"], mix])
+                for packed in ((False, True) if args.packed else (False,)):
+                    for kernel, launch_args, kw in launches(op, shape, rounded, packed):
+                        code = machine_code(compile_launch(kernel, launch_args, kw))
+                        mix = ", ".join(f"{n} {c}" for n, c in code["opcodes"].most_common(args.top))
+                        label = op + (" (rounded)" if rounded else "") + (" (packed)" if packed else "")
+                        rows.append([shape, label, kernel.__name__, tile_summary(kw),
+                                     code["registers"], code["stack"], code["instructions"], mix])
     print(tabulate(rows, headers=["shape", "op", "kernel", "tiles", "regs", "stack B", "SASS", "most frequent"],
                    tablefmt="github"))
 
