@@ -343,8 +343,9 @@ def test_public_surface():
     assert nsa_compile.ops.selected_attention_backward is selected_attention_backward
     schema = torch.ops.nsa.selected_attention.default._schema
     assert [a.name for a in schema.arguments] == ["q", "k", "v", "block_idx", "block_size", "scale", "backend", "pos",
-                                                  "q_offset"]
+                                                  "q_offset", "doc_len"]
     for op in (torch.ops.nsa.selected_attention, torch.ops.nsa.selected_attention_backward):
-        # packed documents; a chunk of queries (tests/test_query_offset.py)
-        assert ', str backend="auto", Tensor? pos=None, int q_offset=0) -> (' in str(op.default._schema)
+        # packed documents; a chunk of queries (tests/test_query_offset.py); the longest document
+        # (the tiles' hint: tests/test_selection_triton.py)
+        assert ', str backend="auto", Tensor? pos=None, int q_offset=0, int doc_len=0) -> (' in str(op.default._schema)
     assert len(schema.returns) == 2  # o and the log-sum-exp
