@@ -188,7 +188,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from nsa_compile.attention_match import LARGE_NEGATIVE, Refused, ancestors, erase_replaced
-from nsa_compile.fx import MATMULS, arg, call, constant, op_name, value
+from nsa_compile.fx import MATMULS, arg, call, constant, op_name, same, value
 from nsa_compile.fx import size as size_of
 from nsa_compile.mask_rows import CHUNK_ELEMENTS
 from nsa_compile.rewrite import PassContext, RewritePass
@@ -196,7 +196,6 @@ from nsa_compile.sizes import Sizes, is_size
 
 from . import compressed_attention as cmp
 from .autocast_casts import ExplicitAutocast
-from .compressed_attention import same
 from .window_attention import CONSTANT_POSITIONS, mask_rows
 
 INF = float("inf")
@@ -1296,7 +1295,7 @@ def merged_dims(node: fx.Node) -> int | None:
     if before is None or after is None or len(after) != len(before) - 1:
         return None
     for a in range(len(after)):
-        if cmp.same(before[:a], after[:a]) and cmp.same(before[a + 2:], after[a + 1:]) \
+        if same(before[:a], after[:a]) and same(before[a + 2:], after[a + 1:]) \
                 and same(before[a] * before[a + 1], after[a]):
             return a
     return None
@@ -1694,8 +1693,8 @@ def document_windows(keep: torch.Tensor) -> tuple[int, int] | None:
     starts = document_starts(grid)
     doc = torch.cumsum(starts.long(), 0)
     w = int(grid.sum(-1).max())
-    same = doc[:, None] == doc[None, :]
-    expected = same & (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < w)
+    same_doc = doc[:, None] == doc[None, :]
+    expected = same_doc & (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < w)
     documents = int(doc[-1])
     return (documents, w) if documents > 1 and w >= 1 and torch.equal(grid, expected) else None
 

@@ -164,7 +164,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 import nsa_compile.ops  # noqa: F401  (registers torch.ops.nsa.*)
 from nsa_compile import batch_slice, probe as region_probe, row_regions
 from nsa_compile.attention_match import Refused, ancestors, erase_replaced, evaluate_node, only_user
-from nsa_compile.fx import MATMULS, arg, call, op_name, value
+from nsa_compile.fx import MATMULS, arg, call, op_name, same, value
 from nsa_compile.row_regions import RowRegion, Rows
 from nsa_compile.ops.block_select import LUCIDRAINS_SINK, LUCIDRAINS_THRESHOLD, ROUNDINGS, choose_backend
 from nsa_compile.ops.block_select import lucidrains_probabilities, why_not_triton
@@ -231,7 +231,7 @@ def clamped_count(k, width) -> int | None:
         return None
     n, other = k.args if isinstance(k.args[0], int) else k.args[::-1]
     other = size_of(other)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or other is None or not cmp.same(other, width):
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or other is None or not same(other, width):
         return None
     return n
 
@@ -241,7 +241,7 @@ def kept_columns(out: torch.Tensor | None, n: int, width, clamp: fx.Node | None 
     under symbolic sizes, where it must be n and the width at least n at every size, unless the
     top-k took `clamp` = min(n, width) blocks: then n)."""
     m = None if out is None or out.dtype != torch.int64 else out.shape[-1]
-    if clamp is not None and m is not None and cmp.same(m, size_of(clamp)):
+    if clamp is not None and m is not None and same(m, size_of(clamp)):
         return n
     if isinstance(m, int) and (m == min(n, width) if isinstance(width, int) else m == n and always(width >= n)):
         return m
@@ -604,7 +604,7 @@ class SelectBlocks(RewritePass):
               cmp_requested: str = "auto", probes: PackedProbes | None = None) -> dict:
         if favoured_key(first_arg(ranking)) is not None:  # fla's rule: the current block set to 1.0
             return self.check_fla(ranking, subgraphs, data, requested, cmp_requested)
-        # SymInts in a graph with symbolic sizes: compared with cmp.same only, numbers at each probe
+        # SymInts in a graph with symbolic sizes: compared with `same` only, numbers at each probe
         B, G, S, width = value(first_arg(ranking)).shape
         # backward from the sort or topk: [pad] <- key <- group sum <- p @ overlap <- p
         padded = first_arg(ranking)
@@ -651,8 +651,8 @@ class SelectBlocks(RewritePass):
             if value(grouped) is None or value(grouped).dim() != 5 or value(p_slc) is None:
                 raise Refused("the importance is not summed over the group's heads (p_slc.view(B, G, h, S, Ns).sum(2))")
             h = value(grouped).shape[2]
-            if (not isinstance(h, int) or not cmp.same(value(grouped).shape, (B, G, h, S, Ns))
-                    or not cmp.same(value(p_slc).shape, (B, G * h, S, Ns))):
+            if (not isinstance(h, int) or not same(value(grouped).shape, (B, G, h, S, Ns))
+                    or not same(value(p_slc).shape, (B, G * h, S, Ns))):
                 raise Refused(f"the heads are not grouped as [B, G, h, S, Ns]: {tuple(value(grouped).shape)}")
             chain += [p_grp] + ([widened] if widened is not None else []) + [grouped]
         else:
@@ -692,8 +692,8 @@ class SelectBlocks(RewritePass):
         Gk = value(probs.k).shape[1]
         # per-head selection: no group sum and a key per query head (G = H) over grouped compressed
         # keys (Gk < H); the op then sees every query head as its own group of one
-        per_head = probs.h if h == 1 and probs.h > 1 and cmp.same(G, H) and cmp.same(Gk * probs.h, H) else 1
-        if not cmp.same((Bp, Sp, Gk * per_head, H), (B, S, G, G * h)) or h * per_head != probs.h:
+        per_head = probs.h if h == 1 and probs.h > 1 and same(G, H) and same(Gk * probs.h, H) else 1
+        if not same((Bp, Sp, Gk * per_head, H), (B, S, G, G * h)) or h * per_head != probs.h:
             raise Refused(f"the importance groups {H} heads as {G} x {h}; the compressed keys have {Gk} groups")
         reader = casts[-1] if casts and first_arg(casts[-1]) is p else (summed_first[-1] if summed_first else p_slc)
         others = [u for u in p.users if u is not reader]
@@ -792,7 +792,7 @@ class SelectBlocks(RewritePass):
         if op_offset(op):
             raise Refused(f"fla's rule (the current block favoured) for a chunk of queries (rows from token "
                           f"{op_offset(op)}): matched over the whole sequence only")
-        if not cmp.same((Bp, Sp, H), (B, S, G * h)) or not cmp.same(Tc, Ns):
+        if not same((Bp, Sp, H), (B, S, G * h)) or not same(Tc, Ns):
             raise Refused(f"the importance [B, G, S, Ns] = {tuple(value(key).shape)} is not the compressed "
                           f"probabilities {tuple(probs.shape)} summed over groups of {h} heads")
         if l != d:
@@ -941,7 +941,7 @@ class SelectBlocks(RewritePass):
             raise Refused(f"the ranking key is padded with {fill}, not -inf (padded columns could be chosen)")
         kv, fv = value(key), value(filler)
         if kv is None or fv is None or kv.dim() != fv.dim() or not all(
-                cmp.same(a, b) for a, b in zip(kv.shape[:-1], fv.shape[:-1])):
+                same(a, b) for a, b in zip(kv.shape[:-1], fv.shape[:-1])):
             raise Refused("the -inf columns do not have the ranking key's leading dims")
         if set(filler.users) != {padded} or any(u is not padded and u is not filler for u in key.users):
             raise Refused("the ranking key or its -inf columns are used elsewhere: they must stay as they are")
@@ -1369,8 +1369,8 @@ def group_summed_first(total: fx.Node, B, G, S) -> tuple[fx.Node, int, list[fx.N
         raise Refused("the grouped probabilities are cast on both sides of their 5-D view (not read)")
     h = value(view).shape[2]
     if (not isinstance(h, int) or not isinstance(inner, fx.Node) or value(inner) is None
-            or not cmp.same(value(view).shape[:4], (B, G, h, S))
-            or not cmp.same(value(inner).shape[:3], (B, G * h, S))):
+            or not same(value(view).shape[:4], (B, G, h, S))
+            or not same(value(inner).shape[:3], (B, G * h, S))):
         raise Refused(f"the heads are not grouped as [B, G, h, S, Tc]: {tuple(value(view).shape)}")
     single(total, "group importance")
     for node in [*outer, view]:
@@ -1504,8 +1504,8 @@ class LucidrainsChoice:
         H, G = value(q).shape[1], value(k_cmp).shape[1]
         rows = value(p).shape[1]
         per_head = 1
-        if not cmp.same(rows, G):
-            if not cmp.same(rows, H):
+        if not same(rows, G):
+            if not same(rows, H):
                 raise Refused(f"the probabilities have {rows} heads, neither the {G} groups nor the {H} query heads")
             per_head = H // G
         m = self.memory_columns(region)
@@ -1556,7 +1556,7 @@ class LucidrainsChoice:
         q = matmul.args[0]
         while isinstance(q, fx.Node):  # back through data movement to q as [B, H, S, Dk]
             qv = value(q)
-            if (qv is not None and qv.dim() == 4 and kv is not None and cmp.same(
+            if (qv is not None and qv.dim() == 4 and kv is not None and same(
                     (qv.shape[0], qv.shape[2], qv.shape[3]), (B, S, kv.shape[-1]))):
                 break
             q = first_arg(q) if op_name(q) in KEY_MOVES else None
