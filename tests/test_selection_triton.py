@@ -514,6 +514,32 @@ def test_inverted_selection_lists_each_blocks_queries_in_token_order_at_either_k
     assert torch.equal(qtok.cpu().long()[: int(valid.sum())], want_tok)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_tile_union_lists_each_tiles_distinct_blocks_ascending(packed):
+    """`_tile_union` (union_kernel) against sets built here: per (batch, group, tile of TQ
+    queries) the distinct block ids that hold tokens (0 <= id < NB; padding and ids past the keys
+    dropped), or with pos the distinct first tokens t - pos[t] + id * l' in [0, S), ascending,
+    and their count; the last tile partial (S % TQ != 0), repeated ids within and across rows."""
+    S, TQ, n, ls, G = 29, 4, 3, 4, 2
+    pos = positions([5, 1, 11, 12], [29]) if packed else None
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.randint(-1, 9, (B, G, S, n), generator=gen)  # -1 padding, ids past NB = 8
+    idx[0, 1, 6, :] = 2  # one row naming a block three times
+    union, count, NT = st._tile_union(idx.to(DEVICE), ls, S, TQ, None if pos is None else pos)
+    assert NT == 8 and tuple(union.shape) == (B * G, NT, TQ * n + 1)
+    for b in range(B):
+        for g in range(G):
+            for tile in range(NT):
+                rows = range(tile * TQ, min(S, tile * TQ + TQ))
+                if packed:
+                    want = {int(t - pos[b, t]) + int(i) * ls for t in rows for i in idx[b, g, t] if i >= 0}
+                    want = sorted(x for x in want if 0 <= x < S)
+                else:
+                    want = sorted({int(i) for t in rows for i in idx[b, g, t] if 0 <= i < 8})
+                got = union[b * G + g, tile, : int(count[b * G + g, tile])].tolist()
+                assert got == want, (b, g, tile)
+
+
 def test_packed_op_with_backend_triton_matches_backend_reference_through_autograd():
     """The op with pos, backend triton named, against backend reference (pos reaches the kernels
     through the op's forward and backward)."""

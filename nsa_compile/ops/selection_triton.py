@@ -32,7 +32,7 @@ and False, every `if HAS_POS` block is left out, and the kernels compile to the 
 before pos existed (compared for sm_90a, fp16/bf16, the seed's and the paper's tiles). A block
 is then named by its first token instead of its id: the forward and dq compare a row's chosen
 blocks as first tokens t - pos[t] + j * l' (one scalar document start per program when TQ = 1,
-one per row otherwise), their union holds first tokens (`_document_union`), and the dk/dv
+one per row otherwise), their union holds first tokens (`union_kernel`), and the dk/dv
 kernel masks each entry to its block's tokens. The document start is clamped into [-1, S]
 (attention_tiles.document_start) and a block that would start before token 0 holds no token:
 where pos[t] > t (not a position) the kernels and the reference (which clamps token ids for its
@@ -48,11 +48,12 @@ Kernels (tile sizes from `_tiles`):
   re-read each block once per query, L2-bound at small h). Each row masks what it may not see:
   blocks its query did not choose (tested against the query's own list, held in registers; a
   block listed twice counts twice, as weight 2) and tokens after its query. The union comes
-  from `_tile_union` (torch ops, no sort, no host sync); with TQ = 1 the query's own list is
-  read directly, slot by slot, with no membership test (a repeated id is met twice). With pos
-  the union is of first tokens (rows of one tile in two documents name one block with two ids,
-  or two blocks with one id): a sort of each tile's TQ * n starts, deduplicated (cumsum,
-  scatter), and each row compares its chosen blocks' first tokens with the union entry. One
+  from `_tile_union` (`union_kernel`: a program per tile sorts its TQ * n ids in registers and
+  writes each distinct one once; no host sync); with TQ = 1 the query's own list is read
+  directly, slot by slot, with no membership test (a repeated id is met twice). With pos the
+  union is of first tokens (rows of one tile in two documents name one block with two ids, or
+  two blocks with one id), sorted and deduplicated the same way, and each row compares its
+  chosen blocks' first tokens with the union entry. One
   flat loop runs over the (union block, chunk) pairs with no
   data-dependent `if` around the K/V loads, so Triton's pipeliner prefetches the next pair
   during this one's compute (num_stages). The running max starts at a finite floor (-1e30), so
@@ -140,13 +141,14 @@ try:
 except ImportError:  # the module still imports; unsupported_reason says why the kernels cannot run
     triton = tl = None
 
+from .block_select_triton import _sort_rows  # the bitonic sort in registers
 from .attention_tiles import (
     dim_ranges, document_start, load_tile, row_delta, row_stats, softmax_accumulate, softmax_finish, softmax_state,
     softmax_update, store_tile,
 )
 from .triton_support import (
-    cdiv as _cdiv, device_reason, dot_precision as _dot_precision, jit, next_pow2 as _next_pow2, qkv_reason,
-    reduce_sum, upcast_dots,
+    cdiv as _cdiv, cumulative_sum, device_reason, dot_precision as _dot_precision, jit, next_pow2 as _next_pow2,
+    qkv_reason, reduce_sum, upcast_dots,
 )
 
 __all__ = ["DKV_SEGMENT", "schedule", "selected_backward", "selected_forward", "unsupported_reason"]
@@ -694,64 +696,68 @@ def _tile_union(block_idx: torch.Tensor, block_size: int, S: int, TQ: int, pos: 
                 keys: int | None = None, dense: bool = False):
     """The blocks each tile of TQ consecutive queries reads: per (batch, group, tile), the
     distinct block ids its queries chose that hold tokens (0 <= id < NB = ceil(keys / l'); keys:
-    the length of K/V, S when None),
-    ascending, in `union` [B*G, NT, TQ*n] int32 (entries past `count` unused), and `count`
-    [B*G, NT] int32; NT = ceil(S / TQ). Torch ops, no sort and no host sync: a [B*G, NT, NB]
-    membership map (scatter), its running count along the blocks (cumsum) gives each member
-    its slot, and a second scatter writes the ids there. Returns (union, count, NT); for TQ = 1
-    no tensors (placeholders): the kernels read the query's own list slot by slot; likewise with
-    `dense` (`_tiles`' choice for few blocks: the kernels read every block up to the tile's last
-    query). With pos (packed documents), `_document_union`: the blocks as their first tokens."""
+    the length of K/V, S when None), ascending, in `union` [B*G, NT, TQ*n+1] int32 (entries past
+    `count` unused), and `count` [B*G, NT] int32; NT = ceil(S / TQ). With pos (packed documents)
+    a query's block j is the tokens [start, start + l'), start = t - pos[t] + j * l', which
+    queries of other documents in the same tile name with other ids and which need not sit on the
+    l' grid: the union then holds the distinct starts in [0, S) (`union_kernel`). One kernel, no
+    host sync. Returns (union, count, NT); for TQ = 1 no tensors (placeholders): the kernels read
+    the query's own list slot by slot; likewise with `dense` (`_tiles`' choice for few blocks:
+    the kernels read every block up to the tile's last query)."""
     B, G, _, n = block_idx.shape
     NT, NB = _cdiv(S, TQ), _cdiv(S if keys is None else keys, block_size)
     device = block_idx.device
     if TQ == 1 or dense:  # the kernels read each query's own list or every block (placeholders, never read)
         none = torch.zeros(1, dtype=torch.int32, device=device)
         return none, none, NT
-    if pos is not None:
-        return _document_union(block_idx, pos, block_size, S, TQ)
-    idx = block_idx
-    if NT * TQ != S:  # the last tile's missing queries choose nothing
-        idx = torch.nn.functional.pad(idx, (0, 0, 0, NT * TQ - S), value=-1)
-    ids = idx.reshape(B * G, NT, TQ * n)
-    ids = torch.where((ids >= 0) & (ids < NB), ids, NB)  # no token: the spare column NB
-    member = torch.zeros(B * G, NT, NB + 1, dtype=torch.int32, device=device)
-    member.scatter_(2, ids, 1)
-    member = member[..., :NB]
-    rank = torch.cumsum(member, 2, dtype=torch.int32)  # members up to each block
-    count = rank[..., -1].contiguous() if NB else torch.zeros(B * G, NT, dtype=torch.int32, device=device)
-    slot = torch.where(member.bool(), rank - 1, TQ * n)  # non-members: a spare slot past the end
     union = torch.empty(B * G, NT, TQ * n + 1, dtype=torch.int32, device=device)
-    blocks = torch.arange(NB, dtype=torch.int32, device=device).expand(B * G, NT, NB)
-    union.scatter_(2, slot.long(), blocks)
+    count = torch.empty(B * G, NT, dtype=torch.int32, device=device)
+    if B * G * NT:
+        E_P = max(2, _next_pow2(TQ * n))
+        union_kernel[(B * G, NT)](
+            block_idx, pos, union, count, *block_idx.stride(), S, G, NT, NB, n, block_size,
+            TQ=TQ, E_P=E_P, LOG_E=E_P.bit_length() - 1, HAS_POS=pos is not None, num_warps=4,
+        )  # fmt: skip
     return union, count, NT
 
 
-def _document_union(block_idx: torch.Tensor, pos: torch.Tensor, block_size: int, S: int, TQ: int):
-    """`_tile_union` with packed documents: a query's block j is the tokens [start, start + l'),
-    start = t - pos[t] + j * l', which queries of other documents in the same tile name with
-    other ids, and which need not sit on the l' grid; so the union holds the distinct starts in
-    [0, S) (a block is the same block for every row that names the same first token), ascending.
-    Per tile the TQ * n starts are sorted (a sort along the last dim: values only, deterministic),
-    each first of a run of equal values is a member, its slot the running count (cumsum), and
-    a scatter writes it there. No host sync. Returns (union, count, NT) as `_tile_union`."""
-    B, G, _, n = block_idx.shape
-    NT = _cdiv(S, TQ)
-    start, chosen = _document_starts(block_idx, pos, block_size, S)
-    # int32 values (S < 2^31: unsupported_reason): the sort of a tile's TQ * n starts took 0.534 ms
-    # as int64 against 0.279 as int32 (seed 2k x 32 packed in one row, H200, .gpu scratch, session 22)
-    ids = torch.where(chosen & (start < S), start, S).to(torch.int32)  # no token: S, sorted last
-    if NT * TQ != S:  # the last tile's missing queries choose nothing
-        ids = torch.nn.functional.pad(ids, (0, 0, 0, NT * TQ - S), value=S)
-    ids = ids.reshape(B * G, NT, TQ * n).sort(dim=-1).values
-    previous = torch.nn.functional.pad(ids[..., :-1], (1, 0), value=-1)
-    first = (ids < S) & (ids != previous)  # [B*G, NT, TQ*n]
-    rank = torch.cumsum(first, 2, dtype=torch.int32)
-    count = rank[..., -1].contiguous() if TQ * n else torch.zeros(B * G, NT, dtype=torch.int32, device=ids.device)
-    slot = torch.where(first, rank - 1, TQ * n)  # the rest: a spare slot past the end
-    union = torch.empty(B * G, NT, TQ * n + 1, dtype=torch.int32, device=ids.device)
-    union.scatter_(2, slot.long(), ids)
-    return union, count, NT
+@jit
+def union_kernel(
+    IDX, POS, UNION, UCNT, sib, sig, sis, sin_, S, G, NT, NB, N_SEL, BS,
+    TQ: tl.constexpr, E_P: tl.constexpr, LOG_E: tl.constexpr, HAS_POS: tl.constexpr,
+):  # fmt: skip
+    """`_tile_union`'s union of one (batch * group, tile): its TQ * n entries as keys (the block
+    id, or with pos the block's first token; a sentinel where the entry names no token: padding,
+    a block past the keys or starting before token 0, a row past S), sorted (block selection's
+    bitonic network in registers), then each first of a run of equal keys written at its rank
+    (the sorted keys go through the union's row once: a key's predecessor is read back from
+    there), and the count."""
+    bg = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = (bg // G).to(tl.int64)
+    g = (bg % G).to(tl.int64)
+    e = tl.arange(0, E_P)
+    E = TQ * N_SEL
+    row = (tile * TQ + e // N_SEL).to(tl.int64)
+    ok = (e < E) & (row < S)
+    ids = tl.load(IDX + b * sib + g * sig + row * sis + (e % N_SEL) * sin_, mask=ok, other=-1)
+    if HAS_POS:
+        start = document_start(POS, b, row, ok, S).to(tl.int64) + ids * BS
+        end = S
+        key = tl.where(ok & (ids >= 0) & (start >= 0) & (start < S), start, end).to(tl.int32)
+    else:
+        end = NB
+        key = tl.where(ok & (ids >= 0) & (ids < NB), ids, end).to(tl.int32)
+    key = tl.reshape(_sort_rows(tl.reshape(key, [1, E_P]), 1, E_P, LOG_E, False), [E_P])  # sentinels last
+    base = UNION + (bg * NT + tile).to(tl.int64) * (E + 1)
+    tl.store(base + e, key, mask=e < E)  # the valid keys sit in the first E places
+    tl.debug_barrier()
+    prev = tl.load(base + e - 1, mask=(e >= 1) & (e < E), other=-1)
+    tl.debug_barrier()
+    first = (key != prev) & (key < end) & (e < E)
+    rank = cumulative_sum(first.to(tl.int32), 0) - 1
+    tl.store(base + rank, key, mask=first)
+    tl.store(UCNT + bg * NT + tile, reduce_sum(first.to(tl.int32), 0))
 
 
 def _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse, pos=None, q_offset: int = 0):

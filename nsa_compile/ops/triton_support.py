@@ -45,7 +45,7 @@ except ImportError:  # the kernel modules say why their kernels cannot run
     triton = tl = None
 
 __all__ = ["KERNEL_DTYPES", "TritonFunction", "cdiv", "device_reason", "dot_precision", "interpreting", "jit",
-           "next_pow2", "qkv_reason", "reduce_max", "reduce_min", "reduce_sum", "upcast_dots"]
+           "next_pow2", "qkv_reason", "reduce_max", "reduce_min", "reduce_sum", "cumulative_sum", "upcast_dots"]
 
 # The dtypes the kernels take (fp32 without TF32: IEEE dots).
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -120,6 +120,19 @@ class _Reduction(_ModeBound):
 
 
 reduce_max, reduce_min, reduce_sum = _Reduction("max"), _Reduction("min"), _Reduction("sum")
+
+
+class _CumulativeSum(_ModeBound):
+    """tl.cumsum called as f(x, axis): compiled, the library function; interpreted, a plain
+    function around tl.associative_scan with triton's own add (as `_Reduction`)."""
+
+    def built(self):
+        if not interpreting():
+            return tl.cumsum
+        return lambda x, axis: tl.associative_scan(x, axis, tl.standard._sum_combine)
+
+
+cumulative_sum = _CumulativeSum()
 
 
 def _bound_for(fn: Callable) -> Callable:
