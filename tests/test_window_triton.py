@@ -67,6 +67,10 @@ CASES = [  # S, h, G, dk, dv, window, dtype
     (41, 2, 1, 16, 16, 1, torch.float32),  # window 1: each query sees only itself
     (39, 4, 2, 16, 16, 17, torch.bfloat16),
     (33, 2, 2, 32, 32, 9, torch.float16),
+    # window 40 over tiles of 16: key tiles inside every row's window and before the diagonal
+    # (the unmasked interior loop) between masked ones on both sides
+    (100, 2, 1, 16, 16, 40, torch.float32),
+    (90, 3, 1, 16, 16, 40, torch.bfloat16),
 ]
 
 
@@ -213,6 +217,10 @@ PACKED_CASES = [  # rows of document lengths, h, G, dk, dv, window, dtype
     (([5, 1, 31], [12, 12, 13]), 1, 1, 16, 16, 1, torch.float32),  # window 1
     (([2, 29, 1, 15, 23], [70]), 4, 2, 16, 16, 17, torch.bfloat16),
     (([33, 1, 7], [1, 1, 39]), 2, 2, 32, 32, 12, torch.float16),
+    # window 40 over tiles of 16 (interior key tiles): documents starting inside a query tile
+    # take the tile's latest start as the interior's first key; a tile inside one long document not
+    (([30, 3, 45, 22], [100]), 2, 1, 16, 16, 40, torch.float32),
+    (([7, 61, 32], [50, 50]), 2, 2, 16, 16, 40, torch.bfloat16),
 ]
 
 

@@ -44,6 +44,10 @@ Kernels (tile sizes from `_tiles`):
 - forward, grid (ceil(S / BLOCK_M), B * H): BLOCK_M consecutive queries of one head walk the key
   tiles from the first key any of them sees (t0 - window + 1, rounded down to BLOCK_N) to the
   last query's token, about (window + BLOCK_M) / BLOCK_N tiles whatever S; an online softmax in fp32.
+  The key tiles every row of the query tile sees whole (`_interior`: past the window's edge for
+  the last row, before the diagonal for the first, past every row's document start with pos)
+  run without a mask, those before and after them masked per (row, key) pair, in key order (at
+  the seed's tiles and window about 6 of 10 tiles are interior).
   The running max starts at a finite floor (-1e30), so a tile masked for a row leaves its state
   unchanged instead of making NaN; a row that sees no key at all (only with pos[t] < 0) gets
   o 0 and lse -inf, and zero gradients in the backward.
@@ -54,8 +58,8 @@ Kernels (tile sizes from `_tiles`):
   window - 1 tokens past their last; none for keys no row of a chunk reads: dk, dv 0),
   accumulating dk and dv in fp32 in registers: the sum over the group's heads happens in the
   program, in a fixed order (no atomics, no partials).
-- dq, grid as the forward: recomputes p from the saved lse over the forward's key tiles and
-  accumulates dq = scale * ds @ k in fp32.
+- dq, grid as the forward: recomputes p from the saved lse over the forward's key tiles (its
+  interior unmasked too) and accumulates dq = scale * ds @ k in fp32.
 
 Supported (`unsupported_reason` says why not): CUDA tensors or any device under
 TRITON_INTERPRET=1 (pos, where given, on the same device), q, k, v all fp16, bf16 or fp32, head
@@ -87,7 +91,7 @@ from .attention_tiles import (
 )
 from .triton_support import (
     cdiv as _cdiv, device_reason, dot_precision as _dot_precision, jit, next_pow2 as _next_pow2, qkv_reason,
-    reduce_min, upcast_dots,
+    reduce_max, reduce_min, upcast_dots,
 )
 
 __all__ = ["unsupported_reason", "window_backward", "window_forward"]
@@ -166,13 +170,56 @@ def _key_range(tile, keys, Q_OFF, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 
 
 @jit
+def _interior(tile, keys, Q_OFF, W, lo, hi, doc_last, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              CHUNK: tl.constexpr):
+    """The key tiles [mid_lo, mid_hi) of [lo, hi) (`_key_range`'s, starts on the BLOCK_N grid) that
+    every query row of the tile sees whole, so they need no mask: all their keys s < keys, s <= t
+    for the tile's first token t0, t - s < W for its last (s >= t0 + BLOCK_M - W), and s >=
+    doc_last (with pos the latest document start of the tile's rows, else 0). mid_lo <= mid_hi;
+    both hi where no tile qualifies. The kernels walk [lo, mid_lo) and [mid_hi, hi) masked and
+    the interior without a mask, in that order: the same tiles in the same order as one masked
+    loop (a mask that keeps everything changes no score)."""
+    t0 = tile * BLOCK_M
+    if CHUNK:
+        t0 += Q_OFF
+    first = tl.maximum(tl.maximum(t0 + BLOCK_M - W, doc_last), 0)  # the first key every row sees
+    mid_lo = tl.minimum(tl.maximum(lo, (first + BLOCK_N - 1) // BLOCK_N * BLOCK_N), hi)
+    mid_hi = tl.maximum(tl.minimum(t0 + 1, keys) // BLOCK_N * BLOCK_N, mid_lo)  # s + BLOCK_N <= t0 + 1, keys
+    return mid_lo, mid_hi
+
+
+@jit
 def _document_keys(POS, b, t64, row_ok, S, lo, BLOCK_N: tl.constexpr):
     """Packed documents, for a query tile: each row's document start doc [BLOCK_M] int32 (its
-    keys are s >= doc) and the tile's first key tile `lo` raised past the keys no row's document
-    holds (the earliest start, rounded down to BLOCK_N)."""
+    keys are s >= doc), the tile's first key tile `lo` raised past the keys no row's document
+    holds (the earliest start, rounded down to BLOCK_N), and the latest start (keys from there on
+    are in every row's document: `_interior`)."""
     doc = document_start(POS, b, t64, row_ok, S)
     first = reduce_min(tl.where(row_ok, doc, S), 0)
-    return doc, tl.maximum(lo, tl.maximum(first, 0) // BLOCK_N * BLOCK_N)
+    last = reduce_max(tl.where(row_ok, doc, -1), 0)
+    return doc, tl.maximum(lo, tl.maximum(first, 0) // BLOCK_N * BLOCK_N), last
+
+
+@jit
+def _fwd_tile(q, k_base, v_base, s, keys, t, doc, W, qk_scale, m_i, l_i, acc, sks, skd, svs, svd, dk, dv, dk_ok, dv_ok,
+              VDT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr,
+              HAS_POS: tl.constexpr):
+    """One key tile (tokens s [BLOCK_N]) of the forward's online softmax: (m_i, l_i, acc) in,
+    updated out. MASKED: each (row, key) pair tested (s < keys, s <= t, t - s < W, and s >= the
+    row's document start with pos); without, the tile is one `_interior` says every row sees."""
+    col_ok = s < keys
+    s64 = s.to(tl.int64)
+    k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
+    v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    if MASKED:
+        valid = col_ok[None, :] & (s[None, :] <= t[:, None]) & (t[:, None] - s[None, :] < W)
+        if HAS_POS:
+            valid = valid & (s[None, :] >= doc[:, None])
+        qk = tl.where(valid, qk, float("-inf"))
+    m_new, alpha, p, l_i = softmax_update(m_i, l_i, qk, None)
+    acc = softmax_accumulate(acc, alpha, p, v, VDT, PREC, UPCAST)
+    return m_new, l_i, acc
 
 
 @jit
@@ -194,22 +241,19 @@ def fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     m_i, l_i, acc = softmax_state(BLOCK_M, DV_P)
     lo, hi = _key_range(tile, keys, Q_OFF, W, BLOCK_M, BLOCK_N, CHUNK)
+    doc, doc_last = 0, 0  # without pos: no document start (unused)
     if HAS_POS:  # not with CHUNK: rows are tokens
-        doc, lo = _document_keys(POS, b, r64, row_ok, S, lo, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
-        s = start + cols
-        col_ok = s < keys
-        s64 = s.to(tl.int64)
-        k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)  # [BLOCK_N, DK_P]
-        v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)  # [BLOCK_N, DV_P]
-        valid = col_ok[None, :] & (s[None, :] <= t[:, None]) & (t[:, None] - s[None, :] < W)
-        if HAS_POS:
-            valid = valid & (s[None, :] >= doc[:, None])
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        qk = tl.where(valid, qk, float("-inf"))
-        m_new, alpha, p, l_i = softmax_update(m_i, l_i, qk, None)
-        acc = softmax_accumulate(acc, alpha, p, v, V.dtype.element_ty, PREC, UPCAST)
-        m_i = m_new
+        doc, lo, doc_last = _document_keys(POS, b, r64, row_ok, S, lo, BLOCK_N)
+    mid_lo, mid_hi = _interior(tile, keys, Q_OFF, W, lo, hi, doc_last, BLOCK_M, BLOCK_N, CHUNK)
+    for start in range(lo, mid_lo, BLOCK_N):  # the window's first key tiles, masked
+        m_i, l_i, acc = _fwd_tile(q, k_base, v_base, start + cols, keys, t, doc, W, qk_scale, m_i, l_i, acc, sks, skd, svs, svd,
+                          dk, dv, dk_ok, dv_ok, V.dtype.element_ty, PREC, UPCAST, True, HAS_POS)
+    for start in range(mid_lo, mid_hi, BLOCK_N):  # the interior: every row sees every key (no mask)
+        m_i, l_i, acc = _fwd_tile(q, k_base, v_base, start + cols, keys, t, doc, W, qk_scale, m_i, l_i, acc, sks, skd, svs, svd,
+                          dk, dv, dk_ok, dv_ok, V.dtype.element_ty, PREC, UPCAST, False, HAS_POS)
+    for start in range(mid_hi, hi, BLOCK_N):  # the diagonal's key tiles, masked
+        m_i, l_i, acc = _fwd_tile(q, k_base, v_base, start + cols, keys, t, doc, W, qk_scale, m_i, l_i, acc, sks, skd, svs, svd,
+                          dk, dv, dk_ok, dv_ok, V.dtype.element_ty, PREC, UPCAST, True, HAS_POS)
     # every query sees itself (with valid positions): only rows past S are empty; a row that
     # sees no key (pos[t] < 0) gets o 0 and lse -inf
     o, lse = softmax_finish(acc, m_i, l_i)
@@ -288,6 +332,31 @@ def dkdv_kernel(
 
 
 @jit
+def _dq_tile(q, do, k_base, v_base, s, keys, t, row_ok, doc, W, qk_scale, lse2, delta, acc, sks, skd, svs, svd, dk, dv,
+             dk_ok, dv_ok, KDT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr,
+             HAS_POS: tl.constexpr):
+    """One key tile (tokens s [BLOCK_N]) of dq: acc [BLOCK_M, DK_P] += ds @ k, p recomputed from
+    the saved lse; MASKED as `_fwd_tile` (the interior needs no mask: rows past S are never stored)."""
+    col_ok = s < keys
+    s64 = s.to(tl.int64)
+    k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)
+    v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    if MASKED:
+        valid = row_ok[:, None] & col_ok[None, :] & (s[None, :] <= t[:, None]) & (t[:, None] - s[None, :] < W)
+        if HAS_POS:
+            valid = valid & (s[None, :] >= doc[:, None])
+        p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)
+    else:
+        p = tl.exp2(qk - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = (p * (dp - delta[:, None])).to(KDT)
+    if UPCAST:
+        ds = ds.to(tl.float32)
+    return acc + tl.dot(ds, k, input_precision=PREC)
+
+
+@jit
 def dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, POS,
     sqb, sqh, sqs, sqd, skb, skg, sks, skd, svb, svg, svs, svd, sdob, sdoh, sdos, sdod,
@@ -309,24 +378,19 @@ def dq_kernel(
     cols = tl.arange(0, BLOCK_N)
     acc = tl.full([BLOCK_M, DK_P], 0.0, tl.float32)
     lo, hi = _key_range(tile, keys, Q_OFF, W, BLOCK_M, BLOCK_N, CHUNK)
+    doc, doc_last = 0, 0  # without pos: no document start (unused)
     if HAS_POS:  # not with CHUNK: rows are tokens
-        doc, lo = _document_keys(POS, b, r64, row_ok, S, lo, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
-        s = start + cols
-        col_ok = s < keys
-        s64 = s.to(tl.int64)
-        k = load_tile(k_base, s64, dk, sks, skd, col_ok, dk_ok, UPCAST)
-        v = load_tile(v_base, s64, dv, svs, svd, col_ok, dv_ok, UPCAST)
-        valid = row_ok[:, None] & col_ok[None, :] & (s[None, :] <= t[:, None]) & (t[:, None] - s[None, :] < W)
-        if HAS_POS:
-            valid = valid & (s[None, :] >= doc[:, None])
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = (p * (dp - delta[:, None])).to(K.dtype.element_ty)
-        if UPCAST:
-            ds = ds.to(tl.float32)
-        acc += tl.dot(ds, k, input_precision=PREC)
+        doc, lo, doc_last = _document_keys(POS, b, r64, row_ok, S, lo, BLOCK_N)
+    mid_lo, mid_hi = _interior(tile, keys, Q_OFF, W, lo, hi, doc_last, BLOCK_M, BLOCK_N, CHUNK)
+    for start in range(lo, mid_lo, BLOCK_N):  # masked, as the forward's
+        acc = _dq_tile(q, do, k_base, v_base, start + cols, keys, t, row_ok, doc, W, qk_scale, lse2, delta, acc,
+                       sks, skd, svs, svd, dk, dv, dk_ok, dv_ok, K.dtype.element_ty, PREC, UPCAST, True, HAS_POS)
+    for start in range(mid_lo, mid_hi, BLOCK_N):  # the interior, no mask
+        acc = _dq_tile(q, do, k_base, v_base, start + cols, keys, t, row_ok, doc, W, qk_scale, lse2, delta, acc,
+                       sks, skd, svs, svd, dk, dv, dk_ok, dv_ok, K.dtype.element_ty, PREC, UPCAST, False, HAS_POS)
+    for start in range(mid_hi, hi, BLOCK_N):
+        acc = _dq_tile(q, do, k_base, v_base, start + cols, keys, t, row_ok, doc, W, qk_scale, lse2, delta, acc,
+                       sks, skd, svs, svd, dk, dv, dk_ok, dv_ok, K.dtype.element_ty, PREC, UPCAST, True, HAS_POS)
     tl.store(DQ + b * sdqb + head * sdqh + r64[:, None] * sdqs + dk[None, :] * sdqd,
              (acc * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok[None, :])
 
