@@ -1015,6 +1015,20 @@ def test_triton_reads_the_real_and_imaginary_views_of_a_complex_table(interprete
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
 
 
+def test_interleaved_full_tables_are_read_as_contiguous_even_and_odd_columns():
+    """Full-width interleaved tables: the triton backend reads the pair's entries (even columns)
+    and the partner's (odd columns) as contiguous copies with one set of strides (read in place,
+    at a frequency stride of 2, the kernels took over twice the time); rotate-half's stay views."""
+    from nsa_compile.ops import rope_triton as rt
+
+    cos, sin = torch.randn(1, 9, 16), torch.randn(1, 9, 16)
+    c, s, c_b, s_b, r2 = rt._tables(cos, sin, "interleaved", True)
+    assert r2 == 8 and all(t.is_contiguous() and t.stride() == c.stride() for t in (s, c_b, s_b))
+    assert torch.equal(c, cos[..., 0::2]) and torch.equal(s_b, sin[..., 1::2])
+    c, _, c_b, _, _ = rt._tables(cos, sin, "half", True)
+    assert c.data_ptr() == cos.data_ptr() and torch.equal(c_b, cos[..., 8:])
+
+
 def test_interleaved_pairs_are_joined_only_over_whole_heads_in_aligned_tiles():
     """JOINED (one store of a tile's consecutive columns) holds for the aligned interleaved case
     the tests above run, and not where pass-through columns or masked columns sit between pairs,
