@@ -243,6 +243,22 @@ def test_packed_documents_match_the_reference(rows, h, G, dk, dv, window, dtype)
         assert not torch.allclose(unpacked[0].float(), ref[0], rtol=1e-2, atol=1e-2)
 
 
+def test_packed_dkdv_walks_up_to_the_last_query_tile_that_sees_the_keys():
+    """dk/dv stop below the query tiles whose rows all start their documents after the key tile
+    (the next document's queries), found by a downward scan, so a row high in the window whose
+    document starts early still counts: a document of 16 then one of 30, window 40, tiles of 16,
+    and row 48 given pos 48 (its document starts at 0: it sees keys 9..15 of the first tile,
+    past two query tiles that see none)."""
+    pos = positions([16, 30, 10], [56]).clone()
+    pos[0, 48] = 48
+    q, k, v, grad_o = make_inputs(56, 2, 1, 16, 16, torch.float32, seed=5)
+    ref, ref_lse = reference(q, k, v, grad_o, 40, 0.25, pos)
+    ours, lse = run(q, k, v, grad_o, 40, 0.25, tiles=SMALL, pos=pos)
+    assert_kernel_matches_reference(ours, ref, torch.float32, "row 48 from document start 0")
+    without, _ = run(q, k, v, grad_o, 40, 0.25, tiles=SMALL, pos=positions([16, 30, 10], [56]))
+    assert not torch.allclose(without[2][0, 0, 9:16], ours[2][0, 0, 9:16])  # row 48 adds to those keys' dk
+
+
 def test_packed_row_of_one_document_is_bitwise_the_unpacked_kernel():
     """pos = 0..S-1 (one document per row) masks nothing: the same bits as without pos."""
     q, k, v, grad_o = make_inputs(45, 3, 1, 16, 16, torch.bfloat16, seed=21)

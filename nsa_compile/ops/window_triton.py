@@ -201,6 +201,26 @@ def _document_keys(POS, b, t64, row_ok, S, lo, BLOCK_N: tl.constexpr):
 
 
 @jit
+def _document_query_tiles(POS, b, q_lo, n_tiles, s_last, S, BLOCK_M: tl.constexpr):
+    """Packed documents, dk/dv: how many of the n_tiles query tiles from q_lo to walk, the last
+    one the highest whose rows include one with its document starting at or before s_last (the
+    key tile's last key); the tiles above it have no row that sees any of the keys. Scanned
+    downwards from the window's end, one pos load a tile: near a document's end that skips the
+    next document's queries (up to W of them), for any pos (starts need not grow with t)."""
+    rows = tl.arange(0, BLOCK_M)
+    n = n_tiles
+    r = q_lo + (n - 1) * BLOCK_M + rows
+    ok = (r >= q_lo) & (r < S)
+    lowest = reduce_min(tl.where(ok, document_start(POS, b, r.to(tl.int64), ok, S), S), 0)
+    while (n > 0) & (lowest > s_last):
+        n -= 1
+        r = q_lo + (n - 1) * BLOCK_M + rows
+        ok = (r >= q_lo) & (r < S)
+        lowest = reduce_min(tl.where(ok, document_start(POS, b, r.to(tl.int64), ok, S), S), 0)
+    return n
+
+
+@jit
 def _fwd_tile(q, k_base, v_base, s, keys, t, doc, W, qk_scale, m_i, l_i, acc, sks, skd, svs, svd, dk, dv, dk_ok, dv_ok,
               VDT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr,
               HAS_POS: tl.constexpr):
@@ -300,6 +320,9 @@ def dkdv_kernel(
         q_hi = tl.minimum(ktile * BLOCK_N + BLOCK_N - 1 + W, S)
     n_tiles = (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M
     rows = tl.arange(0, BLOCK_M)
+    if HAS_POS:  # not past the last query tile with a row whose document holds one of these keys
+        n_tiles = _document_query_tiles(POS, b, q_lo, n_tiles, tl.minimum(ktile * BLOCK_N + BLOCK_N, keys) - 1, S,
+                                        BLOCK_M)
     for it in range(0, HPG * n_tiles):  # the group's heads in turn, each over its query tiles
         j = it // n_tiles
         head = g * HPG + j
