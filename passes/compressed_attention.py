@@ -2101,8 +2101,7 @@ def verify_varlen(probs: Probabilities, v: fx.Node) -> Varlen:
 def rewrite_varlen(graph: fx.Graph, plan: dict) -> None:
     """p @ v over packed tokens -> the op's packed form on one row of T tokens: q [1, H, T, D] (a
     view), K/V [1, G, T - l + 1, D] with key j copied into its slot (zeros elsewhere: no query
-    sees them), the constant positions [1, T] and the longest document (doc_len, a hint for the
-    backward's work plan); o [1, H, T, Dv][0] replaces p @ v [H, T, Dv]."""
+    sees them), the constant positions [1, T]; o [1, H, T, Dv][0] replaces p @ v [H, T, Dv]."""
     probs, pv, seen = plan["probs"], plan["pv"], plan["varlen"]
     T = probs.shape[2]
     Tc = T - seen.block + 1
@@ -2121,9 +2120,8 @@ def rewrite_varlen(graph: fx.Graph, plan: dict) -> None:
                     anchor=pv)
 
     q = call(graph, torch.unsqueeze, probs.q, 0, anchor=pv)
-    hint = (0, plan["doc_len"]) if plan["doc_len"] else ()  # q_offset 0, the longest document
     both = call(graph, torch.ops.nsa.compressed_attention, q, in_slots(probs.k), in_slots(plan["v"]), seen.block,
-                seen.stride, probs.scale, plan["backend"], pos, *hint, anchor=pv)
+                seen.stride, probs.scale, plan["backend"], pos, anchor=pv)
     out = call(graph, operator.getitem, call(graph, operator.getitem, both, 0, anchor=pv), 0, anchor=pv)
     pv.replace_all_uses_with(out)
     erase_replaced(graph, [pv], [plan["cast"] or probs.p])
@@ -2211,14 +2209,10 @@ class CompressedAttention(RewritePass):
         except ValueError as why:
             raise Refused(f"OptimizeConfig(compressed_attention_backend={requested!r}): {why}") from None
         documents = len({s - seen.pos[s] for s in seen.slots})  # the document starts of the keys
-        # the longest document, from the constant positions: the backward's work plan (a hint), or
-        # one row of T packed tokens is planned as one T-token document
-        doc_len = max(seen.pos) + 1 if seen.pos else 0
         return {"probs": probs, "v": v, "pv": pv, "cast": cast, "block": seen.block, "stride": seen.stride,
-                "varlen": seen, "backend": backend, "pos": None, "doc_len": doc_len,
+                "varlen": seen, "backend": backend, "pos": None,
                 "variant": f", packed [T, H, D] tokens (3-D scores, {len(seen.slots)} per-document keys in slots of "
-                           f"{T - seen.block + 1}, {documents} documents with a block, documents of at most "
-                           f"{doc_len} tokens (the backward's work plan))",
+                           f"{T - seen.block + 1}, {documents} documents with a block)",
                 "why_not_triton": why_not_triton(*fakes, pos) if requested == "auto"
                 else f"compressed_attention_backend={requested!r} in OptimizeConfig"}
 

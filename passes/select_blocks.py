@@ -1717,7 +1717,7 @@ class VarlenChoice:
             raise Refused(f"the varlen block ids are {tuple(value(final).shape)} {value(final).dtype}, not int64 "
                           f"[G, T, n] = {(G, T, n)}")
         block = self.verify(probs, comp, region, final, n, width)
-        q4, k4, _, l, d, scale, _, pos = comp.args[:8]  # then q_offset 0 and the longest document (a hint)
+        q4, k4, _, l, d, scale, _, pos = comp.args
         lse = next((u for u in comp.users if op_name(u) == "getitem" and u.args[1] == 1), None)
         with value(q4).fake_mode:
             fake_lse = value(q4).new_empty(cmp.concrete(value(q4).shape)[:3], dtype=torch.float32)
@@ -1734,7 +1734,7 @@ class VarlenChoice:
     def verify(probs: cmp.Probabilities, comp: fx.Node, region: list, final: fx.Node, n: int, width: int) -> int:
         """l': the block size for which the region gives the op's ids on every probe (Refused
         naming the first probe and query that differ)."""
-        _, k4, _, l, d, scale, _, pos_node = comp.args[:8]
+        _, k4, _, l, d, scale, _, pos_node = comp.args
         # on the graph's device: the region makes its constants there (torch.zeros(.., device=..))
         slots = cmp.evaluate_written(k4.args[0].args[2], "compressed key slots")
         pos = cmp.evaluate_written(pos_node, "positions")
@@ -1792,7 +1792,7 @@ class VarlenChoice:
     @staticmethod
     def rewrite(graph: fx.Graph, plan: dict) -> None:
         comp, anchor = plan["comp"], plan["anchor"]
-        q4, k4, _, l, d, scale, _, pos = comp.args[:8]  # then q_offset 0 and the longest document (a hint)
+        q4, k4, _, l, d, scale, _, pos = comp.args
         order = {node: i for i, node in enumerate(graph.nodes)}
         lse = plan["lse"]
         if lse is None or order[lse] > order[anchor]:
@@ -1815,7 +1815,7 @@ def varlen_compressed_op(probs: cmp.Probabilities) -> fx.Node:
         if op_name(view) != "unsqueeze":
             continue
         for op in view.users:
-            k4 = op.args[1] if op.op == "call_function" and op.target in targets and len(op.args) >= 8 else None
+            k4 = op.args[1] if op.op == "call_function" and op.target in targets and len(op.args) == 8 else None
             copy = first_arg(k4) if isinstance(k4, fx.Node) and op_name(k4) == "unsqueeze" else None
             if (op.args[0] is view and isinstance(copy, fx.Node) and op_name(copy) == "index_copy"
                     and copy.args[3] is probs.k and op.args[5] == probs.scale):

@@ -334,16 +334,15 @@ def test_public_surface_and_config():
     assert nsa_compile.ops.compressed_attention_backward is compressed_attention_backward
     schema = torch.ops.nsa.compressed_attention.default._schema
     assert [a.name for a in schema.arguments] == ["q", "k", "v", "block", "stride", "scale", "backend", "pos",
-                                                  "q_offset", "doc_len"]
-    assert str(schema.arguments[-3].type) == "Optional[Tensor]" and schema.arguments[-3].default_value is None
-    # a chunk of queries (tests/test_query_offset.py); the longest packed document, a hint
-    for arg in schema.arguments[-2:]:
-        assert str(arg.type) == "int" and arg.default_value == 0
+                                                  "q_offset"]
+    assert str(schema.arguments[-2].type) == "Optional[Tensor]" and schema.arguments[-2].default_value is None
+    # a chunk of queries (tests/test_query_offset.py)
+    assert str(schema.arguments[-1].type) == "int" and schema.arguments[-1].default_value == 0
     assert len(schema.returns) == 2  # o and the log-sum-exp
     schema = torch.ops.nsa.compressed_attention_backward.default._schema
     assert [a.name for a in schema.arguments][:6] == ["grad_o", "q", "k", "v", "o", "lse"]
-    assert schema.arguments[-3].name == "pos" and str(schema.arguments[-3].type) == "Optional[Tensor]"
-    assert [a.name for a in schema.arguments[-2:]] == ["q_offset", "doc_len"]
+    assert schema.arguments[-2].name == "pos" and str(schema.arguments[-2].type) == "Optional[Tensor]"
+    assert schema.arguments[-1].name == "q_offset"
     assert cmp_mod.COMPRESSED.backend_names() == ("auto", "triton", "reference")
     assert nsa_compile.OptimizeConfig().compressed_attention_backend == "auto"
     assert nsa_compile.OptimizeConfig(compressed_attention_backend="reference").compressed_attention_backend == "reference"
@@ -564,14 +563,6 @@ def test_packed_backend_choice_and_backward_validation(monkeypatch):
     compressed_attention_backward(grad_o, q, k, v, o, lse, 8, 4, 0.5, "auto", pos)
     with pytest.raises(ValueError, match=r"pos must have shape"):
         compressed_attention_backward(grad_o, q, k, v, o, lse, 8, 4, 0.5, "auto", pos[:, :7])
-    # the longest document, a hint: the same outputs; refused without pos or negative, forward and backward
-    hinted = torch.ops.nsa.compressed_attention(q, k, v, 8, 4, 0.5, "auto", pos, 0, 11)
-    assert all(torch.equal(a, b) for a, b in zip(hinted, (o, lse)))
-    for doc_len, where in ((11, None), (-1, pos)):
-        with pytest.raises(ValueError, match="doc_len must be an int >= 0, and 0 without pos"):
-            torch.ops.nsa.compressed_attention(q, k, v, 8, 4, 0.5, "auto", where, 0, doc_len)
-        with pytest.raises(ValueError, match="doc_len must be an int >= 0, and 0 without pos"):
-            compressed_attention_backward(grad_o, q, k, v, o, lse, 8, 4, 0.5, "auto", where, 0, doc_len)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="backend 'triton' cannot run these inputs: device cpu"):
         compressed_attention_backward(grad_o, q, k, v, o, lse, 8, 4, 0.5, "triton", pos)
@@ -720,9 +711,8 @@ def packed_kernel_paths(pos, h, l, d, tiles) -> set:
             elif slot[b, c_last] + l - 1 < end[b, c0]:
                 found.add("dkdv_whole")
     capacity = ct.slot_capacity(S, S - l + 1, l, d)
-    pairs = tuple(ct._tile_pairs(S, h, capacity, l, min(l, d), block_n, 0))
-    segment = ct._segment(pairs, pos.shape[0], tiles["dkdv"], pos.device)
-    if ct._work_items(pairs, segment, pos.device)[5] > 1:
+    segment = ct._segment(S, h, capacity, l, min(l, d), pos.shape[0], tiles["dkdv"], pos.device)
+    if ct._work_items(S, h, capacity, l, min(l, d), block_n, segment, pos.device)[5] > 1:
         found.add("split")
     return found
 
@@ -811,7 +801,7 @@ class TestTriton:
         whole = run_triton(q, k, v, grad_o, l, d, 0.25, {"dkdv": {"SEGMENT": 10**6}})
         split = run_triton(q, k, v, grad_o, l, d, 0.25, {"dkdv": {"SEGMENT": 16}})
         block_n = ct._tiles(DK, DV, fp32=True)["dkdv"]["BLOCK_N"]
-        items = ct._work_items(tuple(ct._tile_pairs(S, h, k.shape[2], l, d, block_n, 0)), 16, q.device)
+        items = ct._work_items(S, h, k.shape[2], l, d, block_n, 16, q.device)
         assert items[5] > 3  # several items per tile
         for a, b in zip(whole, split):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -865,33 +855,6 @@ class TestTriton:
         assert not dk.transpose(1, 2)[unseen].any() and not dv.transpose(1, 2)[unseen].any()
         again = run_triton(q, k, v, grad_o, l, d, DK**-0.5, tiles, pos)
         assert all(torch.equal(a, b) for a, b in zip(ours, again))
-
-    @pytest.mark.parametrize("segment", [None, 16])
-    def test_packed_document_hint_plans_fewer_items_and_never_changes_results(self, segment):
-        """doc_len (the longest document) plans each dk/dv key tile for doc_len queries, not the
-        rest of the row: fewer pairs, so fewer work items. The right hint, one too small (tiles
-        whose pairs run past their items' segments: each item then walks every nseg-th segment)
-        and none give the reference's gradients; with one segment a tile, the same bits whatever
-        the hint."""
-        S, lengths, h, l, d = 90, ([30, 1, 25, 34], [12, 40, 38]), 2, 4, 2
-        q, k, v, grad_o = (x.to(DEVICE) for x in packed_inputs(S, h, torch.float32, l, d, seed=4))
-        pos = positions(lengths, S).to(DEVICE)
-        tiles = None if segment is None else {"dkdv": {"SEGMENT": segment}}
-        ref = reference(q, k, v, grad_o, l, d, 0.3, pos)
-        o, lse = ct.compressed_forward(q, k, v, l, d, 0.3, pos, tiles=tiles)
-        got = {}
-        for doc_len in (0, 40, 3):
-            got[doc_len] = ct.compressed_backward(grad_o, q, k, v, o, lse, l, d, 0.3, pos, doc_len=doc_len, tiles=tiles)
-            check_triton((o, lse, *got[doc_len]), ref, torch.float32, f"doc_len={doc_len} segment={segment}")
-        T = ct._tiles(DK, DV, fp32=True, override=tiles)
-        capacity, block_n = ct.slot_capacity(S, S - l + 1, l, d), T["dkdv"]["BLOCK_N"]
-        plans = [ct._tile_pairs(S, h, capacity, l, min(l, d), block_n, n) for n in (0, 40, 3)]
-        assert sum(plans[0]) > sum(plans[1]) > sum(plans[2]) and max(plans[2]) == 3 * h
-        if segment is None:  # the interpreter's one segment a tile: one item each, the same walk
-            assert all(torch.equal(a, b) for a, b in zip(got[0], got[40]))
-        else:
-            items = [ct._work_items(tuple(p), segment, pos.device)[4] for p in plans]
-            assert items[0] > items[1] > items[2]
 
     def test_packed_rows_without_a_slot_and_sequences_shorter_than_a_block(self):
         """Only documents shorter than l (no row sees a slot): zeros, lse -inf, zero gradients, no

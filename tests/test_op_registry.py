@@ -34,12 +34,11 @@ SCHEMAS = {
                                  'Tensor o, Tensor lse, SymInt window, float scale, str backend="auto", '
                                  "Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor, Tensor)",
     "compressed_attention": "nsa::compressed_attention(Tensor q, Tensor k, Tensor v, SymInt block, SymInt stride, "
-                            'float scale, str backend="auto", Tensor? pos=None, int q_offset=0, int doc_len=0) -> '
-                            "(Tensor, Tensor)",
+                            'float scale, str backend="auto", Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor)',
     "compressed_attention_backward": "nsa::compressed_attention_backward(Tensor grad_o, Tensor q, Tensor k, "
                                      "Tensor v, Tensor o, Tensor lse, SymInt block, SymInt stride, float scale, "
-                                     'str backend="auto", Tensor? pos=None, int q_offset=0, int doc_len=0) -> '
-                                     "(Tensor, Tensor, Tensor)",
+                                     'str backend="auto", Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor, '
+                                     "Tensor)",
     "select_blocks": "nsa::select_blocks(Tensor q, Tensor k, Tensor? lse, SymInt cmp_block, SymInt cmp_stride, "
                      'SymInt sel_block, SymInt n_selected, float scale, str backend="auto", Tensor? pos=None, '
                      'str rule="nsa", ScalarType? importance_dtype=None, ScalarType? group_sum_dtype=None, '

@@ -110,14 +110,6 @@ def empty_attention_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     return tuple(bshd_empty(*x.shape, x) for x in (q, k, v))
 
 
-def check_doc_len(op: str, doc_len, pos) -> None:
-    """doc_len (the longest packed document, a hint for the triton kernels' work plan) must be an
-    int >= 0, and 0 (unknown) without pos."""
-    if isinstance(doc_len, bool) or not isinstance(doc_len, int) or doc_len < 0 or doc_len and pos is None:
-        raise ValueError(f"{op}: doc_len must be an int >= 0, and 0 without pos (it bounds the packed documents' "
-                         f"length), got {doc_len!r}" + (" without pos" if pos is None else ""))
-
-
 def check_offset(op: str, q_offset, pos) -> None:
     """q_offset (the token of query row 0: a chunk of queries, issue 17) must be an int >= 0, and
     0 with packed documents (pos: each row's position is pos's)."""

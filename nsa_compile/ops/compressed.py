@@ -1,8 +1,7 @@
 """Compressed-token attention with GQA as a functional custom op (NSA section 2).
 
-    o, lse = torch.ops.nsa.compressed_attention(q, k, v, block, stride, scale, backend, pos=None, q_offset=0,
-                                                doc_len=0)
-    o = compressed_attention(q, k, v, block, stride, scale, backend="auto", pos=None, q_offset=0, doc_len=0)  # o only
+    o, lse = torch.ops.nsa.compressed_attention(q, k, v, block, stride, scale, backend, pos=None, q_offset=0)
+    o = compressed_attention(q, k, v, block, stride, scale, backend="auto", pos=None, q_offset=0)   # the output only
 
 q [B, H, S, Dk] (normally a transposed view of [B, S, H, Dk] memory), k [B, G, Tc, Dk] and
 v [B, G, Tc, Dv]: the pooled compression tokens K~, V~ (one per compression block), H = G * h;
@@ -58,11 +57,6 @@ pos must count up by one inside each document from 0 at its start (what models.c
 accepts, and the model checks once per forward): the triton backend relies on it (a document's
 start is t - pos[t], and its blocks are at least min(block, stride) tokens apart); the reference
 computes the formula above for any int64 pos.
-The longest document (`doc_len`, an int, default 0: unknown; with pos only) is a hint for the
-triton backward's work plan where the caller knows it (the varlen pass: positions that are a
-constant of the graph): the dk/dv work items of one row of packed tokens are then planned for its
-documents' length, not the whole row's (compressed_triton `_tile_pairs`). The results never
-depend on it; the other backends ignore it.
 
 A chunk of queries (`q_offset`, an int, default 0): query row r of q is token q_offset + r of
 the sequence the keys were pooled from, so row r sees block i iff i * stride + block - 1 <=
@@ -75,7 +69,7 @@ and q_offset = 0 launches exactly the kernels it did before; the reference adds 
 rows' tokens.
 
 Backward is a second op, `nsa::compressed_attention_backward(grad_o, q, k, v, o, lse, block,
-stride, scale, backend, pos=None, q_offset=0, doc_len=0) -> (dq, dk, dv)`: dq in q's dtype ([B, S, H, Dk] memory), dk and
+stride, scale, backend, pos=None, q_offset=0) -> (dq, dk, dv)`: dq in q's dtype ([B, S, H, Dk] memory), dk and
 dv with the shapes and dtypes of k and v, summed over each group's h query heads; pos gets no
 gradient.
 
@@ -111,7 +105,7 @@ import torch
 
 from . import compressed_triton
 from .common import (
-    bshd_empty, check_doc_len, check_gqa, check_grad_o, check_offset, check_positive_int, empty_attention_grads,
+    bshd_empty, check_gqa, check_grad_o, check_offset, check_positive_int, empty_attention_grads,
     empty_attention_outputs, upcast_dtype, why_not_triton_on,
 )
 from .registry import Backend, Op, declare
@@ -146,7 +140,7 @@ def why_not_triton(q, k, v, block, stride, pos=None, q_offset: int = 0) -> str |
     return why_not_triton_on(q.device, lambda: _triton_reason(q, k, v, block, stride, pos, q_offset))
 
 
-def _check(q, k, v, block, stride, scale, backend="auto", pos=None, q_offset=0, doc_len=0) -> str:
+def _check(q, k, v, block, stride, scale, backend="auto", pos=None, q_offset=0) -> str:
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
     dtypes, block, stride, pos and backend are valid. (k and v hold Tc compression tokens, not S:
     common.check_qkv does not fit.)"""
@@ -162,7 +156,6 @@ def _check(q, k, v, block, stride, scale, backend="auto", pos=None, q_offset=0, 
         check_positive_int(op, "block", block, " with pos")
     check_positive_int(op, "stride", stride)
     check_offset(op, q_offset, pos)
-    check_doc_len(op, doc_len, pos)
     if pos is not None:
         _check_pos(op, q, k, block, pos)
     return choose_backend(q, k, v, block, stride, backend, pos, q_offset)
@@ -399,46 +392,43 @@ def _reference_backward(grad_o, q, k, v, block: int, stride: int, scale: float, 
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _check_backward(grad_o, q, k, v, o, lse, block, stride, scale, backend="auto", pos=None, q_offset=0,
-                    doc_len=0) -> str:
-    chosen = _check(q, k, v, block, stride, scale, backend, pos, q_offset, doc_len)
+def _check_backward(grad_o, q, k, v, o, lse, block, stride, scale, backend="auto", pos=None, q_offset=0) -> str:
+    chosen = _check(q, k, v, block, stride, scale, backend, pos, q_offset)
     check_grad_o("compressed_attention_backward", grad_o, q, v)
     return chosen
 
 
 def _gradients(saved, grad_o, _grad_lse) -> dict:
     s = saved
-    hint = (s.doc_len,) if s.doc_len else ()  # without it the backward call stays as it was before it existed
     dq, dk, dv = torch.ops.nsa.compressed_attention_backward(
-        grad_o, s.q, s.k, s.v, s.o, s.lse, s.block, s.stride, s.scale, s.backend, s.pos, s.q_offset, *hint)
+        grad_o, s.q, s.k, s.v, s.o, s.lse, s.block, s.stride, s.scale, s.backend, s.pos, s.q_offset)
     return {"q": dq, "k": dk, "v": dv}
 
 
 COMPRESSED = declare(Op(
     name="compressed_attention",
     schema='(Tensor q, Tensor k, Tensor v, SymInt block, SymInt stride, float scale, str backend="auto", '
-           "Tensor? pos=None, int q_offset=0, int doc_len=0) -> (Tensor, Tensor)",
+           "Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor)",
     config_field="compressed_attention_backend",
     choice_args=("q", "k", "v", "block", "stride", "pos", "q_offset"),
     backends=(
         Backend("triton", cannot_run=_triton_reason, auto_reason=why_not_triton,
                 # a chunk of queries as the staircase's intercept (module docstring)
-                forward=lambda q, k, v, block, stride, scale, pos, q_offset, doc_len:
-                    compressed_triton.compressed_forward(q, k, v, block - q_offset, stride, scale, pos),
-                backward=lambda grad_o, q, k, v, o, lse, block, stride, scale, pos, q_offset, doc_len:
+                forward=lambda q, k, v, block, stride, scale, pos, q_offset: compressed_triton.compressed_forward(
+                    q, k, v, block - q_offset, stride, scale, pos),
+                backward=lambda grad_o, q, k, v, o, lse, block, stride, scale, pos, q_offset:
                     compressed_triton.compressed_backward(grad_o, q, k, v, o, lse, block - q_offset, stride, scale,
-                                                          pos, doc_len=doc_len)),
+                                                          pos)),
         Backend("reference",
-                forward=lambda q, k, v, block, stride, scale, pos, q_offset, doc_len: _reference_forward(
+                forward=lambda q, k, v, block, stride, scale, pos, q_offset: _reference_forward(
                     q, k, v, block, stride, scale, pos=pos, q_offset=q_offset),
-                backward=lambda grad_o, q, k, v, o, lse, block, stride, scale, pos, q_offset, doc_len: _reference_backward(
+                backward=lambda grad_o, q, k, v, o, lse, block, stride, scale, pos, q_offset: _reference_backward(
                     grad_o, q, k, v, block, stride, scale, pos=pos, q_offset=q_offset)),
     ),
     check=_check,
     fake=lambda q, k, v, *_: empty_attention_outputs(q, v),
     backward_schema="(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, SymInt block, SymInt stride, "
-                    'float scale, str backend="auto", Tensor? pos=None, int q_offset=0, int doc_len=0) '
-                    '-> (Tensor, Tensor, Tensor)',
+                    'float scale, str backend="auto", Tensor? pos=None, int q_offset=0) -> (Tensor, Tensor, Tensor)',
     check_backward=_check_backward,
     backward_fake=lambda grad_o, q, k, v, *_: empty_attention_grads(q, k, v),
     outputs=("o", "lse"),
@@ -450,8 +440,7 @@ compressed_attention_backward = COMPRESSED.backward_op
 
 def compressed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, stride: int, scale: float, backend: str = "auto",
-    pos: Optional[torch.Tensor] = None, q_offset: int = 0, doc_len: int = 0,
+    pos: Optional[torch.Tensor] = None, q_offset: int = 0,
 ) -> torch.Tensor:
     """The output o of `torch.ops.nsa.compressed_attention` (see the module docstring)."""
-    hint = (doc_len,) if doc_len else ()
-    return torch.ops.nsa.compressed_attention(q, k, v, block, stride, scale, backend, pos, q_offset, *hint)[0]
+    return torch.ops.nsa.compressed_attention(q, k, v, block, stride, scale, backend, pos, q_offset)[0]

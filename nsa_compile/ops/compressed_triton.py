@@ -47,13 +47,7 @@ not Tc ~ S slots. dk/dv: a program holds BLOCK_N compact slots, seen by the quer
 it lies in one document (unmasked), the others are masked. Its work items are planned on the
 host from shapes alone, for at most S // min(block, stride) compact slots a row (a document of
 n >= block tokens holds (n - block) // stride + 1 blocks) with compact slot c starting at token
->= c * min(block, stride); the segments of a tile past its real pairs find none. With the
-longest document known (doc_len, a hint) a tile is planned for doc_len queries, not the rest of
-the row: one row of many documents gets as many items as the unpacked batch would (without it
-the few items that hold a tile's real pairs ran the packed seed backward at 0.61 ms against the
-unpacked 0.36, H200, 2026-11-28 profile). An item then walks its segment and every nseg-th one
-after it until the tile's pairs end, so a tile over more documents than planned is still whole
-(the hint never changes a result). dk and dv
+>= c * min(block, stride); the segments of a tile past its real pairs find none. dk and dv
 start at 0: the kernels write the blocks' slots only. This relies on pos counting up by one
 inside each document (models.check_positions), as the op's docstring says.
 
@@ -503,11 +497,8 @@ def dkdv_kernel(
             p_full = tl.maximum(p_full, 0)
     # the masked tiles end at p_mid, a whole number of ROWS after p_lo (as the segments are)
     p_mid = p_lo + (p_full - p_lo + ROWS - 1) // ROWS * ROWS
-    # the item's segments: segment seg; with pos also seg + nseg, seg + 2 nseg, ... while the tile's
-    # pairs last (the host plans items from shapes and the longest document, a hint: a tile whose
-    # pairs run longer, over many documents without blocks, is still covered whole)
-    a_first = p_lo + seg * SEG
-    a_end = p_end if HAS_POS else a_first + 1
+    a = p_lo + seg * SEG
+    e = tl.minimum(a + SEG, p_end)
 
     dk = tl.arange(0, DK_P)
     dv = tl.arange(0, DV_P)
@@ -535,32 +526,30 @@ def dkdv_kernel(
     # staircase mask (and rows past the end of the sequence); then the rest, which see every
     # token of the tile: no visibility mask (rows past the end load q = dO = 0 and add nothing;
     # columns past Tc are not stored)
-    for a in range(a_first, a_end, nseg * SEG):
-        e = tl.minimum(a + SEG, p_end)
-        for full in tl.static_range(2):
-            for r0 in range(tl.maximum(a, p_mid) if full else a, e if full else tl.minimum(e, p_mid), ROWS):
-                pr = r0 + rows
-                if HAS_POS:  # a tile may run past its document's end into the next one's queries
-                    row_ok = pr < e
-                else:
-                    row_ok = pr < n_pairs
-                tq = pr // HPG
-                tq64 = tq.to(tl.int64)
-                head = (g * HPG + pr % HPG).to(tl.int64)
-                q = load_tile(Q + b * sqb + head[:, None] * sqh, tq64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)  # [ROWS, DK_P]
-                do = load_tile(DO + b * sdob + head[:, None] * sdoh, tq64, dv, sdos, sdod, row_ok, dv_ok, UPCAST)
-                lse2, delta = row_stats(LSE, DELTA, (b * G * HPG + head) * S + tq64, row_ok)
-                s = _score(q, k, scale, Q.dtype.element_ty, PREC)
-                if full:
-                    visible = None
-                elif HAS_POS:  # row t sees the compact slots [lo, hi) (rows past the end: none)
-                    lo = tl.load(LO + b * S + tq64, mask=row_ok, other=0)
-                    hi = tl.load(HI + b * S + tq64, mask=row_ok, other=0)
-                    visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
-                else:
-                    visible = row_ok[:, None] & c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
-                acc_k, acc_v = _pair_gradients(acc_k, acc_v, s, visible, lse2, delta, q, do, v, scale, Q.dtype.element_ty,
-                                               DO.dtype.element_ty, PREC, UPCAST)
+    for full in tl.static_range(2):
+        for r0 in range(tl.maximum(a, p_mid) if full else a, e if full else tl.minimum(e, p_mid), ROWS):
+            pr = r0 + rows
+            if HAS_POS:  # a tile may run past its document's end into the next one's queries
+                row_ok = pr < e
+            else:
+                row_ok = pr < n_pairs
+            tq = pr // HPG
+            tq64 = tq.to(tl.int64)
+            head = (g * HPG + pr % HPG).to(tl.int64)
+            q = load_tile(Q + b * sqb + head[:, None] * sqh, tq64, dk, sqs, sqd, row_ok, dk_ok, UPCAST)  # [ROWS, DK_P]
+            do = load_tile(DO + b * sdob + head[:, None] * sdoh, tq64, dv, sdos, sdod, row_ok, dv_ok, UPCAST)
+            lse2, delta = row_stats(LSE, DELTA, (b * G * HPG + head) * S + tq64, row_ok)
+            s = _score(q, k, scale, Q.dtype.element_ty, PREC)
+            if full:
+                visible = None
+            elif HAS_POS:  # row t sees the compact slots [lo, hi) (rows past the end: none)
+                lo = tl.load(LO + b * S + tq64, mask=row_ok, other=0)
+                hi = tl.load(HI + b * S + tq64, mask=row_ok, other=0)
+                visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
+            else:
+                visible = row_ok[:, None] & c_ok[None, :] & (c[None, :] * STRIDE + BLK - 1 <= tq[:, None])
+            acc_k, acc_v = _pair_gradients(acc_k, acc_v, s, visible, lse2, delta, q, do, v, scale, Q.dtype.element_ty,
+                                           DO.dtype.element_ty, PREC, UPCAST)
 
     # one segment: the final value; several: an fp32 partial per item, summed by reduce_kernel
     # (the scalar conditions become column limits: block masks only)
@@ -653,39 +642,35 @@ def compressed_forward(q, k, v, block: int, stride: int, scale: float, pos=None,
     return o, lse
 
 
-def _tile_pairs(S: int, h: int, Tc: int, block: int, stride: int, block_n: int, span: int) -> list[int]:
-    """The pairs each dk/dv key tile is planned for: tile i is seen by the pairs from
-    min(max(i * block_n * stride + block - 1, 0), S) * h to S * h, and with packed documents of at
-    most `span` tokens (a hint; 0: unknown) by at most span * h of them (a tile over several
-    documents may hold more: the kernel's items then take several segments each)."""
-    pairs = [S * h - min(max(i * block_n * stride + block - 1, 0), S) * h for i in range(_cdiv(Tc, block_n))]
-    return [min(p, span * h) for p in pairs] if span else pairs
-
-
-def _segment(pairs: list[int], BG: int, cfg: dict, device) -> int:
+def _segment(S: int, h: int, Tc: int, block: int, stride: int, BG: int, cfg: dict, device) -> int:
     """Pairs per dk/dv work item, a multiple of ROWS: cfg["SEGMENT"] if given; on CUDA, the
-    planned pair work (`_tile_pairs`) over ITEMS_PER_SM items per SM (at least 4 pair tiles per
-    item); elsewhere (the interpreter) one item per key tile."""
+    total pair work over ITEMS_PER_SM items per SM (at least 4 pair tiles per item); elsewhere
+    (the interpreter) one item per key tile."""
     rows = cfg["ROWS"]
+    n_pairs = S * h
     if cfg.get("SEGMENT") is not None:
         return max(rows, _cdiv(int(cfg["SEGMENT"]), rows) * rows)
     if device.type != "cuda":
-        return max(rows, _cdiv(max(pairs, default=0), rows) * rows)
+        return max(rows, _cdiv(n_pairs, rows) * rows)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    per_item = _cdiv(sum(pairs) * BG, ITEMS_PER_SM * sms)
+    n_tiles = _cdiv(Tc, cfg["BLOCK_N"])
+    work = sum(max(0, n_pairs - min(max(i * cfg["BLOCK_N"] * stride + block - 1, 0), S) * h) for i in range(n_tiles))
+    per_item = _cdiv(work * BG, ITEMS_PER_SM * sms)
     return max(4 * rows, _cdiv(per_item, rows) * rows)
 
 
 @functools.lru_cache(maxsize=64)
-def _work_items(pairs: tuple[int, ...], segment: int, device):
-    """The dk/dv work items, built on the host from the planned pairs of each key tile
-    (`_tile_pairs`: shapes and the document hint alone, no device sync):
+def _work_items(S: int, h: int, Tc: int, block: int, stride: int, block_n: int, segment: int, device):
+    """The dk/dv work items, built on the host from the shapes alone (no device sync):
         item_tile, item_seg [U] int32: each item's key tile and segment, the heaviest tiles first
         tile_nseg, tile_first [n_tiles] int32: each tile's number of items (>= 1, so every tile is
                                               written) and its first item
-    Cached per plan and device (the tensors are only read), so a training step copies nothing."""
-    n_tiles = len(pairs)
-    nseg = [max(1, _cdiv(p, segment)) for p in pairs]
+    A tile i is seen by the pairs [min(max(i * block_n * stride + block - 1, 0), S) * h, S * h). Cached
+    per shape and device (the tensors are only read), so a training step copies nothing."""
+    n_pairs = S * h
+    n_tiles = _cdiv(Tc, block_n)
+    nseg = [max(1, _cdiv(n_pairs - min(max(i * block_n * stride + block - 1, 0), S) * h, segment))
+            for i in range(n_tiles)]
     first = [0] * n_tiles
     for i in range(1, n_tiles):
         first[i] = first[i - 1] + nseg[i - 1]
@@ -698,12 +683,11 @@ def _work_items(pairs: tuple[int, ...], segment: int, device):
 
 
 def compressed_backward(grad_o, q, k, v, o, lse, block: int, stride: int, scale: float, pos=None, *,
-                        doc_len: int = 0, tiles: dict | None = None):  # fmt: skip
+                        tiles: dict | None = None):  # fmt: skip
     """dq (like q, [B, S, H, Dk] memory), dk (like k), dv (like v): gradients of
     `compressed_forward`'s o, given its o and lse (pos: as there; dk and dv are 0 at the slots no
     query sees). dk/dv are summed over the group's heads in fp32 without atomics
-    (deterministic). doc_len: the longest packed document (0: unknown), a hint for the dk/dv work
-    plan only. `tiles`: an override of `_tiles`."""
+    (deterministic). `tiles`: an override of `_tiles`."""
     _require(q, k, v, block, stride, pos)
     B, H, S, Dk = q.shape
     G, Tc, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -740,9 +724,10 @@ def compressed_backward(grad_o, q, k, v, o, lse, block: int, stride: int, scale:
     )  # fmt: skip
 
     cfg = T["dkdv"]
-    pairs = tuple(_tile_pairs(S, h, key_tiles, block, key_stride, cfg["BLOCK_N"], doc_len if pos is not None else 0))
-    segment = _segment(pairs, B * G, cfg, q.device)
-    item_tile, item_seg, tile_nseg, tile_first, n_items, max_seg = _work_items(pairs, segment, q.device)
+    segment = _segment(S, h, key_tiles, block, key_stride, B * G, cfg, q.device)
+    item_tile, item_seg, tile_nseg, tile_first, n_items, max_seg = _work_items(
+        S, h, key_tiles, block, key_stride, cfg["BLOCK_N"], segment, q.device
+    )
     # fp32 partials only when some tile has several items
     part_rows = B * G * n_items * cfg["BLOCK_N"] if max_seg > 1 else 0
     pk = torch.empty(part_rows, Dk, dtype=torch.float32, device=q.device)

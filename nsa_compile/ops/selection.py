@@ -85,8 +85,7 @@ import torch
 
 from . import selection_triton, selection_varlen
 from .common import (
-    bshd_empty, check_doc_len, check_gqa, check_grad_o, check_offset, check_positive_int, check_qkv,
-    empty_attention_grads,
+    bshd_empty, check_gqa, check_grad_o, check_offset, check_positive_int, check_qkv, empty_attention_grads,
     empty_attention_outputs, upcast_dtype, why_not_triton_on,
 )
 from .registry import Backend, Op, declare
@@ -125,7 +124,9 @@ def _check(q, k, v, block_idx, block_size, scale, backend="auto", pos=None, q_of
     """The backend that computes these inputs; ValueError, naming the argument, unless the shapes,
     dtypes, block size, positions, query offset, document length and backend are valid."""
     check_offset("selected_attention", q_offset, pos)
-    check_doc_len("selected_attention", doc_len, pos)
+    if isinstance(doc_len, bool) or not isinstance(doc_len, int) or doc_len < 0 or doc_len and pos is None:
+        raise ValueError(f"selected_attention: doc_len must be an int >= 0, and 0 without pos (it bounds the "
+                         f"packed documents' length), got {doc_len!r}" + (" without pos" if pos is None else ""))
     if pos is not None:
         check_qkv("selected_attention", q, k, v, block_idx=block_idx, pos=pos)
     else:  # a chunk of queries reads K/V of the tokens up to its last query, at least
