@@ -521,25 +521,35 @@ def is_positions(node: fx.Node, B: int, S: int) -> bool:
 
 
 def find_block_idx(roots: list[fx.Node], B: int, G: int, S: int,
-                   order: dict) -> tuple[fx.Node, fx.Node | None, list[fx.Node]]:
+                   order: dict) -> tuple[fx.Node, fx.Node | None, list[fx.Node], bool]:
     """The int64 [B, G, S, n] tensor nearest the roots through which alone (with at most one int64
     [B, S] graph input, the document positions) they depend on data, that input (None without
-    one), and the position-only nodes between them and the roots (in graph order), or Refused."""
-    candidates = [n for n in ancestors(roots, into_sizes=False) if (val := value(n)) is not None and val.dtype == torch.int64
-                  and val.dim() == 4 and same(tuple(val.shape[:3]), (B, G, S))]
+    one), the position-only nodes between them and the roots (in graph order), and whether the
+    ids are laid out [B, S, G, n] (the sequence before the groups: the op reads them transposed),
+    or Refused."""
+    def layout_of(node: fx.Node) -> bool | None:  # False: [B, G, S, n]; True: [B, S, G, n]; None: neither
+        val = value(node)
+        if val is None or val.dtype != torch.int64 or val.dim() != 4:
+            return None
+        if same(tuple(val.shape[:3]), (B, G, S)):
+            return False
+        return True if same(tuple(val.shape[:3]), (B, S, G)) else None
+
+    candidates = [n for n in ancestors(roots, into_sizes=False) if layout_of(n) is not None]
     if not candidates:
-        raise Refused(choice_reason(roots, B, G, S)
-                      or "no int64 [B, G, S, n] block index tensor feeds the token ids and the mask")
+        raise Refused("no int64 [B, G, S, n] (or [B, S, G, n]) block index tensor feeds the token ids and the mask"
+                      + choice_reason(roots))
     # the reason of the candidate nearest to passing: the fewest other data inputs, and of those the
     # farthest from the roots (nearer ones would blame the block index itself)
     closest = None
-    for block_idx in sorted(candidates, key=order.__getitem__, reverse=True):
+    # [B, G, S, n] ids first (the op's layout), each layout's nearest the roots first
+    for block_idx in sorted(candidates, key=lambda n: (layout_of(n), -order[n])):
         nodes = [n for n in ancestors(roots, stop=block_idx, into_sizes=False) if n is not block_idx and not is_size(n)]
         data = [n for n in nodes if n.op not in ("call_function", "call_method")]
         positions = [n for n in data if is_positions(n, B, S)]
         if len(data) == len(positions) <= 1:
             pos = positions[0] if positions else None
-            return block_idx, pos, sorted((n for n in nodes if n is not pos), key=order.__getitem__)
+            return block_idx, pos, sorted((n for n in nodes if n is not pos), key=order.__getitem__), layout_of(block_idx)
         others = sorted((n for n in data if n not in positions), key=order.__getitem__)
         if others:
             why = (f"the token ids or the mask depend on {others[0].op} {others[0].name} "
@@ -550,13 +560,13 @@ def find_block_idx(roots: list[fx.Node], B: int, G: int, S: int,
                    "packed documents take one, the positions pos")
         if closest is None or len(others) <= closest[0]:
             closest = (len(others), why)
-    raise Refused(choice_reason(roots, B, G, S) or closest[1])
+    raise Refused(closest[1] + choice_reason(roots))
 
 
-def choice_reason(roots: list[fx.Node], B: int, G: int, S: int) -> str | None:
-    """The refusal for block ids that come from a top-k or sort over float block scores left eager
-    because the choice is not causal (select_blocks's `noncausal_reason`), or read in a
-    [B, S, G, n] layout; None for other block ids (the caller's reason stands)."""
+def choice_reason(roots: list[fx.Node]) -> str:
+    """Where the block ids come from a top-k or sort over float block scores that select_blocks
+    left eager (its `noncausal_reason`, or another refusal), that context for the refusal: ''
+    for other block ids."""
     # the reading of a block choice that select_blocks shares, and its position-only evaluator
     from . import block_choice as bs
     from . import compressed_attention as cmp
@@ -565,21 +575,12 @@ def choice_reason(roots: list[fx.Node], B: int, G: int, S: int) -> str | None:
     rankings = [n for n in nodes if op_name(n) in ("topk", "sort") and isinstance(bs.first_arg(n), fx.Node)
                 and (key := value(bs.first_arg(n))) is not None and key.is_floating_point()]
     if not rankings:
-        return None
+        return ""
     subgraphs = cmp.PositionSubgraphs(Sizes.of(roots[0].graph))
     noncausal = any(bs.noncausal_reason(bs.first_arg(n), subgraphs) is not None for n in rankings)
-    seq_first = [n for n in nodes if (val := value(n)) is not None and val.dtype == torch.int64 and val.dim() == 4
-                 and same(tuple(val.shape[:3]), (B, S, G)) and not same(tuple(val.shape[:3]), (B, G, S))]
-    if not noncausal and not seq_first:
-        return None
-    what = ("a top-k over block scores with no candidate mask hiding the blocks after the current one (data of the "
-            "input, not a causal block choice: select_blocks leaves it eager as non-causal)" if noncausal
-            else "a top-k or sort over block scores that select_blocks left eager")
-    layout = ""
-    if seq_first:
-        layout = (f", laid out [B, S, G, n] with [B, S, G] = [{B}, {S}, {G}] (the sequence before the groups), "
-                  "not the [B, G, S, n] block ids of nsa.select_blocks")
-    return f"the block ids come from {what}{layout}: nsa.selected_attention reads causally chosen blocks"
+    return ("; the block ids come from a top-k over block scores with no candidate mask hiding the blocks after "
+            "the current one (non-causal: select_blocks leaves it eager)" if noncausal
+            else "; the block ids come from a top-k or sort over block scores that select_blocks left eager")
 
 
 def in_place(node: fx.Node) -> bool:
@@ -926,7 +927,7 @@ class SelectedAttention(RewritePass):
             raise Refused(f"the probabilities are cast to {value(cast).dtype}, not to V's {v_dtype}")
         # the selection: block_idx, positions and (packed documents) pos only, evaluated on probes
         roots = [mask, *k.roots, *v.roots]
-        block_idx, pos, nodes = find_block_idx(roots, B, G, S, order)
+        block_idx, pos, nodes, ids_seq_first = find_block_idx(roots, B, G, S, order)
         leaves = [block_idx] if pos is None else [block_idx, pos]
         if chunk[1] is not None and pos is not None:
             raise Refused(f"a chunk of queries (rows from token {q_offset} of {Skv}) with packed documents "
@@ -938,6 +939,10 @@ class SelectedAttention(RewritePass):
             if n == 0 or T % n:
                 raise Refused(f"the {T} gathered tokens per query are not n * l' for the n = {n} blocks")
             block = T // n
+        elif ids_seq_first:  # the model's own ids (nsa_vibe's top-k of min(n, blocks)): l' = T / n a constant
+            block = sizes.int(T) // sizes.int(n)
+            if not same(T, n * block):
+                raise Refused(f"the {T} gathered tokens per query are not n * l' for the n = {n} blocks")
         else:  # min(n, Ns) blocks (a model's top-k of min(n, blocks)): the op reads all n ids
             ids, n_op = clamped_ids(block_idx, sizes)
             block = sizes.int(T) // sizes.int(n)
@@ -945,12 +950,12 @@ class SelectedAttention(RewritePass):
                 raise Refused(f"the {T} gathered tokens per query are not n * l' for the n = {n} blocks")
         check_evaluable(nodes, leaves, B, H, S, T, sizes.probes())
         key = (structure(nodes, leaves, roots), tuple(d if isinstance(d, int) else str(d) for d in (B, H, G, S, T, n)),
-               keep_where_true, layout, k.kind, k.source_seq_first, v.kind, v.source_seq_first, chunk)
+               keep_where_true, layout, k.kind, k.source_seq_first, v.kind, v.source_seq_first, chunk, ids_seq_first)
         if key not in verified:
             for at in sizes.probes():
                 try:
                     self.verify_at(at, nodes, roots, block_idx, pos, (k, v), (G, H, T, n, block),
-                                   keep_where_true, B, S, layout, chunk)
+                                   keep_where_true, B, S, layout, chunk, ids_seq_first)
                 except Refused as why:
                     raise (Refused(f"at {at.describe()}: {why}") if sizes.symbolic else why) from None
         verified[key] = None
@@ -959,13 +964,15 @@ class SelectedAttention(RewritePass):
                           "token (they are not nsa.select_blocks' output): such a row gets the uniform average of its "
                           "gathered tokens in eager code, 0 or NaN from the op")
         fake_q = value(q).transpose(1, 2) if layout.head == 2 else value(q)
-        fakes = [fake_q, k.fake(layout), v.fake(layout), value(block_idx)]
+        fakes = [fake_q, k.fake(layout), v.fake(layout), value(block_idx).transpose(1, 2) if ids_seq_first
+                 else value(block_idx)]
         fake_pos = None if pos is None else value(pos)
         try:
             backend = choose_backend(*fakes, block, requested, fake_pos, chunk[0])
         except ValueError as why:  # a backend named in the config that cannot run these tensors
             raise Refused(f"OptimizeConfig(selected_attention_backend={requested!r}): {why}") from None
         return {"q": q, "k": k, "v": v, "layout": layout, "G": G, "h": H // G, "block_idx": ids, "pos": pos, "block": block, "n": n_op, "scale": scale,
+                "ids_seq_first": ids_seq_first,
                 "backend": backend, "q_offset": chunk[0],
                 "schedule": selection_triton.schedule(H // G, fakes[1].shape[2], block, n_op, pos is not None),
                 "why_not_triton": why_not_triton(*fakes, block, fake_pos, chunk[0]) if requested == "auto"
@@ -991,14 +998,15 @@ class SelectedAttention(RewritePass):
     @staticmethod
     def verify_at(at: Sizes, nodes: list[fx.Node], roots: list[fx.Node], block_idx: fx.Node, pos: fx.Node | None,
                   reads: tuple[Gathered, Gathered], heads: tuple, keep_where_true: bool, B, S,
-                  layout: Layout = Layout(1), chunk: tuple = (0, None)) -> None:
+                  layout: Layout = Layout(1), chunk: tuple = (0, None), ids_seq_first: bool = False) -> None:
         """The selection subgraph (nodes, from block_idx [and pos] to roots = [mask, K index
         tensors, V index tensors]) evaluated on the probe block ids (and positions) at the sizes
         `at` (B and S as numbers there, the graph's size nodes given their numbers), each result
         checked by `verify` (mask and token ids brought to the heads-first, grouped order of the
         op); Refused at the first probe that differs. heads = (G, H, T, n, l'). chunk: (q_offset,
         keys) for a chunk of queries, rows from token q_offset of K/V holding `keys` tokens; (0,
-        None) for the whole sequence."""
+        None) for the whole sequence. ids_seq_first: block_idx is laid out [B, S, G, n] (given the
+        probes transposed)."""
         G, H, T, n, block = heads
         q_offset, keys = chunk
         B, S, T, n = at.int(B), at.int(S), at.int(T), at.int(n)
@@ -1012,7 +1020,8 @@ class SelectedAttention(RewritePass):
         positions = [None] if pos is None else position_probes(B, S, n, block, device)
         for probe_pos, probe in [(p, blocks) for p in positions
                                  for blocks in probes(B, G, S, n, block, device, p, q_offset, Skv)]:
-            given = {**numbers, block_idx: probe} if pos is None else {**numbers, block_idx: probe, pos: probe_pos}
+            ids = probe.transpose(1, 2).contiguous() if ids_seq_first else probe
+            given = {**numbers, block_idx: ids} if pos is None else {**numbers, block_idx: ids, pos: probe_pos}
             m, *index_values = evaluate(nodes, given, roots)
             if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
                 raise Refused("the mask is not a bool tensor")
@@ -1055,7 +1064,10 @@ class SelectedAttention(RewritePass):
             q = call(graph, torch.flatten, call(graph, torch.transpose, call(
                 graph, torch.unflatten, q, 1, (h, G), anchor=out), 1, 2, anchor=out), 1, 2, anchor=out)
         k, v = plan["k"].for_op(graph, layout, out), plan["v"].for_op(graph, layout, out)
-        both = call(graph, torch.ops.nsa.selected_attention, q, k, v, plan["block_idx"],
+        ids = plan["block_idx"]
+        if plan["ids_seq_first"]:  # [B, S, G, n] -> [B, G, S, n], the op's layout
+            ids = call(graph, torch.transpose, ids, 1, 2, anchor=out)
+        both = call(graph, torch.ops.nsa.selected_attention, q, k, v, ids,
                     plan["block"], plan["scale"], plan["backend"], *packed, anchor=out)
         op = call(graph, operator.getitem, both, 0, anchor=out)  # o; the log-sum-exp is for the backward
         if may_leave_rows_empty(plan):  # eager's NaN where a query's blocks hold no token <= t
