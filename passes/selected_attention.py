@@ -339,7 +339,9 @@ class Gathered:
                       [B, G, S, D] order)
       take_along_dim  torch.take_along_dim(x5, index, dim=3), x5 the source with a size-1 axis for
                       the queries ([B, 1, G, S, D] sequence-first, [B, G, 1, S, D] heads-first)
-      indexing        x[b, tokens, g] (or x[b, g, tokens]), three broadcast int64 index tensors."""
+      indexing        x[b, tokens, g] (or x[b, g, tokens]), three broadcast int64 index tensors.
+    Any of them may be gathered in the other layout and brought to this one by a transpose of
+    its dims 1 and 2 (canonicalize's permute of a sequence-first gather: `transposed`)."""
 
     what: str
     kind: str
@@ -348,6 +350,7 @@ class Gathered:
     roots: list[fx.Node]
     nodes: list[fx.Node]
     cast: torch.dtype | None = None  # the gathered rows cast to this float dtype (CUDA autocast's cast)
+    transposed: bool = False  # gathered [B, S, G, T, D] (or [B, G, S, T, D]) and transposed over dims 1, 2
 
     def for_op(self, graph: fx.Graph, layout: Layout, anchor: fx.Node) -> fx.Node:
         """The source as the op reads it, [B, G, S, D] (a view; cast first where the rows were: a
@@ -371,6 +374,10 @@ class Gathered:
         """(batch row, KV group, token) read by each slot, each broadcast to `slots` (the gathered
         tensor's leading dims at the probe sizes), from the roots' values; Refused where the
         index differs across the head dim or leaves the source."""
+        if self.transposed:  # read in the gathered tensor's own slots, then brought to these
+            inner = dataclasses.replace(self, transposed=False)
+            found = inner.coordinates(values, (slots[0], slots[2], slots[1], slots[3]), B, G, S)
+            return tuple(None if x is None else x.transpose(1, 2) for x in found)
         if self.kind in ("gather", "take_along_dim"):
             (index,) = values
             if index.stride(-1) != 0 and not torch.equal(index, index[..., :1].expand_as(index)):
@@ -413,6 +420,15 @@ def read_gathered(sel: fx.Node, what: str, layout: Layout, B, G: int, S, T: int,
         only_user(sel, f"gathered {what}")
         found = read_gathered(first(sel), what, layout, B, G, S, T, keys)
         return dataclasses.replace(found, cast=outer, nodes=[sel, *found.nodes])
+    if swaps_dims_1_2(sel) and isinstance(first(sel), fx.Node) and value(first(sel)) is not None:
+        # gathered in the other layout, transposed to this one (canonicalize's permute of a
+        # sequence-first gather into the grouped heads-first form)
+        only_user(sel, f"transposed gathered {what}")
+        other = Layout(3 - layout.head, layout.tiled)
+        found = read_gathered(first(sel), what, other, B, G, S, T, keys)
+        if found.transposed:
+            raise Refused(f"the gathered {what} is transposed twice")
+        return dataclasses.replace(found, transposed=True, nodes=[sel, *found.nodes])
     only_user(sel, f"gathered {what}")
     D = dims(sel, f"gathered {what}", 5)[4]
     constant(f"gathered {what}", D=D)
@@ -437,6 +453,19 @@ def read_gathered(sel: fx.Node, what: str, layout: Layout, B, G: int, S, T: int,
         return read_indexing(sel, what, B, G, S, D)
     raise Refused(f"{what} is not gathered per query (torch.gather(x, 2, index).view(B, G, S, T, D), "
                   "x.reshape(-1, D).index_select(0, rows), torch.take_along_dim or x[b, tokens, g])")
+
+
+def swaps_dims_1_2(node: fx.Node) -> bool:
+    """node is a 5-D x.permute(0, 2, 1, 3, 4) or x.transpose(1, 2) (either sign of the dims)."""
+    val = value(node)
+    if val is None or val.dim() != 5:
+        return False
+    if op_name(node) == "permute":
+        dims_ = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        return [d % 5 for d in dims_] == [0, 2, 1, 3, 4]
+    if op_name(node) in ("transpose", "swapaxes", "swapdims") and len(node.args) == 3:
+        return sorted(d % 5 for d in node.args[1:] if isinstance(d, int)) == [1, 2]
+    return False
 
 
 def source_order(src: fx.Node, what: str, B, G: int, S, D: int) -> bool:
@@ -540,9 +569,9 @@ def find_block_idx(roots: list[fx.Node], B: int, G: int, S: int,
         raise Refused("no int64 [B, G, S, n] (or [B, S, G, n]) block index tensor feeds the token ids and the mask"
                       + choice_reason(roots))
     # the reason of the candidate nearest to passing: the fewest other data inputs, and of those the
-    # farthest from the roots (nearer ones would blame the block index itself)
+    # last tried (within a layout the farthest from the roots: nearer ones would blame the block
+    # index itself). [B, G, S, n] ids are tried first (the op's layout), each layout nearest first
     closest = None
-    # [B, G, S, n] ids first (the op's layout), each layout's nearest the roots first
     for block_idx in sorted(candidates, key=lambda n: (layout_of(n), -order[n])):
         nodes = [n for n in ancestors(roots, stop=block_idx, into_sizes=False) if n is not block_idx and not is_size(n)]
         data = [n for n in nodes if n.op not in ("call_function", "call_method")]
@@ -950,7 +979,8 @@ class SelectedAttention(RewritePass):
                 raise Refused(f"the {T} gathered tokens per query are not n * l' for the n = {n} blocks")
         check_evaluable(nodes, leaves, B, H, S, T, sizes.probes())
         key = (structure(nodes, leaves, roots), tuple(d if isinstance(d, int) else str(d) for d in (B, H, G, S, T, n)),
-               keep_where_true, layout, k.kind, k.source_seq_first, v.kind, v.source_seq_first, chunk, ids_seq_first)
+               keep_where_true, layout, k.kind, k.source_seq_first, k.transposed, v.kind, v.source_seq_first, v.transposed,
+               chunk, ids_seq_first)
         if key not in verified:
             for at in sizes.probes():
                 try:

@@ -841,6 +841,53 @@ def test_block_ids_laid_out_sequence_first_are_read_transposed():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+class IndexedSeqFirst(SeqFirstIds):
+    """K/V [B, G, S, D] read by advanced indexing `k[b, g, tokens]` into sequence-first [B, S, G,
+    n*l', D] rows (ids [B, S, G, n]), the scores by einsum: canonicalize brings the gathered rows
+    heads-first with a permute of dims 1 and 2. `wrong_group`: a near miss that reads each query's
+    rows from another KV group."""
+
+    def __init__(self, wrong_group=False):
+        super().__init__()
+        self.wrong_group = wrong_group
+
+    def forward(self, q, k, v, block_idx):
+        B, S, G, h, _ = q.shape
+        tok = block_idx.clamp_min(0).unsqueeze(-1) * self.block + torch.arange(self.block)
+        ok = ((block_idx >= 0).unsqueeze(-1) & (tok <= torch.arange(S).view(1, S, 1, 1, 1))).flatten(-2)
+        tok = tok.flatten(-2).clamp_max(S - 1)
+        b = torch.arange(B).view(B, 1, 1, 1)
+        g = torch.arange(G).view(1, 1, G, 1)
+        g = g.flip(2) if self.wrong_group else g
+        logits = torch.einsum("bsghd,bsgnd->bsghn", q, k[b, g, tok]) * 0.3
+        logits = logits.masked_fill(~ok.unsqueeze(3), float("-inf"))
+        return torch.einsum("bsghn,bsgnd->bsghd", torch.softmax(logits, dim=-1), v[b, g, tok])
+
+
+def test_rows_gathered_sequence_first_and_transposed_are_read():
+    """k[b, g, tokens] gives [B, S, G, T, D] rows that canonicalize transposes to the grouped
+    heads-first form: read through the transpose, fired once, the indexing gone; outputs and
+    gradients of q, k, v as eager's."""
+    args = seq_first_inputs()
+    (expected, eager_args), (got, opt_args), optimized = run_both(IndexedSeqFirst(), args)
+    r = row(optimized, PASS)
+    assert r["matches"] == 1 and r["reasons"] == [], r
+    assert only_graph(optimized).code_after.count("torch.ops.nsa.selected_attention(") == 1
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, equal_nan=True)
+    grad = torch.randn_like(expected)
+    for a, b in zip(torch.autograd.grad(got, opt_args[:3], grad), torch.autograd.grad(expected, eager_args[:3], grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_gathered_from_another_group_are_refused():
+    args = seq_first_inputs()
+    (expected, _), (got, _), optimized = run_both(IndexedSeqFirst(wrong_group=True), args)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    r = row(optimized, PASS)
+    assert r["matches"] == 0 and r["reasons"] == ["K is read from another KV group than the query's (indexing)"], r
+    assert "nsa.selected_attention" not in only_graph(optimized).code_after
+
+
 class TopkIdsExtraMask(SeqFirstIds):
     """Near miss: ids from the model's own top-k (left eager), and a mask that also reads another
     input (`extra`): refused, the reason naming that input and where the ids come from."""
