@@ -81,6 +81,20 @@ def test_triton_lucidrains_equals_the_reference(dtype, softmax_dtype):
         short += jc < n
     assert dropped > 0 and short >= 2, (dropped, short)
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_stored_block_means_and_the_second_pass_give_the_same_ids(dtype, monkeypatch):
+    """The ranking pass reads the first pass's block means back (STORED, within MEANS_BUDGET) or,
+    past the budget, computes them again: the same ids either way, bit for bit, on every case."""
+    for B, G, h, S, d, ls, n, spread in CASES:
+        q, k = grid_case(B, G, h, S, S // d, 12, dtype, seed=S + 2 * h, spread=spread)
+        args = (q, k, None, d, d, ls, n, 0.25, "triton")
+        stored = select_blocks(*args, rule="lucidrains")
+        monkeypatch.setattr(bst, "MEANS_BUDGET", 0)
+        again = select_blocks(*args, rule="lucidrains")
+        monkeypatch.undo()
+        assert torch.equal(stored, again), (B, G, h, S, d, ls, n)
+
+
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_rounded_probabilities_tie_and_go_to_the_lower_block(dtype):
@@ -145,13 +159,14 @@ def test_reasons_and_auto(monkeypatch):
 
 @compiles_here
 def test_the_lucidrains_kernel_compiles_for_sm90_without_a_gpu(monkeypatch):
-    """The kernel with LUCID (p rounded to bf16, and the float32 softmax), which the other tests
-    interpret on the CPU, compiles for an H100: libdevice's expf and correctly rounded divisions."""
+    """The kernel with LUCID (p rounded to bf16, and the float32 softmax; the block means stored
+    for the ranking pass or computed again), which the other tests interpret on the CPU, compiles
+    for an H100: libdevice's expf and correctly rounded divisions."""
     from test_block_select_op import sm90_ptx
 
     plain = {"HAS_POS": False, "SUM_ROUND": True, "MAP_UPCAST": False, "GROUP_FIRST": False, "FLA": False, "LUCID": True}
-    for p_round in (True, False):
-        ptx = sm90_ptx(monkeypatch, **plain, P_ROUND=p_round, KEEP=bst._lucid_keep(torch.bfloat16))
+    for p_round, stored in ((True, True), (False, True), (True, False)):
+        ptx = sm90_ptx(monkeypatch, **plain, P_ROUND=p_round, KEEP=bst._lucid_keep(torch.bfloat16), STORED=stored)
         assert ".entry select_kernel(" in ptx and re.search(r"\bdiv\.rn\.f32\b", ptx)
 
 

@@ -794,7 +794,7 @@ def sm90_ptx(monkeypatch, options: dict | None = None, **flags) -> str:
     T = bst._tiles(6, 64, 16, 64, 16, False)
     fn = bst.select_kernel.built()
     pointers = {"Q": "*bf16", "KC": "*bf16", "LSE": "*fp32", "W": "*fp32", "OUT": "*i64", "POS": "*i64", "LO": "*i32",
-                "SLOT": "*i32"}  # fmt: skip
+                "SLOT": "*i32", "MEANS": "*fp32"}  # fmt: skip
     signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name) or ("fp32" if p.name == "scale" else "i32")
                  for p in fn.params}  # fmt: skip
     given = {"HPG": 6, "HC": T["HC"], "NHC": 1, "DK": 64, "DK_P": T["DK_P"], "BLOCK_M": T["BLOCK_M"], "TC": T["TC"],

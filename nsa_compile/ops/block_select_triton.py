@@ -180,6 +180,9 @@ MAX_SELECTED = 128
 # value: that module imports this one) and the most compressed columns a selection block averages (l' / d;
 # one masked sum over the block's columns per column)
 LUCID_THRESHOLD, LUCID_MAX_COLUMNS = 1e-10, 16
+# rule 'lucidrains': the most bytes of first-pass block means kept for the ranking pass (the seed's
+# 2k x 32 at h 6 keeps 16.8 MB; 64k rows would need S^2 / l' floats a group, so they compute again)
+MEANS_BUDGET = 256 * 2**20
 _TL_DTYPES = {} if tl is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # rule 'fla' compiles without fused multiply-adds: s * scale is rounded before - lse, as the reference
 # computes it, so a lone visible block's p is exactly 1 where lse is its rounded score (the module docstring)
@@ -329,14 +332,14 @@ def _merge_top(run, new, M: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
 
 @jit
 def select_kernel(
-    Q, KC, LSE, W, OUT, POS, LO, SLOT,
+    Q, KC, LSE, W, OUT, POS, LO, SLOT, MEANS,
     sqb, sqh, sqs, sqd, skb, skg, skt, skd, slb, slh, sls, sob, sog, sos,
-    S, G, Tc, N_SEL, L, D, LS, scale, Q_OFF,
+    S, G, Tc, N_SEL, L, D, LS, scale, Q_OFF, N_COLS,
     HPG: tl.constexpr, HC: tl.constexpr, NHC: tl.constexpr, DK: tl.constexpr, DK_P: tl.constexpr,
     BLOCK_M: tl.constexpr, TC: tl.constexpr, NS: tl.constexpr, KS: tl.constexpr, LOG_KS: tl.constexpr,
     PREC: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr, HAS_POS: tl.constexpr,
     IMP_DTYPE: tl.constexpr, SUM_ROUND: tl.constexpr, MAP_UPCAST: tl.constexpr, GROUP_FIRST: tl.constexpr,
-    FLA: tl.constexpr, LUCID: tl.constexpr, P_ROUND: tl.constexpr, KEEP: tl.constexpr,
+    FLA: tl.constexpr, LUCID: tl.constexpr, P_ROUND: tl.constexpr, KEEP: tl.constexpr, STORED: tl.constexpr,
 ):  # fmt: skip
     # heaviest (latest) query tiles first: a short tail for the causal imbalance
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -379,7 +382,7 @@ def select_kernel(
         n_tiles = (t_last // LS) // NS + 1  # up to the latest query's current block
         n_groups = 1
         if LUCID:  # two passes over the blocks: the softmax's normalizer, then the ranking by p
-            n_groups = 2
+            n_groups = 1 if STORED else 2  # STORED: the second pass reads the block means back from MEANS
             m_run = tl.full([BLOCK_M], -1000.0, tl.float32)  # the row's running max: the sink's logit first
             l_run = tl.full([BLOCK_M], 1.0, tl.float32)  # the running sum of exp(logit - m_run), the sink's 1
     kk = tl.arange(0, 2 * TC)
@@ -476,8 +479,11 @@ def select_kernel(
                     # (the sum over the heads' axis leaves each entry held by several lanes, and every
                     # step of _lucid_keys and the top-n merge then ran that many times)
                     psum = tl.dot(psum, eye_tc, input_precision="ieee")
-                bits, m_run, l_run = _lucid_keys(psum, c * NS + jj, grp, t_q, m_run, l_run, S, Tc, LS, HPG,
-                                                 TC, NS, KS, Q.dtype.element_ty, ROUND, P_ROUND, KEEP)
+                a = _lucid_means(psum, c * NS + jj, t_q, S, Tc, LS, HPG, TC, NS, KS, Q.dtype.element_ty, ROUND)
+                if STORED:  # [BLOCK_M, NS] of the row's block means, for the ranking pass below
+                    tl.store(MEANS + (bg * S + t_q).to(tl.int64)[:, None] * N_COLS + (c * NS + jj)[None, :], a,
+                             mask=(t_q < S)[:, None] & (jj < NS)[None, :])
+                bits, m_run, l_run = _lucid_keys(a, grp, m_run, l_run, Q.dtype.element_ty, P_ROUND, KEEP)
             elif GROUP_FIRST:
                 # eager's einsum under autocast: the group sum rounded, then mapped by the rounded weights
                 # (w holds them in fp32) in one IEEE fp32 dot of [previous | this tile] in ascending
@@ -530,12 +536,14 @@ def select_kernel(
                 bits = tl.where(candidate, tl.where(forced, HPG * 1.0, p_grp).to(tl.int32, bitcast=True), -1)
             elif not LUCID:  # (rule 'lucidrains': the bits of _lucid_keys above)
                 bits = tl.where(forced, 0x7F800000, tl.where(candidate, p_grp.to(tl.int32, bitcast=True), -1))
-            key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)[None, :]  # [BLOCK_M, KS]
-            # merge only when some key beats some query's running minimum (the list's last entry)
-            beats = reduce_max(key, 1) > reduce_min(run, 1)  # [BLOCK_M]
-            if reduce_max(beats.to(tl.int32), 0) > 0:
-                run = _merge_top(run, key, BLOCK_M, KS, LOG_KS)
+            run = _merged(run, bits, j, BLOCK_M, KS, LOG_KS)
             kt = kt_next
+    if LUCID and STORED:  # the ranking pass over the stored block means: no keys read, no logits again
+        for c in range(n_tiles):
+            a = tl.load(MEANS + (bg * S + t_q).to(tl.int64)[:, None] * N_COLS + (c * NS + jj)[None, :],
+                        mask=(t_q < S)[:, None] & (jj < NS)[None, :], other=float("-inf"))
+            bits, m_run, l_run = _lucid_keys(a, 1, m_run, l_run, Q.dtype.element_ty, P_ROUND, KEEP)
+            run = _merged(run, bits, c * NS + jj, BLOCK_M, KS, LOG_KS)
 
     # the first n keys of each query that are forced or candidates, as ascending block ids (rule 'fla': in
     # rank order, the list's own descending order: its candidates first, then the -1 keys)
@@ -578,17 +586,13 @@ def _exp(x):
 
 
 @jit
-def _lucid_keys(psum, j, pass_, t_q, m_run, l_run, S, Tc, LS, HPG: tl.constexpr, TC: tl.constexpr,
-                NS: tl.constexpr, KS: tl.constexpr, XDTYPE: tl.constexpr, X_ROUND: tl.constexpr,
-                P_ROUND: tl.constexpr, KEEP: tl.constexpr):  # fmt: skip
+def _lucid_means(psum, j, t_q, S, Tc, LS, HPG: tl.constexpr, TC: tl.constexpr, NS: tl.constexpr, KS: tl.constexpr,
+                 XDTYPE: tl.constexpr, X_ROUND: tl.constexpr):  # fmt: skip
     """Rule 'lucidrains' on one tile: psum [BLOCK_M, TC] the group's sums of the scaled logits (fp32
     sums of q-dtype values), j [KS] the tile's selection blocks (c * NS + jj). The column means
     (psum / h, rounded to XDTYPE with X_ROUND), each block's mean of its M = TC / NS columns added in
-    ascending column order (as torch's sum of a short row) and rounded: a [BLOCK_M, KS]; the
-    candidates j < t // l' and j < Tc // M. The first pass (pass_ 0) updates the row's running max
-    and sum of the softmax (m_run, l_run [BLOCK_M], the sink's -1e3 included) and gives no key; the
-    second gives each candidate whose p = exp(a - m) / l (rounded to XDTYPE with P_ROUND) is at
-    least KEEP the bits of p, -1 elsewhere. Returns (bits [BLOCK_M, KS] int32, m_run, l_run)."""
+    ascending column order (as torch's sum of a short row) and rounded: a [BLOCK_M, KS], -inf but
+    for the candidates j < t // l' and j < Tc // M."""
     M: tl.constexpr = TC // NS
     col = tl.math.div_rn(psum, tl.full(psum.shape, HPG, tl.float32))  # the group's mean
     if X_ROUND:
@@ -605,15 +609,36 @@ def _lucid_keys(psum, j, pass_, t_q, m_run, l_run, S, Tc, LS, HPG: tl.constexpr,
         a = _rounded(a, XDTYPE)
     cand = ((tl.arange(0, KS) < NS)[None, :] & (j[None, :] < (t_q // LS)[:, None]) & (j < Tc // M)[None, :]
             & (t_q < S)[:, None])  # fmt: skip
-    a = tl.where(cand, a, float("-inf"))  # exp(-inf) = 0: no other block enters the softmax
+    return tl.where(cand, a, float("-inf"))  # exp(-inf) = 0: no other block enters the softmax
+
+
+@jit
+def _lucid_keys(a, pass_, m_run, l_run, XDTYPE: tl.constexpr, P_ROUND: tl.constexpr, KEEP: tl.constexpr):
+    """Rule 'lucidrains' on one tile's block means a [BLOCK_M, KS] (`_lucid_means`). The first pass
+    (pass_ 0) updates the row's running max and sum of the softmax (m_run, l_run [BLOCK_M], the
+    sink's -1e3 included) and gives no key; the second gives each candidate whose p = exp(a - m) / l
+    (rounded to XDTYPE with P_ROUND) is at least KEEP (> 0: never a -inf mean's) the bits of p, -1
+    elsewhere. Returns (bits [BLOCK_M, KS] int32, m_run, l_run)."""
     m_new = tl.maximum(m_run, reduce_max(a, 1))  # in the second pass m_run itself (the row's max)
     e = _exp(a - m_new[:, None])
     l_new = l_run * _exp(m_run - m_new) + reduce_sum(e, 1)
     p = tl.math.div_rn(e, l_run[:, None])  # (its value in the second pass only, where l_run is the row's sum)
     if P_ROUND:
         p = _rounded(p, XDTYPE)
-    bits = tl.where(cand & (p >= KEEP) & (pass_ == 1), p.to(tl.int32, bitcast=True), -1)
+    bits = tl.where((p >= KEEP) & (pass_ == 1), p.to(tl.int32, bitcast=True), -1)
     return bits, tl.where(pass_ == 0, m_new, m_run), tl.where(pass_ == 0, l_new, l_run)
+
+
+@jit
+def _merged(run, bits, j, BLOCK_M: tl.constexpr, KS: tl.constexpr, LOG_KS: tl.constexpr):
+    """The running top KS keys run [BLOCK_M, KS] with a tile's keys (bits [BLOCK_M, KS] int32, -1:
+    none; j [KS] their blocks: the lower block first among equal bits) merged in, only when some
+    key beats some query's running minimum (the list's last entry)."""
+    key = (bits.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)[None, :]  # [BLOCK_M, KS]
+    beats = reduce_max(key, 1) > reduce_min(run, 1)  # [BLOCK_M]
+    if reduce_max(beats.to(tl.int32), 0) > 0:
+        run = _merge_top(run, key, BLOCK_M, KS, LOG_KS)
+    return run
 
 
 @jit
@@ -726,10 +751,15 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
         slot, lo, _, _, _ = document_slots(pos, Tc, cmp_block, cmp_stride)
         if Tc == 0:  # S < l: no slot to read (the kernel's loads are all masked), a valid pointer still
             slot = lo
+    # rule 'lucidrains': the block means of the first pass kept for the ranking pass (fp32 [B*G, S,
+    # selection blocks]) where they fit MEANS_BUDGET, else the ranking pass computes them again
+    n_cols = _cdiv(_cdiv(S, sel_block), NS) * NS
+    stored = lucid and B * G * S * n_cols * 4 <= MEANS_BUDGET
+    means = torch.empty(B * G, S, n_cols, dtype=torch.float32, device=q.device) if stored else None
     select_kernel[grid](
-        q, k, lse, w, out, doc_pos, lo, slot,
+        q, k, lse, w, out, doc_pos, lo, slot, means,
         *q.stride(), *k.stride(), *(lse.stride() if lse is not None else (0, 0, 0)), *out.stride()[:3],
-        S, G, Tc, n_selected, cmp_block, cmp_stride, sel_block, scale, q_offset,
+        S, G, Tc, n_selected, cmp_block, cmp_stride, sel_block, scale, q_offset, n_cols,
         HPG=h, HC=T["HC"], NHC=_cdiv(h, T["HC"]), DK=Dk, DK_P=T["DK_P"], BLOCK_M=T["BLOCK_M"], TC=T["TC"], NS=NS,
         KS=T["KS"], LOG_KS=T["KS"].bit_length() - 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
@@ -738,6 +768,6 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
         SUM_ROUND=group_sum_dtype is None, MAP_UPCAST=importance_dtype is not None and not lucid and upcast_dots(
             importance_dtype), GROUP_FIRST=group_first, FLA=fla,
         LUCID=lucid, P_ROUND=lucid and p_dtype != torch.float32, KEEP=_lucid_keep(p_dtype) if lucid else 0.0,
-        **launch,
+        STORED=stored, **launch,
     )  # fmt: skip
     return out
