@@ -153,6 +153,27 @@ def test_query_tiles_any_order_and_repeats(tq, rows, dense):
     check_lse(lse, q, k, idx, block_size, 0.4, f"TQ={tq}")
 
 
+def test_blocks_chosen_after_their_query_add_nothing():
+    """A non-causal choice (tests/corpus/nsa_vibe_noncausal.py's: every block competes, future
+    ones included) lists blocks that start after their query; the union leaves them out, and the
+    rows that chose them get the attention of their other blocks, as the reference computes it.
+    Rows of only future blocks are empty (lse -inf, o 0)."""
+    S, h, G, block_size, n, dv = 31, 3, 2, 4, 4, 8
+    q, k, v, grad_o = make_inputs(S, h, G, dv, torch.float32, seed=8)
+    gen = torch.Generator().manual_seed(8)
+    NB = -(-S // block_size)
+    idx = torch.rand(B, G, S, NB, generator=gen).argsort(-1)[..., :n].sort(-1).values.to(DEVICE)  # any blocks
+    idx[0, 1, 3] = torch.tensor([2, 5, 6, -1])  # only future blocks for t 3
+    assert ((idx * block_size > torch.arange(S, device=DEVICE)[:, None]) & (idx >= 0)).float().mean() > 0.3
+    tiles = {kernel: {"TQ": 4, "ROWS": 16} for kernel in ("fwd", "dq")} | {"dense": False}
+    o, lse = st.selected_forward(q, k, v, idx, block_size, 0.4, tiles=tiles)
+    dq, dk, dv_ = st.selected_backward(grad_o, q, k, v, o, lse, idx, block_size, 0.4, tiles=tiles)
+    ref = reference(q, k, v, grad_o, idx, block_size, 0.4)
+    assert_kernel_matches_reference((o, dq, dk, dv_), ref, torch.float32, "future blocks")
+    check_lse(lse, q, k, idx, block_size, 0.4, "future blocks")
+    assert lse[0, h:, 3].isneginf().all() and torch.equal(o[0, h:, 3], torch.zeros_like(o[0, h:, 3]))
+
+
 def test_all_padding_and_no_blocks_give_zeros():
     q, k, v, grad_o = make_inputs(9, 3, 1, 8, torch.float32, seed=2)
     for n in (0, 2):
@@ -514,30 +535,40 @@ def test_inverted_selection_lists_each_blocks_queries_in_token_order_at_either_k
     assert torch.equal(qtok.cpu().long()[: int(valid.sum())], want_tok)
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_tile_union_lists_each_tiles_distinct_blocks_ascending(packed):
+@pytest.mark.parametrize("packed, q_offset", [(False, 0), (False, 6), (True, 0)])
+def test_tile_union_lists_each_tiles_distinct_blocks_ascending(packed, q_offset):
     """`_tile_union` (union_kernel) against sets built here: per (batch, group, tile of TQ
-    queries) the distinct block ids that hold tokens (0 <= id < NB; padding and ids past the keys
-    dropped), or with pos the distinct first tokens t - pos[t] + id * l' in [0, S), ascending,
-    and their count; the last tile partial (S % TQ != 0), repeated ids within and across rows."""
+    queries) the distinct block ids that hold a token the choosing query sees (0 <= id < NB,
+    id * l' <= its token q_offset + t; padding, ids past the keys and blocks chosen after their
+    query dropped), or with pos the distinct first tokens t - pos[t] + id * l' in [0, t],
+    ascending, and their count; the last tile partial (S % TQ != 0), repeated ids within and
+    across rows. Future choices are frequent here (ids drawn up to 8 for every row), as a
+    non-causal block choice (tests/corpus/nsa_vibe_noncausal.py) makes them."""
     S, TQ, n, ls, G = 29, 4, 3, 4, 2
+    keys = S + q_offset  # a chunk of queries: K/V hold the tokens before it too
+    NB = -(-keys // ls)
     pos = positions([5, 1, 11, 12], [29]) if packed else None
     gen = torch.Generator().manual_seed(3)
-    idx = torch.randint(-1, 9, (B, G, S, n), generator=gen)  # -1 padding, ids past NB = 8
-    idx[0, 1, 6, :] = 2  # one row naming a block three times
-    union, count, NT = st._tile_union(idx.to(DEVICE), ls, S, TQ, None if pos is None else pos)
+    idx = torch.randint(-1, NB + 1, (B, G, S, n), generator=gen)  # -1 padding, ids past NB
+    idx[0, 1, 6, :] = 1  # one row naming a block three times
+    union, count, NT = st._tile_union(idx.to(DEVICE), ls, S, TQ, None if pos is None else pos, keys,
+                                      q_offset=q_offset)
     assert NT == 8 and tuple(union.shape) == (B * G, NT, TQ * n + 1)
+    dropped = 0
     for b in range(B):
         for g in range(G):
             for tile in range(NT):
                 rows = range(tile * TQ, min(S, tile * TQ + TQ))
                 if packed:
-                    want = {int(t - pos[b, t]) + int(i) * ls for t in rows for i in idx[b, g, t] if i >= 0}
-                    want = sorted(x for x in want if 0 <= x < S)
+                    want = {int(t - pos[b, t]) + int(i) * ls for t in rows for i in idx[b, g, t] if i >= 0
+                            if 0 <= int(t - pos[b, t]) + int(i) * ls <= t}
+                    want = sorted(want)
                 else:
-                    want = sorted({int(i) for t in rows for i in idx[b, g, t] if 0 <= i < 8})
+                    want = sorted({int(i) for t in rows for i in idx[b, g, t] if 0 <= i < NB and i * ls <= q_offset + t})
+                    dropped += sum(1 for t in rows for i in idx[b, g, t] if 0 <= i < NB and i * ls > q_offset + t)
                 got = union[b * G + g, tile, : int(count[b * G + g, tile])].tolist()
                 assert got == want, (b, g, tile)
+    assert packed or dropped > 20  # the future choices were there to drop
 
 
 def test_packed_op_with_backend_triton_matches_backend_reference_through_autograd():

@@ -666,7 +666,7 @@ def selected_forward(q, k, v, block_idx, block_size: int, scale: float, pos=None
     pos = None if pos is None else pos.contiguous()
     T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=_tile_len(S, pos, doc_len),
                n_selected=block_idx.shape[3], keys=k.shape[2], packed=pos is not None)
-    union = _tile_union(block_idx, block_size, S, T["fwd"]["TQ"], pos, k.shape[2], T["dense"])
+    union = _tile_union(block_idx, block_size, S, T["fwd"]["TQ"], pos, k.shape[2], T["dense"], q_offset)
     _fwd_stage(q, k, v, block_idx, union, block_size, scale, T, o, lse, pos, q_offset)
     return o, lse
 
@@ -693,17 +693,19 @@ def _document_starts(block_idx: torch.Tensor, pos: torch.Tensor, block_size: int
 
 
 def _tile_union(block_idx: torch.Tensor, block_size: int, S: int, TQ: int, pos: torch.Tensor | None = None,
-                keys: int | None = None, dense: bool = False):
+                keys: int | None = None, dense: bool = False, q_offset: int = 0):
     """The blocks each tile of TQ consecutive queries reads: per (batch, group, tile), the
-    distinct block ids its queries chose that hold tokens (0 <= id < NB = ceil(keys / l'); keys:
-    the length of K/V, S when None), ascending, in `union` [B*G, NT, TQ*n+1] int32 (entries past
-    `count` unused), and `count` [B*G, NT] int32; NT = ceil(S / TQ). With pos (packed documents)
-    a query's block j is the tokens [start, start + l'), start = t - pos[t] + j * l', which
-    queries of other documents in the same tile name with other ids and which need not sit on the
-    l' grid: the union then holds the distinct starts in [0, S) (`union_kernel`). One kernel, no
-    host sync. Returns (union, count, NT); for TQ = 1 no tensors (placeholders): the kernels read
-    the query's own list slot by slot; likewise with `dense` (`_tiles`' choice for few blocks:
-    the kernels read every block up to the tile's last query)."""
+    distinct block ids its queries chose that hold a token the choosing query sees (0 <= id <
+    NB = ceil(keys / l'), keys: the length of K/V, S when None; and id * l' <= its token
+    q_offset + t: a block chosen after its query, which a non-causal choice lists, adds nothing
+    to any row), ascending, in `union` [B*G, NT, TQ*n+1] int32 (entries past `count` unused), and
+    `count` [B*G, NT] int32; NT = ceil(S / TQ). With pos (packed documents) a query's block j is
+    the tokens [start, start + l'), start = t - pos[t] + j * l', which queries of other documents
+    in the same tile name with other ids and which need not sit on the l' grid: the union then
+    holds the distinct starts in [0, t] (`union_kernel`). One kernel, no host sync. Returns
+    (union, count, NT); for TQ = 1 no tensors (placeholders): the kernels read the query's own
+    list slot by slot; likewise with `dense` (`_tiles`' choice for few blocks: the kernels read
+    every block up to the tile's last query)."""
     B, G, _, n = block_idx.shape
     NT, NB = _cdiv(S, TQ), _cdiv(S if keys is None else keys, block_size)
     device = block_idx.device
@@ -715,7 +717,7 @@ def _tile_union(block_idx: torch.Tensor, block_size: int, S: int, TQ: int, pos: 
     if B * G * NT:
         E_P = max(2, _next_pow2(TQ * n))
         union_kernel[(B * G, NT)](
-            block_idx, pos, union, count, *block_idx.stride(), S, G, NT, NB, n, block_size,
+            block_idx, pos, union, count, *block_idx.stride(), S, G, NT, NB, n, block_size, q_offset,
             TQ=TQ, E_P=E_P, LOG_E=E_P.bit_length() - 1, HAS_POS=pos is not None, num_warps=4,
         )  # fmt: skip
     return union, count, NT
@@ -723,12 +725,13 @@ def _tile_union(block_idx: torch.Tensor, block_size: int, S: int, TQ: int, pos: 
 
 @jit
 def union_kernel(
-    IDX, POS, UNION, UCNT, sib, sig, sis, sin_, S, G, NT, NB, N_SEL, BS,
+    IDX, POS, UNION, UCNT, sib, sig, sis, sin_, S, G, NT, NB, N_SEL, BS, Q_OFF,
     TQ: tl.constexpr, E_P: tl.constexpr, LOG_E: tl.constexpr, HAS_POS: tl.constexpr,
 ):  # fmt: skip
     """`_tile_union`'s union of one (batch * group, tile): its TQ * n entries as keys (the block
-    id, or with pos the block's first token; a sentinel where the entry names no token: padding,
-    a block past the keys or starting before token 0, a row past S), sorted (block selection's
+    id, or with pos the block's first token; a sentinel where the entry names no token its query
+    sees: padding, a block past the keys, starting before token 0 or after the query's token
+    Q_OFF + row, a row past S), sorted (block selection's
     bitonic network in registers), then each first of a run of equal keys written at its rank
     (the sorted keys go through the union's row once: a key's predecessor is read back from
     there), and the count."""
@@ -744,10 +747,10 @@ def union_kernel(
     if HAS_POS:
         start = document_start(POS, b, row, ok, S).to(tl.int64) + ids * BS
         end = S
-        key = tl.where(ok & (ids >= 0) & (start >= 0) & (start < S), start, end).to(tl.int32)
+        key = tl.where(ok & (ids >= 0) & (start >= 0) & (start <= row), start, end).to(tl.int32)
     else:
         end = NB
-        key = tl.where(ok & (ids >= 0) & (ids < NB), ids, end).to(tl.int32)
+        key = tl.where(ok & (ids >= 0) & (ids < NB) & (ids * BS <= Q_OFF + row), ids, end).to(tl.int32)
     key = tl.reshape(_sort_rows(tl.reshape(key, [1, E_P]), 1, E_P, LOG_E, False), [E_P])  # sentinels last
     base = UNION + (bg * NT + tile).to(tl.int64) * (E + 1)
     tl.store(base + e, key, mask=e < E)  # the valid keys sit in the first E places
@@ -869,7 +872,7 @@ def selected_backward(
     T = _tiles(h, Dk, Dv, block_size, q.dtype == torch.float32, tiles, seq_len=_tile_len(S, pos, doc_len),
                n_selected=block_idx.shape[3], keys=k.shape[2], packed=pos is not None)
     delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    union = _tile_union(block_idx, block_size, S, T["dq"]["TQ"], pos, k.shape[2], T["dense"])
+    union = _tile_union(block_idx, block_size, S, T["dq"]["TQ"], pos, k.shape[2], T["dense"], q_offset)
     _dq_stage(grad_o, q, k, v, o, lse, block_idx, union, block_size, scale, T, dq, delta, pos, q_offset)
     segment = DKV_SEGMENT if segment is None else segment
     if T["dense"]:  # few blocks: each KV block walks all later queries, no inverted selection
