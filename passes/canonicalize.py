@@ -626,8 +626,8 @@ def not_attention(softmax: fx.Node, chain: list[Step]) -> str:
     included) read by a top-k, they are a block choice's scores that read later tokens."""
     if feeds_topk(softmax) and not any(step.kind == "mask" for step in chain):
         return ("the grouped probabilities are not multiplied by V: a softmax over scores with no mask (every key, "
-                "later tokens included) feeding a top-k: the block scores read later tokens (non-causal); the ops' "
-                "block choice is causal")
+                "later tokens included) feeding a top-k: block scores that read later tokens (non-causal), left to "
+                "select_blocks (its rule 'nsa_vibe')")
     return "the grouped probabilities are not multiplied by V once (p @ v as an einsum over the same group and head dims)"
 
 

@@ -175,6 +175,7 @@ from nsa_compile.sizes import Sizes, is_size
 from . import compressed_attention as cmp
 from . import block_choice
 from .block_choice import first_arg, noncausal_reason, unbatched_key
+from .noncausal_choice import NonCausalChoice, NotThisRule
 
 KERNEL = ("nsa.select_blocks[{backend}] (l'={block}, n={n}{packed}, from the compressed lse, no [B, H, S, Tc] "
           "probabilities{note}{why})")
@@ -543,10 +544,12 @@ class SelectBlocks(RewritePass):
     def __init__(self):
         self.lucidrains = LucidrainsChoice()
         self.varlen = VarlenChoice()
+        self.noncausal = NonCausalChoice()
 
     def apply(self, graph: fx.Graph, ctx: PassContext) -> None:
         subgraphs, data, probes = cmp.PositionSubgraphs(Sizes.of(graph)), cmp.data_nodes(graph), PackedProbes()
         self.lucidrains.verdicts.clear()  # verdicts hold nodes of this graph
+        self.noncausal.verdicts.clear()
         requested = ctx.config.backend("select_blocks")
         cmp_requested = ctx.config.backend("compressed_attention")
         for node in list(graph.nodes):
@@ -573,7 +576,17 @@ class SelectBlocks(RewritePass):
                 else:
                     plan = self.check(node, subgraphs, data, requested, cmp_requested, probes)
             except Refused as why:
-                ctx.refused(node, str(why))
+                try:  # a softmax over unmasked scores: the choice read as a non-causal computation
+                    plan = self.noncausal.check(node, requested)
+                except NotThisRule:
+                    ctx.refused(node, str(why))
+                    continue
+                except Refused as noncausal_why:
+                    ctx.refused(node, f"{why}; read as a non-causal choice (rule 'nsa_vibe'): {noncausal_why}")
+                    continue
+                self.noncausal.rewrite(graph, plan)
+                data = cmp.data_nodes(graph)
+                ctx.matched(node, plan["text"])
                 continue
             if plan["rule"] == "lucidrains":
                 self.lucidrains.rewrite(graph, plan)

@@ -816,8 +816,8 @@ class GroupedChoice(nn.Module):
 
 @pytest.mark.parametrize("causal, reason", [
     (False, ("grouped_heads: the grouped probabilities are not multiplied by V: a softmax over scores with no mask "
-             "(every key, later tokens included) feeding a top-k: the block scores read later tokens (non-causal); "
-             "the ops' block choice is causal")),
+             "(every key, later tokens included) feeding a top-k: block scores that read later tokens (non-causal), "
+             "left to select_blocks (its rule 'nsa_vibe')")),
     (True, ("grouped_heads: the grouped probabilities are not multiplied by V once (p @ v as an einsum over the same "
             "group and head dims)")),
 ])

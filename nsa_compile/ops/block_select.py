@@ -70,6 +70,28 @@ overlap(i, j) is the number of tokens in both [i*d, i*d + l) and [j*l', j*l' + l
   ranked and compared with 1e-10 there; every step before it in q's dtype as above.
   Not with pos (ValueError). Both backends compute it (the triton backend: l'/d <= 16).
 
+- "nsa_vibe" (the nsa-vibe project's eager model; tests/corpus/nsa_vibe_noncausal.py): NOT causal.
+  lse must be None: the probabilities are a softmax over *every* compressed block, later ones
+  included, and every block competes for the free slots, so the ids of the query at t depend on
+  the tokens after t (nsa.selected_attention then reads only their tokens up to t). In q's dtype
+  as eager: q @ k^T rounded, times scale rounded; then float32 (the softmax as CUDA autocast runs
+  it, or a float32 model):
+
+    s = (q @ k^T) * scale                            # every column, no mask
+    p = softmax(s, dim=-1)                           # computed as exp(s - logsumexp(s))
+    p_grp[b, g, t, j] = sum over the group's heads of sum_i p[b, head, t, i] * overlap(i, j) / l
+    F = {0, t // l', t // l' - 1 (clamped at 0)}     # |F| distinct forced blocks: 1, 2 or 3
+    key[t, j] = +inf for j in F, else p_grp          # every block a candidate, future ones too
+    chosen = the first n - 3 + |F| of a stable descending sort of key (at most Ns exist)
+    block_idx = ascending sort of chosen, -1 padded to n: the -1 FIRST
+
+  which is eager's `forced` (3 slots) concatenated with the top n - 3 of the other blocks, the
+  duplicates among the forced turned into -1 and the row sorted ascending. Ties go to the lower
+  block (eager subtracts j * 1e-8 before its top-k: the same order on ties; on blocks whose
+  importance differs by less than that, below the float32 noise of exp(s - lse) against eager's
+  softmax, the two may differ). Not with pos, q_offset or importance_dtype; n >= 3. Both backends
+  compute it (the triton backend: the row's logsumexp in a first kernel, `vibe_lse_kernel`).
+
 A chunk of queries (`q_offset`, an int, default 0; issue 17): query row r of q (and of lse) is
 token q_offset + r of the sequence k was pooled from; t above is that token, Ns = ceil((q_offset +
 S) / l') (the blocks up to the last query's), block_idx [B, G, S, n] for the chunk's rows. Rules
@@ -182,10 +204,12 @@ from .common import check_gqa, check_offset, check_positive_int, upcast_dtype, w
 from .compressed import columns_on, document_chunks
 from .registry import Backend, Op, declare
 
-__all__ = ["BLOCK_SELECT", "REFERENCE_BUDGET", "choose_backend", "lucidrains_probabilities", "select_blocks",
-           "why_not_triton"]
+__all__ = ["BLOCK_SELECT", "REFERENCE_BUDGET", "choose_backend", "lucidrains_probabilities", "nsa_vibe_importance",
+           "select_blocks", "why_not_triton"]
 
-RULES = ("nsa", "fla", "lucidrains")
+RULES = ("nsa", "fla", "lucidrains", "nsa_vibe")
+# the rules that compute everything from q and k (lse None)
+OWN_NORMALIZER = ("lucidrains", "nsa_vibe")
 # rule 'lucidrains': the sink column's logit and the probability a chosen block must exceed
 LUCIDRAINS_SINK, LUCIDRAINS_THRESHOLD = -1e3, block_select_triton.LUCID_THRESHOLD  # the kernel's sink: its -1000.0
 # the importance dtypes the op rounds to (autocast's lower precisions)
@@ -215,7 +239,7 @@ def why_not_triton(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=
         q.device,
         lambda: block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos,
                                                        importance_dtype, group_first, rule == "fla",
-                                                       rule == "lucidrains"),
+                                                       rule == "lucidrains", rule == "nsa_vibe"),
         kernels="the Triton kernel runs",
     )
 
@@ -241,9 +265,15 @@ def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backe
         raise ValueError(f"{_OP}: rule 'lucidrains' with q_offset (a chunk of queries) is not implemented")
     if rule != "nsa" and pos is not None:
         raise ValueError(f"{_OP}: rule {rule!r} with pos (packed documents) is not implemented")
-    if (rule == "lucidrains") != (lse is None):
-        raise ValueError(f"{_OP}: rule {rule!r} " + ("ranks the compressed logits: lse must be None" if lse is not None
-                         else "ranks the compressed probabilities: it needs the lse"))
+    if (rule in OWN_NORMALIZER) != (lse is None):
+        raise ValueError(f"{_OP}: rule {rule!r} " + ("computes its own normalizer from q and k: lse must be None"
+                                                     if lse is not None
+                                                     else "ranks the compressed probabilities: it needs the lse"))
+    if rule == "nsa_vibe" and (importance_dtype is not None or group_sum_dtype is not None or q_offset):
+        raise ValueError(f"{_OP}: rule 'nsa_vibe' computes the importance in float32 over the whole sequence: "
+                         "importance_dtype, group_sum_dtype and q_offset must be unset")
+    if rule == "nsa_vibe" and isinstance(n_selected, int) and n_selected < 3:
+        raise ValueError(f"{_OP}: rule 'nsa_vibe' holds 3 forced slots: n_selected must be >= 3, got {n_selected}")
     if rule == "lucidrains" and group_sum_dtype is not None:
         raise ValueError(f"{_OP}: rule 'lucidrains' has no group sum: group_sum_dtype must be None")
     if rule == "lucidrains" and importance_dtype not in (None, torch.float32):
@@ -301,6 +331,14 @@ def rank_and_choose(p_grp: torch.Tensor, t: torch.Tensor, sel_block: int, n_sele
     Ns = p_grp.shape[3]
     j = torch.arange(Ns, device=p_grp.device)[None, :]
     current = t // sel_block
+    if rule == "nsa_vibe":  # every block a candidate; n - 3 + |F| chosen; the -1 first
+        key = torch.where((j == 0) | (j == current) | (j == current - 1), float("inf"), p_grp)
+        key = torch.nn.functional.pad(key, (0, max(0, n_selected - Ns)), value=float("-inf"))  # >= n columns
+        values, order = torch.sort(key, dim=-1, descending=True, stable=True)
+        n_forced = 1 + current.clamp(max=2)  # distinct forced blocks: {0}, {0, 1}, {0, c - 1, c}
+        rank = torch.arange(n_selected, device=p_grp.device)
+        keep = (rank < n_selected - 3 + n_forced) & (values[..., :n_selected] > float("-inf"))
+        return torch.sort(torch.where(keep, order[..., :n_selected], -1), dim=-1).values
     if rule == "fla":
         key = torch.nn.functional.pad(p_grp, (0, max(0, n_selected - Ns)), value=float("-inf"))  # >= n columns
         values, order = torch.sort(key, dim=-1, descending=True, stable=True)
@@ -355,15 +393,20 @@ def _reference(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_sel
     chunk = max(1, min(S, budget // max(1, B * H * max(Tc, width))))
     qg = q.unflatten(1, (G, h))  # [B, G, h, S, Dk]
     kT = k.transpose(-1, -2)[:, :, None]  # [B, G, 1, Dk, Tc]
-    lse_g = lse.unflatten(1, (G, h))  # [B, G, h, S]
+    lse_g = None if lse is None else lse.unflatten(1, (G, h))  # [B, G, h, S]
     i = torch.arange(Tc, device=q.device)
     for t0 in range(0, S, chunk):
         t1 = min(S, t0 + chunk)
         t = torch.arange(q_offset + t0, q_offset + t1, device=q.device)[:, None]  # [c, 1]: the rows' tokens
-        visible = i * cmp_stride + cmp_block - 1 <= t  # [c, Tc]: the whole block is in the past
-        s = (qg[:, :, :, t0:t1] @ kT).to(up) * scale  # [B, G, h, c, Tc]
+        if rule == "nsa_vibe":  # every column, scaled in q's dtype; the row's own logsumexp
+            s = ((qg[:, :, :, t0:t1] @ kT) * scale).to(up)  # [B, G, h, c, Tc]
+            visible, lse_c = torch.ones_like(i, dtype=torch.bool), torch.logsumexp(s, dim=-1, keepdim=True)
+        else:
+            visible = i * cmp_stride + cmp_block - 1 <= t  # [c, Tc]: the whole block is in the past
+            s = (qg[:, :, :, t0:t1] @ kT).to(up) * scale  # [B, G, h, c, Tc]
+            lse_c = lse_g[:, :, :, t0:t1, None].to(up)
         # where, not multiply: a row without a visible block has lse = -inf and exp(s - lse) = inf
-        p = rounded(torch.where(visible, torch.exp(s - lse_g[:, :, :, t0:t1, None].to(up)), 0.0), importance_dtype)
+        p = rounded(torch.where(visible, torch.exp(s - lse_c), 0.0), importance_dtype)
         del s
         if group_first:  # the group's heads summed first (accumulated in float32, rounded), then the block map
             p = rounded(p.sum(2, keepdim=True), importance_dtype)
@@ -482,6 +525,20 @@ def lucidrains_probabilities(q, k, cmp_stride: int, sel_block: int, scale: float
     return torch.nn.functional.pad(a, (1, 0), value=LUCIDRAINS_SINK).softmax(dim=-1, dtype=softmax_dtype)[..., 1:]
 
 
+def nsa_vibe_importance(q, k, cmp_block: int, cmp_stride: int, sel_block: int, scale: float) -> torch.Tensor:
+    """Rule 'nsa_vibe''s importance p_grp [B, G, S, Ns] (the module docstring), whole (not chunked):
+    what the select_blocks pass compares a model's choice with where a probe's rows differ."""
+    B, H, S, _ = q.shape
+    G, Tc = k.shape[1], k.shape[2]
+    up = upcast_dtype(q.dtype)
+    Ns = -(-S // sel_block)
+    s = ((q.unflatten(1, (G, H // G)) @ k.transpose(-1, -2)[:, :, None]) * scale).to(up)  # [B, G, h, S, Tc]
+    p = torch.softmax(s, dim=-1)
+    index, weight = overlap_band(Tc, Ns, cmp_block, cmp_stride, sel_block, q.device, up)
+    p_slc = sum(p[..., index[w]] * weight[w] for w in range(index.shape[0])) if Tc else p.new_zeros(*p.shape[:-1], Ns)
+    return p_slc.sum(2)
+
+
 def _reference_lucidrains(q, k, cmp_stride: int, sel_block: int, n_selected: int, scale: float,
                           budget: int | None = None,
                           softmax_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
@@ -523,7 +580,8 @@ def _reference_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, 
 def _triton_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, rule="nsa",
                    importance_dtype=None, group_first=False) -> str | None:  # fmt: skip
     return block_select_triton.unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos,
-                                                  importance_dtype, group_first, rule == "fla", rule == "lucidrains")
+                                                  importance_dtype, group_first, rule == "fla", rule == "lucidrains",
+                                                  rule == "nsa_vibe")
 
 
 # The block ids are integers: no gradient, no backward op.
@@ -542,7 +600,7 @@ BLOCK_SELECT = declare(Op(
                 group_first:
                     block_select_triton.select_blocks_forward(q, k, lse, l, d, ls, n, scale, pos, importance_dtype,
                                                               group_sum_dtype, q_offset, group_first, rule == "fla",
-                                                              rule == "lucidrains")),
+                                                              rule == "lucidrains", rule == "nsa_vibe")),
         Backend("reference", forward=_reference_forward),
     ),
     check=_check,

@@ -4,9 +4,9 @@ the [B, H, S, Tc] probabilities or the [B, G, S, Ns] scores.
 
     block_idx = select_blocks_forward(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, pos=None,
                                       importance_dtype=None, group_sum_dtype=None, q_offset=0, group_first=False,
-                                      fla=False, lucid=False)
+                                      fla=False, lucid=False, vibe=False)
     why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None, importance_dtype=None,
-                             group_first=False, fla=False, lucid=False)   # None: it can run
+                             group_first=False, fla=False, lucid=False, vibe=False)   # None: it can run
 
 Same contract as the `reference` backend of `nsa::select_blocks` (nsa_compile/ops/block_select.py):
 q [B, H, S, Dk], pooled keys k [B, G, Tc, Dk] (H = G * h), lse [B, H, S] float32, any strides;
@@ -102,6 +102,17 @@ product's rounding error in the exponent: p one unit from 1, on either side of t
 rule keeps its fused form (its ids are a set, ascending). Without FLA the kernel compiles as it did
 before the flag (the same sm_90 PTX but for line numbers).
 
+Rule 'nsa_vibe' (a VIBE constexpr; the op's docstring: not causal): lse None. A first kernel,
+`vibe_lse_kernel` (grid (ceil(S / BLOCK_M), B * H)), computes each row's logsumexp over every
+compression block (online max and sum in fp32) of s = q @ k^T rounded to q's dtype, times scale
+rounded again (`_rounded`, as eager's bf16 einsum and multiply), into an fp32 [B, H, S] buffer
+that select_kernel then reads as it reads the compressed branch's lse. There every compression
+block is visible (i < Tc), s is rounded the same way and p = exp(s - lse); the tiles run over the
+whole sequence's blocks, every block j < ceil(S / l') is a candidate, the forced blocks as the
+paper's, and the first n - 3 + |F| keys are kept (|F| = 1 + min(t // l', 2) distinct forced
+blocks), decoded with -1 for the rest and sorted ascending: the -1 first, as eager's last sort.
+Without VIBE the kernel compiles as before the flag.
+
 Rule 'lucidrains' (a LUCID constexpr, with P_ROUND and KEEP; lucidrains' choice, the op's
 docstring): lse None, no overlap matrix. Each tile's logits are rounded where the reference's ops
 round them: s = q @ k^T rounded to q's dtype, times scale rounded again (exact in the interpreter
@@ -183,6 +194,8 @@ LUCID_THRESHOLD, LUCID_MAX_COLUMNS = 1e-10, 16
 # rule 'lucidrains': the most bytes of first-pass block means kept for the ranking pass (the seed's
 # 2k x 32 at h 6 keeps 16.8 MB; 64k rows would need S^2 / l' floats a group, so they compute again)
 MEANS_BUDGET = 256 * 2**20
+# rule 'nsa_vibe': query rows per program of the logsumexp kernel
+VIBE_LSE_ROWS = 64
 _TL_DTYPES = {} if tl is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # rule 'fla' compiles without fused multiply-adds: s * scale is rounded before - lse, as the reference
 # computes it, so a lone visible block's p is exactly 1 where lse is its rounded score (the module docstring)
@@ -226,15 +239,18 @@ def _tiles(h: int, Dk: int, cmp_stride: int, sel_block: int, n_selected: int, fp
 
 def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos=None,
                        importance_dtype=None, group_first: bool = False, fla: bool = False,
-                       lucid: bool = False) -> str | None:  # fmt: skip
+                       lucid: bool = False, vibe: bool = False) -> str | None:  # fmt: skip
     """Why the Triton kernel cannot run these inputs, or None when it can (pos: packed documents,
     [B, S] int64, with k holding a slot per token; importance_dtype: None, bf16 or fp16;
     group_first: the group's rounded heads summed before the block map, with importance_dtype;
     fla: the op's rule 'fla', without pos or group_first; lucid: the op's rule 'lucidrains', lse
     None, importance_dtype None or torch.float32 (the softmax in float32), no pos, group_first or
-    fla, cmp_block not read)."""
+    fla, cmp_block not read); vibe: the op's rule 'nsa_vibe', lse None, no pos, importance_dtype,
+    group_first or fla."""
     if why := device_reason(q, k, lse, pos):
         return why
+    if vibe and (lse is not None or pos is not None or importance_dtype is not None or group_first or fla or lucid):
+        return "rule 'nsa_vibe' takes no lse, pos (packed documents), importance_dtype, group_first or other rule"
     if q.dtype != k.dtype or q.dtype not in KERNEL_DTYPES:
         return f"dtypes q {q.dtype}, k {k.dtype} (needs one of fp16, bf16, fp32 for both)"
     if q.dim() != 4 or k.dim() != 4:
@@ -243,7 +259,7 @@ def unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, 
         return f"head dim {q.shape[3]} (at most {MAX_HEAD_DIM})"
     if lucid and (lse is not None or pos is not None or group_first or fla):
         return "rule 'lucidrains' takes no lse, pos (packed documents), group_first or rule 'fla'"
-    if not lucid and lse.dtype != torch.float32:
+    if not lucid and not vibe and lse.dtype != torch.float32:
         return f"lse dtype {lse.dtype} (needs float32)"
     l, d, ls = cmp_block, cmp_stride, sel_block
     for v in (l, d, ls, n_selected):
@@ -340,6 +356,7 @@ def select_kernel(
     PREC: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr, HAS_POS: tl.constexpr,
     IMP_DTYPE: tl.constexpr, SUM_ROUND: tl.constexpr, MAP_UPCAST: tl.constexpr, GROUP_FIRST: tl.constexpr,
     FLA: tl.constexpr, LUCID: tl.constexpr, P_ROUND: tl.constexpr, KEEP: tl.constexpr, STORED: tl.constexpr,
+    VIBE: tl.constexpr = False,
 ):  # fmt: skip
     # heaviest (latest) query tiles first: a short tail for the causal imbalance
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -379,6 +396,8 @@ def select_kernel(
     else:  # query row t is token Q_OFF + t (a chunk of queries; 0 for the whole sequence)
         cur = (Q_OFF + t_q) // LS  # [BLOCK_M] the current selection block
         t_last = Q_OFF + tl.minimum(tile * BLOCK_M + BLOCK_M, S) - 1
+        if VIBE:  # not causal: every block of the sequence
+            t_last = S - 1
         n_tiles = (t_last // LS) // NS + 1  # up to the latest query's current block
         n_groups = 1
         if LUCID:  # two passes over the blocks: the softmax's normalizer, then the ranking by p
@@ -453,6 +472,13 @@ def select_kernel(
                     else:
                         s = s * scale
                     psum += reduce_sum(tl.reshape(tl.where(ok[:, None], s, 0.0), [BLOCK_M, HC, TC]), 1)
+                elif VIBE:  # (q @ k^T) * scale in q's dtype over every column; lse over every column
+                    if ROUND:
+                        s = _rounded(_rounded(s, Q.dtype.element_ty) * scale, Q.dtype.element_ty)
+                    else:
+                        s = s * scale
+                    p = tl.where(ok[:, None] & (i < Tc)[None, :], tl.exp(s - lse[:, None]), 0.0)
+                    psum += reduce_sum(tl.reshape(p, [BLOCK_M, HC, TC]), 1)  # the group's heads summed
                 else:
                     if ROUND:  # eager's q @ k^T is rounded to the input dtype before the upcast
                         s = s.to(Q.dtype.element_ty).to(tl.float32)
@@ -527,6 +553,8 @@ def select_kernel(
                 forced = real & ((j[None, :] == 0) | (j[None, :] == cur[:, None]) | (j[None, :] == cur[:, None] - 1))
             if HAS_POS:  # counted in the document
                 candidate = real & (j[None, :] * LS <= p_q[:, None])
+            elif VIBE:  # every block of the sequence, later ones too
+                candidate = real & (j[None, :] * LS < S)
             else:
                 candidate = real & (j[None, :] * LS <= Q_OFF + t_q[:, None])
             if FLA:
@@ -549,7 +577,14 @@ def select_kernel(
     # rank order, the list's own descending order: its candidates first, then the -1 keys)
     col = tl.arange(0, KS)[None, :]
     none: tl.constexpr = 0x7FFFFFFF
-    ids = tl.where((col < N_SEL) & (run >= 0), 0x7FFFFFFF - (run & 0x7FFFFFFF), none)
+    if VIBE:
+        # the first n - 3 + |F| (|F| = 1 + min(t // l', 2) distinct forced); the rest of the first n
+        # columns -1, so the ascending sort below puts them first (eager's last sort), the columns
+        # past n last
+        kept = (col < N_SEL - 2 + tl.minimum(cur, 2)[:, None]) & (run >= 0)
+        ids = tl.where(kept, 0x7FFFFFFF - (run & 0x7FFFFFFF), tl.where(col < N_SEL, -1, none))
+    else:
+        ids = tl.where((col < N_SEL) & (run >= 0), 0x7FFFFFFF - (run & 0x7FFFFFFF), none)
     if not FLA and not LUCID:
         ids = _sort_rows(ids, BLOCK_M, KS, LOG_KS, False)
     out_ptrs = OUT + b * sob + g.to(tl.int64) * sog + t_q.to(tl.int64)[:, None] * sos + col
@@ -557,6 +592,49 @@ def select_kernel(
     if LUCID:  # the diagonal block, appended as column n
         tl.store(OUT + b * sob + g.to(tl.int64) * sog + t_q.to(tl.int64) * sos + N_SEL, cur.to(tl.int64),
                  mask=t_q < S)
+
+
+@jit
+def vibe_lse_kernel(
+    Q, KC, LSE, sqb, sqh, sqs, sqd, skb, skg, skt, skd, S, H, Tc, scale,
+    HPG: tl.constexpr, DK: tl.constexpr, DK_P: tl.constexpr, BLOCK_M: tl.constexpr, TC: tl.constexpr,
+    PREC: tl.constexpr, ROUND: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Rule 'nsa_vibe': LSE [B, H, S] fp32 (contiguous), each row's logsumexp over every compression
+    block of s = (q @ k^T) * scale, rounded as select_kernel rounds it (online max and sum, fp32).
+    Grid (ceil(S / BLOCK_M), B * H)."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    hd = (bh % H).to(tl.int64)
+    t = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    t_ok = t < S
+    dk = tl.arange(0, DK_P)
+    dk_ok = dk < DK
+    q = tl.load(Q + b * sqb + hd * sqh + t.to(tl.int64)[:, None] * sqs + dk[None, :] * sqd,
+                mask=t_ok[:, None] & dk_ok[None, :], other=0.0)  # [BLOCK_M, DK_P]
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = KC + b * skb + (hd // HPG) * skg
+    ic = tl.arange(0, TC)
+    m_run = tl.full([BLOCK_M], -1e30, tl.float32)  # a finite floor: exp(-inf - floor) = 0, never NaN
+    l_run = tl.full([BLOCK_M], 0.0, tl.float32)
+    for c0 in range(0, Tc, TC):
+        i = c0 + ic
+        kt = tl.load(k_base + i.to(tl.int64)[:, None] * skt + dk[None, :] * skd,
+                     mask=(i < Tc)[:, None] & dk_ok[None, :], other=0.0)  # [TC, DK_P]
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, tl.trans(kt), input_precision=PREC)  # [BLOCK_M, TC] fp32
+        if ROUND:
+            s = _rounded(_rounded(s, Q.dtype.element_ty) * scale, Q.dtype.element_ty)
+        else:
+            s = s * scale
+        s = tl.where((i < Tc)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_run, reduce_max(s, 1))
+        l_run = l_run * tl.exp(m_run - m_new) + reduce_sum(tl.exp(s - m_new[:, None]), 1)
+        m_run = m_new
+    tl.store(LSE + bh.to(tl.int64) * S + t, m_run + tl.log(l_run), mask=t_ok)
 
 
 @jit
@@ -701,7 +779,7 @@ def _lucid_keep(dtype: torch.dtype) -> float:
 
 def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block: int, n_selected: int,
                           scale: float, pos=None, importance_dtype=None, group_sum_dtype=None, q_offset: int = 0,
-                          group_first: bool = False, fla: bool = False, lucid: bool = False, *,
+                          group_first: bool = False, fla: bool = False, lucid: bool = False, vibe: bool = False, *,
                           tiles: dict | None = None) -> torch.Tensor:  # fmt: skip
     """block_idx [B, G, S, n_selected] int64 (see the module docstring). pos: packed documents
     ([B, S] int64; k then holds a slot per token). importance_dtype: None, or bf16/fp16 for the
@@ -714,10 +792,14 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
     current block favoured, no forced blocks, the ids in rank order, -1 after; without pos or
     group_first). lucid: the op's rule 'lucidrains' (lse None; importance_dtype None or torch.float32,
     the softmax's dtype; [B, G, S, n_selected + 1], the diagonal block last; not with pos, q_offset,
-    group_first or group_sum_dtype). `tiles`: an override of `_tiles` (tools/bench_block_select.py);
-    None, the default tiles."""
+    group_first or group_sum_dtype). vibe: the op's rule 'nsa_vibe' (lse None: computed here over every
+    compression block by `vibe_lse_kernel`; not causal; not with pos, q_offset, importance_dtype,
+    group_sum_dtype or group_first; n >= 3). `tiles`: an override of `_tiles`
+    (tools/bench_block_select.py); None, the default tiles."""
     why = unsupported_reason(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, pos, importance_dtype,
-                             group_first, fla, lucid)
+                             group_first, fla, lucid, vibe)
+    if why is None and vibe and (q_offset or group_sum_dtype is not None or n_selected < 3):
+        why = "rule 'nsa_vibe' takes no q_offset and no group_sum_dtype, and n_selected >= 3"
     if why is None and group_first and group_sum_dtype is not None:
         why = f"group_first with group_sum_dtype {group_sum_dtype} (the group sum is rounded before the map)"
     if why is None and lucid and (q_offset or group_sum_dtype is not None):
@@ -756,6 +838,14 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
     n_cols = _cdiv(_cdiv(S, sel_block), NS) * NS
     stored = lucid and B * G * S * n_cols * 4 <= MEANS_BUDGET
     means = torch.empty(B * G, S, n_cols, dtype=torch.float32, device=q.device) if stored else None
+    if vibe:  # the rows' own normalizer over every compression block
+        lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+        vibe_lse_kernel[(_cdiv(S, VIBE_LSE_ROWS), B * H)](
+            q, k, lse, *q.stride(), *k.stride(), S, H, Tc, scale,
+            HPG=h, DK=Dk, DK_P=T["DK_P"], BLOCK_M=VIBE_LSE_ROWS, TC=max(16, min(64, _next_pow2(Tc))),
+            PREC="ieee" if q.dtype == torch.float32 else "tf32", ROUND=q.dtype != torch.float32,
+            UPCAST=upcast_dots(q.dtype), num_warps=4,
+        )  # fmt: skip
     select_kernel[grid](
         q, k, lse, w, out, doc_pos, lo, slot, means,
         *q.stride(), *k.stride(), *(lse.stride() if lse is not None else (0, 0, 0)), *out.stride()[:3],
@@ -768,6 +858,6 @@ def select_blocks_forward(q, k, lse, cmp_block: int, cmp_stride: int, sel_block:
         SUM_ROUND=group_sum_dtype is None, MAP_UPCAST=importance_dtype is not None and not lucid and upcast_dots(
             importance_dtype), GROUP_FIRST=group_first, FLA=fla,
         LUCID=lucid, P_ROUND=lucid and p_dtype != torch.float32, KEEP=_lucid_keep(p_dtype) if lucid else 0.0,
-        STORED=stored, **launch,
+        STORED=stored, VIBE=vibe, **launch,
     )  # fmt: skip
     return out
