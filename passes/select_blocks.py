@@ -38,6 +38,11 @@ lucidrains' rule (the op's rule='lucidrains'; tests/corpus/lucidrains_*.py): a t
 only by `> 1e-10`. Read as a computation (`LucidrainsChoice`): the region from q and the compressed
 keys is evaluated on probe values against the op's `lucidrains_probabilities`; see that class.
 
+A non-causal choice (the op's rule='nsa_vibe'; tests/corpus/nsa_vibe_noncausal.py): where the paper's
+rule refuses a key over a softmax of unmasked scores, the region from q and the compressed keys to
+the block ids is read as a computation (`NonCausalChoice`, passes/noncausal_choice.py): run on
+probes against the op's rule 'nsa_vibe' and replaced by it, NOT causal as the model is.
+
 Packed [T, H, D] tokens (tests/corpus/xunhaolai_varlen.py): a topk over a 3-D key [G, T, Ns]
 computed from the 3-D compressed probabilities that compressed_attention rewrote into the op's
 packed form is read as a computation (`VarlenChoice`): the region from p to the block ids is run
@@ -143,7 +148,9 @@ Refuses (graph unchanged), with the reason shown by `explain`:
   sizes (compressed_attention refuses them: no lse).
 - a key over an unmasked softmax whose +-inf fills hide no block after block 0 in any query row
   (t = 0 then ranks blocks of later tokens: the choice reads the future, non-causal; the masks are
-  evaluated at compile time, zeros_like / ones_like taken as the constants they are);
+  evaluated at compile time, zeros_like / ones_like taken as the constants they are), unless the
+  choice is the op's rule 'nsa_vibe' on probes (then rewritten; NonCausalChoice's refusal is
+  appended to this reason otherwise);
 - a topk over a 3-D key computed from 3-D softmax probabilities (varlen [H, T, ..] scores with no
   batch dim) that `VarlenChoice` does not read: its compressed branch not rewritten, data other
   than p read, or a choice that differs from the op's on a probe (named: probe, group, token);
