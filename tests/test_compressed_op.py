@@ -720,7 +720,8 @@ def packed_kernel_paths(pos, h, l, d, tiles) -> set:
 def test_packed_cases_take_every_kernel_path():
     found = set()
     for S, lengths, h, _, l, d, dtype, tiles in PACKED_TRITON_CASES:
-        found |= packed_kernel_paths(positions(lengths, S), h, l, d, ct._tiles(DK, DV, dtype == torch.float32, tiles))
+        found |= packed_kernel_paths(positions(lengths, S), h, l, d, ct._tiles(DK, DV, dtype == torch.float32, tiles,
+                                                                               packed=True))
     assert found == {"whole", "mixed", "dkdv_whole", "dkdv_mixed", "split"}
 
 
@@ -900,7 +901,10 @@ def test_the_packed_kernels_compile_for_sm90_without_a_gpu(monkeypatch):
     from triton.compiler import ASTSource
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    tiles = ct._tiles(64, 64, False)
+    tiles = ct._tiles(64, 64, False, packed=True)  # the packed dk/dv tile (32 wide, 4 warps)
+    assert (tiles["dkdv"]["BLOCK_N"], tiles["dkdv"]["num_warps"]) == (32, 4)
+    assert ct._tiles(64, 64, False)["dkdv"]["BLOCK_N"] == 64 and ct._tiles(128, 128, False, packed=True)["dkdv"][
+        "BLOCK_N"] == 64  # unpacked, and packed at D 128: as before
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16", "LSE": "*fp32",
                 "DELTA": "*fp32", "PK": "*fp32", "PV": "*fp32", "ITEM_TILE": "*i32", "ITEM_SEG": "*i32",
                 "TILE_NSEG": "*i32", "TILE_FIRST": "*i32", "SLOT": "*i32", "LO": "*i32", "HI": "*i32", "COUNT": "*i32",
