@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from nsa_compile.attention_match import Refused, ancestors
-from nsa_compile.fx import arg, op_name, value
+from nsa_compile.fx import arg, op_name, same, value
 
 from . import compressed_attention as cmp
 
@@ -140,3 +140,24 @@ def noncausal_reason(key: fx.Node, subgraphs) -> str | None:
             "past block is block 0), and the importance is a softmax over unmasked scores (later tokens included), "
             "so the top-n choice reads the future (non-causal): which past blocks it keeps depends on later tokens; "
             "NSA ranks only the blocks j with j * l' <= t (-inf elsewhere)")
+
+
+def size_of(x):
+    """An int argument as it is, or the SymInt a size node stands for (a graph with symbolic
+    sizes passes sizes such as the key's width as nodes); None for anything else."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return x
+    val = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
+    return val if isinstance(val, torch.SymInt) else None
+
+
+def clamped_count(k, width) -> int | None:
+    """n when a top-k's k is min(n, width) as a size node (torch.sym_min(n, W): a model's
+    `min(n, blocks)` at symbolic sizes), n a positive constant and W the key's width; else None."""
+    if not isinstance(k, fx.Node) or op_name(k) != "sym_min" or len(k.args) != 2 or k.kwargs:
+        return None
+    n, other = k.args if isinstance(k.args[0], int) else k.args[::-1]
+    other = size_of(other)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or other is None or not same(other, width):
+        return None
+    return n

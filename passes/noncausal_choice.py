@@ -38,7 +38,7 @@ from nsa_compile.fx import MATMULS, arg, call, op_name, same, value
 from nsa_compile.ops.block_select import choose_backend, nsa_vibe_importance, select_blocks, why_not_triton
 from nsa_compile.sizes import Sizes, is_size
 
-from .block_choice import first_arg
+from .block_choice import clamped_count, first_arg
 
 KERNEL = ("nsa.select_blocks[{backend}] (rule 'nsa_vibe', NOT causal as the model: l'={block}, n={n}, the "
           "softmax over every compressed block, every block competing for the n - 3 free slots; verified on probe "
@@ -109,8 +109,6 @@ class NonCausalChoice:
             raise Refused(SYMBOLIC)
         softmax, (matmul, scaled) = scored[0]
         scale = scaled.args[1]
-        from .select_blocks import clamped_count  # (select_blocks imports this module)
-
         k_top = arg(ranking, 1, "k")
         B, A, C, Ns = value(key).shape
         n_top = k_top if isinstance(k_top, int) else clamped_count(k_top, Ns)  # k, or n' of min(n', Ns)
@@ -252,8 +250,8 @@ class NonCausalChoice:
             candidates = blocks if found is None else [found] if found in blocks else []
             gen = torch.Generator().manual_seed(23)
             for probe in range(PROBES):
-                qp = torch.randn((B, *rest), generator=gen, dtype=torch.float64) * (1 + 2 * probe)
-                kp = torch.randn(B, G, Tc, Dk, generator=gen, dtype=torch.float64)
+                qp = torch.randn((B, *rest), generator=gen, dtype=torch.float64, device="cpu") * (1 + 2 * probe)
+                kp = torch.randn(B, G, Tc, Dk, generator=gen, dtype=torch.float64, device="cpu")
                 device = value(q).device
                 env = {q: qp.to(device), k: kp.to(device), **at.size_nodes()}
                 got = region_probe.run(region, env, ids, "the non-causal block choice", changes=changes).cpu().long()

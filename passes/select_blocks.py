@@ -181,7 +181,7 @@ from nsa_compile.sizes import Sizes, is_size
 
 from . import compressed_attention as cmp
 from . import block_choice
-from .block_choice import first_arg, noncausal_reason, unbatched_key
+from .block_choice import clamped_count, first_arg, noncausal_reason, size_of, unbatched_key
 from .noncausal_choice import NonCausalChoice, NotThisRule
 
 KERNEL = ("nsa.select_blocks[{backend}] (l'={block}, n={n}{packed}, from the compressed lse, no [B, H, S, Tc] "
@@ -218,30 +218,9 @@ def first_n(node: fx.Node) -> int | None:
     return None
 
 
-def size_of(x):
-    """An int argument as it is, or the SymInt a size node stands for (a graph with symbolic
-    sizes passes sizes such as the key's width as nodes); None for anything else."""
-    if isinstance(x, int) and not isinstance(x, bool):
-        return x
-    val = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
-    return val if isinstance(val, torch.SymInt) else None
-
-
 def always(condition) -> bool:
     """A comparison of sizes that holds for every value of their symbols (decided without a guard)."""
     return bool(condition) if isinstance(condition, bool) else statically_known_true(condition)
-
-
-def clamped_count(k, width) -> int | None:
-    """n when a top-k's k is min(n, width) as a size node (torch.sym_min(n, W): a model's
-    `min(n, blocks)` at symbolic sizes), n a positive constant and W the key's width; else None."""
-    if not isinstance(k, fx.Node) or op_name(k) != "sym_min" or len(k.args) != 2 or k.kwargs:
-        return None
-    n, other = k.args if isinstance(k.args[0], int) else k.args[::-1]
-    other = size_of(other)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or other is None or not same(other, width):
-        return None
-    return n
 
 
 def kept_columns(out: torch.Tensor | None, n: int, width, clamp: fx.Node | None = None) -> int:

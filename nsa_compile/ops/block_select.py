@@ -266,8 +266,9 @@ def _check(q, k, lse, cmp_block, cmp_stride, sel_block, n_selected, scale, backe
     if rule != "nsa" and pos is not None:
         raise ValueError(f"{_OP}: rule {rule!r} with pos (packed documents) is not implemented")
     if (rule in OWN_NORMALIZER) != (lse is None):
-        raise ValueError(f"{_OP}: rule {rule!r} " + ("computes its own normalizer from q and k: lse must be None"
-                                                     if lse is not None
+        own = ("ranks the compressed logits" if rule == "lucidrains"
+               else "computes its own softmax normalizer over every compressed block")
+        raise ValueError(f"{_OP}: rule {rule!r} " + (f"{own}: lse must be None" if lse is not None
                                                      else "ranks the compressed probabilities: it needs the lse"))
     if rule == "nsa_vibe" and (importance_dtype is not None or group_sum_dtype is not None or q_offset):
         raise ValueError(f"{_OP}: rule 'nsa_vibe' computes the importance in float32 over the whole sequence: "
