@@ -125,7 +125,6 @@ class NonCausalChoice:
             raise Refused("the scores' keys are not compressed keys [B, G, Tc, Dk] moved into place")
         q, layout = self.query(matmul.args[0], B, G, S, Dk)
         q_fake = as_heads(value(q), layout)
-        H = q_fake.shape[1]
         l, d = self.pooling(k)
         self.dtypes(ancestors([key]) - ancestors([q, k]), softmax, q)
         n = 3 + n_top  # the op's slots: 3 forced, n_top chosen (the model's width is 3 + min(n_top, Ns))
@@ -139,8 +138,9 @@ class NonCausalChoice:
         why = (why_not_triton(*fakes, None, "nsa_vibe") if requested == "auto"
                else f"select_blocks_backend={requested!r} in OptimizeConfig")
         text = KERNEL.format(backend=backend, block=block, n=n, why=f"; not triton: {why}" if backend != "triton" else "")
-        return {"ranking": ranking, "k_top": k_top, "n_top": n_top, "q": q, "layout": layout, "k": k, "l": l, "d": d, "block": block, "n": n, "scale": scale,
-                "ids": ids, "seq_first": seq_first, "backend": backend, "text": text, "region": region, "H": H}
+        return {"ranking": ranking, "k_top": k_top, "n_top": n_top, "q": q, "layout": layout, "k": k, "l": l, "d": d,
+                "block": block, "n": n, "scale": scale, "ids": ids, "seq_first": seq_first, "backend": backend,
+                "text": text, "region": region}
 
     @staticmethod
     def query(node, B, G, S, Dk) -> tuple[fx.Node, tuple]:
@@ -186,7 +186,9 @@ class NonCausalChoice:
     @staticmethod
     def dtypes(region: set, softmax: fx.Node, q: fx.Node) -> None:
         """The scores in q's dtype, the softmax and every float after it in float32 (float64 for a
-        float64 q: then the model's float32 ranking key is refused by the probes' dtype check)."""
+        float64 q, where a model's float32 ranking key is refused here: the op ranks float64). The
+        probes run every float in float64, so they cannot see a rounding: this is read from the
+        graph's dtypes."""
         qdt = value(q).dtype
         wide = torch.float64 if qdt == torch.float64 else torch.float32
         before = ancestors([first_arg(softmax)])
