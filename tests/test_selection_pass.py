@@ -831,6 +831,23 @@ def test_a_non_causal_choice_of_other_forced_blocks_is_refused():
     assert "topk(" in record.code_after and "select_blocks" not in record.code_after
 
 
+def test_a_non_causal_choice_computed_in_bf16_is_refused():
+    """Near miss by dtype: the model cast to bf16 without autocast runs its softmax and importance
+    in bf16 (rounded), where rule 'nsa_vibe' computes the importance in float32; the probes run in
+    float64 and cannot see a rounding, so the dtypes are read from the graph: refused with the
+    node and dtype, the topk kept, the outputs eager's."""
+    model, x = vibe_corpus().make()
+    model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
+    optimized = optimize_fresh(copy.deepcopy(model))
+    # the other branches' ops round differently from eager in bf16: a loose check that it runs
+    torch.testing.assert_close(optimized(x), model(x), rtol=5e-2, atol=5e-2)
+    chosen = row(optimized, "select_blocks")
+    assert (chosen["matches"], chosen["refused"]) == (0, 1), chosen
+    why = chosen["reasons"][0].split("read as a non-causal choice (rule 'nsa_vibe'): ")[1]
+    assert "torch.bfloat16" in why and "rule 'nsa_vibe'" in why, why
+    assert "topk(" in only_graph(optimized).code_after
+
+
 class SeqFirstIds(nn.Module):
     """Selected attention over block ids given as data, laid out [B, S, G, n] (nsa-vibe's layout):
     q [B, S, G, h, D], k, v [B, G, S, D]; `permute=False` is a near miss that reads the [B, S, G]
