@@ -27,8 +27,6 @@ nothing else reads are erased.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 
@@ -38,7 +36,7 @@ from nsa_compile.fx import MATMULS, arg, call, op_name, same, value
 from nsa_compile.ops.block_select import choose_backend, nsa_vibe_importance, select_blocks, why_not_triton
 from nsa_compile.sizes import Sizes, is_size
 
-from .block_choice import clamped_count, first_arg
+from .block_choice import first_arg
 
 KERNEL = ("nsa.select_blocks[{backend}] (rule 'nsa_vibe', NOT causal as the model: l'={block}, n={n}, the "
           "softmax over every compressed block, every block competing for the n - 3 free slots; verified on probe "
@@ -109,12 +107,11 @@ class NonCausalChoice:
             raise Refused(SYMBOLIC)
         softmax, (matmul, scaled) = scored[0]
         scale = scaled.args[1]
-        k_top = arg(ranking, 1, "k")
+        n_top = arg(ranking, 1, "k")  # static sizes: the model's min(k, blocks) is a number here
         B, A, C, Ns = value(key).shape
-        n_top = k_top if isinstance(k_top, int) else clamped_count(k_top, Ns)  # k, or n' of min(n', Ns)
         if (not isinstance(n_top, int) or arg(ranking, 3, "largest", True) is not True
                 or arg(ranking, 2, "dim", -1) not in (-1, 3)):
-            raise Refused("the topk is not the k largest keys over the last dim, k a constant or min(k, blocks)")
+            raise Refused("the topk is not the k largest keys over the last dim, k a constant")
         Tc, Dk = value(softmax).shape[-1], value(matmul.args[0]).shape[-1]
         k = S = None
         for G, S in ((C, A), (A, C)):  # the key [B, S, G, Ns] or [B, G, S, Ns]
@@ -129,7 +126,7 @@ class NonCausalChoice:
         l, d = self.pooling(k)
         n = 3 + n_top  # the op's slots: 3 forced, n_top chosen (the model's width is 3 + min(n_top, Ns))
         ids, block, region = self.verify(ranking, q, layout, k, l, d, n, scale)
-        seq_first = same(tuple(value(ids).shape[:3]), (B, S, G)) and not same(S, G)
+        seq_first = is_seq_first(ids, G)
         fakes = (q_fake, value(k), None, l, d, block, n)
         try:
             backend = choose_backend(*fakes, requested, None, "nsa_vibe")
@@ -138,7 +135,7 @@ class NonCausalChoice:
         why = (why_not_triton(*fakes, None, "nsa_vibe") if requested == "auto"
                else f"select_blocks_backend={requested!r} in OptimizeConfig")
         text = KERNEL.format(backend=backend, block=block, n=n, why=f"; not triton: {why}" if backend != "triton" else "")
-        return {"ranking": ranking, "k_top": k_top, "n_top": n_top, "q": q, "layout": layout, "k": k, "l": l, "d": d,
+        return {"ranking": ranking, "q": q, "layout": layout, "k": k, "l": l, "d": d,
                 "block": block, "n": n, "scale": scale, "ids": ids, "seq_first": seq_first, "backend": backend,
                 "text": text, "region": region}
 
@@ -212,18 +209,24 @@ class NonCausalChoice:
         order = {x: i for i, x in enumerate(ranking.graph.nodes)}
         B, H, S, _ = as_heads(value(q), layout).shape
         G = value(k).shape[1]
-        outside = ancestors([q, k])
-        later = [x for x in ranking.graph.nodes if order[x] > order[ranking] and value(x) is not None
-                 and value(x).dtype == torch.int64 and value(x).dim() == 4 and ranking in ancestors([x])
+        # q, k and what they are computed from stay outside, but for position-only nodes (e.g. the
+        # arange the model's RoPE also reads), which the region recomputes
+        inputs = reads_inputs(ranking.graph)
+        outside = {x for x in ancestors([q, k]) if x in inputs} | {q, k}
+        later = [x for x in descendants(ranking) if value(x) is not None and value(x).dtype == torch.int64
+                 and value(x).dim() == 4 and value(x).shape[-1] <= n
                  and (same(tuple(value(x).shape[:3]), (B, S, G)) or same(tuple(value(x).shape[:3]), (B, G, S)))]
+        later.sort(key=order.__getitem__)
         sizes = Sizes.of(ranking.graph)
-        later = [x for x in later if sizes.int(value(x).shape[-1]) <= n]  # at most the op's n slots
         reason = None
         for ids in later:
-            region = sorted(ancestors([ids]) - outside, key=order.__getitem__)
+            region = sorted((x for x in ancestors([ids]) - outside if not is_size(x)), key=order.__getitem__)
             for node in region:
-                if node.op in ("placeholder", "get_attr") and not is_size(node):
+                if node.op in ("placeholder", "get_attr"):
                     raise Refused(f"the block choice reads {node.op} {node.name} besides q and the compressed keys")
+                for x in node.all_input_nodes:
+                    if x in outside and x not in (q, k):
+                        raise Refused(f"the block choice reads {x.name} besides q and the compressed keys")
             fp = (region_probe.fingerprint(region, [q, k]), layout, l, d, n, scale, sizes.shape(value(q)),
                   sizes.shape(value(k)), sizes.shape(value(ids)), sizes.symbolic)
             try:
@@ -236,45 +239,38 @@ class NonCausalChoice:
 
     @staticmethod
     def _verify(region, ranking, ids, q, layout, k, l, d, n, scale, sizes) -> int:
-        found = None
-        for at in sizes.probes():
-            where = f" at the probe sizes {at.describe()}" if sizes.symbolic else ""
-            Bq, *rest = at.shape(value(q))
-            _, G, Tc, Dk = at.shape(value(k))
-            seq_first = seq_first_at(ids, at, G)
-            S = at.shape(value(ids))[1 if seq_first else 2]
-            Ns, width = at.shape(value(first_arg(ranking)))[-1], at.shape(value(ids))[-1]
-            if width > n or n < 3:
-                raise Refused(f"the block ids hold {width} columns, more than the 3 forced and {n - 3} chosen{where}")
-            one_row, changes, _ = batch_slice.probe_rows(region, [q, k], ids, at, "the non-causal block choice")
-            B = one_row or Bq
-            blocks = [b for b in range(1, S + 1) if -(-S // b) == Ns]
-            candidates = blocks if found is None else [found] if found in blocks else []
-            gen = torch.Generator().manual_seed(23)
-            for probe in range(PROBES):
-                qp = torch.randn((B, *rest), generator=gen, dtype=torch.float64, device="cpu") * (1 + 2 * probe)
-                kp = torch.randn(B, G, Tc, Dk, generator=gen, dtype=torch.float64, device="cpu")
-                device = value(q).device
-                env = {q: qp.to(device), k: kp.to(device), **at.size_nodes()}
-                got = region_probe.run(region, env, ids, "the non-causal block choice", changes=changes).cpu().long()
-                if seq_first:
-                    got = got.transpose(1, 2)
-                qh = as_heads(qp, layout)
-                matching = []
-                for block in candidates:
-                    want = select_blocks(qh, kp, None, l, d, block, n, scale, "reference", rule="nsa_vibe")
-                    cut = want[..., n - width:]  # the model's width 3 + min(n - 3, Ns): the -1 come first
-                    if (cut.shape == got.shape and bool((want[..., :n - width] == -1).all())
-                            and within_ties(got, cut, qh, kp, l, d, block, scale)):
-                        matching.append(block)
-                if not matching:
-                    raise Refused(f"the block choice differs from rule 'nsa_vibe' (a softmax over every compressed "
-                                  f"block of (l, d) = ({l}, {d}), the overlap map, the group sum, blocks 0, t // l', "
-                                  f"t // l' - 1 forced and the top {n - 3} of every other block, -1 for duplicates, "
-                                  f"ascending) on probe values{where} for every l' with {Ns} blocks")
-                candidates = matching
-            found = candidates[0]
-        return found
+        (Bq, *rest), (_, G, Tc, Dk) = value(q).shape, value(k).shape
+        seq_first = is_seq_first(ids, G)
+        S = value(ids).shape[1 if seq_first else 2]
+        Ns, width = value(first_arg(ranking)).shape[-1], value(ids).shape[-1]
+        at = sizes.probes()[0]  # static: the graph's own sizes
+        one_row, changes, _ = batch_slice.probe_rows(region, [q, k], ids, at, "the non-causal block choice")
+        B = one_row or Bq
+        candidates = [b for b in range(1, S + 1) if -(-S // b) == Ns]
+        gen = torch.Generator().manual_seed(23)
+        for probe in range(PROBES):
+            qp = torch.randn((B, *rest), generator=gen, dtype=torch.float64, device="cpu") * (1 + 2 * probe)
+            kp = torch.randn(B, G, Tc, Dk, generator=gen, dtype=torch.float64, device="cpu")
+            device = value(q).device
+            env = {q: qp.to(device), k: kp.to(device), **at.size_nodes()}
+            got = region_probe.run(region, env, ids, "the non-causal block choice", changes=changes).cpu().long()
+            if seq_first:
+                got = got.transpose(1, 2)
+            qh = as_heads(qp, layout)
+            matching = []
+            for block in candidates:
+                want = select_blocks(qh, kp, None, l, d, block, n, scale, "reference", rule="nsa_vibe")
+                cut = want[..., n - width:]  # the model's width 3 + min(n - 3, Ns): the -1 come first
+                if (cut.shape == got.shape and bool((want[..., :n - width] == -1).all())
+                        and within_ties(got, cut, qh, kp, l, d, block, scale)):
+                    matching.append(block)
+            if not matching:
+                raise Refused(f"the block choice differs from rule 'nsa_vibe' (a softmax over every compressed block "
+                              f"of (l, d) = ({l}, {d}), the overlap map, the group sum, blocks 0, t // l', t // l' - 1 "
+                              f"forced and the top {n - 3} of every other block, -1 for duplicates, ascending) on "
+                              f"probe values for every l' with {Ns} blocks")
+            candidates = matching
+        return candidates[0]
 
     @staticmethod
     def rewrite(graph: fx.Graph, plan: dict) -> None:
@@ -293,24 +289,40 @@ class NonCausalChoice:
         new = call(graph, torch.ops.nsa.select_blocks, q, plan["k"], None, plan["l"], plan["d"], plan["block"],
                    plan["n"], plan["scale"], plan["backend"], anchor=ids, rule="nsa_vibe")
         width = value(ids).shape[-1]
-        if not (isinstance(width, int) and width == plan["n"]):  # the model's 3 + min(n - 3, Ns): the -1 first
-            k_top = plan["k_top"]
-            if isinstance(k_top, int):
-                start, width = plan["n"] - width, width
-            else:  # min(n - 3, Ns) a size node of the graph
-                start = call(graph, operator.sub, plan["n_top"], k_top, anchor=ids)
-                width = call(graph, operator.add, k_top, 3, anchor=ids)
-            new = call(graph, torch.narrow, new, -1, start, width, anchor=ids)
+        if width != plan["n"]:  # the model's 3 + min(n - 3, Ns) columns: the op's first ones are -1
+            new = call(graph, torch.narrow, new, -1, plan["n"] - width, width, anchor=ids)
         if plan["seq_first"]:
             new = call(graph, torch.transpose, new, 1, 2, anchor=ids)
         ids.replace_all_uses_with(new)
         erase_replaced(graph, [ids], [])  # then the region, as far as nothing else reads it
 
 
-def seq_first_at(ids: fx.Node, at, G: int) -> bool:
-    """Whether the ids are [B, S, G, n] (else [B, G, S, n]) at the probe sizes `at`."""
-    shape = at.shape(value(ids))
+def is_seq_first(ids: fx.Node, G: int) -> bool:
+    """Whether the ids are [B, S, G, n] (else [B, G, S, n])."""
+    shape = value(ids).shape
     return shape[2] == G and shape[1] != G
+
+
+def reads_inputs(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes that depend on a graph input or attribute other than a size (data or parameters):
+    all but the position-only ones."""
+    found = set()
+    for node in graph.nodes:
+        if (node.op in ("placeholder", "get_attr") and not is_size(node)) or any(
+                x in found for x in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def descendants(node: fx.Node) -> set[fx.Node]:
+    """The nodes that read `node`, directly or through others."""
+    found, stack = set(), list(node.users)
+    while stack:
+        x = stack.pop()
+        if x not in found:
+            found.add(x)
+            stack.extend(x.users)
+    return found
 
 
 def as_heads(x: torch.Tensor, layout: tuple) -> torch.Tensor:

@@ -11,6 +11,8 @@ import re
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from corpus import nsa_vibe_noncausal as vibe
 from helpers import only_graph, optimize_fresh, packed_positions, row, tokens, train_at_lengths
 
 import nsa_compile
@@ -846,6 +848,74 @@ def test_a_non_causal_choice_computed_in_bf16_is_refused():
     why = chosen["reasons"][0].split("read as a non-causal choice (rule 'nsa_vibe'): ")[1]
     assert "torch.bfloat16" in why and "rule 'nsa_vibe'" in why, why
     assert "topk(" in only_graph(optimized).code_after
+
+
+class VibeMatmulMap(vibe.VibeNSA):
+    """nsa_vibe's non-causal choice in another spelling (written for the review, not by the
+    corpus): scores q @ k^T on [B, H, S, D] heads with K repeated, the overlap map as a dense matrix
+    (p @ M, not a COO scatter_add), the group sum by view/sum, the forced blocks -inf by torch.where
+    from an arange that RoPE also reads, topk, cat, duplicates by masked_fill, the ids [B, S, G, n]."""
+    def forward(self, x):
+        B, S, _ = x.shape
+        G, h, l, d, l_sel = self.n_kv_groups, self.h_per_group, self.l, self.d, self.l_sel
+        pos = torch.arange(S, device=x.device)
+        Qh = vibe.apply_rope(self.W_Q(x).view(B, S, self.n_heads, self.d_k).transpose(1, 2), pos)  # [B, H, S, D]
+        Q = Qh.transpose(1, 2).reshape(B, S, G, h, self.d_k)
+        K_sel = vibe.apply_rope(self._shape_kv(self.W_K_sel(x), B, S), pos)
+        V_sel = self._shape_kv(self.W_V_sel(x), B, S)
+        K_win = vibe.apply_rope(self._shape_kv(self.W_K_win(x), B, S), pos)
+        V_win = self._shape_kv(self.W_V_win(x), B, S)
+        K_raw = vibe.apply_rope(self._shape_kv(self.W_K_cmp(x), B, S), pos)
+        V_raw = self._shape_kv(self.W_V_cmp(x), B, S)
+        Kp = F.avg_pool2d(K_raw.reshape(B * G, S, -1).transpose(1, 2).unsqueeze(3), kernel_size=(l, 1), stride=(d, 1))
+        Vp = F.avg_pool2d(V_raw.reshape(B * G, S, -1).transpose(1, 2).unsqueeze(3), kernel_size=(l, 1), stride=(d, 1))
+        S_cmp = Kp.shape[2]
+        K_cmp = Kp.squeeze(3).transpose(1, 2).reshape(B, G, S_cmp, -1)
+        V_cmp = Vp.squeeze(3).transpose(1, 2).reshape(B, G, S_cmp, -1)
+        scale = 1.0 / (self.d_k**0.5)
+        k_rep = K_cmp.repeat_interleave(h, dim=1)  # [B, H, Tc, D]
+        p = torch.softmax((Qh @ k_rep.transpose(-1, -2)) * scale, dim=-1)  # [B, H, S, Tc]
+        S_sel = (S + l_sel - 1) // l_sel
+        r = torch.arange(S_cmp, device=x.device)[:, None]
+        c = torch.arange(S_sel, device=x.device)[None, :]
+        M = (torch.minimum(r * d + l, (c + 1) * l_sel) - torch.maximum(r * d, c * l_sel)).clamp(min=0) / l
+        p_grp = (p @ M.to(p.dtype)).view(B, G, h, S, S_sel).sum(2)  # [B, G, S, Ns]
+        cur = (pos // l_sel)[:, None]
+        j = torch.arange(S_sel, device=x.device)[None, :]
+        forced = (j == 0) | (j == cur) | (j == cur - 1)
+        key = torch.where(forced, float("-inf"), p_grp)
+        top = key.topk(self.n_sel - 3, dim=-1).indices  # [B, G, S, n-3]
+        f3 = torch.stack([torch.zeros_like(pos), pos // l_sel, (pos // l_sel - 1).clamp_min(0)], -1)
+        chosen = torch.cat([f3.expand(B, G, S, 3), top], -1).sort(-1).values
+        dup = F.pad(chosen[..., 1:] == chosen[..., :-1], (1, 0), value=False)
+        block_idx = chosen.masked_fill(dup, -1).sort(-1).values.transpose(1, 2)  # [B, S, G, n]
+        O_cmp = self.compressed_attention(Q, K_cmp, V_cmp, scale)
+        O_sel = self.selected_attention(Q, K_sel, V_sel, block_idx, scale)
+        O_win = self.window_attention(Q, K_win, V_win)
+        g = self.gate(Q.mean(dim=3))
+        O = g[..., 0:1].unsqueeze(-1) * O_cmp + g[..., 1:2].unsqueeze(-1) * O_sel + g[..., 2:3].unsqueeze(-1) * O_win
+        return self.out(O.reshape(B, S, -1))
+
+
+def test_a_non_causal_choice_in_another_spelling_is_rule_nsa_vibe():
+    """VibeMatmulMap: the same choice as nsa_vibe_noncausal spelled otherwise (its positions an
+    arange the RoPE also reads, which the checked region must recompute, not miss): fired once,
+    the topk gone, outputs and every gradient as eager's."""
+    model, x = vibe_corpus().make()
+    variant = VibeMatmulMap()
+    variant.load_state_dict(model.state_dict())
+    optimized = optimize_fresh(copy.deepcopy(variant))
+    got, want = optimized(x), variant(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p_opt), (_, p_eager) in zip(optimized.named_parameters(), variant.named_parameters()):
+        torch.testing.assert_close(p_opt.grad, p_eager.grad, rtol=1e-4, atol=1e-6, msg=name)
+    chosen = row(optimized, "select_blocks")
+    assert (chosen["matches"], chosen["refused"]) == (1, 0), chosen
+    record = only_graph(optimized)
+    assert "topk(" in record.code_before and "topk(" not in record.code_after
+    assert "rule = 'nsa_vibe'" in record.code_after
 
 
 class SeqFirstIds(nn.Module):
